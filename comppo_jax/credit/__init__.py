@@ -1,0 +1,1 @@
+"""Credit estimators (paper sections 3-4)."""
