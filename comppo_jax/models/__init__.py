@@ -1,0 +1,20 @@
+"""The policy: a pure-functional Qwen3 / Llama-3.x decoder and its Hugging Face interop."""
+
+from comppo_jax.models.config import ConfigError, Llama3RopeScaling, ModelConfig
+from comppo_jax.models.hf import CheckpointError, from_hf, to_hf
+from comppo_jax.models.loading import load_policy
+from comppo_jax.models.transformer import ForwardOutput, forward, init_params, param_shapes
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "ForwardOutput",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "forward",
+    "from_hf",
+    "init_params",
+    "load_policy",
+    "param_shapes",
+    "to_hf",
+]

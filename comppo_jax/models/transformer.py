@@ -1,0 +1,234 @@
+"""Pure-functional Qwen3 / Llama-3.x decoder.
+
+Params are a plain dict of arrays; the decoder layers are stacked on a leading axis
+[num_layers, ...] and run under `jax.lax.scan`:
+
+    embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
+    layers: attn_norm [N, D], q_proj [N, D, Hq*hd], k_proj / v_proj [N, D, Hkv*hd],
+            o_proj [N, Hq*hd, D], q_norm / k_norm [N, hd] (Qwen3 only), mlp_norm [N, D],
+            gate_proj / up_proj [N, D, F], down_proj [N, F, D]
+
+Matrices are stored [in, out] (x @ W). Matmuls run in `config.dtype` with float32
+accumulation; RMSNorm, RoPE, softmax and the logits are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from comppo_jax.models.config import ModelConfig
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [B, L, V] float32
+    hidden_states: jax.Array  # [K, B, L, D], the requested `hidden_layers` (HF indexing)
+    herfindahl: jax.Array | None  # [B, L] float32, final-layer concentration (None without window_start)
+    window_size: jax.Array | None  # [B, L] int32, n for the same window
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The params pytree as shapes (tuples), for init, loading and checks."""
+    n, d, f, hd = config.num_layers, config.hidden_size, config.intermediate_size, config.head_dim
+    layers = {
+        "attn_norm": (n, d),
+        "q_proj": (n, d, config.num_heads * hd),
+        "k_proj": (n, d, config.num_kv_heads * hd),
+        "v_proj": (n, d, config.num_kv_heads * hd),
+        "o_proj": (n, config.num_heads * hd, d),
+        "mlp_norm": (n, d),
+        "gate_proj": (n, d, f),
+        "up_proj": (n, d, f),
+        "down_proj": (n, f, d),
+    }
+    if config.qk_norm:
+        layers.update(q_norm=(n, hd), k_norm=(n, hd))
+    shapes = {"embed": (config.vocab_size, d), "layers": layers, "final_norm": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, config.vocab_size)
+    return shapes
+
+
+def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dict:
+    """Random params: N(0, init_std) matrices, unit norm weights, in `config.dtype`."""
+    shapes = param_shapes(config)
+    is_shape = lambda x: isinstance(x, tuple)
+    keys = iter(jax.random.split(rng, len(jax.tree.leaves(shapes, is_leaf=is_shape))))
+    dtype = jnp.dtype(config.dtype)
+
+    def make(path, shape):
+        key = next(keys)
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.ones(shape, dtype)
+        return (init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(make, shapes, is_leaf=is_shape)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm with float32 statistics; returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies [hd/2], with the llama3 rescaling when configured."""
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    old_context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE (HF convention). x [B, L, H, hd]; positions [B, L]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, hd/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _project(x, weight):
+    return jnp.einsum("bld,de->ble", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
+    batch, length, _ = x.shape
+    hd = config.head_dim
+    q = _project(x, layer["q_proj"]).reshape(batch, length, config.num_heads, hd)
+    k = _project(x, layer["k_proj"]).reshape(batch, length, config.num_kv_heads, hd)
+    v = _project(x, layer["v_proj"]).reshape(batch, length, config.num_kv_heads, hd)
+    if config.qk_norm:
+        q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def fused_attention(q, k, v, attention_mask):
+    """Causal GQA attention for all but the final layer (XLA on CPU/TPU, cuDNN where it applies)."""
+    length = q.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+    mask = causal[None, None] & attention_mask[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+def _mlp(layer, x):
+    gate = _project(x, layer["gate_proj"])
+    up = _project(x, layer["up_proj"])
+    return _project(jax.nn.silu(gate) * up, layer["down_proj"])
+
+
+def _decoder_layer(layer, x, attention_mask, positions, config, inv_freq, attention):
+    """One pre-norm block; `attention(q, k, v)` returns (out, herfindahl, window_size)."""
+    batch, length, _ = x.shape
+    q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, config, inv_freq)
+    attn, herfindahl, window_size = attention(q, k, v)
+    x = x + _project(attn.reshape(batch, length, -1), layer["o_proj"])
+    x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+    return x, herfindahl, window_size
+
+
+def _hidden_slots(config: ModelConfig, hidden_layers: tuple[int, ...]) -> np.ndarray:
+    """For scan step j (whose output is HF hidden state j + 1), the output slot or a trash slot."""
+    slots = np.full((config.num_layers,), len(hidden_layers), np.int32)
+    for slot, index in enumerate(hidden_layers):
+        if 1 <= index < config.num_layers:
+            slots[index - 1] = slot
+    return slots
+
+
+def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be int [B, L], got {tokens.dtype} {tokens.shape}")
+    if attention_mask.shape != tokens.shape or attention_mask.dtype != jnp.bool_:
+        raise ValueError(f"attention_mask must be bool {tokens.shape}, got {attention_mask.dtype} {attention_mask.shape}")
+    if window_start is not None and window_start.shape != tokens.shape[:1]:
+        raise ValueError(f"window_start must be int [B] = [{tokens.shape[0]}], got shape {window_start.shape}")
+    bad = [i for i in hidden_layers if not 0 <= i <= config.num_layers]
+    if bad:
+        raise ValueError(f"hidden_layers {bad} out of range [0, {config.num_layers}] (HF hidden_states indexing)")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend"))
+def forward(
+    params: dict,
+    config: ModelConfig,
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    window_start: jax.Array | None = None,
+    *,
+    hidden_layers: tuple[int, ...] | None = None,
+    concentration_backend: str | None = None,
+) -> ForwardOutput:
+    """Teacher-forced forward pass.
+
+    tokens [B, L] int; attention_mask [B, L] bool (True = real token); window_start [B] int
+    or None: first key position of the concentration window (prompt length P for the
+    "response" window, 0 for "full"); None computes no concentration. `hidden_layers` picks
+    HF-indexed hidden states (0 = embeddings, i = output of block i, num_layers = after the
+    final norm); None returns all num_layers + 1. Only the final layer runs the
+    concentration attention (`pallas_kernels.attention_with_concentration`); the others
+    use fused attention. Concentration is a detached statistic: it carries no gradient.
+    """
+    hidden_layers = tuple(range(config.num_layers + 1)) if hidden_layers is None else tuple(hidden_layers)
+    _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers)
+    batch, length = tokens.shape
+    dtype = jnp.dtype(config.dtype)
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    # Positions count real tokens, so left-padded rows get the same positions as unpadded ones.
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    embedded = params["embed"].astype(dtype)[tokens]
+
+    def plain(q, k, v):
+        zeros = jnp.zeros((batch, length), jnp.float32)
+        return fused_attention(q, k, v, attention_mask), zeros, zeros.astype(jnp.int32)
+
+    def concentrated(q, k, v):
+        out, herfindahl, window_size = pallas_kernels.attention_with_concentration(
+            q, k, v, attention_mask, window_start.astype(jnp.int32), backend=concentration_backend
+        )
+        return out, jax.lax.stop_gradient(herfindahl), window_size
+
+    def step(carry, scanned):
+        x, captured, herfindahl, window_size = carry
+        layer, index, slot = scanned
+        attention = plain
+        if window_start is not None:
+            attention = lambda q, k, v: jax.lax.cond(index == config.num_layers - 1, concentrated, plain, q, k, v)
+        x, layer_h, layer_n = _decoder_layer(layer, x, attention_mask, positions, config, inv_freq, attention)
+        # Only the final layer's statistics are non-zero, so summing over layers selects them.
+        captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
+        return (x, captured, herfindahl + layer_h, window_size + layer_n), None
+
+    # One spare slot receives the layers nobody asked for.
+    captured = jnp.zeros((len(hidden_layers) + 1, batch, length, config.hidden_size), dtype)
+    scanned = (params["layers"], jnp.arange(config.num_layers), jnp.asarray(_hidden_slots(config, hidden_layers)))
+    init = (embedded, captured, jnp.zeros((batch, length), jnp.float32), jnp.zeros((batch, length), jnp.int32))
+    (x, captured, herfindahl, window_size), _ = jax.lax.scan(step, init, scanned)
+
+    final = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == 0], jnp.int32)].set(embedded)
+    captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)].set(final)
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("bld,dv->blv", final, head.astype(dtype), preferred_element_type=jnp.float32)
+    if window_start is None:
+        herfindahl = window_size = None
+    return ForwardOutput(logits, captured[:-1], herfindahl, window_size)

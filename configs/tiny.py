@@ -1,0 +1,31 @@
+"""The embedded default: a few-layer Qwen3-shaped model that runs on a laptop CPU.
+
+`model.path` empty means random init from `model.arch`; set it to load an HF checkpoint.
+"""
+
+from ml_collections import config_dict
+
+
+def get_config():
+    config = config_dict.ConfigDict()
+    config.seed = 0
+    config.model = config_dict.ConfigDict()
+    config.model.path = ""
+    config.model.arch = config_dict.ConfigDict(
+        dict(
+            architecture="qwen3",
+            vocab_size=128,
+            hidden_size=128,
+            intermediate_size=384,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+            dtype="float32",
+        )
+    )
+    return config

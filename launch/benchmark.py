@@ -1,0 +1,29 @@
+"""Benchmarks that print side-by-side ratios measured in one run.
+
+    python launch/benchmark.py forward   # jitted policy forward vs transformers (torch CPU)
+
+Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from absl import app, flags
+
+SUITES = ("forward",)
+_BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
+_LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
+_REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] not in SUITES:
+        raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
+    suite = importlib.import_module(f"benchmarks.{argv[1]}")
+    overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value}
+    suite.run(**{name: value for name, value in overrides.items() if value is not None})
+
+
+if __name__ == "__main__":
+    app.run(main)

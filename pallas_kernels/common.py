@@ -1,0 +1,27 @@
+"""Input checks shared by every attention-with-concentration backend."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def check_attention_inputs(q, k, v, attention_mask, window_start):
+    """Validates shapes/dtypes; returns (batch, length, num_heads, head_dim, num_kv_heads)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, L, Hq, D], got shape {q.shape}")
+    batch, length, num_heads, head_dim = q.shape
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.ndim != 4 or tensor.shape[:2] != (batch, length) or tensor.shape[3] != head_dim:
+            raise ValueError(f"{name} must be [B, L, Hkv, D] = [{batch}, {length}, Hkv, {head_dim}], got shape {tensor.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    num_kv_heads = k.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads})")
+    if attention_mask.shape != (batch, length) or attention_mask.dtype != jnp.bool_:
+        raise ValueError(
+            f"attention_mask must be bool [B, L] = [{batch}, {length}], got {attention_mask.dtype} {attention_mask.shape}"
+        )
+    if window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer):
+        raise ValueError(f"window_start must be int [B] = [{batch}], got {window_start.dtype} {window_start.shape}")
+    return batch, length, num_heads, head_dim, num_kv_heads

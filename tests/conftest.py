@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random `transformers` checkpoints written with `save_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+VOCAB = 101
+
+
+def hf_model_config(architecture: str, tie_word_embeddings: bool):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie_word_embeddings,
+        attn_implementation="eager",
+        eos_token_id=2,
+    )
+    if architecture == "qwen3":
+        return transformers.Qwen3Config(num_attention_heads=4, head_dim=16, rope_theta=10000.0, **common)
+    if architecture == "llama":
+        # original_max_position_embeddings small enough that the llama3 rescaling changes the frequencies.
+        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+        return transformers.LlamaConfig(num_attention_heads=8, rope_theta=500000.0, rope_scaling=scaling, **common)
+    raise ValueError(architecture)
+
+
+def build_hf_model(architecture: str, tie_word_embeddings: bool, seed: int = 0):
+    """A random transformers CausalLM with randomized norm weights (so norms are not identity)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_model_config(architecture, tie_word_embeddings)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: (architecture, tie) -> (directory, torch model), cached for the session."""
+    cache = {}
+
+    def make(architecture: str = "qwen3", tie_word_embeddings: bool = True):
+        key = (architecture, tie_word_embeddings)
+        if key not in cache:
+            model = build_hf_model(architecture, tie_word_embeddings)
+            path = tmp_path_factory.mktemp(f"{architecture}_tie{int(tie_word_embeddings)}")
+            model.save_pretrained(path)
+            cache[key] = (str(path), model)
+        return cache[key]
+
+    return make
+
+
+def right_padded_batch(seed: int = 0, lengths=(20, 14, 9, 17), length: int = 20, vocab: int = VOCAB):
+    """Random tokens with right padding: (tokens [B, L] int32, attention_mask [B, L] bool)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (len(lengths), length)).astype(np.int32)
+    mask = np.arange(length)[None] < np.asarray(lengths)[:, None]
+    return tokens, mask
+
+
+def rewrite_config(path: str, edit) -> None:
+    """Applies `edit(dict)` to `path/config.json` in place."""
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    edit(config)
+    with open(config_path, "w") as f:
+        json.dump(config, f)

@@ -1,0 +1,25 @@
+"""README command 1 (until training lands): the scoring demo runs on the tiny config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_score_demo_prints_per_token_concentration():
+    result = subprocess.run(
+        [sys.executable, "launch/score.py", "--config=configs/tiny.py", "--batch_size=2", "--response_length=12",
+         "--config.model.arch.num_layers=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("model: qwen3, 2 layers")
+    table = lines[lines.index(next(l for l in lines if l.split() == ["t", "token", "n_t", "H_t"])) + 1 :]
+    first, second, third = (row.split() for row in table[:3])
+    assert (first[2], first[3]) == ("0", "0.0000")  # y_1 has an empty response window
+    assert (second[2], second[3]) == ("1", "1.0000")  # one key: H = 1
+    assert third[2] == "2" and 0.5 <= float(third[3]) <= 1.0

@@ -1,0 +1,95 @@
+"""The materialized reference backend against a per-head NumPy loop, and the H properties."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention_with_concentration
+
+
+def numpy_attention(q, k, v, mask, window_start, scale):
+    batch, length, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    out = np.zeros_like(q)
+    herfindahl = np.zeros((batch, length))
+    window_size = np.zeros((batch, length), np.int64)
+    for b in range(batch):
+        for p in range(length):
+            keys = [i for i in range(p + 1) if mask[b, i]]
+            head_probs = []
+            for h in range(num_heads):
+                logits = np.array([q[b, p, h] @ k[b, i, h // group] for i in keys]) * scale
+                probs = np.exp(logits - logits.max())
+                probs /= probs.sum()
+                head_probs.append(probs)
+                out[b, p, h] = probs @ v[b, keys, h // group]
+            mean = np.mean(head_probs, axis=0)
+            window = [j for j, i in enumerate(keys) if i >= window_start[b]]
+            if window:
+                weights = mean[window] / mean[window].sum()
+                herfindahl[b, p] = np.square(weights).sum()
+                window_size[b, p] = len(window)
+    return out, herfindahl, window_size
+
+
+def random_inputs(seed, batch=2, length=11, num_heads=4, num_kv_heads=2, head_dim=8, lengths=(11, 6)):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, length, num_heads, head_dim)).astype(np.float32) * 1.5
+    k = rng.normal(size=(batch, length, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.normal(size=(batch, length, num_kv_heads, head_dim)).astype(np.float32)
+    mask = np.arange(length)[None] < np.asarray(lengths)[:, None]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 1), (8, 2)])
+@pytest.mark.parametrize("window_start", [(0, 0), (4, 2)])
+def test_reference_matches_numpy_loop(num_heads, num_kv_heads, window_start):
+    q, k, v, mask = random_inputs(0, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    window_start = np.asarray(window_start, np.int32)
+    out, herfindahl, window_size = attention_with_concentration(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), jnp.asarray(window_start), backend="reference"
+    )
+    expected_out, expected_h, expected_n = numpy_attention(q, k, v, mask, window_start, 8**-0.5)
+    np.testing.assert_allclose(np.asarray(out)[mask], expected_out[mask], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(herfindahl)[mask], expected_h[mask], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(window_size)[mask], expected_n[mask])
+
+
+def test_herfindahl_bounds_uniform_and_one_hot():
+    q, k, v, mask = random_inputs(1, length=16, lengths=(16, 16))
+    window_start = jnp.asarray([0, 5], jnp.int32)
+    _, herfindahl, window_size = attention_with_concentration(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), window_start)
+    n = np.asarray(window_size, np.float64)
+    h = np.asarray(herfindahl)
+    has_window = n > 0
+    assert (h[has_window] >= 1 / n[has_window] - 1e-6).all() and (h[has_window] <= 1 + 1e-6).all()
+    assert (h[~has_window] == 0).all()
+
+    # q = 0 makes every visible key equally likely: H = 1/n.
+    _, uniform, window_size = attention_with_concentration(jnp.zeros_like(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), window_start)
+    np.testing.assert_allclose(np.asarray(uniform)[has_window], 1 / n[has_window], rtol=1e-5)
+
+    # Every head attends (almost) only to key 0: within the full window H = 1.
+    k_one_hot = np.zeros_like(k)
+    k_one_hot[:, 0] = 1.0
+    q_one_hot = np.full_like(q, 40.0)
+    _, one_hot, _ = attention_with_concentration(
+        jnp.asarray(q_one_hot), jnp.asarray(k_one_hot), jnp.asarray(v), jnp.asarray(mask), jnp.zeros((2,), jnp.int32)
+    )
+    np.testing.assert_allclose(np.asarray(one_hot), 1.0, atol=1e-6)
+
+
+def test_bad_inputs_name_the_tensor():
+    q, k, v, mask = random_inputs(2)
+    ws = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"k must be \[B, L, Hkv, D\]"):
+        attention_with_concentration(jnp.asarray(q), jnp.asarray(k[:, :5]), jnp.asarray(v), jnp.asarray(mask), ws)
+    with pytest.raises(ValueError, match=r"q heads \(4\) must be a multiple of k/v heads \(3\)"):
+        k3 = np.concatenate([k, k[:, :, :1]], axis=2)
+        attention_with_concentration(jnp.asarray(q), jnp.asarray(k3), jnp.asarray(k3), jnp.asarray(mask), ws)
+    with pytest.raises(ValueError, match=r"attention_mask must be bool"):
+        attention_with_concentration(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask, jnp.int32), ws)
+    with pytest.raises(ValueError, match=r"backend='cuda' is not available"):
+        attention_with_concentration(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), ws, backend="cuda")
