@@ -136,7 +136,7 @@ def _mlp(layer, x):
     return _project(jax.nn.silu(gate) * up, layer["down_proj"])
 
 
-def _decoder_layer(layer, x, attention_mask, positions, config, inv_freq, attention):
+def _decoder_layer(layer, x, positions, config, inv_freq, attention):
     """One pre-norm block; `attention(q, k, v)` returns (out, herfindahl, window_size)."""
     batch, length, _ = x.shape
     q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, config, inv_freq)
@@ -213,7 +213,7 @@ def forward(
         attention = plain
         if window_start is not None:
             attention = lambda q, k, v: jax.lax.cond(index == config.num_layers - 1, concentrated, plain, q, k, v)
-        x, layer_h, layer_n = _decoder_layer(layer, x, attention_mask, positions, config, inv_freq, attention)
+        x, layer_h, layer_n = _decoder_layer(layer, x, positions, config, inv_freq, attention)
         # Only the final layer's statistics are non-zero, so summing over layers selects them.
         captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
         return (x, captured, herfindahl + layer_h, window_size + layer_n), None
