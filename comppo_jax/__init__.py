@@ -17,3 +17,15 @@ from comppo_jax.credit import (
 )
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "comp_gae",
+    "fixed_gate",
+    "gae",
+    "grpo_advantages",
+    "normalized_concentration",
+    "retention_gate",
+    "shuffle_gate",
+    "transport_kernel",
+    "whiten_advantages",
+]

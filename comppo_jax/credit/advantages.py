@@ -1,7 +1,7 @@
 """Advantage estimators: Comp-GAE, GAE, the transport kernel, GRPO, whitening.
 
 Per-token arrays are [B, T], aligned with the response tokens y_1..y_T, with
-`mask[b, t] = 1` on valid tokens (../../DESIGN.md, "Index conventions"). All
+`mask[b, t] = 1` on valid tokens (../shared/DESIGN.md, "Index conventions"). All
 arithmetic is float32 whatever the input precision; outputs are float32.
 """
 
@@ -19,21 +19,6 @@ _METHODS = ("scan", "associative")
 def _shift_left(x):
     """x[:, t + 1] at column t, with zero past the end (V_{T+1} = m_{T+1} = 0)."""
     return jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
-
-
-def _masked_td(rewards, values, kappa, mask):
-    """Returns (delta, v, k) of paper eq. (comp_td), each zeroed on padding.
-
-    Inputs are zeroed with `where` rather than multiplied by the mask so that
-    non-finite garbage in padded slots cannot reach a valid position.
-    """
-    valid = mask.astype(bool)
-    r = jnp.where(valid, rewards.astype(jnp.float32), 0.0)
-    v = jnp.where(valid, values.astype(jnp.float32), 0.0)
-    k = jnp.where(valid, kappa.astype(jnp.float32), 0.0)
-    # delta_t = r_t + kappa_t V_{t+1} m_{t+1} - V_t m_t; v is already masked.
-    delta = r + k * _shift_left(v) - v
-    return delta, v, k
 
 
 def _affine_scan_sequential(b, c):
@@ -87,7 +72,10 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
       mask: [B, T] bool/int/float, 1 on valid response tokens.
       lam: trace parameter lambda, a Python or traced float.
       method: "scan" (sequential `lax.scan` over T) or "associative"
-        (`lax.associative_scan` of the affine recurrence, O(log T) depth).
+        (`lax.associative_scan` of the affine recurrence, O(log T) depth, O(T log T)
+        work). On CPU "scan" is the faster one (docs/benchmarks.md); the
+        associative form exists for accelerators, where a T-step loop is
+        latency-bound. Both agree to float32 rounding.
 
     Returns:
       (advantages, returns), both [B, T] float32; returns are the critic
@@ -96,7 +84,13 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
     _validation.check_bt(rewards=rewards, values=values, kappa=kappa, mask=mask)
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-    delta, v, k = _masked_td(rewards, values, kappa, mask)
+    # Padding is removed with `where`, not by multiplying with the mask, so that
+    # non-finite garbage in padded slots cannot reach a valid position.
+    valid = mask.astype(bool)
+    v = jnp.where(valid, values.astype(jnp.float32), 0.0)
+    k = jnp.where(valid, kappa.astype(jnp.float32), 0.0)
+    # delta_t = r_t + kappa_t V_{t+1} m_{t+1} - V_t m_t (v is masked), 0 on padding.
+    delta = jnp.where(valid, rewards.astype(jnp.float32) + k * _shift_left(v) - v, 0.0)
     # Retention of A_{t+1}. The paper's factor m_{t+1} is implicit: delta and k
     # are zero on padding, so A_{t+1} = 0 there already.
     decay = jnp.asarray(lam, jnp.float32) * k
@@ -104,7 +98,10 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
         advantages = _affine_scan_sequential(delta, decay)
     else:
         advantages = _affine_scan_associative(delta, decay)
-    return advantages, advantages + v
+    # G_t = A_t + V_t m_t. Reading `values` again rather than reusing `v` lets XLA
+    # fuse the masking into both consumers instead of materializing `v`.
+    returns = jnp.where(valid, advantages + values.astype(jnp.float32), 0.0)
+    return advantages, returns
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
