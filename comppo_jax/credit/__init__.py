@@ -1,1 +1,67 @@
-"""Credit estimators (paper sections 3-4)."""
+"""Credit estimators (paper sections 3-4).
+
+- `gate`: normalized attention concentration, the retention gate and the fixed
+  and shuffled gate controls.
+- `schedule`: the position-only gate control (fit, apply, save, load).
+- `advantages`: Comp-GAE, GAE, the explicit transport kernel, GRPO
+  advantages, whitening and clipping.
+- `losses`: PPO clipped surrogate, reference KL, clipped value loss, entropy.
+"""
+
+from comppo_jax.credit.advantages import (
+    clip_advantages,
+    comp_gae,
+    gae,
+    grpo_advantages,
+    transport_kernel,
+    whiten_advantages,
+)
+from comppo_jax.credit.gate import (
+    FIXED_GATE,
+    fixed_gate,
+    gate_range,
+    normalized_concentration,
+    retention_gate,
+    shuffle_gate,
+)
+from comppo_jax.credit.losses import (
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    ppo_clip_loss,
+    value_loss,
+)
+from comppo_jax.credit.schedule import (
+    PositionSchedule,
+    apply_position_schedule,
+    fit_position_schedule,
+    load_position_schedule,
+    position_bins,
+    save_position_schedule,
+)
+
+__all__ = [
+    "FIXED_GATE",
+    "PositionSchedule",
+    "apply_position_schedule",
+    "clip_advantages",
+    "comp_gae",
+    "entropy_from_logits",
+    "fit_position_schedule",
+    "fixed_gate",
+    "gae",
+    "gate_range",
+    "grpo_advantages",
+    "kl_penalty",
+    "load_position_schedule",
+    "masked_mean",
+    "normalized_concentration",
+    "position_bins",
+    "ppo_clip_loss",
+    "retention_gate",
+    "save_position_schedule",
+    "shuffle_gate",
+    "transport_kernel",
+    "value_loss",
+    "whiten_advantages",
+]

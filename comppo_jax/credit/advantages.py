@@ -1,0 +1,234 @@
+"""Advantage estimators: Comp-GAE, GAE, the transport kernel, GRPO, whitening.
+
+Per-token arrays are [B, T], aligned with the response tokens y_1..y_T, with
+`mask[b, t] = 1` on valid tokens (../shared/DESIGN.md, "Index conventions"). All
+arithmetic is float32 whatever the input precision; outputs are float32.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from comppo_jax.credit import _validation
+
+_METHODS = ("scan", "associative")
+
+
+def _shift_left(x):
+    """x[:, t + 1] at column t, with zero past the end (V_{T+1} = m_{T+1} = 0)."""
+    return jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
+
+
+def _affine_scan_sequential(b, c):
+    """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, by a reverse `lax.scan` over time."""
+
+    def step(a_next, bc):
+        b_t, c_t = bc
+        a_t = b_t + c_t * a_next
+        return a_t, a_t
+
+    _, a = jax.lax.scan(step, jnp.zeros(b.shape[0], b.dtype), (b.T, c.T), reverse=True)
+    return a.T
+
+
+def _compose_affine(later, earlier):
+    """Composes x -> b_e + c_e x after x -> b_l + c_l x (the map of the earlier step
+    applied to the result of the later ones)."""
+    b_later, c_later = later
+    b_earlier, c_earlier = earlier
+    return b_earlier + c_earlier * b_later, c_earlier * c_later
+
+
+def _affine_scan_associative(b, c):
+    """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, in O(log T) depth.
+
+    Each step is the affine map x -> b_t + c_t x; A_t is the composition of the
+    maps t..T applied to 0, i.e. the `b` of a right-to-left scan of the maps.
+    """
+    a, _ = jax.lax.associative_scan(_compose_affine, (b, c), reverse=True, axis=1)
+    return a
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
+    """Computation-conditioned GAE, paper eqs. (comp_td) and (comp_gae).
+
+    With V_{T+1} = A_{T+1} = 0 and m the mask:
+
+        delta_t = r_t + kappa_t V_{t+1} m_{t+1} - V_t m_t
+        A_t     = delta_t + lam kappa_t A_{t+1} m_{t+1}
+        G_t     = A_t + V_t m_t
+
+    and A_t = G_t = 0 where m_t = 0. Padding never reaches a valid position,
+    whatever its content. Equivalently A = K delta with the causal transport
+    kernel of eq. (cct_kernel), see `transport_kernel`.
+
+    Args:
+      rewards: [B, T] float, reward evidence r_t (terminal in the paper).
+      values: [B, T] float, critic values V_t.
+      kappa: [B, T] float, detached retention gate kappa_t (`retention_gate`).
+      mask: [B, T] bool/int/float, 1 on valid response tokens.
+      lam: trace parameter lambda, a Python or traced float.
+      method: "scan" (sequential `lax.scan` over T) or "associative"
+        (`lax.associative_scan` of the affine recurrence, O(log T) depth, O(T log T)
+        work). On CPU "scan" is the faster one (docs/benchmarks.md); the
+        associative form exists for accelerators, where a T-step loop is
+        latency-bound. Both agree to float32 rounding.
+
+    Returns:
+      (advantages, returns), both [B, T] float32; returns are the critic
+      targets G_t.
+    """
+    _validation.check_bt(rewards=rewards, values=values, kappa=kappa, mask=mask)
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    # Padding is removed with `where`, not by multiplying with the mask, so that
+    # non-finite garbage in padded slots cannot reach a valid position.
+    valid = mask.astype(bool)
+    v = jnp.where(valid, values.astype(jnp.float32), 0.0)
+    k = jnp.where(valid, kappa.astype(jnp.float32), 0.0)
+    # delta_t = r_t + kappa_t V_{t+1} m_{t+1} - V_t m_t (v is masked), 0 on padding.
+    delta = jnp.where(valid, rewards.astype(jnp.float32) + k * _shift_left(v) - v, 0.0)
+    # Retention of A_{t+1}. The paper's factor m_{t+1} is implicit: delta and k
+    # are zero on padding, so A_{t+1} = 0 there already.
+    decay = jnp.asarray(lam, jnp.float32) * k
+    if method == "scan":
+        advantages = _affine_scan_sequential(delta, decay)
+    else:
+        advantages = _affine_scan_associative(delta, decay)
+    # G_t = A_t + V_t m_t. Reading `values` again rather than reusing `v` lets XLA
+    # fuse the masking into both consumers instead of materializing `v`.
+    returns = jnp.where(valid, advantages + values.astype(jnp.float32), 0.0)
+    return advantages, returns
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def gae(rewards, values, mask, gamma=1.0, lam=0.95, method="scan"):
+    """Standard masked GAE, paper eq. (stdgae): `comp_gae` with kappa_t = gamma.
+
+    Args:
+      rewards, values, mask: as in `comp_gae`, [B, T].
+      gamma: discount, a Python or traced float.
+      lam: trace parameter lambda.
+      method: as in `comp_gae`.
+
+    Returns:
+      (advantages, returns), both [B, T] float32.
+    """
+    _validation.check_rank("rewards", rewards, 2, "[B, T]")
+    kappa = jnp.full(rewards.shape, gamma, jnp.float32)
+    return comp_gae(rewards, values, kappa, mask, lam, method=method)
+
+
+@jax.jit
+def transport_kernel(kappa, lam, mask=None):
+    """Explicit causal transport kernel K of paper eq. (cct_kernel), for small T.
+
+        K[b, t, u] = 1[u >= t] m_t lam^{u-t} prod_{j=t}^{u-1} kappa_j m_{j+1}
+
+    so that `comp_gae` advantages equal `K @ delta` (eq. cct_matrix) and
+    K[b, t, u] = dA_t / d delta_u (eq. sensitivity). Built from cumulative
+    products, independently of the recurrence; memory is O(B T^2).
+
+    Args:
+      kappa: [B, T] float retention gate.
+      lam: trace parameter lambda.
+      mask: [B, T] mask, or None for all-valid rows.
+
+    Returns:
+      [B, T, T] float32 kernel; rows and columns of padded positions are zero.
+    """
+    if mask is None:
+        mask = jnp.ones(kappa.shape, bool)
+    _validation.check_bt(kappa=kappa, mask=mask)
+    valid = mask.astype(bool)
+    m = valid.astype(jnp.float32)
+    k = jnp.where(valid, kappa.astype(jnp.float32), 0.0)
+    decay = jnp.asarray(lam, jnp.float32) * k * _shift_left(m)  # [B, T], index j
+    t_idx = jnp.arange(kappa.shape[1])
+    upper = t_idx[None, :] >= t_idx[:, None]  # [t, j]: j >= t
+    # factors[b, t, j] = decay_j for j >= t else 1; its cumprod over j, shifted by
+    # one, is prod_{j=t}^{u-1} decay_j at [b, t, u].
+    factors = jnp.where(upper[None], decay[:, None, :], 1.0)
+    prods = jnp.cumprod(factors, axis=-1)
+    exclusive = jnp.concatenate([jnp.ones_like(prods[..., :1]), prods[..., :-1]], axis=-1)
+    return jnp.where(upper[None], exclusive, 0.0) * m[:, :, None]
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def grpo_advantages(rewards, group_size, mask, eps=1e-6):
+    """Group-relative advantages, paper eq. (group_broadcast).
+
+    Rows are grouped by `group_size` consecutive responses to the same prompt;
+    b_i = (R_i - mean_j R_j) / (std_j R_j + eps) with the unbiased std (ddof=1,
+    as verl and TRL). A group whose rewards are all equal (including a group of
+    one) gets 0. b_i is broadcast to the row's valid tokens.
+
+    Args:
+      rewards: [B] float sequence-level rewards R_i.
+      group_size: responses per prompt (static); must divide B.
+      mask: [B, T] mask of valid response tokens.
+      eps: added to the std.
+
+    Returns:
+      [B, T] float32 advantages, zero on padding.
+    """
+    _validation.check_rank("rewards", rewards, 1, "[B]")
+    _validation.check_floating("rewards", rewards)
+    _validation.check_rank("mask", mask, 2, "[B, T]")
+    _validation.check_mask("mask", mask)
+    batch = rewards.shape[0]
+    if mask.shape[0] != batch:
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but rewards has shape {tuple(rewards.shape)}; "
+            "mask must be [B, T] with the same B")
+    if not isinstance(group_size, (int, np.integer)) or group_size < 1 or batch % group_size:
+        raise ValueError(
+            f"group_size must be a positive int dividing the batch size B = {batch} "
+            f"(rewards shape {tuple(rewards.shape)}), got {group_size!r}")
+    groups = rewards.astype(jnp.float32).reshape(batch // group_size, group_size)
+    mean = groups.mean(axis=1, keepdims=True)
+    var = jnp.sum((groups - mean) ** 2, axis=1, keepdims=True) / max(group_size - 1, 1)
+    # Compared exactly: a tied group has no ranking to learn from, and its float
+    # residuals (R - mean) / eps would otherwise blow up.
+    tied = groups.max(axis=1, keepdims=True) == groups.min(axis=1, keepdims=True)
+    scores = jnp.where(tied, 0.0, (groups - mean) / (jnp.sqrt(var) + eps))
+    return scores.reshape(batch, 1) * mask.astype(bool).astype(jnp.float32)
+
+
+@jax.jit
+def whiten_advantages(advantages, mask, eps=1e-8):
+    """Whitens advantages over all valid tokens of the batch (paper alg. 1, "normalize").
+
+    Same statistics as verl's `masked_whiten` and TRL's `masked_whiten`: masked
+    mean, unbiased masked variance, `(A - mean) * rsqrt(var + eps)`. Padding
+    stays 0.
+
+    Args:
+      advantages: [B, T] float.
+      mask: [B, T] mask.
+      eps: added to the variance.
+
+    Returns:
+      [B, T] float32.
+    """
+    _validation.check_bt(advantages=advantages, mask=mask)
+    valid = mask.astype(bool)
+    a = jnp.where(valid, advantages.astype(jnp.float32), 0.0)
+    count = jnp.sum(valid, dtype=jnp.float32)
+    mean = jnp.sum(a) / jnp.maximum(count, 1.0)
+    centered = jnp.where(valid, a - mean, 0.0)
+    var = jnp.sum(centered**2) / jnp.maximum(count - 1.0, 1.0)
+    return centered * jax.lax.rsqrt(var + eps)
+
+
+@jax.jit
+def clip_advantages(advantages, clip):
+    """Clips advantages to [-clip, clip] (paper app. C: 5.0/4.0/3.5/2.5 by phase).
+
+    Padding zeros stay zero.
+    """
+    _validation.check_floating("advantages", advantages)
+    return jnp.clip(advantages, -clip, clip)
