@@ -1,6 +1,7 @@
 """Benchmarks that print side-by-side ratios measured in one run.
 
     python launch/benchmark.py forward   # jitted policy forward vs transformers (torch CPU)
+    python launch/benchmark.py credit    # comp_gae (scan / associative) vs rlax and a NumPy loop
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -11,7 +12,7 @@ import importlib
 
 from absl import app, flags
 
-SUITES = ("forward",)
+SUITES = ("forward", "credit")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")

@@ -17,6 +17,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from comppo_jax import normalized_concentration, retention_gate
 from comppo_jax.models import forward, load_policy
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "ml_collections config file.")
@@ -43,17 +44,21 @@ def main(argv):
     herfindahl = np.asarray(out.herfindahl[:, prompt - 1 : prompt + response - 1])
     window_size = np.asarray(out.window_size[:, prompt - 1 : prompt + response - 1])
     mask = np.arange(response)[None] < response_lengths[:, None]
+    concentration = np.asarray(normalized_concentration(herfindahl, window_size))
+    kappa = np.asarray(retention_gate(concentration))
 
     print(f"model: {model_config.architecture}, {model_config.num_layers} layers, vocab {model_config.vocab_size}, "
           f"{sum(x.size for x in jax.tree.leaves(params)):,} params")
     print(f"batch: {batch} rows, prompt {prompt} tokens, response lengths {response_lengths.tolist()}")
     print(f"row 0, first {_SHOW.value} response tokens (window = response positions):")
-    print(f"{'t':>4} {'token':>6} {'n_t':>5} {'H_t':>8}")
+    print(f"{'t':>4} {'token':>6} {'n_t':>5} {'H_t':>8} {'c_t':>8} {'kappa_t':>8}")
     for t in range(min(_SHOW.value, response_lengths[0])):
-        print(f"{t + 1:>4} {tokens[0, prompt + t]:>6} {window_size[0, t]:>5} {herfindahl[0, t]:>8.4f}")
+        print(f"{t + 1:>4} {tokens[0, prompt + t]:>6} {window_size[0, t]:>5} {herfindahl[0, t]:>8.4f} "
+              f"{concentration[0, t]:>8.4f} {kappa[0, t]:>8.4f}")
     valid = mask & (window_size >= 2)
     print(f"mean H_t over {valid.sum()} valid tokens with n_t >= 2: {herfindahl[valid].mean():.4f} "
-          f"(uniform attention would give {np.mean(1.0 / window_size[valid]):.4f})")
+          f"(uniform attention would give {np.mean(1.0 / window_size[valid]):.4f}); "
+          f"mean kappa_t {kappa[mask].mean():.4f}")
 
 
 if __name__ == "__main__":

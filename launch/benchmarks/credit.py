@@ -1,8 +1,8 @@
 """Comp-GAE (both methods) against rlax's truncated GAE and a NumPy loop, in one run.
 
-    python launch/benchmark.py credit        # or: python launch/benchmarks/credit.py
+    python launch/benchmark.py credit
 
-Needs `rlax` (benchmark-only: `pip install -e ".[bench]"`). All implementations get
+Needs `rlax` (the `test` extra). All implementations get
 the same right-padded batch: terminal rewards, and values and gates zero on
 padding, so rlax with per-step discount = kappa computes the same advantages as
 comp_gae (checked before timing). Two rlax rows:
@@ -13,28 +13,22 @@ comp_gae (checked before timing). Two rlax rows:
 - "... same outputs": also appends that column and returns A + V, i.e. the
   inputs and outputs of comp_gae (which in addition masks its inputs).
 
-Timing: after warm-up (compilation), the candidates are timed in interleaved
-rounds, so load from other processes hits them alike; in each round a
-candidate is called, blocking on every result, enough times to last >= 0.2 s.
-The table gives the median over `repeats` rounds of the per-call time, and
-"time / rlax" = time / (rlax's own API time) (lower is better).
+Timing: `benchmarks.timing.interleaved_medians` (interleaved rounds of >= 0.2 s,
+median per-call time); "time / rlax" = time / (rlax's own API time), lower is better.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import comp_gae, normalized_concentration, retention_gate
 
 LAM = 0.95
-_MIN_ROUND_SECONDS = 0.2
 
 
 def _batch(batch, length, seed=0):
@@ -65,13 +59,6 @@ def _numpy_loop(rewards, values, kappa, mask, lam):
     return adv, adv + values * m
 
 
-def _per_call_seconds(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
-
-
 def run(batch: int = 16, length: int = 16384, repeats: int = 5) -> list[dict]:
     import rlax
 
@@ -96,30 +83,21 @@ def run(batch: int = 16, length: int = 16384, repeats: int = 5) -> list[dict]:
             lambda: jax.block_until_ready(rlax_same_outputs(args[0], args[1], args[2], LAM))[0],
         "NumPy loop": lambda: _numpy_loop(rewards, values, kappa, mask, LAM)[0],
     }
-    outputs = {name: np.asarray(fn()) for name, fn in candidates.items()}  # warm-up: compiles
+    outputs = {name: np.asarray(fn()) for name, fn in candidates.items()}
     reference = outputs["comp_gae scan (jit)"]
     for name, out in outputs.items():
         err = np.max(np.abs(np.where(mask, out, 0.0) - reference))
         if not err <= 1e-4:
             raise AssertionError(f"{name} disagrees with comp_gae scan by {err}")
 
-    calls = {name: max(1, math.ceil(_MIN_ROUND_SECONDS / _per_call_seconds(fn, 1))) for name, fn in candidates.items()}
-    samples = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            samples[name].append(_per_call_seconds(fn, calls[name]))
-    seconds = {name: statistics.median(s) for name, s in samples.items()}
+    seconds = interleaved_medians(candidates, repeats)
     rlax_seconds = seconds[rlax_name]
     rows = [{"implementation": name, "ms": s * 1e3, "time / rlax": s / rlax_seconds} for name, s in seconds.items()]
 
     print(f"credit: Comp-GAE advantages, batch {batch} x {length} tokens, lam {LAM}, median of {repeats} "
           f"interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
-    name_width = max(len(r["implementation"]) for r in rows)
-    print(f"{'implementation':<{name_width}}  {'ms':>9}  {'time / rlax':>11}")
-    for r in rows:
-        print(f"{r['implementation']:<{name_width}}  {r['ms']:9.3f}  {r['time / rlax']:10.2f}x")
+    print_table(
+        [{"implementation": r["implementation"], "ms": f"{r['ms']:.3f}", "time / rlax": f"{r['time / rlax']:.2f}x"} for r in rows],
+        ["implementation", "ms", "time / rlax"],
+    )
     return rows
-
-
-if __name__ == "__main__":
-    run()

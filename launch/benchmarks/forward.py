@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import median_seconds, print_table
+from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax.models import ModelConfig, forward, from_hf
 
 TINY_ARCH = dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
 
 
-def run(batch: int = 16, length: int = 256, repeats: int = 10) -> list[dict]:
+def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
     import torch
     import transformers
 
@@ -50,11 +50,14 @@ def run(batch: int = 16, length: int = 256, repeats: int = 10) -> list[dict]:
             hf_model(torch_tokens, attention_mask=torch_mask)
 
     tokens_scored = batch * length
-    timings = {
-        "jax forward (jit)": median_seconds(jax_plain, repeats),
-        "jax forward + concentration (jit)": median_seconds(jax_concentration, repeats),
-        f"torch {torch.__version__} forward ({hf_model.config._attn_implementation})": median_seconds(torch_forward, repeats),
-    }
+    timings = interleaved_medians(
+        {
+            "jax forward (jit)": jax_plain,
+            "jax forward + concentration (jit)": jax_concentration,
+            f"torch {torch.__version__} forward ({hf_model.config._attn_implementation})": torch_forward,
+        },
+        repeats,
+    )
     torch_time = list(timings.values())[-1]
     rows = [
         {"implementation": name, "ms": f"{seconds * 1e3:.2f}", "tokens/s": f"{tokens_scored / seconds:,.0f}",
@@ -62,6 +65,6 @@ def run(batch: int = 16, length: int = 256, repeats: int = 10) -> list[dict]:
         for name, seconds in timings.items()
     ]
     print(f"forward: tiny Qwen3 ({config.num_layers} layers, hidden {config.hidden_size}), batch {batch} x {length} tokens, "
-          f"median of {repeats}; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+          f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
     print_table(rows, ["implementation", "ms", "tokens/s", "speed vs torch"])
     return rows

@@ -20,6 +20,16 @@ def test_forward_suite_prints_ratio_table():
     assert sum("x" in line.split()[-1] for line in result.stdout.splitlines()[2:]) == 3
 
 
+def test_credit_suite_checks_agreement_and_prints_ratios():
+    result = benchmark("credit", "--batch=2", "--length=64", "--repeats=1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    names = [line.rsplit(None, 2)[0].strip() for line in lines[2:]]
+    assert names[:2] == ["comp_gae scan (jit)", "comp_gae associative (jit)"]
+    assert any(name.startswith("rlax") for name in names) and names[-1] == "NumPy loop"
+    assert all(line.endswith("x") for line in lines[2:])
+
+
 def test_unknown_suite_is_refused():
     result = benchmark("nonsense")
     assert result.returncode != 0 and "SUITE one of" in result.stderr
