@@ -36,9 +36,8 @@ def masked_mean(x, mask):
     Returns 0 when the mask is empty.
     """
     _validation.check_bt(x=x, mask=mask)
-    valid = mask.astype(bool)
-    total = jnp.sum(jnp.where(valid, x.astype(jnp.float32), 0.0))
-    return total / jnp.maximum(jnp.sum(valid, dtype=jnp.float32), 1.0)
+    count = jnp.sum(mask.astype(bool), dtype=jnp.float32)
+    return jnp.sum(_valid(x, mask)) / jnp.maximum(count, 1.0)
 
 
 @jax.jit

@@ -43,21 +43,23 @@ class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing, malformed or does not match the config."""
 
 
-def tensor_layout(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], int | None, tuple[int, ...]]]:
-    """Yields (HF tensor name, params path, layer index or None, HF shape) for every tensor.
+def tensor_layout(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], int | None, tuple[int, ...], bool]]:
+    """Yields (HF tensor name, params path, layer index or None, HF shape, transposed) per tensor.
 
-    HF stores Linear weights [out, in]; params store them [in, out], so 2-D matrices are
-    transposed (norm vectors and the embedding table are not).
+    HF stores Linear weights [out, in]; params store them [in, out], so those are
+    `transposed` (norm vectors and the embedding table are not).
     """
     shapes = param_shapes(config)
     for key, shape in shapes.items():
         if key == "layers":
             continue
-        yield _TOP_NAMES[key], (key,), None, shape[::-1] if key == "lm_head" else shape
+        transposed = key == "lm_head"
+        yield _TOP_NAMES[key], (key,), None, shape[::-1] if transposed else shape, transposed
     for key, shape in shapes["layers"].items():
-        per_layer = shape[1:][::-1]
+        per_layer = shape[1:]
+        transposed = len(per_layer) == 2
         for index in range(config.num_layers):
-            yield f"model.layers.{index}.{_LAYER_NAMES[key]}", ("layers", key), index, per_layer
+            yield f"model.layers.{index}.{_LAYER_NAMES[key]}", ("layers", key), index, per_layer[::-1], transposed
 
 
 def _read_hf_config(path: str) -> dict:
@@ -116,7 +118,7 @@ def from_hf(path: str, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     config = ModelConfig.from_hf_config(_read_hf_config(path), dtype=dtype)
     files = _weight_files(path)
     stored = _stored_shapes(files)
-    expected = {name: (target, index, shape) for name, target, index, shape in tensor_layout(config)}
+    expected = {name: (target, index, shape, transposed) for name, target, index, shape, transposed in tensor_layout(config)}
     # A tied checkpoint may still carry the (identical) lm_head copy.
     optional = {_TOP_NAMES["lm_head"]} if config.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(stored))
@@ -125,7 +127,7 @@ def from_hf(path: str, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     extra = sorted(name for name in set(stored) - set(expected) - optional if not _IGNORED.match(name))
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} unexpected in total) for {config.hf_architecture}")
-    for name, (_, _, shape) in expected.items():
+    for name, (_, _, shape, _) in expected.items():
         if stored[name] != shape:
             raise CheckpointError(f"tensor {name!r} in {files[name]} has shape {stored[name]}, expected {shape}")
 
@@ -137,9 +139,9 @@ def from_hf(path: str, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     for file, names in by_file.items():
         with safe_open(file, framework="numpy") as f:
             for name in names:
-                target, index, _ = expected[name]
+                target, index, _, transposed = expected[name]
                 tensor = f.get_tensor(name)
-                tensor = tensor.T if tensor.ndim == 2 and target[-1] != "embed" else tensor
+                tensor = tensor.T if transposed else tensor
                 destination = arrays
                 for key in target[:-1]:
                     destination = destination[key]
@@ -172,12 +174,12 @@ def to_hf(config: ModelConfig, params: dict, path: str, max_shard_bytes: int | N
 
     host = jax.tree.map(np.asarray, jax.device_get(params))
     tensors = {}
-    for name, target, index, _ in tensor_layout(config):
+    for name, target, index, _, transposed in tensor_layout(config):
         array = host
         for key in target:
             array = array[key]
         array = array if index is None else array[index]
-        tensors[name] = np.ascontiguousarray(array.T if array.ndim == 2 and target[-1] != "embed" else array)
+        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
 
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:

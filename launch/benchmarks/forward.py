@@ -6,6 +6,7 @@ side is timed with and without the final-layer concentration.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -16,8 +17,15 @@ import numpy as np
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax.models import ModelConfig, forward, from_hf
 
-TINY_ARCH = dict(vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+TINY_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.py")
+
+
+def tiny_model_config() -> ModelConfig:
+    """The `configs/tiny.py` architecture (the embedded default)."""
+    spec = importlib.util.spec_from_file_location("tiny_config", TINY_CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return ModelConfig.from_dict(module.get_config().model.arch.to_dict())
 
 
 def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
@@ -25,7 +33,9 @@ def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
     import transformers
 
     torch.manual_seed(0)
-    hf_model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY_ARCH)).eval()
+    tiny = tiny_model_config()
+    hf_config = transformers.AutoConfig.for_model(tiny.architecture, **tiny.to_hf_kwargs())
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     with tempfile.TemporaryDirectory() as path:
         hf_model.save_pretrained(path)
         config, params = from_hf(path)
@@ -64,7 +74,7 @@ def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
          "speed vs torch": f"{torch_time / seconds:.2f}x"}
         for name, seconds in timings.items()
     ]
-    print(f"forward: tiny Qwen3 ({config.num_layers} layers, hidden {config.hidden_size}), batch {batch} x {length} tokens, "
+    print(f"forward: configs/tiny.py {config.architecture} ({config.num_layers} layers, hidden {config.hidden_size}), batch {batch} x {length} tokens, "
           f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
     print_table(rows, ["implementation", "ms", "tokens/s", "speed vs torch"])
     return rows
