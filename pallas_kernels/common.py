@@ -25,3 +25,23 @@ def check_attention_inputs(q, k, v, attention_mask, window_start):
     if window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer):
         raise ValueError(f"window_start must be int [B] = [{batch}], got {window_start.dtype} {window_start.shape}")
     return batch, length, num_heads, head_dim, num_kv_heads
+
+
+# A finite "minus infinity" for masked logits: exp() of it is 0 and max() of it never yields NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def window_sizes(attention_mask, window_start):
+    """n [B, L] int32: real keys in [window_start, p] for each query p (0 when p < window_start).
+
+    Computed from prefix counts of the mask, so no kernel needs to count keys.
+    """
+    counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1)  # real keys in [0, p]
+    before = jnp.take_along_axis(counts, jnp.clip(window_start[:, None] - 1, 0, attention_mask.shape[1] - 1), axis=1)
+    before = jnp.where(window_start[:, None] > 0, before, 0)  # real keys in [0, window_start)
+    positions = jnp.arange(attention_mask.shape[1])[None]
+    return jnp.where(positions >= window_start[:, None], counts - before, 0).astype(jnp.int32)

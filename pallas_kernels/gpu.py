@@ -1,0 +1,150 @@
+"""Triton (GPU) kernels: blockwise causal GQA attention with LSE, then the exact concentration.
+
+Two `pallas_call`s over the caller's [B, L, H, D] layout (no transposes):
+
+1. `_attention_kernel`, grid (q block, batch, q head): FlashAttention-2 forward with fp32
+   online softmax; writes the output and the per-head log-sum-exp [B, Hq, L] (fp32).
+2. `_concentration_kernel`, grid (q block, batch): for each kv block that meets the window
+   [window_start, p] and the causal range, recomputes p_hi = exp(s_hi - lse_h) for every query
+   head, sums over heads, and accumulates sum_i a_i and sum_i a_i^2 over the window keys; then
+   H = (sum a^2) / (sum a)^2 (paper eq. herfindahl, renormalized over the window).
+
+The largest live arrays are [block_q, block_k] tiles, so nothing of size [L, L] exists. Triton
+needs power-of-two tiles: block sizes and the head dim must be powers of two (>= 16 for dot).
+Compiler parameters are explicit (`pltriton.CompilerParams`) so the Triton lowering is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.common import MASK_VALUE, check_attention_inputs, round_up, window_sizes
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 16 and value & (value - 1) == 0
+
+
+def _attention_kernel(q_ref, k_ref, v_ref, key_mask_ref, out_ref, lse_ref, *, sm_scale, block_q, block_k, allow_tf32):
+    q_block = pl.program_id(0)
+    q = q_ref[...]  # (bq, D)
+    q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+
+    def kv_step(kv_block, carry):
+        acc, running_max, running_sum = carry
+        keys = pl.ds(kv_block * block_k, block_k)
+        k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+        visible = (k_pos <= q_pos) & (key_mask_ref[keys][None, :] != 0)
+        scores = pl.dot(q, k_ref[keys, :], trans_b=True, allow_tf32=allow_tf32) * sm_scale
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+        rescale = jnp.exp(running_max - new_max)
+        probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+        values = pl.dot(probs.astype(v_ref.dtype), v_ref[keys, :], allow_tf32=allow_tf32)
+        return rescale[:, None] * acc + values, new_max, rescale * running_sum + jnp.sum(probs, axis=1)
+
+    num_kv_blocks = lax.div((q_block + 1) * block_q + block_k - 1, block_k)  # causal upper bound
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_q,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, running_max, running_sum = lax.fori_loop(0, num_kv_blocks, kv_step, init)
+    seen = running_sum > 0  # False only for a query with no visible key (left padding)
+    safe_sum = jnp.where(seen, running_sum, 1.0)
+    out_ref[...] = jnp.where(seen[:, None], acc / safe_sum[:, None], 0.0).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(seen, running_max + jnp.log(safe_sum), 0.0)
+
+
+def _concentration_kernel(
+    window_start_ref, q_ref, k_ref, lse_ref, key_mask_ref, herfindahl_ref, *, sm_scale, block_q, block_k, group, allow_tf32
+):
+    q_block, batch = pl.program_id(0), pl.program_id(1)
+    num_heads = q_ref.shape[1]
+    window_start = window_start_ref[batch]
+    queries = pl.ds(q_block * block_q, block_q)
+    q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+
+    def kv_step(kv_block, carry):
+        mass, square = carry
+        keys = pl.ds(kv_block * block_k, block_k)
+
+        def head_step(head, head_sum):
+            scores = pl.dot(q_ref[queries, head, :], k_ref[keys, lax.div(head, group), :], trans_b=True, allow_tf32=allow_tf32)
+            return head_sum + jnp.exp(scores * sm_scale - lse_ref[head, queries][:, None])
+
+        head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))
+        k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+        in_window = (k_pos <= q_pos) & (k_pos >= window_start) & (key_mask_ref[keys][None, :] != 0)
+        head_mean = jnp.where(in_window, head_sum * (1.0 / num_heads), 0.0)
+        return mass + jnp.sum(head_mean, axis=1), square + jnp.sum(head_mean * head_mean, axis=1)
+
+    first = lax.div(window_start, block_k)
+    last = lax.div((q_block + 1) * block_q + block_k - 1, block_k)
+    zeros = jnp.zeros((block_q,), jnp.float32)
+    mass, square = lax.fori_loop(jnp.minimum(first, last), last, kv_step, (zeros, zeros))
+    has_window = mass > 0
+    safe_mass = jnp.where(has_window, mass, 1.0)
+    herfindahl_ref[...] = jnp.where(has_window, square / (safe_mass * safe_mass), 0.0)
+
+
+def attention_with_concentration_gpu(
+    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None,
+    num_warps=None, num_stages=2, interpret=False,
+):
+    """Blockwise attention with concentration via Triton; same contract as the package entry point."""
+    batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
+    block_q = block_q or min(64, max(16, pl.next_power_of_2(length)))
+    block_k = block_k or min(64, max(16, pl.next_power_of_2(length)))
+    for name, value in (("block_q", block_q), ("block_k", block_k), ("head_dim", head_dim)):
+        if not _is_power_of_two(value):
+            raise ValueError(f"{name}={value} must be a power of two >= 16 for the gpu backend")
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    group = num_heads // num_kv_heads
+    padded = round_up(length, math.lcm(block_q, block_k))
+    pad = ((0, 0), (0, padded - length), (0, 0), (0, 0))
+    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    key_mask = jnp.pad(attention_mask, ((0, 0), (0, padded - length))).astype(jnp.int32)
+    window_start = window_start.astype(jnp.int32)
+    num_q_blocks = padded // block_q
+    allow_tf32 = q.dtype != jnp.float32  # fp32 inputs keep fp32 products
+    params = pltriton.CompilerParams(num_warps=num_warps or (4 if head_dim <= 64 else 8), num_stages=num_stages)
+    blocks = dict(sm_scale=scale, block_q=block_q, block_k=block_k, allow_tf32=allow_tf32)
+
+    whole_kv = pl.BlockSpec((None, padded, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, group), 0))
+    q_tile = pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, i, h, 0))
+    out, lse = pl.pallas_call(
+        functools.partial(_attention_kernel, **blocks),
+        grid=(num_q_blocks, batch, num_heads),
+        in_specs=[q_tile, whole_kv, whole_kv, pl.BlockSpec((None, padded), lambda i, b, h: (b, 0))],
+        out_specs=[q_tile, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+        out_shape=[q, jax.ShapeDtypeStruct((batch, num_heads, padded), jnp.float32)],
+        compiler_params=params,
+        interpret=interpret,
+        name="attention_with_lse",
+    )(q, k, v, key_mask)
+
+    herfindahl = pl.pallas_call(
+        functools.partial(_concentration_kernel, group=group, **blocks),
+        grid=(num_q_blocks, batch),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda i, b: (0,)),
+            pl.BlockSpec((None, padded, num_heads, head_dim), lambda i, b: (b, 0, 0, 0)),
+            pl.BlockSpec((None, padded, num_kv_heads, head_dim), lambda i, b: (b, 0, 0, 0)),
+            pl.BlockSpec((None, num_heads, padded), lambda i, b: (b, 0, 0)),
+            pl.BlockSpec((None, padded), lambda i, b: (b, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, block_q), lambda i, b: (b, i)),
+        out_shape=jax.ShapeDtypeStruct((batch, padded), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="attention_concentration",
+    )(window_start, q, k, lse, key_mask)
+    return out[:, :length], herfindahl[:, :length], window_sizes(attention_mask, window_start)

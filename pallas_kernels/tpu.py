@@ -1,0 +1,249 @@
+"""Mosaic (TPU) kernel: blockwise causal GQA attention plus the exact per-token concentration.
+
+One `pallas_call` over the grid (batch, q block, phase, kv block). A program holds one q block
+for ALL query heads, because the head average couples them (paper eq. herfindahl):
+
+- phase 0 runs the online softmax over the causal kv blocks, per head, in fp32, and writes the
+  attention output; the final per-head log-sum-exp stays in VMEM scratch.
+- phase 1 revisits the kv blocks that meet the window [window_start, p] and recomputes the
+  probabilities exactly from that LSE, p_hi = exp(s_hi - lse_h), sums them over heads, and
+  accumulates sum_i a_i and sum_i a_i^2 over the window keys. H = (sum a^2) / (sum a)^2 is the
+  Herfindahl index of the head-mean attention renormalized over the window.
+
+Nothing of size [L, L] exists: the largest arrays are the [Hq, block_q, D] q/out blocks and the
+[block_q, block_k] logits of one head. Per-row statistics live as (block_q, 128) lane-replicated
+tiles and the concentration leaves the kernel as a lane-major (1, block_q) row (one 2-D
+transpose) of a [B, num_q_blocks, 1, block_q] array, so no lane<->sublane reshape is needed (those fail on v4). Blocks that the causal
+mask or the window rule out are skipped with `pl.when`, and their index maps are clamped so they
+are not fetched either.
+
+With `interpret=True` the same kernel runs on CPU (the "interpret" backend, used by the tests).
+No VJP is defined: this is the scoring pass (no gradient flows through it; see the package doc).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.common import MASK_VALUE, check_attention_inputs, round_up, window_sizes
+
+LANES = 128
+# Mosaic's default scoped VMEM is 16 MiB; leave room for compiler temporaries.
+VMEM_BUDGET_BYTES = 13 * 2**20
+
+
+def vmem_bytes(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int, block_q: int, block_k: int) -> int:
+    """Estimated VMEM of one program: double-buffered blocks plus fp32 scratch."""
+    q_and_out = 2 * 2 * num_heads * block_q * head_dim * itemsize
+    k_and_v = 2 * 2 * num_kv_heads * block_k * head_dim * itemsize
+    scratch = num_heads * block_q * (2 * LANES + head_dim) * 4 + 2 * block_q * LANES * 4
+    temporaries = 3 * block_q * block_k * 4
+    return q_and_out + k_and_v + scratch + temporaries
+
+
+def default_block_sizes(length, num_heads, num_kv_heads, head_dim, itemsize, *, lane_multiple=LANES):
+    """Largest (block_q, block_k) whose program fits VMEM_BUDGET_BYTES; small L gets one block."""
+    whole = round_up(length, lane_multiple)
+    candidates = ((256, 512), (128, 512), (128, 256), (128, 128), (64, 256), (64, 128), (32, 128), (16, 128), (8, 128))
+    for block_q, block_k in candidates:
+        block_q, block_k = min(block_q, whole), min(block_k, whole)
+        if vmem_bytes(num_heads, num_kv_heads, head_dim, itemsize, block_q, block_k) <= VMEM_BUDGET_BYTES:
+            return block_q, block_k
+    raise ValueError(
+        f"no block sizes fit {VMEM_BUDGET_BYTES >> 20} MiB of VMEM for {num_heads} q heads, {num_kv_heads} kv heads, "
+        f"head dim {head_dim}; pass block_q/block_k explicitly"
+    )
+
+
+def _concentration_attention_kernel(
+    window_start_ref,  # [B] int32, scalar-prefetched to SMEM
+    q_ref,  # (Hq, bq, D)
+    k_ref,  # (Hkv, bk, D)
+    v_ref,  # (Hkv, bk, D)
+    key_mask_ref,  # (1, bk) int32, 1 = real token
+    out_ref,  # (Hq, bq, D)
+    herfindahl_ref,  # (1, bq) f32, lane-major
+    max_scratch,  # (Hq, bq, LANES) f32: running max, then the final LSE
+    sum_scratch,  # (Hq, bq, LANES) f32: running softmax denominator
+    acc_scratch,  # (Hq, bq, D) f32: unnormalized output
+    mass_scratch,  # (bq, LANES) f32: sum_i a_i over the window
+    square_scratch,  # (bq, LANES) f32: sum_i a_i^2 over the window
+    *,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    group: int,
+    precision,
+):
+    batch, q_block, phase, kv_block = (pl.program_id(axis) for axis in range(4))
+    num_heads = q_ref.shape[0]
+    last_kv_block = lax.div((q_block + 1) * block_q - 1, block_k)
+    causal_block = kv_block <= last_kv_block
+    window_start = window_start_ref[batch]
+
+    q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    visible = (k_pos <= q_pos) & (key_mask_ref[...] != 0)
+
+    def logits(head):
+        kv_head = lax.div(head, group)
+        scores = lax.dot_general(
+            q_ref[head], k_ref[kv_head], (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision,
+        )
+        return scores * sm_scale, kv_head
+
+    @pl.when((phase == 0) & (kv_block == 0))
+    def _init_softmax():
+        max_scratch[...] = jnp.full(max_scratch.shape, MASK_VALUE, jnp.float32)
+        sum_scratch[...] = jnp.zeros(sum_scratch.shape, jnp.float32)
+        acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
+
+    @pl.when((phase == 0) & causal_block)
+    def _online_softmax():
+        def head_step(head, carry):
+            scores, kv_head = logits(head)
+            scores = jnp.where(visible, scores, MASK_VALUE)
+            max_prev = max_scratch[head]
+            max_next = jnp.maximum(max_prev, jnp.max(scores, axis=1, keepdims=True))
+            rescale = jnp.exp(max_prev - max_next)
+            probs = jnp.where(visible, jnp.exp(scores - max_next[:, :1]), 0.0)
+            sum_scratch[head] = rescale * sum_scratch[head] + jnp.sum(probs, axis=1, keepdims=True)
+            values = lax.dot_general(
+                probs.astype(v_ref.dtype), v_ref[kv_head], (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32, precision=precision,
+            )
+            acc_scratch[head] = rescale[:, :1] * acc_scratch[head] + values
+            max_scratch[head] = max_next
+            return carry
+
+        lax.fori_loop(0, num_heads, head_step, 0)
+
+    @pl.when((phase == 0) & (kv_block == last_kv_block))
+    def _finish_softmax():
+        def head_step(head, carry):
+            total = sum_scratch[head]
+            seen = total > 0  # False only for a query with no visible key (left padding)
+            safe_total = jnp.where(seen, total, 1.0)
+            out_ref[head] = jnp.where(seen[:, :1], acc_scratch[head] / safe_total[:, :1], 0.0).astype(out_ref.dtype)
+            max_scratch[head] = jnp.where(seen, max_scratch[head] + jnp.log(safe_total), 0.0)
+            return carry
+
+        lax.fori_loop(0, num_heads, head_step, 0)
+
+    @pl.when((phase == 1) & (kv_block == 0))
+    def _init_concentration():
+        mass_scratch[...] = jnp.zeros(mass_scratch.shape, jnp.float32)
+        square_scratch[...] = jnp.zeros(square_scratch.shape, jnp.float32)
+
+    @pl.when((phase == 1) & causal_block & (kv_block >= lax.div(window_start, block_k)))
+    def _accumulate_concentration():
+        def head_step(head, head_sum):
+            scores, _ = logits(head)
+            return head_sum + jnp.exp(scores - max_scratch[head][:, :1])
+
+        head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))
+        in_window = visible & (k_pos >= window_start)
+        head_mean = jnp.where(in_window, head_sum * (1.0 / num_heads), 0.0)
+        mass_scratch[...] += jnp.sum(head_mean, axis=1, keepdims=True)
+        square_scratch[...] += jnp.sum(head_mean * head_mean, axis=1, keepdims=True)
+
+    @pl.when((phase == 1) & (kv_block == pl.num_programs(3) - 1))
+    def _finish_concentration():
+        mass = mass_scratch[...]
+        has_window = mass > 0
+        safe_mass = jnp.where(has_window, mass, 1.0)
+        herfindahl = jnp.where(has_window, square_scratch[...] / (safe_mass * safe_mass), 0.0)
+        herfindahl_ref[...] = herfindahl.T[:1, :]
+
+
+def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q, block_k, keep_last_in_phase_1):
+    """Clamps kv_block to the blocks the program computes on, so skipped steps fetch nothing new."""
+    last = lax.div((q_block + 1) * block_q - 1, block_k)
+    first = jnp.where(phase == 1, lax.div(window_start_ref[batch], block_k), 0)
+    if keep_last_in_phase_1:  # v is not read in phase 1: hold the last phase-0 block
+        first = jnp.where(phase == 1, last, first)
+    return jnp.minimum(jnp.maximum(kv_block, first), last)
+
+
+def attention_with_concentration_tpu(
+    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, interpret=False
+):
+    """Blockwise attention with concentration on TPU (or interpreted on CPU).
+
+    Same contract as `pallas_kernels.attention_with_concentration`. On TPU block_q must be a
+    multiple of 8 and block_k of 128 (interpreted: both multiples of 8); L is padded to a
+    multiple of both internally. Default blocks are the largest that fit the VMEM budget.
+    """
+    batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
+    key_multiple = 8 if interpret else LANES
+    default_q, default_k = default_block_sizes(
+        length, num_heads, num_kv_heads, head_dim, q.dtype.itemsize, lane_multiple=key_multiple
+    )
+    block_q, block_k = block_q or default_q, block_k or default_k
+    for name, block, multiple in (("block_q", block_q, 8), ("block_k", block_k, key_multiple)):
+        if block % multiple:
+            raise ValueError(f"{name}={block} must be a multiple of {multiple} for the {'interpret' if interpret else 'tpu'} backend")
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    padded = round_up(length, math.lcm(block_q, block_k))
+    pad = padded - length
+
+    def heads_major(x):  # [B, L, H, D] -> [B, H, Lp, D]
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    key_mask = jnp.pad(attention_mask, ((0, 0), (0, pad))).astype(jnp.int32)[:, None, :]
+    window_start = window_start.astype(jnp.int32)
+    num_q_blocks, num_kv_blocks = padded // block_q, padded // block_k
+
+    kv_map = functools.partial(_kv_index_map, block_q=block_q, block_k=block_k)
+    k_map = functools.partial(kv_map, keep_last_in_phase_1=False)
+    v_map = functools.partial(kv_map, keep_last_in_phase_1=True)
+    q_spec = pl.BlockSpec((None, num_heads, block_q, head_dim), lambda b, i, p, j, ws: (b, 0, i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(batch, num_q_blocks, 2, num_kv_blocks),
+        in_specs=[
+            q_spec,
+            pl.BlockSpec((None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws), 0)),
+            pl.BlockSpec((None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, v_map(b, i, p, j, ws), 0)),
+            pl.BlockSpec((None, 1, block_k), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws))),
+        ],
+        out_specs=[q_spec, pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0))],
+        scratch_shapes=[
+            pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
+            pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
+            pltpu.VMEM((num_heads, block_q, head_dim), jnp.float32),
+            pltpu.VMEM((block_q, LANES), jnp.float32),
+            pltpu.VMEM((block_q, LANES), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(
+        _concentration_attention_kernel,
+        sm_scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        group=num_heads // num_kv_heads,
+        # fp32 inputs get fp32 matmuls on the MXU (its default would round them to bf16).
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )
+    out, herfindahl = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_heads, padded, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((batch, num_q_blocks, 1, block_q), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="attention_with_concentration",
+    )(window_start, heads_major(q), heads_major(k), heads_major(v), key_mask)
+    out = out.transpose(0, 2, 1, 3)[:, :length]
+    return out, herfindahl.reshape(batch, padded)[:, :length], window_sizes(attention_mask, window_start)
+
