@@ -11,9 +11,10 @@ Backends:
 - "reference": materialized [L, L] probabilities, the test oracle (small L only).
 `backend=None` picks "tpu" on TPU, "gpu" on GPU and "interpret" on CPU.
 
-No gradient is defined through the kernels: they serve the scoring pass (behaviour-policy
-statistics, which CompPO detaches). Training-time attention goes through `forward` without a
-window, which uses differentiable fused attention.
+Gradients: herfindahl and window_size are detached statistics (CompPO never differentiates
+kappa), so they carry none. The kernels themselves are forward-only (the scoring pass); the
+attention output gets its gradient from `causal_attention` (XLA) recomputed in the backward
+pass, so `forward(..., window_start=...)` stays differentiable in its logits.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 
 import jax
 
+from pallas_kernels.common import causal_attention
 from pallas_kernels.gpu import attention_with_concentration_gpu
 from pallas_kernels.reference import attention_with_concentration_reference
 from pallas_kernels.tpu import attention_with_concentration_tpu
@@ -52,7 +54,27 @@ def attention_with_concentration(
         raise ValueError(f"backend={backend!r} is not available; available backends: {sorted(BACKENDS)}")
     if backend == "reference":  # block sizes only apply to the blockwise backends
         return attention_with_concentration_reference(q, k, v, attention_mask, window_start, sm_scale=sm_scale)
-    return BACKENDS[backend](q, k, v, attention_mask, window_start, sm_scale=sm_scale, block_q=block_q, block_k=block_k)
+    kernel = functools.partial(BACKENDS[backend], sm_scale=sm_scale, block_q=block_q, block_k=block_k)
+    return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start)
+
+
+def _with_xla_gradient(kernel, sm_scale):
+    """`kernel` whose output's VJP is that of `causal_attention`; the statistics get no gradient."""
+
+    @jax.custom_vjp
+    def attention(q, k, v, attention_mask, window_start):
+        return kernel(q, k, v, attention_mask, window_start)
+
+    def forward_pass(q, k, v, attention_mask, window_start):
+        return kernel(q, k, v, attention_mask, window_start), (q, k, v, attention_mask)
+
+    def backward_pass(residuals, cotangents):
+        q, k, v, attention_mask = residuals
+        _, pullback = jax.vjp(lambda q, k, v: causal_attention(q, k, v, attention_mask, sm_scale=sm_scale), q, k, v)
+        return (*pullback(cotangents[0]), None, None)
+
+    attention.defvjp(forward_pass, backward_pass)
+    return attention
 
 
 __all__ = ["attention_with_concentration", "default_backend", "BACKENDS", "PLATFORM_BACKENDS"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -45,3 +46,14 @@ def window_sizes(attention_mask, window_start):
     before = jnp.where(window_start[:, None] > 0, before, 0)  # real keys in [0, window_start)
     positions = jnp.arange(attention_mask.shape[1])[None]
     return jnp.where(positions >= window_start[:, None], counts - before, 0).astype(jnp.int32)
+
+
+def causal_attention(q, k, v, attention_mask, *, sm_scale=None):
+    """Plain causal GQA attention, `jax.nn.dot_product_attention` (XLA; cuDNN where it applies).
+
+    The layers without concentration use it, and it supplies the gradient of the kernels' output.
+    """
+    length = q.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+    mask = causal[None, None] & attention_mask[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale)

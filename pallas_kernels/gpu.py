@@ -42,12 +42,12 @@ def _attention_kernel(q_ref, k_ref, v_ref, key_mask_ref, out_ref, lse_ref, *, sm
         keys = pl.ds(kv_block * block_k, block_k)
         k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         visible = (k_pos <= q_pos) & (key_mask_ref[keys][None, :] != 0)
-        scores = pl.dot(q, k_ref[keys, :], trans_b=True, allow_tf32=allow_tf32) * sm_scale
+        scores = pltriton.dot(q, k_ref[keys, :], trans_b=True, allow_tf32=allow_tf32) * sm_scale
         scores = jnp.where(visible, scores, MASK_VALUE)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
         rescale = jnp.exp(running_max - new_max)
         probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
-        values = pl.dot(probs.astype(v_ref.dtype), v_ref[keys, :], allow_tf32=allow_tf32)
+        values = pltriton.dot(probs.astype(v_ref.dtype), v_ref[keys, :], allow_tf32=allow_tf32)
         return rescale[:, None] * acc + values, new_max, rescale * running_sum + jnp.sum(probs, axis=1)
 
     num_kv_blocks = lax.div((q_block + 1) * block_q + block_k - 1, block_k)  # causal upper bound
@@ -77,7 +77,7 @@ def _concentration_kernel(
         keys = pl.ds(kv_block * block_k, block_k)
 
         def head_step(head, head_sum):
-            scores = pl.dot(q_ref[queries, head, :], k_ref[keys, lax.div(head, group), :], trans_b=True, allow_tf32=allow_tf32)
+            scores = pltriton.dot(q_ref[queries, head, :], k_ref[keys, lax.div(head, group), :], trans_b=True, allow_tf32=allow_tf32)
             return head_sum + jnp.exp(scores * sm_scale - lse_ref[head, queries][:, None])
 
         head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))

@@ -4,7 +4,7 @@ Definitions (../shared/DESIGN.md, paper eq. herfindahl): for the query at positi
 `a_pi` is the attention probability on key i averaged over all query heads, restricted to
 the window keys i in [window_start, p] that are real tokens, and renormalized there;
 `H_p = sum_i a_pi^2` and `n_p` is the number of window keys. Where the window is empty
-(p < window_start) H is 0 and n is 0.
+(p < window_start) H is 0 and n is 0; a query with no visible key at all gets a zero output.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def attention_with_concentration_reference(q, k, v, attention_mask, window_start
     logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+    # A query with no visible key (left padding) gets a zero output, as in the blockwise kernels.
+    out = jnp.where(allowed.any(-1)[:, :, None, None], out.reshape(batch, length, num_heads, head_dim), 0.0).astype(q.dtype)
 
     in_window = allowed & (positions[None, None, :] >= window_start[:, None, None])
     head_mean = jnp.where(in_window, probs.mean(axis=(1, 2)), 0.0)

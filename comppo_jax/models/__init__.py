@@ -2,7 +2,7 @@
 
 from comppo_jax.models.config import ConfigError, Llama3RopeScaling, ModelConfig
 from comppo_jax.models.hf import CheckpointError, from_hf, to_hf
-from comppo_jax.models.loading import load_policy
+from comppo_jax.models.loading import load_config_file, load_policy, preset_model_config
 from comppo_jax.models.transformer import ForwardOutput, forward, init_params, param_shapes
 
 __all__ = [
@@ -14,7 +14,9 @@ __all__ = [
     "forward",
     "from_hf",
     "init_params",
+    "load_config_file",
     "load_policy",
     "param_shapes",
+    "preset_model_config",
     "to_hf",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from typing import Any, Mapping
 
 import jax
@@ -9,6 +11,9 @@ import jax
 from comppo_jax.models.config import ConfigError, ModelConfig
 from comppo_jax.models.hf import from_hf
 from comppo_jax.models.transformer import init_params
+
+# The repository's ml_collections presets (configs/*.py), for benchmarks and tests run from a checkout.
+PRESET_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 # Fields that decide the parameter shapes and the function the model computes.
 _ARCHITECTURE_FIELDS = (
@@ -35,3 +40,19 @@ def load_policy(model_section: Mapping[str, Any], rng: jax.Array) -> tuple[Model
                 f"{getattr(arch, field)!r}; use the config preset for this checkpoint or override model.arch.{field}"
             )
     return config, params
+
+
+def load_config_file(path: str | pathlib.Path):
+    """`get_config()` of an ml_collections config file, as `--config=path` loads it."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def preset_model_config(name: str) -> ModelConfig:
+    """The architecture (`model.arch`) of the preset `configs/{name}.py`, e.g. "tiny" or "qwen3_4b"."""
+    return ModelConfig.from_dict(load_config_file(PRESET_DIR / f"{name}.py").model.arch.to_dict())

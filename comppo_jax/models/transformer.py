@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels.common import causal_attention
 from comppo_jax.models.config import ModelConfig
 
 
@@ -122,14 +123,6 @@ def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def fused_attention(q, k, v, attention_mask):
-    """Causal GQA attention for all but the final layer (XLA on CPU/TPU, cuDNN where it applies)."""
-    length = q.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    mask = causal[None, None] & attention_mask[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask)
-
-
 def _mlp(layer, x):
     gate = _project(x, layer["gate_proj"])
     up = _project(x, layer["up_proj"])
@@ -199,7 +192,7 @@ def forward(
 
     def plain(q, k, v):
         zeros = jnp.zeros((batch, length), jnp.float32)
-        return fused_attention(q, k, v, attention_mask), zeros, zeros.astype(jnp.int32)
+        return causal_attention(q, k, v, attention_mask), zeros, zeros.astype(jnp.int32)
 
     def concentrated(q, k, v):
         out, herfindahl, window_size = pallas_kernels.attention_with_concentration(

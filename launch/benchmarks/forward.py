@@ -6,7 +6,6 @@ side is timed with and without the final-layer concentration.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 
@@ -15,25 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import interleaved_medians, print_table
-from comppo_jax.models import ModelConfig, forward, from_hf
-
-TINY_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.py")
-
-
-def tiny_model_config() -> ModelConfig:
-    """The `configs/tiny.py` architecture (the embedded default)."""
-    spec = importlib.util.spec_from_file_location("tiny_config", TINY_CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return ModelConfig.from_dict(module.get_config().model.arch.to_dict())
-
+from comppo_jax.models import forward, from_hf, preset_model_config
 
 def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    tiny = tiny_model_config()
+    tiny = preset_model_config("tiny")
     hf_config = transformers.AutoConfig.for_model(tiny.architecture, **tiny.to_hf_kwargs())
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     with tempfile.TemporaryDirectory() as path:

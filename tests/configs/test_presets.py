@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import jax
 import pytest
 
-from comppo_jax.models import ModelConfig, init_params
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_config", os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
+from comppo_jax.models import ConfigError, ModelConfig, init_params, load_config_file, preset_model_config
 
 def parameter_count(config: ModelConfig) -> int:
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
@@ -32,12 +20,17 @@ def parameter_count(config: ModelConfig) -> int:
     [("qwen3_4b", 4.02), ("llama3_8b", 8.03)],
 )
 def test_presets_have_the_published_parameter_counts(name, expected_billions):
-    config = ModelConfig.from_dict(load(name).model.arch.to_dict())
+    config = preset_model_config(name)
     assert config.dtype == "bfloat16"
     assert abs(parameter_count(config) / 1e9 - expected_billions) < 0.01
 
 
 def test_tiny_preset_is_small_and_float32():
-    config = ModelConfig.from_dict(load("tiny").model.arch.to_dict())
+    config = preset_model_config("tiny")
     assert config.dtype == "float32" and config.architecture == "qwen3"
     assert parameter_count(config) < 2_000_000
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*nope\.py does not exist"):
+        load_config_file(tmp_path / "nope.py")
