@@ -33,3 +33,11 @@ def test_credit_suite_checks_agreement_and_prints_ratios():
 def test_unknown_suite_is_refused():
     result = benchmark("nonsense")
     assert result.returncode != 0 and "SUITE one of" in result.stderr
+
+
+def test_kernel_suite_prints_time_and_memory_side_by_side():
+    result = benchmark("kernel", "--length=128", "--repeats=1")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[1] for row in rows] == ["dot_product_attention", "attention_with_concentration"]
+    assert rows[0][-2] == "1.00x" and all(row[-1].isdigit() for row in rows)

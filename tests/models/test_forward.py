@@ -92,6 +92,34 @@ def test_forward_is_differentiable_and_concentration_is_detached(params):
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(herfindahl_grads))
 
 
+def count_pallas_calls(jaxpr):
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "pallas_call"
+        for param in eqn.params.values():
+            for nested in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(nested, "jaxpr", nested)
+                if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
+                    count += count_pallas_calls(inner)
+    return count
+
+
+def test_only_the_final_layer_runs_the_kernel_and_it_matches_the_reference(params):
+    tokens, mask = right_padded_batch(lengths=(12, 9), length=12, vocab=CONFIG.vocab_size)
+    args = (params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask))
+    window_start = jnp.asarray([3, 0], jnp.int32)
+    # One kernel in the layer scan, selected by lax.cond at the last index; none without a window.
+    assert count_pallas_calls(jax.make_jaxpr(lambda *a: forward(*a, window_start, concentration_backend="interpret"), static_argnums=1)(*args).jaxpr) == 1
+    assert count_pallas_calls(jax.make_jaxpr(lambda *a: forward(*a), static_argnums=1)(*args).jaxpr) == 0
+
+    kernel = forward(*args, window_start, concentration_backend="interpret")
+    reference = forward(*args, window_start, concentration_backend="reference")
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(kernel.logits)[real], np.asarray(reference.logits)[real], atol=1e-5)
+    np.testing.assert_allclose(kernel.herfindahl, reference.herfindahl, atol=1e-5)
+    np.testing.assert_array_equal(kernel.window_size, reference.window_size)
+
+
 @pytest.mark.parametrize(
     "tokens,mask,window_start,hidden_layers,message",
     [
