@@ -97,9 +97,12 @@ def _concentration_kernel(
 
 def attention_with_concentration_gpu(
     q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None,
-    num_warps=None, num_stages=2, interpret=False,
+    num_warps=None, num_stages=2, interpret=False, return_lse=False,
 ):
-    """Blockwise attention with concentration via Triton; same contract as the package entry point."""
+    """Blockwise attention with concentration via Triton; same contract as the package entry point.
+
+    `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32.
+    """
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     block_q = block_q or min(64, max(16, pl.next_power_of_2(length)))
     block_k = block_k or min(64, max(16, pl.next_power_of_2(length)))
@@ -147,4 +150,5 @@ def attention_with_concentration_gpu(
         interpret=interpret,
         name="attention_concentration",
     )(window_start, q, k, lse, key_mask)
-    return out[:, :length], herfindahl[:, :length], window_sizes(attention_mask, window_start)
+    outputs = (out[:, :length], herfindahl[:, :length], window_sizes(attention_mask, window_start))
+    return outputs + (lse[:, :, :length],) if return_lse else outputs

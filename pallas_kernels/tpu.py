@@ -4,7 +4,7 @@ One `pallas_call` over the grid (batch, q block, phase, kv block). A program hol
 for ALL query heads, because the head average couples them (paper eq. herfindahl):
 
 - phase 0 runs the online softmax over the causal kv blocks, per head, in fp32, and writes the
-  attention output; the final per-head log-sum-exp stays in VMEM scratch.
+  attention output and the per-head log-sum-exp, which also stays in VMEM scratch.
 - phase 1 revisits the kv blocks that meet the window [window_start, p] and recomputes the
   probabilities exactly from that LSE, p_hi = exp(s_hi - lse_h), sums them over heads, and
   accumulates sum_i a_i and sum_i a_i^2 over the window keys. H = (sum a^2) / (sum a)^2 is the
@@ -70,6 +70,7 @@ def _concentration_attention_kernel(
     key_mask_ref,  # (1, bk) int32, 1 = real token
     out_ref,  # (Hq, bq, D)
     herfindahl_ref,  # (1, bq) f32, lane-major
+    lse_ref,  # (Hq, 1, bq) f32, lane-major
     max_scratch,  # (Hq, bq, LANES) f32: running max, then the final LSE
     sum_scratch,  # (Hq, bq, LANES) f32: running softmax denominator
     acc_scratch,  # (Hq, bq, D) f32: unnormalized output
@@ -133,7 +134,9 @@ def _concentration_attention_kernel(
             seen = total > 0  # False only for a query with no visible key (left padding)
             safe_total = jnp.where(seen, total, 1.0)
             out_ref[head] = jnp.where(seen[:, :1], acc_scratch[head] / safe_total[:, :1], 0.0).astype(out_ref.dtype)
-            max_scratch[head] = jnp.where(seen, max_scratch[head] + jnp.log(safe_total), 0.0)
+            lse = jnp.where(seen, max_scratch[head] + jnp.log(safe_total), 0.0)
+            max_scratch[head] = lse
+            lse_ref[head] = lse.T[:1, :]
             return carry
 
         lax.fori_loop(0, num_heads, head_step, 0)
@@ -174,13 +177,16 @@ def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q,
 
 
 def attention_with_concentration_tpu(
-    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, interpret=False
+    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, interpret=False,
+    return_lse=False,
 ):
     """Blockwise attention with concentration on TPU (or interpreted on CPU).
 
     Same contract as `pallas_kernels.attention_with_concentration`. On TPU block_q must be a
     multiple of 8 and block_k of 128 (interpreted: both multiples of 8); L is padded to a
     multiple of both internally. Default blocks are the largest that fit the VMEM budget.
+    `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
+    (0 for a query that sees no key).
     """
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     key_multiple = 8 if interpret else LANES
@@ -215,7 +221,11 @@ def attention_with_concentration_tpu(
             pl.BlockSpec((None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, v_map(b, i, p, j, ws), 0)),
             pl.BlockSpec((None, 1, block_k), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws))),
         ],
-        out_specs=[q_spec, pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0))],
+        out_specs=[
+            q_spec,
+            pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0)),
+            pl.BlockSpec((None, None, num_heads, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0, 0)),
+        ],
         scratch_shapes=[
             pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
             pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
@@ -233,17 +243,22 @@ def attention_with_concentration_tpu(
         # fp32 inputs get fp32 matmuls on the MXU (its default would round them to bf16).
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )
-    out, herfindahl = pl.pallas_call(
+    out, herfindahl, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_heads, padded, head_dim), q.dtype),
             jax.ShapeDtypeStruct((batch, num_q_blocks, 1, block_q), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_q_blocks, num_heads, 1, block_q), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="attention_with_concentration",
     )(window_start, heads_major(q), heads_major(k), heads_major(v), key_mask)
     out = out.transpose(0, 2, 1, 3)[:, :length]
-    return out, herfindahl.reshape(batch, padded)[:, :length], window_sizes(attention_mask, window_start)
+    herfindahl = herfindahl.reshape(batch, padded)[:, :length]
+    outputs = (out, herfindahl, window_sizes(attention_mask, window_start))
+    if return_lse:
+        return outputs + (lse.transpose(0, 2, 1, 3, 4).reshape(batch, num_heads, padded)[:, :, :length],)
+    return outputs
 

@@ -142,6 +142,10 @@ def test_tpu_kernel_compiles_for_fp32_inputs():
 
 
 def test_gpu_kernels_lower_for_cuda():
+    # An abstract H100 tells the Triton lowering the compute capability (jax >= 0.11 needs one
+    # when no GPU is attached).
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
     f = functools.partial(attention_with_concentration, backend="gpu")
-    text = jax.jit(f).trace(*qwen3_4b_final_layer(4096)).lower(lowering_platforms=("cuda",)).as_text()
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        text = jax.jit(f).trace(*qwen3_4b_final_layer(4096)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2  # attention + LSE, then the concentration

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from comppo_jax import normalized_concentration
 from pallas_kernels import attention_with_concentration, default_backend
 from pallas_kernels.gpu import attention_with_concentration_gpu
+from pallas_kernels.tpu import attention_with_concentration_tpu
 
 BLOCKWISE = {
-    "interpret": functools.partial(attention_with_concentration, backend="interpret"),
+    "interpret": functools.partial(attention_with_concentration_tpu, interpret=True),
     "gpu-interpret": functools.partial(attention_with_concentration_gpu, interpret=True),
 }
 ALL_BACKENDS = {**BLOCKWISE, "reference": functools.partial(attention_with_concentration, backend="reference")}
@@ -116,6 +117,17 @@ def test_uniform_attention_gives_c_zero_and_one_hot_gives_c_one(backend):
     _, herfindahl, n = ALL_BACKENDS[backend](q_one_hot, jnp.asarray(one_hot_key), v, mask, window_start, **kwargs)
     c = normalized_concentration(herfindahl, n)
     np.testing.assert_allclose(np.asarray(c)[np.asarray(n) >= 2], 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", sorted(BLOCKWISE))
+def test_log_sum_exp_matches_the_masked_logits(backend):
+    q, k, v, mask = random_inputs(6, num_heads=8, num_kv_heads=2)
+    *_, lse = BLOCKWISE[backend](q, k, v, mask, jnp.zeros((3,), jnp.int32), return_lse=True, **BLOCKS)
+    length = q.shape[1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 4, axis=2)) * q.shape[-1] ** -0.5
+    visible = jnp.tril(jnp.ones((length, length), bool))[None, None] & mask[:, None, None, :]
+    expected = jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    np.testing.assert_allclose(lse, expected, atol=1e-5)
 
 
 def test_kernel_output_is_differentiable_through_xla_attention():
