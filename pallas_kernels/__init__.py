@@ -46,15 +46,23 @@ def default_backend() -> str:
 
 
 def attention_with_concentration(
-    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, backend=None
+    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, backend=None, return_lse=False
 ):
-    """Causal GQA attention plus (herfindahl [B, L] f32, window_size [B, L] int32); see module doc."""
+    """Causal GQA attention plus (herfindahl [B, L] f32, window_size [B, L] int32); see module doc.
+
+    `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
+    (detached), which lets a later pass recompute exact attention probabilities blockwise.
+    """
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not available; available backends: {sorted(BACKENDS)}")
     if backend == "reference":  # block sizes only apply to the blockwise backends
-        return attention_with_concentration_reference(q, k, v, attention_mask, window_start, sm_scale=sm_scale)
-    kernel = functools.partial(BACKENDS[backend], sm_scale=sm_scale, block_q=block_q, block_k=block_k)
+        return attention_with_concentration_reference(
+            q, k, v, attention_mask, window_start, sm_scale=sm_scale, return_lse=return_lse
+        )
+    kernel = functools.partial(
+        BACKENDS[backend], sm_scale=sm_scale, block_q=block_q, block_k=block_k, return_lse=return_lse
+    )
     return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start)
 
 

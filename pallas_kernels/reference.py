@@ -15,11 +15,12 @@ import jax.numpy as jnp
 from pallas_kernels.common import check_attention_inputs
 
 
-def attention_with_concentration_reference(q, k, v, attention_mask, window_start, *, sm_scale=None):
+def attention_with_concentration_reference(q, k, v, attention_mask, window_start, *, sm_scale=None, return_lse=False):
     """Causal GQA attention that materializes the [L, L] probabilities.
 
     q [B, L, Hq, D]; k, v [B, L, Hkv, D]; attention_mask [B, L] bool; window_start [B] int32.
-    Returns (out [B, L, Hq, D] in q's dtype, herfindahl [B, L] f32, window_size [B, L] int32).
+    Returns (out [B, L, Hq, D] in q's dtype, herfindahl [B, L] f32, window_size [B, L] int32),
+    plus the per-head log-sum-exp [B, Hq, L] f32 (0 where no key is visible) with `return_lse`.
     """
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     group = num_heads // num_kv_heads
@@ -41,4 +42,7 @@ def attention_with_concentration_reference(q, k, v, attention_mask, window_start
     mass = head_mean.sum(-1)
     window_size = in_window.sum(-1).astype(jnp.int32)
     herfindahl = jnp.where(window_size > 0, jnp.square(head_mean).sum(-1) / jnp.square(jnp.where(mass > 0, mass, 1.0)), 0.0)
-    return out, herfindahl, window_size
+    if not return_lse:
+        return out, herfindahl, window_size
+    lse = jax.nn.logsumexp(logits, axis=-1).reshape(batch, num_heads, length)
+    return out, herfindahl, window_size, jnp.where(allowed.any(-1)[:, None, :], lse, 0.0)

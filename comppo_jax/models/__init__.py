@@ -3,11 +3,12 @@
 from comppo_jax.models.config import ConfigError, Llama3RopeScaling, ModelConfig
 from comppo_jax.models.hf import CheckpointError, from_hf, to_hf
 from comppo_jax.models.loading import load_config_file, load_policy, preset_model_config
-from comppo_jax.models.transformer import ForwardOutput, forward, init_params, param_shapes
+from comppo_jax.models.transformer import FinalAttention, ForwardOutput, forward, init_params, param_shapes
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "FinalAttention",
     "ForwardOutput",
     "Llama3RopeScaling",
     "ModelConfig",

@@ -27,11 +27,20 @@ from pallas_kernels.common import causal_attention
 from comppo_jax.models.config import ModelConfig
 
 
+class FinalAttention(NamedTuple):
+    """The final layer's attention inputs, detached: enough to recompute its probabilities blockwise."""
+
+    q: jax.Array  # [B, L, Hq, hd] after q-norm and RoPE, config.dtype
+    k: jax.Array  # [B, L, Hkv, hd] after k-norm and RoPE, config.dtype
+    lse: jax.Array  # [B, Hq, L] float32, per-head log-sum-exp of the scaled causal logits
+
+
 class ForwardOutput(NamedTuple):
     logits: jax.Array  # [B, L, V] float32
     hidden_states: jax.Array  # [K, B, L, D], the requested `hidden_layers` (HF indexing)
     herfindahl: jax.Array | None  # [B, L] float32, final-layer concentration (None without window_start)
     window_size: jax.Array | None  # [B, L] int32, n for the same window
+    final_attention: FinalAttention | None = None  # with return_final_attention=True
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -130,13 +139,13 @@ def _mlp(layer, x):
 
 
 def _decoder_layer(layer, x, positions, config, inv_freq, attention):
-    """One pre-norm block; `attention(q, k, v)` returns (out, herfindahl, window_size)."""
+    """One pre-norm block; `attention(q, k, v)` returns (out, final-layer statistics)."""
     batch, length, _ = x.shape
     q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, config, inv_freq)
-    attn, herfindahl, window_size = attention(q, k, v)
+    attn, statistics = attention(q, k, v)
     x = x + _project(attn.reshape(batch, length, -1), layer["o_proj"])
     x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
-    return x, herfindahl, window_size
+    return x, statistics
 
 
 def _hidden_slots(config: ModelConfig, hidden_layers: tuple[int, ...]) -> np.ndarray:
@@ -160,7 +169,7 @@ def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_l
         raise ValueError(f"hidden_layers {bad} out of range [0, {config.num_layers}] (HF hidden_states indexing)")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend"))
+@functools.partial(jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend", "return_final_attention"))
 def forward(
     params: dict,
     config: ModelConfig,
@@ -170,6 +179,7 @@ def forward(
     *,
     hidden_layers: tuple[int, ...] | None = None,
     concentration_backend: str | None = None,
+    return_final_attention: bool = False,
 ) -> ForwardOutput:
     """Teacher-forced forward pass.
 
@@ -180,7 +190,12 @@ def forward(
     final norm); None returns all num_layers + 1. Only the final layer runs the
     concentration attention (`pallas_kernels.attention_with_concentration`); the others
     use fused attention. Concentration is a detached statistic: it carries no gradient.
+    `return_final_attention=True` (needs window_start) also returns the final layer's
+    detached q, k and per-head LSE (`FinalAttention`), which the TAC critic's top-K routing
+    reads.
     """
+    if return_final_attention and window_start is None:
+        raise ValueError("return_final_attention=True needs window_start (the final layer's kernel computes the LSE)")
     hidden_layers = tuple(range(config.num_layers + 1)) if hidden_layers is None else tuple(hidden_layers)
     _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers)
     batch, length = tokens.shape
@@ -190,38 +205,47 @@ def forward(
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
     embedded = params["embed"].astype(dtype)[tokens]
 
-    def plain(q, k, v):
-        zeros = jnp.zeros((batch, length), jnp.float32)
-        return causal_attention(q, k, v, attention_mask), zeros, zeros.astype(jnp.int32)
-
     def concentrated(q, k, v):
-        out, herfindahl, window_size = pallas_kernels.attention_with_concentration(
-            q, k, v, attention_mask, window_start.astype(jnp.int32), backend=concentration_backend
+        out, herfindahl, window_size, *lse = pallas_kernels.attention_with_concentration(
+            q, k, v, attention_mask, window_start.astype(jnp.int32), backend=concentration_backend,
+            return_lse=return_final_attention,
         )
-        return out, jax.lax.stop_gradient(herfindahl), window_size
+        statistics = {"herfindahl": herfindahl, "window_size": window_size}
+        if return_final_attention:
+            statistics["final_attention"] = FinalAttention(q, k, lse[0])
+        return out, jax.lax.stop_gradient(statistics)
+
+    def no_statistics(q, k, v):  # zeros shaped like the final layer's statistics
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(concentrated, q, k, v)[1])
+
+    def plain(q, k, v):
+        return causal_attention(q, k, v, attention_mask), no_statistics(q, k, v)
 
     def step(carry, scanned):
-        x, captured, herfindahl, window_size = carry
+        x, captured, statistics = carry
         layer, index, slot = scanned
-        attention = plain
+        attention = lambda q, k, v: (causal_attention(q, k, v, attention_mask), {})
         if window_start is not None:
             attention = lambda q, k, v: jax.lax.cond(index == config.num_layers - 1, concentrated, plain, q, k, v)
-        x, layer_h, layer_n = _decoder_layer(layer, x, positions, config, inv_freq, attention)
+        x, layer_statistics = _decoder_layer(layer, x, positions, config, inv_freq, attention)
         # Only the final layer's statistics are non-zero, so summing over layers selects them.
         captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
-        return (x, captured, herfindahl + layer_h, window_size + layer_n), None
+        return (x, captured, jax.tree.map(jnp.add, statistics, layer_statistics)), None
 
     # One spare slot receives the layers nobody asked for.
     captured = jnp.zeros((len(hidden_layers) + 1, batch, length, config.hidden_size), dtype)
     scanned = (params["layers"], jnp.arange(config.num_layers), jnp.asarray(_hidden_slots(config, hidden_layers)))
-    init = (embedded, captured, jnp.zeros((batch, length), jnp.float32), jnp.zeros((batch, length), jnp.int32))
-    (x, captured, herfindahl, window_size), _ = jax.lax.scan(step, init, scanned)
+    statistics = {}
+    if window_start is not None:
+        first_layer = jax.tree.map(lambda x: x[0], params["layers"])
+        statistics = no_statistics(*jax.eval_shape(lambda: _qkv(first_layer, embedded, positions, config, inv_freq)))
+    (x, captured, statistics), _ = jax.lax.scan(step, (embedded, captured, statistics), scanned)
 
     final = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == 0], jnp.int32)].set(embedded)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)].set(final)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("bld,dv->blv", final, head.astype(dtype), preferred_element_type=jnp.float32)
-    if window_start is None:
-        herfindahl = window_size = None
-    return ForwardOutput(logits, captured[:-1], herfindahl, window_size)
+    return ForwardOutput(
+        logits, captured[:-1], statistics.get("herfindahl"), statistics.get("window_size"), statistics.get("final_attention")
+    )
