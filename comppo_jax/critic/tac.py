@@ -70,11 +70,56 @@ def mix_values(kappa, value_routed, value_local):
     return jnp.clip(kappa * value_routed + (1.0 - kappa) * value_local, -1.0, 1.0)
 
 
+def _pool_gathered(gathered, block_inputs, eps):
+    """One query block from its gathered keys: eqs. (valuegate, relevance, globalpool)."""
+    beta_keys, relevance_keys, value_keys = gathered
+    weights, valid, beta_q, relevance_q = block_inputs
+    scores = value_refined_routing(weights, beta_q, beta_keys) * token_relevance(relevance_q, relevance_keys)
+    return pool_history(scores, valid, value_keys, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pool_row(keys, indices, block_inputs, eps):
+    """Pooled history of one row, block by block. keys: three [L, d] arrays; indices [nb, bq, K]."""
+
+    def one_block(inputs):
+        block_indices, block = inputs
+        return _pool_gathered(tuple(key[block_indices] for key in keys), block, eps)
+
+    return jax.lax.map(one_block, (indices, block_inputs))
+
+
+def _pool_row_forward(keys, indices, block_inputs, eps):
+    return _pool_row(keys, indices, block_inputs, eps), (keys, indices, block_inputs)
+
+
+def _pool_row_backward(eps, residuals, pooled_cotangent):
+    # The keys' cotangents are scatter-added into one carried [L, d] buffer per block, so the
+    # backward pass costs O(L K d) like the forward (the default scan transpose would add a full
+    # [L, d] cotangent per block, O(L^2 d / block)).
+    keys, indices, block_inputs = residuals
+
+    def step(key_cotangents, inputs):
+        block_indices, block, cotangent = inputs
+        gathered = tuple(key[block_indices] for key in keys)
+        _, pullback = jax.vjp(lambda g, b: _pool_gathered(g, b, eps), gathered, block)
+        gathered_cotangent, block_cotangent = pullback(cotangent)
+        key_cotangents = tuple(acc.at[block_indices].add(ct) for acc, ct in zip(key_cotangents, gathered_cotangent))
+        return key_cotangents, block_cotangent
+
+    zeros = tuple(jnp.zeros_like(key) for key in keys)
+    key_cotangents, block_cotangents = jax.lax.scan(step, zeros, (indices, block_inputs, pooled_cotangent))
+    return key_cotangents, None, block_cotangents
+
+
+_pool_row.defvjp(_pool_row_forward, _pool_row_backward)
+
+
 def routed_pool(routing: Routing, beta_query, beta_key, relevance_query, relevance_key, values, *, eps, block):
     """eqs. (valuegate, relevance, globalpool) for every position, `block` queries at a time.
 
-    Per-position projections are [B, L, d]; the routed keys are gathered per query block and
-    recomputed in the backward pass (`jax.checkpoint`), so memory is O(L * (K + d)), never
+    Per-position projections are [B, L, d]; each query block gathers its K routed keys, so time
+    is O(L K d) forward and backward and memory O(L (K + d)) plus one [block, K, d] tile: never
     [L, L] nor [L, K, d].
     """
     batch, length, top_k = routing.indices.shape
@@ -84,20 +129,10 @@ def routed_pool(routing: Routing, beta_query, beta_key, relevance_query, relevan
         x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(batch, padded // block, block, *x.shape[2:])
 
-    @jax.checkpoint
-    def one_block(keys, block_inputs):
-        beta_key_row, relevance_key_row, values_row = keys
-        indices, weights, valid, beta_q, relevance_q = block_inputs
-        routed = value_refined_routing(weights, beta_q, beta_key_row[indices])
-        scores = routed * token_relevance(relevance_q, relevance_key_row[indices])
-        return pool_history(scores, valid, values_row[indices], eps)
-
-    def one_row(row_keys, row_blocks):
-        return jax.lax.map(functools.partial(one_block, row_keys), row_blocks)
-
-    pooled = jax.vmap(one_row)(
+    pooled = jax.vmap(functools.partial(_pool_row, eps=eps))(
         (beta_key, relevance_key, values),
-        tuple(blocks(x) for x in (routing.indices, routing.weights, routing.valid, beta_query, relevance_query)),
+        blocks(routing.indices),
+        tuple(blocks(x) for x in (routing.weights, routing.valid, beta_query, relevance_query)),
     )
     return pooled.reshape(batch, padded, -1)[:, :length]
 
@@ -142,6 +177,21 @@ class TransportAlignedCritic(nn.Module):
         value_routed = value_output("routed_output", pooled + routed_bias)
         value_local = value_output("local_output", nn.Dense(self.bottleneck, name="local_hidden")(fused))
         return CriticOutput(mix_values(kappa.astype(jnp.float32), value_routed, value_local), value_local, value_routed)
+
+
+def fused_hidden_layers(num_layers: int, fused_layers: int) -> tuple[int, ...]:
+    """HF hidden-state indices of the last `fused_layers` (num_layers = after the final norm),
+    to pass to `forward(..., hidden_layers=...)`."""
+    if not 1 <= fused_layers <= num_layers + 1:
+        raise ValueError(f"critic.fused_layers={fused_layers} must be in [1, {num_layers + 1}] for a {num_layers}-layer model")
+    return tuple(range(num_layers + 1 - fused_layers, num_layers + 1))
+
+
+def critic_from_config(section) -> TransportAlignedCritic:
+    """The TAC module of a config's `critic` section (kind "tac")."""
+    if section.kind != "tac":
+        raise ValueError(f"critic.kind={section.kind!r} has no TAC module; the standard critic is `standard_value_head`")
+    return TransportAlignedCritic(bottleneck=section.bottleneck, eps=section.eps, query_block=section.query_block)
 
 
 def init_standard_value_head(hidden_size: int) -> dict:

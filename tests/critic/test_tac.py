@@ -11,20 +11,23 @@ import pytest
 
 from comppo_jax.critic import (
     TransportAlignedCritic,
+    critic_from_config,
     fuse_layers,
+    fused_hidden_layers,
     init_standard_value_head,
     mix_values,
     standard_value_head,
     window_topk,
 )
-from comppo_jax.models import ModelConfig, forward, init_params, preset_model_config
+from comppo_jax.models import ModelConfig, forward, init_params, load_config_file, preset_model_config
+from comppo_jax.models.loading import PRESET_DIR
 from pallas_kernels import attention_with_concentration
 
 CONFIG = ModelConfig(
     architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=4,
     num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
 )
-FUSED = tuple(range(CONFIG.num_layers - 3, CONFIG.num_layers + 1))  # the last 4 (HF indexing)
+FUSED = fused_hidden_layers(CONFIG.num_layers, 4)
 
 
 def random_attention_inputs(seed, lengths=(37, 25), num_heads=4, num_kv_heads=2, head_dim=8):
@@ -119,16 +122,29 @@ def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(mo
 
     attention = out.final_attention
     a, in_window = dense_window_attention(attention.q.astype(jnp.float32), attention.k.astype(jnp.float32), mask, window_start)
-    fused = fuse_layers(out.hidden_states, tac["eta"])
-    project = lambda name: fused @ tac[name]["kernel"]
-    d = 16
-    beta = jnp.einsum("btd,bid->bti", project("beta_query"), project("beta_key")) / math.sqrt(d)
-    relevance = jax.nn.relu(jnp.einsum("btd,bid->bti", project("relevance_query"), project("relevance_key")) / math.sqrt(d))
-    scores = jnp.where(in_window, a * jax.nn.sigmoid(beta) * relevance, 0.0)
-    history = scores @ project("routed_hidden") / (scores.sum(-1, keepdims=True) + 1e-6) + tac["routed_hidden_bias"]
-    expected = (jax.nn.gelu(history) @ tac["routed_output"]["kernel"])[..., 0] + tac["routed_output"]["bias"][0]
+
+    def dense_routed_value(tac):
+        fused = fuse_layers(out.hidden_states, tac["eta"])
+        project = lambda name: fused @ tac[name]["kernel"]
+        d = 16
+        beta = jnp.einsum("btd,bid->bti", project("beta_query"), project("beta_key")) / math.sqrt(d)
+        relevance = jax.nn.relu(jnp.einsum("btd,bid->bti", project("relevance_query"), project("relevance_key")) / math.sqrt(d))
+        scores = jnp.where(in_window, a * jax.nn.sigmoid(beta) * relevance, 0.0)
+        history = scores @ project("routed_hidden") / (scores.sum(-1, keepdims=True) + 1e-6) + tac["routed_hidden_bias"]
+        return (jax.nn.gelu(history) @ tac["routed_output"]["kernel"])[..., 0] + tac["routed_output"]["bias"][0]
+
+    expected = dense_routed_value(tac)
     np.testing.assert_allclose(got, expected, atol=1e-5)
     assert float(jnp.abs(expected).max()) > 1e-3
+
+    # The blockwise pooling's custom VJP gives the dense gradient.
+    weights = jnp.linspace(-1.0, 1.0, expected.size).reshape(expected.shape)
+    got_grads = jax.grad(lambda p: jnp.sum(weights * critic.apply({"params": p}, out.hidden_states, routing, kappa).value_routed))(tac)
+    expected_grads = jax.grad(lambda p: jnp.sum(weights * dense_routed_value(p)))(tac)
+    for name in ("beta_query", "beta_key", "relevance_query", "relevance_key", "routed_hidden", "eta", "routed_hidden_bias"):
+        for got_leaf, want_leaf in zip(jax.tree.leaves(got_grads[name]), jax.tree.leaves(expected_grads[name])):
+            assert float(jnp.abs(want_leaf).max()) > 0, name
+            np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5, rtol=1e-4, err_msg=name)
 
 
 def test_kappa_one_gives_routed_value_and_kappa_zero_gives_local_value(model):
@@ -186,7 +202,8 @@ def test_parameter_count_is_under_half_a_percent_of_qwen3_4b():
         )
     )
     shapes = jax.eval_shape(
-        lambda: TransportAlignedCritic().init(jax.random.PRNGKey(0), jnp.zeros(hidden.shape, hidden.dtype),
+        lambda: critic_from_config(load_config_file(PRESET_DIR / "qwen3_4b.py").critic).init(
+            jax.random.PRNGKey(0), jnp.zeros(hidden.shape, hidden.dtype),
                                               jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), routing), jnp.zeros((1, 8)))
     )
     critic = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
@@ -209,3 +226,15 @@ def test_bad_routing_inputs_are_named():
         window_topk(q, k, jnp.zeros((2, 4, 5)), mask, jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match=r"window_start must be \[B\]"):
         window_topk(q, k, jnp.zeros((2, 4, 37)), mask, jnp.zeros((3,), jnp.int32))
+
+
+def test_config_sections_build_the_critic_and_bad_values_are_named():
+    section = load_config_file(PRESET_DIR / "qwen3_4b.py").critic
+    critic = critic_from_config(section)
+    assert (critic.bottleneck, critic.eps) == (section.bottleneck, section.eps)
+    assert fused_hidden_layers(36, section.fused_layers) == (33, 34, 35, 36)
+    with pytest.raises(ValueError, match=r"critic.fused_layers=6 must be in \[1, 5\]"):
+        fused_hidden_layers(4, 6)
+    section.kind = "standard"
+    with pytest.raises(ValueError, match=r"critic.kind='standard' has no TAC module"):
+        critic_from_config(section)

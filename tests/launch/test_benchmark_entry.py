@@ -41,3 +41,11 @@ def test_kernel_suite_prints_time_and_memory_side_by_side():
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
     assert [row[1] for row in rows] == ["dot_product_attention", "attention_with_concentration"]
     assert rows[0][-2] == "1.00x" and all(row[-1].isdigit() for row in rows)
+
+
+def test_critic_suite_prints_stages_against_the_policy_forward():
+    result = benchmark("critic", "--length=64", "--repeats=1")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert len(rows) == 6 and all(row[-1].endswith("x") for row in rows)
+    assert {row[0] for row in rows} == {"tiny", "qwen3-0.6b-like"}

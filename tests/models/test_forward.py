@@ -9,6 +9,7 @@ import pytest
 from conftest import right_padded_batch
 
 from comppo_jax.models import ModelConfig, forward, init_params, param_shapes
+import pallas_kernels
 
 CONFIG = ModelConfig(
     architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -118,6 +119,19 @@ def test_only_the_final_layer_runs_the_kernel_and_it_matches_the_reference(param
     np.testing.assert_allclose(np.asarray(kernel.logits)[real], np.asarray(reference.logits)[real], atol=1e-5)
     np.testing.assert_allclose(kernel.herfindahl, reference.herfindahl, atol=1e-5)
     np.testing.assert_array_equal(kernel.window_size, reference.window_size)
+
+
+def test_final_attention_inputs_reproduce_the_final_layer_lse(params):
+    tokens, mask = right_padded_batch(lengths=(11, 8), length=11, vocab=CONFIG.vocab_size)
+    window_start = jnp.asarray([2, 4], jnp.int32)
+    out = forward(params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask), window_start, return_final_attention=True)
+    q, k, lse = out.final_attention
+    assert q.shape == (2, 11, CONFIG.num_heads, CONFIG.head_dim) and k.shape == (2, 11, CONFIG.num_kv_heads, CONFIG.head_dim)
+    *_, expected = pallas_kernels.attention_with_concentration(q, k, k, jnp.asarray(mask), window_start, backend="reference", return_lse=True)
+    np.testing.assert_allclose(lse, expected, atol=1e-5)
+    assert run(params, tokens, mask, [2, 4]).final_attention is None
+    with pytest.raises(ValueError, match="return_final_attention=True needs window_start"):
+        forward(params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask), return_final_attention=True)
 
 
 @pytest.mark.parametrize(
