@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import numpy as np
@@ -81,3 +82,29 @@ def rewrite_config(path: str, edit) -> None:
     edit(config)
     with open(config_path, "w") as f:
         json.dump(config, f)
+
+
+# --- Program inspection: proving that no [L, L] array exists --------------------------------------
+
+
+def jaxpr_shapes(jaxpr):
+    """Every array shape in a jaxpr and, recursively, in the jaxprs nested in its equations."""
+    for var in (*jaxpr.invars, *jaxpr.outvars):
+        yield getattr(var.aval, "shape", ())
+    for eqn in jaxpr.eqns:
+        for var in (*eqn.invars, *eqn.outvars):
+            yield getattr(getattr(var, "aval", None), "shape", ())
+        for param in eqn.params.values():
+            for nested in param if isinstance(param, (tuple, list)) else (param,):
+                if hasattr(nested, "eqns"):
+                    yield from jaxpr_shapes(nested)
+                elif hasattr(nested, "jaxpr") and hasattr(nested.jaxpr, "eqns"):
+                    yield from jaxpr_shapes(nested.jaxpr)
+
+
+def hlo_shapes(text):
+    return [tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"[a-z]\d*\[(\d+(?:,\d+)*)\]", text)]
+
+
+def square(shapes, length):
+    return sorted({shape for shape in shapes if sum(d >= length for d in shape) >= 2})

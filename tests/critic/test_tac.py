@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import jaxpr_shapes, square
+
 from comppo_jax.critic import (
     TransportAlignedCritic,
     critic_from_config,
@@ -238,3 +240,24 @@ def test_config_sections_build_the_critic_and_bad_values_are_named():
     section.kind = "standard"
     with pytest.raises(ValueError, match=r"critic.kind='standard' has no TAC module"):
         critic_from_config(section)
+
+
+def test_routing_and_the_critic_gradient_build_no_l_by_l_array():
+    length, critic = 4096, TransportAlignedCritic(bottleneck=16)
+    shapes = dict(
+        q=jax.ShapeDtypeStruct((1, length, 4, 8), jnp.float32), k=jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32),
+        lse=jax.ShapeDtypeStruct((1, 4, length), jnp.float32), mask=jax.ShapeDtypeStruct((1, length), jnp.bool_),
+        window_start=jax.ShapeDtypeStruct((1,), jnp.int32), hidden=jax.ShapeDtypeStruct((4, 1, length, 32), jnp.float32),
+        kappa=jax.ShapeDtypeStruct((1, length), jnp.float32),
+    )
+
+    def critic_gradient(q, k, lse, mask, window_start, hidden, kappa, tac):
+        routing = window_topk(q, k, lse, mask, window_start, top_k=64)
+        return jax.grad(lambda p: critic.apply({"params": p}, hidden, routing, kappa).value.sum())(tac)
+
+    def init(q, k, lse, mask, window_start, hidden, kappa):
+        return critic.init(jax.random.PRNGKey(0), hidden, window_topk(q, k, lse, mask, window_start, top_k=64), kappa)["params"]
+
+    tac = jax.eval_shape(init, *shapes.values())
+    jaxpr = jax.make_jaxpr(critic_gradient)(*shapes.values(), tac).jaxpr
+    assert square(jaxpr_shapes(jaxpr), length) == []

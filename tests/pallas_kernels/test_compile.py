@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from conftest import hlo_shapes, jaxpr_shapes, square
 
 from comppo_jax.models import preset_model_config
 from pallas_kernels import attention_with_concentration
@@ -32,29 +33,6 @@ def kernel_inputs(length, *, batch=1, num_heads=4, num_kv_heads=1, head_dim=16, 
         jax.ShapeDtypeStruct((batch, length), jnp.bool_),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
     )
-
-
-def jaxpr_shapes(jaxpr):
-    """Every array shape in a jaxpr and, recursively, in the jaxprs nested in its equations."""
-    for var in (*jaxpr.invars, *jaxpr.outvars):
-        yield getattr(var.aval, "shape", ())
-    for eqn in jaxpr.eqns:
-        for var in (*eqn.invars, *eqn.outvars):
-            yield getattr(getattr(var, "aval", None), "shape", ())
-        for param in eqn.params.values():
-            for nested in param if isinstance(param, (tuple, list)) else (param,):
-                if hasattr(nested, "eqns"):
-                    yield from jaxpr_shapes(nested)
-                elif hasattr(nested, "jaxpr") and hasattr(nested.jaxpr, "eqns"):
-                    yield from jaxpr_shapes(nested.jaxpr)
-
-
-def hlo_shapes(text):
-    return [tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"[a-z]\d*\[(\d+(?:,\d+)*)\]", text)]
-
-
-def square(shapes, length):
-    return sorted({shape for shape in shapes if sum(d >= length for d in shape) >= 2})
 
 
 def test_detector_finds_the_reference_backends_l_by_l_probabilities():
