@@ -148,6 +148,12 @@ def _decoder_layer(layer, x, positions, config, inv_freq, attention):
     return x, statistics
 
 
+def lm_logits(params: dict, config: ModelConfig, final_hidden):
+    """float32 logits [B, L, V] from the final-norm hidden states (tied or separate head)."""
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("bld,dv->blv", final_hidden, head.astype(final_hidden.dtype), preferred_element_type=jnp.float32)
+
+
 def _hidden_slots(config: ModelConfig, hidden_layers: tuple[int, ...]) -> np.ndarray:
     """For scan step j (whose output is HF hidden state j + 1), the output slot or a trash slot."""
     slots = np.full((config.num_layers,), len(hidden_layers), np.int32)
@@ -244,8 +250,7 @@ def forward(
     final = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == 0], jnp.int32)].set(embedded)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)].set(final)
-    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("bld,dv->blv", final, head.astype(dtype), preferred_element_type=jnp.float32)
+    logits = lm_logits(params, config, final)
     return ForwardOutput(
         logits, captured[:-1], statistics.get("herfindahl"), statistics.get("window_size"), statistics.get("final_attention")
     )

@@ -1,0 +1,80 @@
+"""Incremental decoding with a KV cache: prefill a left-padded prompt, then one token per step.
+
+The cache holds every layer's post-RoPE keys and values in slots [0, max_length): the prompt
+occupies [0, P) (left padding, so every row's last prompt token is at slot P - 1) and decode
+step s writes slot P + s. RoPE positions count real tokens, exactly as `forward` does, so the
+logits at a slot equal `forward`'s on the same right-aligned sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from comppo_jax.models.config import ModelConfig
+from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq
+from pallas_kernels.common import causal_attention
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [N, B, S, Hkv, hd] post-RoPE keys, config.dtype
+    v: jax.Array  # [N, B, S, Hkv, hd]
+    valid: jax.Array  # [B, S] bool: slot holds a real token
+    next_position: jax.Array  # [B] int32: RoPE position of the next token
+
+
+def _final_logits(params, config, x):
+    return lm_logits(params, config, rms_norm(x, params["final_norm"], config.rms_norm_eps))[:, -1]
+
+
+def prefill(params: dict, config: ModelConfig, tokens, attention_mask, max_length: int):
+    """Runs the left-padded prompt tokens [B, P] and returns (logits of its last slot [B, V], cache)."""
+    batch, length = tokens.shape
+    if max_length < length:
+        raise ValueError(f"max_length={max_length} is shorter than the prompt ({length} slots)")
+    dtype = jnp.dtype(config.dtype)
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+
+    def step(x, layer):
+        attention = lambda q, k, v: (causal_attention(q, k, v, attention_mask), (k, v))
+        return _decoder_layer(layer, x, positions, config, inv_freq, attention)
+
+    x, (keys, values) = jax.lax.scan(step, params["embed"].astype(dtype)[tokens], params["layers"])
+    pad = ((0, 0), (0, 0), (0, max_length - length), (0, 0), (0, 0))
+    cache = KVCache(
+        jnp.pad(keys, pad), jnp.pad(values, pad),
+        jnp.pad(attention_mask, ((0, 0), (0, max_length - length))),
+        attention_mask.sum(axis=1).astype(jnp.int32),
+    )
+    return _final_logits(params, config, x), cache
+
+
+def decode_step(params: dict, config: ModelConfig, token, cache: KVCache, slot):
+    """Feeds one token per row [B] at cache slot `slot` (a traced int); returns (logits [B, V], cache)."""
+    dtype = jnp.dtype(config.dtype)
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((token.shape[0], 1), bool), slot, axis=1)
+    visible = valid & (jnp.arange(valid.shape[1]) <= slot)[None]  # [B, S]
+    positions = cache.next_position[:, None]
+
+    def step(carry, scanned):
+        x, keys, values = carry
+        layer, index = scanned
+
+        def attention(q, k, v):
+            layer_k = jax.lax.dynamic_update_slice_in_dim(keys[index], k, slot, axis=1)
+            layer_v = jax.lax.dynamic_update_slice_in_dim(values[index], v, slot, axis=1)
+            out = jax.nn.dot_product_attention(q, layer_k, layer_v, mask=visible[:, None, None, :])
+            return out, (layer_k, layer_v)
+
+        x, (layer_k, layer_v) = _decoder_layer(layer, x, positions, config, inv_freq, attention)
+        keys = jax.lax.dynamic_update_index_in_dim(keys, layer_k, index, 0)
+        values = jax.lax.dynamic_update_index_in_dim(values, layer_v, index, 0)
+        return (x, keys, values), None
+
+    x = params["embed"].astype(dtype)[token][:, None]
+    (x, keys, values), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params["layers"], jnp.arange(config.num_layers)))
+    return _final_logits(params, config, x), KVCache(keys, values, valid, cache.next_position + 1)
