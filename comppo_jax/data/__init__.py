@@ -1,0 +1,1 @@
+"""Data: verifiable rewards (`rewards`), data sets and tokenizers (`datasets`, `tokenizers`)."""

@@ -1,0 +1,199 @@
+"""Verifiable math rewards: answer extraction, math-verify in killable worker processes, shaping.
+
+math-verify's own timeout is a SIGALRM, which only works on a process's main thread and has
+hung trainers; here every comparison runs in a worker process that is killed and replaced when
+it exceeds `timeout_s`, so a pathological answer (say 9^{9^{9^{9}}}) costs one timeout, never a
+hang. A timeout or a verifier crash counts as incorrect and is counted in the metrics.
+
+Reward of a response (terminal, at its last valid token):
+  correct 1, incorrect 0; a response with malformed reasoning tags (unbalanced or misordered
+  <think>...</think>) gets -format_coef instead; a correct, well-formed response pays
+  length_coef per response token; the total is clipped to [-1, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import multiprocessing.connection
+import re
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+STARTUP_TIMEOUT_S = 120.0
+ANSWER_LINE = re.compile(r"^\s*Answer\s*:\s*(.+?)\s*$", re.MULTILINE)
+
+
+class Verdict(enum.Enum):
+    CORRECT = "correct"
+    INCORRECT = "incorrect"
+    NO_ANSWER = "no_answer"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces balanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip()
+        i += 1
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The DAPO format's last `Answer:` line, else the last \\boxed{}, else None."""
+    lines = ANSWER_LINE.findall(text)
+    if lines:
+        answer = lines[-1]
+        return last_boxed(answer) or answer.strip().strip("$").strip()
+    return last_boxed(text)
+
+
+def reasoning_format_ok(text: str) -> bool:
+    """No reasoning tags, or exactly one <think> followed by one </think>."""
+    opens, closes = text.count("<think>"), text.count("</think>")
+    if opens == closes == 0:
+        return True
+    return opens == closes == 1 and text.index("<think>") < text.index("</think>")
+
+
+class VerifierPool:
+    """math-verify in `num_workers` processes with a hard per-item timeout (killed on expiry).
+
+    Use as a context manager or call `close()`. `check(pairs)` returns a Verdict per
+    (gold, answer) pair, in order.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0):
+        if num_workers < 1 or timeout_s <= 0:
+            raise ValueError(f"num_workers must be >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
+        self.timeout_s = timeout_s
+        self._workers = [self._start() for _ in range(num_workers)]
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "comppo_jax.data.verifier_worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        if not multiprocessing.connection.wait([process.stdout], STARTUP_TIMEOUT_S) or process.stdout.readline().strip() != '["ready"]':
+            process.kill()
+            raise RuntimeError(
+                f"the math-verify worker (python -m comppo_jax.data.verifier_worker) did not start within "
+                f"{STARTUP_TIMEOUT_S} s; is math-verify installed in {sys.executable}?"
+            )
+        return process
+
+    def _replace(self, index: int) -> None:
+        process = self._workers[index]
+        process.kill()
+        process.wait()
+        for stream in (process.stdin, process.stdout):
+            stream.close()
+        self._workers[index] = self._start()
+
+    def check(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
+        verdicts: list[Verdict | None] = [None] * len(pairs)
+        pending = list(range(len(pairs)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (item, start time)
+        while pending or busy:
+            for worker in range(len(self._workers)):
+                if worker not in busy and pending:
+                    item = pending.pop()
+                    self._workers[worker].stdin.write(json.dumps(list(pairs[item])) + "\n")
+                    self._workers[worker].stdin.flush()
+                    busy[worker] = (item, time.monotonic())
+            streams = {self._workers[w].stdout: w for w in busy}
+            deadline = min(start for _, start in busy.values()) + self.timeout_s
+            for stream in multiprocessing.connection.wait(list(streams), max(0.0, deadline - time.monotonic())):
+                worker = streams[stream]
+                item, _ = busy.pop(worker)
+                line = stream.readline()
+                if line:
+                    status, value = json.loads(line)
+                else:  # the worker died (e.g. out of memory)
+                    status, value = "error", "worker died"
+                    self._replace(worker)
+                verdicts[item] = (Verdict.CORRECT if value else Verdict.INCORRECT) if status == "ok" else Verdict.ERROR
+            now = time.monotonic()
+            for worker, (item, start) in list(busy.items()):
+                if now - start >= self.timeout_s:
+                    verdicts[item] = Verdict.TIMEOUT
+                    del busy[worker]
+                    self._replace(worker)
+        return verdicts
+
+    def close(self) -> None:
+        for process in self._workers:
+            process.stdin.close()  # the worker's loop ends at EOF
+            try:
+                process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            process.stdout.close()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardCoefficients:
+    """Shaping coefficients; inputs so a trainer can schedule them."""
+
+    format_coef: float = 0.5
+    length_coef: float = 0.0
+
+
+def score_responses(
+    responses: Sequence[str],
+    golds: Sequence[str],
+    response_lengths: Sequence[int],
+    pool: VerifierPool,
+    coefficients: RewardCoefficients = RewardCoefficients(),
+) -> tuple[np.ndarray, list[Verdict], dict[str, float]]:
+    """Terminal rewards [B] float32, per-response verdicts, and counts for the metrics."""
+    if not len(responses) == len(golds) == len(response_lengths):
+        raise ValueError(f"responses ({len(responses)}), golds ({len(golds)}) and response_lengths ({len(response_lengths)}) must have the same length")
+    answers = [extract_answer(text) for text in responses]
+    to_check = [i for i, answer in enumerate(answers) if answer is not None]
+    checked = dict(zip(to_check, pool.check([(golds[i], answers[i]) for i in to_check])))
+    verdicts = [checked.get(i, Verdict.NO_ANSWER) for i in range(len(responses))]
+    rewards = np.zeros(len(responses), np.float32)
+    well_formed = np.array([reasoning_format_ok(text) for text in responses])
+    for i, verdict in enumerate(verdicts):
+        if not well_formed[i]:
+            rewards[i] = -coefficients.format_coef
+        elif verdict is Verdict.CORRECT:
+            rewards[i] = 1.0 - coefficients.length_coef * response_lengths[i]
+    rewards = np.clip(rewards, -1.0, 1.0)
+    metrics = {f"reward/{v.value}": float(sum(x is v for x in verdicts)) for v in Verdict}
+    metrics["reward/malformed"] = float((~well_formed).sum())
+    metrics["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
+    return rewards, verdicts, metrics
+
+
+def terminal_reward_tokens(rewards, response_mask):
+    """[B] rewards -> [B, T] with each at the row's last valid token (0 elsewhere)."""
+    response_mask = np.asarray(response_mask, bool)
+    lengths = response_mask.sum(axis=1)
+    out = np.zeros(response_mask.shape, np.float32)
+    rows = np.nonzero(lengths > 0)[0]
+    out[rows, lengths[rows] - 1] = np.asarray(rewards, np.float32)[rows]
+    return out

@@ -1,0 +1,44 @@
+"""A math-verify worker process: JSON lines [gold, answer] on stdin -> ["ok", bool] | ["error", msg].
+
+It first answers ["ready"] once math-verify is imported.
+
+Started by `rewards.VerifierPool` as `python -m comppo_jax.data.verifier_worker` (a fresh
+interpreter: no fork of a process running JAX threads, no re-import of the caller's __main__).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+def verify_answer(gold: str, answer: str) -> bool:
+    from math_verify import parse, verify
+
+    def as_latex(s):  # math-verify finds LaTeX answers inside $...$
+        return s if "$" in s or "\\(" in s else f"${s}$"
+
+    # Timeouts off: the parent enforces a hard one by killing this process.
+    gold_parsed = parse(as_latex(gold), parsing_timeout=None)
+    return bool(verify(gold_parsed, parse(as_latex(answer), parsing_timeout=None), timeout_seconds=None))
+
+
+def main() -> None:
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    import math_verify  # noqa: F401  (imported before "ready", so start-up is not timed per item)
+
+    sys.stdout.write(json.dumps(["ready"]) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        gold, answer = json.loads(line)
+        try:
+            reply = ["ok", verify_answer(gold, answer)]
+        except Exception as error:  # reported to the parent, which counts it
+            reply = ["error", f"{type(error).__name__}: {error}"]
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Answer extraction, the killable math-verify pool, and reward shaping on real cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from comppo_jax.data.rewards import (
+    RewardCoefficients,
+    Verdict,
+    VerifierPool,
+    extract_answer,
+    reasoning_format_ok,
+    score_responses,
+    terminal_reward_tokens,
+)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with VerifierPool(num_workers=2, timeout_s=3.0) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize(
+    "text,answer",
+    [
+        ("Let me think.\nAnswer: 42", "42"),
+        ("first try\nAnswer: 3\nwait, fix\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}"),  # the last Answer: line
+        ("so \\boxed{\\frac{3}{4}} is it", "\\frac{3}{4}"),
+        ("\\boxed{1} no, \\boxed{x^{2}+1}", "x^{2}+1"),  # nested braces, the last box
+        ("Answer: \\boxed{7}", "7"),
+        ("I do not know", None),
+        ("unclosed \\boxed{12", None),
+    ],
+)
+def test_answer_extraction(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    "text,ok",
+    [("no tags", True), ("<think>a</think> Answer: 1", True), ("<think>a Answer: 1", False),
+     ("</think><think>", False), ("<think>a</think><think>b</think>", False)],
+)
+def test_reasoning_format(text, ok):
+    assert reasoning_format_ok(text) is ok
+
+
+def test_rewards_on_a_table_of_real_cases(pool):
+    cases = [  # (response, gold, expected verdict, expected reward)
+        ("<think>half</think>\nAnswer: 0.5", "\\frac{1}{2}", Verdict.CORRECT, 1.0),
+        ("Answer: \\dfrac{1}{2}", "1/2", Verdict.CORRECT, 1.0),
+        ("so \\boxed{2\\sqrt{2}}", "\\sqrt{8}", Verdict.CORRECT, 1.0),
+        ("Answer: 1+x", "x+1", Verdict.CORRECT, 1.0),
+        ("Answer: 3", "4", Verdict.INCORRECT, 0.0),
+        ("I think it's four.", "4", Verdict.NO_ANSWER, 0.0),
+        ("<think>unclosed\nAnswer: 4", "4", Verdict.CORRECT, -0.5),  # malformed tags
+        ("Answer: 9^{9^{9^{9}}}", "1", Verdict.TIMEOUT, 0.0),  # the verifier would run for minutes
+    ]
+    rewards, verdicts, metrics = score_responses(
+        [c[0] for c in cases], [c[1] for c in cases], [10] * len(cases), pool, RewardCoefficients(format_coef=0.5)
+    )
+    assert verdicts == [c[2] for c in cases]
+    np.testing.assert_allclose(rewards, [c[3] for c in cases])
+    assert metrics["reward/timeout"] == 1 and metrics["reward/malformed"] == 1 and metrics["reward/correct"] == 5
+    # The pool survives the killed worker.
+    assert pool.check([("2", "2")]) == [Verdict.CORRECT]
+
+
+def test_length_penalty_only_for_correct_well_formed_and_clipped(pool):
+    responses = ["Answer: 4", "Answer: 5", "<think>x\nAnswer: 4"]
+    rewards, _, _ = score_responses(responses, ["4"] * 3, [100, 100, 100], pool, RewardCoefficients(format_coef=2.0, length_coef=0.001))
+    np.testing.assert_allclose(rewards, [0.9, 0.0, -1.0])
+
+
+def test_terminal_reward_sits_at_the_last_valid_token():
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(terminal_reward_tokens([1.0, -0.5, 1.0], mask), [[0, 0, 1, 0], [-0.5, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_mismatched_lengths_are_named(pool):
+    with pytest.raises(ValueError, match=r"responses \(2\), golds \(1\)"):
+        score_responses(["a", "b"], ["1"], [1, 1], pool)
