@@ -1,0 +1,132 @@
+"""Data loaders on small files written here in every supported format, and the tokenizers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+
+import numpy as np
+import pyarrow
+import pyarrow.parquet
+import pytest
+
+from comppo_jax.data.datasets import BENCHMARKS, DAPO_TEMPLATE, DataError, load_benchmark, load_dapo_math
+from comppo_jax.data.synthetic import chained_arithmetic
+from comppo_jax.data.tokenizers import CharTokenizer, load_tokenizer, pad_batch
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_synthetic_task_is_deterministic_multi_step_and_self_consistent():
+    problems = chained_arithmetic(50, seed=3)
+    assert problems == chained_arithmetic(50, seed=3) and problems != chained_arithmetic(50, seed=4)
+    for problem in problems:
+        steps = problem.solution.splitlines()
+        assert len(steps) >= 3 and steps[-1] == f"Answer: {problem.answer}"
+        value = int(problem.prompt.split()[0])
+        for token in problem.prompt.split()[1:-1]:
+            value = eval(f"{value}{token}") % 1000  # the prompt's own operations
+        assert str(value) == problem.answer
+        CharTokenizer().encode(problem.prompt + problem.solution)
+
+
+def dapo_rows(count, copies):
+    rows = []
+    for i in range(count):
+        row = {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": DAPO_TEMPLATE.format(problem=f"What is {i} + 1?")}],
+            "reward_model": {"ground_truth": str(i + 1), "style": "rule-lang"},
+        }
+        rows += [row] * copies
+    return rows
+
+
+def test_dapo_parquet_is_deduplicated_and_split_deterministically(tmp_path):
+    rows = dapo_rows(30, copies=100)
+    path = str(tmp_path / "dapo.parquet")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    train, dev = load_dapo_math(path, dev_size=5)
+    assert len(train) == 25 and len(dev) == 5 and not {p.id for p in train} & {p.id for p in dev}
+    assert all("Answer:" in p.prompt for p in train + dev)
+    # Row order does not change the split.
+    shuffled = str(tmp_path / "shuffled.parquet")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows[::-1]), shuffled)
+    assert [p.id for p in load_dapo_math(shuffled, dev_size=5)[1]] == [p.id for p in dev]
+
+
+def test_dapo_jsonl_with_plain_prompts_gets_the_template_and_bad_rows_are_counted(tmp_path, caplog):
+    rows = [{"prompt": f"Compute {i}*2.", "answer": str(2 * i)} for i in range(12)]
+    rows += [{"prompt": "no answer here"}, {"answer": "7"}]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+    with caplog.at_level(logging.WARNING):
+        train, dev = load_dapo_math(str(path), dev_size=2)
+    assert len(train) + len(dev) == 12
+    assert train[0].prompt.startswith("Solve the following math problem") and "Compute" in train[0].prompt
+    assert "skipped 3 malformed DAPO-Math row(s)" in caplog.text and str(path) in caplog.text
+
+
+def test_missing_file_names_the_path_and_format(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.parquet does not exist; expected .*'reward_model'"):
+        load_dapo_math(str(tmp_path / "nope.parquet"))
+    with pytest.raises(DataError, match=r"unknown benchmark 'mmlu'"):
+        load_benchmark("mmlu", str(tmp_path / "x.jsonl"))
+
+
+def test_every_benchmark_format(tmp_path):
+    write_jsonl(tmp_path / "math500.jsonl", [{"problem": "1+1?", "answer": "2", "unique_id": "a"}])
+    write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": "Tom has 1,000 apples...", "answer": "work\n#### 1,200"}])
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"ID": "2024-I-1", "Problem": "Find x.", "Answer": "204"}]), str(tmp_path / "aime.parquet"))
+    with open(tmp_path / "gpqa.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["Record ID", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"])
+        writer.writeheader()
+        writer.writerow({"Record ID": "r1", "Question": "Which is a noble gas?", "Correct Answer": "Neon",
+                         "Incorrect Answer 1": "Iron", "Incorrect Answer 2": "Carbon", "Incorrect Answer 3": "Sodium"})
+    (tmp_path / "livebench.json").write_text(json.dumps([{"turns": ["Evaluate 3^2."], "ground_truth": "9"}]))
+    write_jsonl(tmp_path / "olympiad.jsonl", [{"question": "Find n.", "final_answer": ["$5$"]}, {"question": "broken"}])
+
+    assert load_benchmark("math500", str(tmp_path / "math500.jsonl"))[0][1:3] == ("2", "a")
+    assert load_benchmark("gsm8k", str(tmp_path / "gsm8k.jsonl"))[0].answer == "1200"
+    assert load_benchmark("aime24", str(tmp_path / "aime.parquet"))[0][1:3] == ("204", "2024-I-1")
+    gpqa = load_benchmark("gpqa", str(tmp_path / "gpqa.csv"))[0]
+    assert f"({gpqa.answer}) Neon" in gpqa.prompt
+    assert load_benchmark("livebench_math", str(tmp_path / "livebench.json"))[0].answer == "9"
+    olympiad = load_benchmark("olympiad", str(tmp_path / "olympiad.jsonl"))
+    assert len(olympiad) == 1 and olympiad[0].answer == "$5$"
+    assert set(BENCHMARKS) == {"math500", "gsm8k", "aime24", "aime25", "gpqa", "livebench_math", "olympiad"}
+
+
+def test_char_tokenizer_and_padding():
+    tokenizer = load_tokenizer(None)
+    ids = tokenizer.encode_prompt("7 +5 =?\n")
+    assert ids[0] == tokenizer.bos_token_id and tokenizer.decode(ids) == "7 +5 =?\n"
+    with pytest.raises(ValueError, match="printable ASCII"):
+        tokenizer.encode("π")
+    tokens, mask = pad_batch([[5, 6, 7], [8]], 0, side="left")
+    np.testing.assert_array_equal(tokens, [[5, 6, 7], [0, 0, 8]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 1]])
+
+
+def test_hf_tokenizer_from_a_local_directory_uses_the_chat_template(tmp_path):
+    import tokenizers
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<user>", "<assistant>", "[UNK]", "what", "is", "2", "+", "?"])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", additional_special_tokens=["<user>", "<assistant>"]
+    )
+    fast.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    fast.save_pretrained(tmp_path / "tok")
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    ids = tokenizer.encode_prompt("what is 2 + 2 ?")
+    assert ids[0] == vocab["<user>"] and ids[-1] == vocab["<assistant>"]
+    assert tokenizer.decode(tokenizer.encode("what is 2")) == "what is 2"
+    with pytest.raises(FileNotFoundError, match="missing_dir does not exist"):
+        load_tokenizer(str(tmp_path / "missing_dir"))
