@@ -26,6 +26,10 @@ def get_config():
             tie_word_embeddings=True,
             max_position_embeddings=1024,
             dtype="float32",
+            # The character tokenizer's ids (comppo_jax.data.tokenizers.CharTokenizer).
+            bos_token_id=1,
+            eos_token_ids=(2,),
+            pad_token_id=0,
         )
     )
     # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is

@@ -4,6 +4,7 @@
     python launch/benchmark.py credit    # comp_gae (scan / associative) vs rlax and a NumPy loop
     python launch/benchmark.py kernel    # attention_with_concentration vs plain causal attention
     python launch/benchmark.py critic    # TAC routing and critic fwd+bwd vs the policy forward
+    python launch/benchmark.py sampler   # KV-cache sampler vs transformers generate (decode tokens/s)
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -14,7 +15,7 @@ import importlib
 
 from absl import app, flags
 
-SUITES = ("forward", "credit", "kernel", "critic")
+SUITES = ("forward", "credit", "kernel", "critic", "sampler")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")

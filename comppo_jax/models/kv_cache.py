@@ -65,14 +65,16 @@ def decode_step(params: dict, config: ModelConfig, token, cache: KVCache, slot):
         layer, index = scanned
 
         def attention(q, k, v):
-            layer_k = jax.lax.dynamic_update_slice_in_dim(keys[index], k, slot, axis=1)
-            layer_v = jax.lax.dynamic_update_slice_in_dim(values[index], v, slot, axis=1)
+            # Write only the new slot, in place in the carried cache, then read the layer back.
+            start = (index, 0, slot, 0, 0)
+            new_keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)
+            new_values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), start)
+            layer_k = jax.lax.dynamic_index_in_dim(new_keys, index, 0, keepdims=False)
+            layer_v = jax.lax.dynamic_index_in_dim(new_values, index, 0, keepdims=False)
             out = jax.nn.dot_product_attention(q, layer_k, layer_v, mask=visible[:, None, None, :])
-            return out, (layer_k, layer_v)
+            return out, (new_keys, new_values)
 
-        x, (layer_k, layer_v) = _decoder_layer(layer, x, positions, config, inv_freq, attention)
-        keys = jax.lax.dynamic_update_index_in_dim(keys, layer_k, index, 0)
-        values = jax.lax.dynamic_update_index_in_dim(values, layer_v, index, 0)
+        x, (keys, values) = _decoder_layer(layer, x, positions, config, inv_freq, attention)
         return (x, keys, values), None
 
     x = params["embed"].astype(dtype)[token][:, None]

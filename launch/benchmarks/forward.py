@@ -16,17 +16,26 @@ import numpy as np
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax.models import forward, from_hf, preset_model_config
 
-def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
+def tiny_hf_model_and_params(seed: int = 0):
+    """A random transformers model of the `configs/tiny.py` architecture and the same weights
+    loaded with `from_hf`: (hf_model, config, params)."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tiny = preset_model_config("tiny")
     hf_config = transformers.AutoConfig.for_model(tiny.architecture, **tiny.to_hf_kwargs())
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     with tempfile.TemporaryDirectory() as path:
         hf_model.save_pretrained(path)
         config, params = from_hf(path)
+    return hf_model, config, params
+
+
+def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
+    import torch
+
+    hf_model, config, params = tiny_hf_model_and_params()
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (batch, length)).astype(np.int32)

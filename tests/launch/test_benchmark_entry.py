@@ -49,3 +49,11 @@ def test_critic_suite_prints_stages_against_the_policy_forward():
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
     assert len(rows) == 6 and all(row[-1].endswith("x") for row in rows)
     assert {row[0] for row in rows} == {"tiny", "qwen3-0.6b-like"}
+
+
+def test_sampler_suite_prints_throughput_against_transformers():
+    result = benchmark("sampler", "--batch=2", "--length=8", "--repeats=1")
+    assert result.returncode == 0, result.stderr
+    assert "token agreement 1.000" in result.stdout  # fp32 greedy: both sides emit the same tokens
+    rows = result.stdout.splitlines()[2:]
+    assert len(rows) == 2 and all(row.endswith("x") for row in rows)
