@@ -1,0 +1,36 @@
+"""Greedy pass@1 on a list of problems: generate, decode, verify."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from comppo_jax.data.rewards import Verdict, VerifierPool, extract_answer
+from comppo_jax.data.tokenizers import pad_batch
+from comppo_jax.models import ModelConfig
+from comppo_jax.rollout import generate
+
+
+def encode_prompts(tokenizer, problems):
+    """(tokens [B, P], mask [B, P]) left-padded prompt ids of `problems`."""
+    return tuple(jnp.asarray(x) for x in pad_batch([tokenizer.encode_prompt(p.prompt) for p in problems], tokenizer.pad_token_id))
+
+
+def decode_responses(tokenizer, generation):
+    tokens, mask = np.asarray(generation.response_tokens), np.asarray(generation.response_mask)
+    return [tokenizer.decode(row[m & (row != tokenizer.eos_token_id)]) for row, m in zip(tokens, mask)]
+
+
+def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64) -> float:
+    """Fraction of `problems` whose greedy response's answer verifies against the gold."""
+    correct = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        tokens, mask = encode_prompts(tokenizer, chunk)
+        generation = generate(params, config, tokens, mask, jax.random.PRNGKey(0), max_new_tokens=max_new_tokens,
+                              temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+        answers = [extract_answer(text) for text in decode_responses(tokenizer, generation)]
+        pairs = [(p.answer, a) for p, a in zip(chunk, answers) if a is not None]
+        correct += sum(v is Verdict.CORRECT for v in pool.check(pairs))
+    return correct / max(len(problems), 1)

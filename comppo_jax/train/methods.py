@@ -1,0 +1,77 @@
+"""Which gate, critic and advantage estimator each method and control uses.
+
+One config switch, `method`, picks the algorithm; for CompPO, `gate` and `critic.kind` pick the
+cell of the paper's 2x2 factorial and the signal controls (sections 6.2-6.4):
+
+| method | gate (kappa in trace and value mix)    | critic      | advantages                     |
+|--------|----------------------------------------|-------------|--------------------------------|
+| comppo | attention (kappa_t from the rollout)   | tac         | comp_gae (eq. comp_gae)        |
+| comppo | fixed (0.61) / shuffle / position      | tac         | comp_gae with that gate        |
+| comppo | attention / fixed / ...                | standard    | comp_gae; linear value head    |
+| ppo    | gamma (= 1) everywhere                 | standard    | gae (kappa = gamma)            |
+| grpo   | -                                      | none        | group-relative (eq. group_broadcast) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from comppo_jax.credit import apply_position_schedule, fixed_gate, shuffle_gate
+
+METHODS = ("comppo", "grpo", "ppo")
+GATES = ("attention", "fixed", "shuffle", "position")
+CRITICS = ("tac", "standard", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What the train loop does for a config: the gate control, the critic, the estimator."""
+
+    gate: str  # one of GATES, or "gamma" for PPO
+    critic: str  # one of CRITICS
+    estimator: str  # "comp_gae" | "gae" | "grpo"
+
+
+def recipe(method: str, gate: str = "attention", critic: str = "tac") -> Recipe:
+    """The recipe of `method`; `gate` and `critic` apply to CompPO (its factorial and controls)."""
+    if method not in METHODS:
+        raise ValueError(f"config.method={method!r}; expected one of {METHODS}")
+    if method == "grpo":
+        return Recipe(gate="none", critic="none", estimator="grpo")
+    if method == "ppo":
+        return Recipe(gate="gamma", critic="standard", estimator="gae")
+    if gate not in GATES:
+        raise ValueError(f"config.gate={gate!r}; expected one of {GATES}")
+    if critic not in ("tac", "standard"):
+        raise ValueError(f"config.critic.kind={critic!r}; CompPO takes 'tac' or 'standard'")
+    return Recipe(gate=gate, critic=critic, estimator="comp_gae")
+
+
+def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None):
+    """The kappa [B, T] the estimator and the TAC value mix read, for the recipe's gate."""
+    if recipe.gate == "attention":
+        return kappa
+    if recipe.gate == "fixed":
+        return fixed_gate(mask)
+    if recipe.gate == "shuffle":
+        return shuffle_gate(kappa, mask, rng)
+    if recipe.gate == "position":
+        if position_schedule is None:
+            raise ValueError("config.gate='position' needs config.position_schedule (a schedule fitted on an earlier run's gates)")
+        return apply_position_schedule(position_schedule, mask)
+    if recipe.gate == "gamma":
+        return jnp.where(mask, 1.0, 0.0).astype(jnp.float32)
+    return jnp.zeros(mask.shape, jnp.float32)
+
+
+def spread_over_sequence(per_token, prompt_lengths, sequence_length: int):
+    """[B, T] per-token values -> [B, L] placed at p_t = P - 1 + t (the critic's coordinates)."""
+    batch, length = per_token.shape
+    positions = prompt_lengths[:, None] - 1 + jnp.arange(length)[None]
+    inside = positions < sequence_length
+    out = jnp.zeros((batch, sequence_length), per_token.dtype)
+    return out.at[jnp.arange(batch)[:, None], jnp.where(inside, positions, 0)].add(jnp.where(inside, per_token, 0))
+
+

@@ -1,0 +1,61 @@
+"""Each method and control selects the intended gate, critic and estimator."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from comppo_jax.credit import FIXED_GATE, fit_position_schedule
+from comppo_jax.train.methods import Recipe, control_gate, recipe, spread_over_sequence
+
+MASK = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
+KAPPA = jnp.asarray([[0.2, 0.5, 0.8, 0.0], [0.3, 0.6, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "method,gate,critic,expected",
+    [
+        ("comppo", "attention", "tac", Recipe("attention", "tac", "comp_gae")),  # full CompPO
+        ("comppo", "fixed", "tac", Recipe("fixed", "tac", "comp_gae")),  # factorial: fixed gate + aligned critic
+        ("comppo", "attention", "standard", Recipe("attention", "standard", "comp_gae")),  # Comp-GAE + standard critic
+        ("comppo", "fixed", "standard", Recipe("fixed", "standard", "comp_gae")),
+        ("comppo", "shuffle", "tac", Recipe("shuffle", "tac", "comp_gae")),
+        ("comppo", "position", "tac", Recipe("position", "tac", "comp_gae")),
+        ("ppo", "attention", "tac", Recipe("gamma", "standard", "gae")),  # PPO ignores the CompPO switches
+        ("grpo", "attention", "tac", Recipe("none", "none", "grpo")),
+    ],
+)
+def test_recipes(method, gate, critic, expected):
+    assert recipe(method, gate, critic) == expected
+
+
+def test_bad_switches_are_named():
+    with pytest.raises(ValueError, match=r"config.method='a2c'"):
+        recipe("a2c")
+    with pytest.raises(ValueError, match=r"config.gate='random'"):
+        recipe("comppo", "random")
+    with pytest.raises(ValueError, match=r"config.critic.kind='none'"):
+        recipe("comppo", "attention", "none")
+
+
+def test_control_gates():
+    rng = jax.random.PRNGKey(0)
+    assert control_gate(recipe("comppo"), KAPPA, MASK, rng) is KAPPA
+    np.testing.assert_allclose(control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng), np.where(MASK, FIXED_GATE, 0.0))
+    shuffled = control_gate(recipe("comppo", "shuffle"), KAPPA, MASK, rng)
+    assert sorted(np.asarray(shuffled)[np.asarray(MASK)]) == sorted(np.asarray(KAPPA)[np.asarray(MASK)])
+    np.testing.assert_array_equal(control_gate(recipe("ppo"), KAPPA, MASK, rng), MASK.astype(np.float32))
+    schedule = fit_position_schedule(KAPPA, MASK)
+    position = control_gate(recipe("comppo", "position"), KAPPA, MASK, rng, schedule)
+    assert position.shape == KAPPA.shape and float(position[0, 3]) == 0.0
+    with pytest.raises(ValueError, match="needs config.position_schedule"):
+        control_gate(recipe("comppo", "position"), KAPPA, MASK, rng)
+
+
+def test_per_token_values_are_placed_at_the_state_before_each_token():
+    placed = spread_over_sequence(KAPPA, jnp.asarray([2, 3]), 7)
+    np.testing.assert_allclose(placed[0, 1:4], KAPPA[0, :3])
+    np.testing.assert_allclose(placed[1, 2:6], KAPPA[1])
+    assert float(placed[0, 0]) == 0.0
