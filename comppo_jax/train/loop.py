@@ -131,9 +131,9 @@ def train(cfg) -> dict:
             # 3. reward
             format_coef, length_coef = schedule.at(step)
             lengths = np.asarray(generation.response_mask).sum(axis=1)
+            texts = decode_responses(tokenizer, generation)
             rewards, _, reward_metrics = score_responses(
-                decode_responses(tokenizer, generation), [p.answer for p in chosen for _ in range(group)], lengths, pool,
-                RewardCoefficients(format_coef, length_coef))
+                texts, [p.answer for p in chosen for _ in range(group)], lengths, pool, RewardCoefficients(format_coef, length_coef))
             mask = rollout.response_mask
             reward_tokens = jnp.asarray(terminal_reward_tokens(rewards, mask))
 
@@ -192,7 +192,8 @@ def train(cfg) -> dict:
                 metrics["dev_accuracy"] = evaluate(actor, pool)
             if update_actor:
                 control_state = controller.update(control_state, metrics, control_config)
-            metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started)
+            metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
+                           sample={"prompt": chosen[0].prompt, "response": texts[0], "reward": float(rewards[0])})
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
