@@ -55,7 +55,7 @@ def get_config():
         dict(prompts_per_step=16, samples_per_prompt=4, max_new_tokens=40, temperature=1.0, top_p=0.7, window="response")
     )
     config.train = config_dict.ConfigDict(
-        dict(actor_lr=5e-5, critic_lr=1e-3, kl_coef=2e-3, lam=0.95, minibatch_size=32, critic_warmup_steps=2, eval_every=10)
+        dict(actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, lam=0.95, minibatch_size=32, critic_warmup_steps=2, eval_every=10)
     )
     config.reward = config_dict.ConfigDict(dict(workers=2, timeout_s=5.0))
     # Appendix C's controller; the tiny vocabulary's entropy (<= ln 128 = 4.85) is far below the
