@@ -1,9 +1,11 @@
-"""Llama-3.1-8B-Instruct, the paper's transfer backbone. Train sections come with the training issue.
+"""Llama-3.1-8B-Instruct, the paper's transfer backbone. Training sections: appendix C's primary configuration (comppo_jax/train/paper.py).
 
 Usage: --config=configs/llama3_8b.py --config.model.path=/path/to/Llama-3.1-8B-Instruct
 """
 
 from ml_collections import config_dict
+
+from comppo_jax.train.paper import add_training_sections
 
 
 def get_config():
@@ -36,4 +38,4 @@ def get_config():
     config.critic = config_dict.ConfigDict(
         dict(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
     )
-    return config
+    return add_training_sections(config)

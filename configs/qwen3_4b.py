@@ -1,9 +1,11 @@
-"""Qwen3-4B, the paper's primary backbone. Train sections come with the training issue.
+"""Qwen3-4B, the paper's primary backbone. Training sections: appendix C's primary configuration (comppo_jax/train/paper.py).
 
 Usage: --config=configs/qwen3_4b.py --config.model.path=/path/to/Qwen3-4B
 """
 
 from ml_collections import config_dict
+
+from comppo_jax.train.paper import add_training_sections
 
 
 def get_config():
@@ -35,4 +37,4 @@ def get_config():
     config.critic = config_dict.ConfigDict(
         dict(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
     )
-    return config
+    return add_training_sections(config)

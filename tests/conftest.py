@@ -84,6 +84,26 @@ def rewrite_config(path: str, edit) -> None:
         json.dump(config, f)
 
 
+def save_word_tokenizer(path, words) -> dict:
+    """Saves a word-level HF tokenizer with a chat template (<user> ... <assistant>); returns its vocab.
+
+    Ids: <pad> 0, <unk> 1, <eos> 2 (the tiny checkpoints' EOS), <user> 3, <assistant> 4, then `words`.
+    """
+    import tokenizers
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", "<user>", "<assistant>", *words])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        additional_special_tokens=["<user>", "<assistant>"],
+    )
+    fast.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    fast.save_pretrained(path)
+    return vocab
+
+
 # --- Program inspection: proving that no [L, L] array exists --------------------------------------
 
 

@@ -78,12 +78,24 @@ def take_rows(batch: Minibatch, rows) -> Minibatch:
     )
 
 
+def check_paths(cfg) -> None:
+    """Fails before any work when a required local path is missing (nothing is downloaded)."""
+    if cfg.model.get("path_required") and not cfg.model.path:
+        raise ValueError("config.model.path is required for this preset: pass --config.model.path=/path/to/hf_checkpoint "
+                         "(a local directory with config.json, *.safetensors and the tokenizer); nothing is downloaded")
+    if cfg.model.path and not os.path.isdir(cfg.model.path):
+        raise FileNotFoundError(f"config.model.path={cfg.model.path} does not exist; expected a local HF checkpoint directory")
+    if cfg.data.kind != "synthetic" and not os.path.isfile(cfg.data.path):
+        raise FileNotFoundError(f"config.data.path={cfg.data.path!r} does not exist; expected a local DAPO-Math-17K .parquet or .jsonl")
+
+
 def train(cfg) -> dict:
     """Runs `cfg.steps` steps; returns the summary (warm-start and final dev accuracy, ...)."""
+    check_paths(cfg)
     rng = jax.random.PRNGKey(cfg.seed)
     policy_rng, critic_rng, rng = jax.random.split(rng, 3)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer
     train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
     model_config, actor = load_policy(cfg.model, policy_rng)
     if cfg.warm_start.steps:
@@ -161,8 +173,9 @@ def train(cfg) -> dict:
             batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
 
             # 5. update: E epochs of shuffled minibatches
+            kl_coef = cfg.train.kl_coef_grpo if recipe.estimator == "grpo" else cfg.train.kl_coef
             actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
-                               kl_coef=cfg.train.kl_coef * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
+                               kl_coef=kl_coef * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
             critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
                                 grad_clip=knobs["critic_grad_clip"])
             update_actor = step >= cfg.train.critic_warmup_steps or critic is None

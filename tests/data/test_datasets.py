@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow
 import pyarrow.parquet
 import pytest
+from conftest import save_word_tokenizer
 
 from comppo_jax.data.datasets import BENCHMARKS, DAPO_TEMPLATE, DataError, load_benchmark, load_dapo_math
 from comppo_jax.data.synthetic import chained_arithmetic
@@ -113,17 +114,7 @@ def test_char_tokenizer_and_padding():
 
 
 def test_hf_tokenizer_from_a_local_directory_uses_the_chat_template(tmp_path):
-    import tokenizers
-    import transformers
-
-    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<user>", "<assistant>", "[UNK]", "what", "is", "2", "+", "?"])}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", additional_special_tokens=["<user>", "<assistant>"]
-    )
-    fast.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    fast.save_pretrained(tmp_path / "tok")
+    vocab = save_word_tokenizer(tmp_path / "tok", ["what", "is", "2", "+", "?"])
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     ids = tokenizer.encode_prompt("what is 2 + 2 ?")
     assert ids[0] == vocab["<user>"] and ids[-1] == vocab["<assistant>"]

@@ -1,0 +1,37 @@
+"""The paper's training settings (appendix C, "Primary configuration" and the controller), as
+ml_collections sections shared by the presets. Presets call `add_training_sections(config)` and
+then override what differs (configs/tiny.py overrides most of it for a CPU run).
+"""
+
+from __future__ import annotations
+
+from ml_collections import config_dict
+
+
+def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """Adds method, data, rollout, train, reward, controller and output sections to `config`."""
+    section = lambda **kw: config_dict.ConfigDict(kw)
+    config.output_dir = "runs/default"
+    config.progress = True
+    # Algorithm: comppo | grpo | ppo; CompPO's gate control: attention | fixed | shuffle | position.
+    config.method = "comppo"
+    config.gate = "attention"
+    config.position_schedule = ""  # JSON written by comppo_jax.credit.save_position_schedule
+    config.gate_envelope = section(kappa_lo=0.1, kappa_hi=0.9, tau=4.0)  # eq. kappa_attention
+    config.steps = 200
+    # DAPO-Math-17K from a local parquet/jsonl; the 500-problem ID dev split drives the controller.
+    config.data = section(kind="dapo_math", path="", train_size=0, dev_size=500, min_steps=0, max_steps=0)
+    config.warm_start = section(steps=0, batch_size=0, learning_rate=0.0, answer_noise=0.0)
+    # Batch / responses / minibatch 4 / 4 / 4 (minibatch counted in responses); 16K responses;
+    # temperature / top-p 1.0 / 0.7.
+    config.rollout = section(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16384, temperature=1.0, top_p=0.7,
+                             window="response")
+    # Actor LR 1e-6, critic LR 1e-5, KL 2e-3 (GRPO 1e-3), lambda 0.95. Clip 0.2, grad clip 1 and
+    # 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
+    config.train = section(actor_lr=1e-6, critic_lr=1e-5, kl_coef=2e-3, kl_coef_grpo=1e-3, lam=0.95, minibatch_size=4,
+                           critic_warmup_steps=10, eval_every=10)
+    config.reward = section(workers=8, timeout_s=5.0)
+    config.controller = section(enabled=True)  # appendix C thresholds (comppo_jax.train.controller.ControllerConfig)
+    config.model.path_required = True  # no random 4B/8B init by accident: --config.model.path=... is required
+    config.model.tokenizer = ""  # "" = the tokenizer saved with model.path
+    return config

@@ -1,0 +1,50 @@
+"""The paper presets fail fast without local weights or data, and run on a tiny Qwen3-format checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import save_word_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train(*flags):
+    return subprocess.run([sys.executable, "launch/train.py", "--config=configs/qwen3_4b.py", *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):
+    result = train()
+    assert result.returncode != 0 and "config.model.path is required" in result.stderr
+    result = train(f"--config.model.path={tmp_path / 'nope'}")
+    assert result.returncode != 0 and "config.model.path=" in result.stderr and "does not exist" in result.stderr
+    result = train(f"--config.model.path={tmp_path}", f"--config.data.path={tmp_path / 'dapo.parquet'}")
+    assert result.returncode != 0 and "config.data.path=" in result.stderr and "DAPO-Math-17K" in result.stderr
+
+
+@pytest.mark.slow
+def test_qwen3_preset_runs_two_steps_on_a_tiny_checkpoint_and_small_data(tmp_path, hf_checkpoint):
+    source, _ = hf_checkpoint("qwen3", True)
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(source, checkpoint)
+    save_word_tokenizer(checkpoint, [str(d) for d in range(10)] + ["What", "is", "+", "?", "Answer", ":"])
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1 ?", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    arch = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                head_dim=16, rope_theta=10000.0, dtype="float32")
+    result = train(
+        f"--config.model.path={checkpoint}", f"--config.data.path={data}", f"--config.output_dir={tmp_path / 'run'}",
+        *(f"--config.model.arch.{k}={v}" for k, v in arch.items()),
+        "--config.data.dev_size=2", "--config.steps=2", "--config.rollout.max_new_tokens=6", "--config.rollout.prompts_per_step=2",
+        "--config.rollout.samples_per_prompt=2", "--config.train.minibatch_size=2", "--config.train.critic_warmup_steps=0",
+        "--config.train.eval_every=1", "--config.critic.bottleneck=8", "--config.reward.workers=1", "--config.progress=False",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1] and all("policy_loss" in s and "value_loss" in s for s in steps)
