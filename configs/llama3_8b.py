@@ -33,9 +33,4 @@ def get_config():
             eos_token_ids=(128001, 128008, 128009),
         )
     )
-    # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is
-    # d; `top_k` routed positions per token (K = 64 in the paper). kind "standard" = linear head.
-    config.critic = config_dict.ConfigDict(
-        dict(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
-    )
     return add_training_sections(config)

@@ -34,11 +34,6 @@ def get_config():
             pad_token_id=0,
         )
     )
-    # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is
-    # d; `top_k` routed positions per token (K = 64 in the paper). kind "standard" = linear head.
-    config.critic = config_dict.ConfigDict(
-        dict(kind="tac", fused_layers=4, bottleneck=32, top_k=64, eps=1e-6, query_block=128)
-    )
     add_training_sections(config)  # the paper's sections, overridden below for a few CPU minutes
     config.model.path_required = False
     config.output_dir = "runs/tiny"
@@ -51,6 +46,7 @@ def get_config():
     config.rollout.update(prompts_per_step=16, max_new_tokens=40)
     config.train.update(actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, kl_coef_grpo=1e-2, minibatch_size=32, critic_warmup_steps=2)
     config.reward.workers = 2
+    config.critic.bottleneck = 32
     # The tiny vocabulary's entropy (<= ln 128 = 4.85) is far below appendix C's Qwen3 thresholds
     # (8.0 / 7.5 / 6.5), so the entropy rules are off here.
     config.controller.update(entropy_below=(None, None, None), entropy_drop_at_least=(None, None, None))

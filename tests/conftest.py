@@ -107,19 +107,25 @@ def save_word_tokenizer(path, words) -> dict:
 # --- Program inspection: proving that no [L, L] array exists --------------------------------------
 
 
-def jaxpr_shapes(jaxpr):
-    """Every array shape in a jaxpr and, recursively, in the jaxprs nested in its equations."""
-    for var in (*jaxpr.invars, *jaxpr.outvars):
-        yield getattr(var.aval, "shape", ())
+def nested_jaxprs(jaxpr):
+    """`jaxpr` and, recursively, every jaxpr nested in its equations' parameters."""
+    yield jaxpr
     for eqn in jaxpr.eqns:
-        for var in (*eqn.invars, *eqn.outvars):
-            yield getattr(getattr(var, "aval", None), "shape", ())
         for param in eqn.params.values():
             for nested in param if isinstance(param, (tuple, list)) else (param,):
-                if hasattr(nested, "eqns"):
-                    yield from jaxpr_shapes(nested)
-                elif hasattr(nested, "jaxpr") and hasattr(nested.jaxpr, "eqns"):
-                    yield from jaxpr_shapes(nested.jaxpr)
+                inner = getattr(nested, "jaxpr", nested)  # ClosedJaxpr -> Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from nested_jaxprs(inner)
+
+
+def jaxpr_shapes(jaxpr):
+    """Every array shape in a jaxpr and in the jaxprs nested in it."""
+    for inner in nested_jaxprs(jaxpr):
+        for var in (*inner.invars, *inner.outvars):
+            yield getattr(var.aval, "shape", ())
+        for eqn in inner.eqns:
+            for var in (*eqn.invars, *eqn.outvars):
+                yield getattr(getattr(var, "aval", None), "shape", ())
 
 
 def hlo_shapes(text):

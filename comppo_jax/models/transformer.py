@@ -243,8 +243,8 @@ def forward(
     scanned = (params["layers"], jnp.arange(config.num_layers), jnp.asarray(_hidden_slots(config, hidden_layers)))
     statistics = {}
     if window_start is not None:
-        first_layer = jax.tree.map(lambda x: x[0], params["layers"])
-        statistics = no_statistics(*jax.eval_shape(lambda: _qkv(first_layer, embedded, positions, config, inv_freq)))
+        first_layer = lambda: jax.tree.map(lambda x: x[0], params["layers"])  # shapes only, nothing computed
+        statistics = no_statistics(*jax.eval_shape(lambda: _qkv(first_layer(), embedded, positions, config, inv_freq)))
     (x, captured, statistics), _ = jax.lax.scan(step, (embedded, captured, statistics), scanned)
 
     final = rms_norm(x, params["final_norm"], config.rms_norm_eps)

@@ -52,7 +52,8 @@ def sample_token(rng, logits, temperature: float, top_p: float):
 def left_align(tokens, mask, pad_token_id):
     """Moves each row's real tokens to the end (stable), whatever its padding side."""
     order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
-    return jnp.where(jnp.take_along_axis(mask, order, 1), jnp.take_along_axis(tokens, order, 1), pad_token_id), jnp.take_along_axis(mask, order, 1)
+    aligned_mask = jnp.take_along_axis(mask, order, 1)
+    return jnp.where(aligned_mask, jnp.take_along_axis(tokens, order, 1), pad_token_id), aligned_mask
 
 
 @functools.partial(

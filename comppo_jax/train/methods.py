@@ -19,6 +19,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from comppo_jax.credit import apply_position_schedule, fixed_gate, shuffle_gate
+from comppo_jax.rollout import response_positions
 
 METHODS = ("comppo", "grpo", "ppo")
 GATES = ("attention", "fixed", "shuffle", "position")
@@ -69,7 +70,7 @@ def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None):
 def spread_over_sequence(per_token, prompt_lengths, sequence_length: int):
     """[B, T] per-token values -> [B, L] placed at p_t = P - 1 + t (the critic's coordinates)."""
     batch, length = per_token.shape
-    positions = prompt_lengths[:, None] - 1 + jnp.arange(length)[None]
+    positions = response_positions(prompt_lengths, length)
     inside = positions < sequence_length
     out = jnp.zeros((batch, sequence_length), per_token.dtype)
     return out.at[jnp.arange(batch)[:, None], jnp.where(inside, positions, 0)].add(jnp.where(inside, per_token, 0))

@@ -9,7 +9,7 @@ from ml_collections import config_dict
 
 
 def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
-    """Adds method, data, rollout, train, reward, controller and output sections to `config`."""
+    """Adds method, data, rollout, train, critic, reward, controller and output sections to `config`."""
     section = lambda **kw: config_dict.ConfigDict(kw)
     config.output_dir = "runs/default"
     config.progress = True
@@ -30,6 +30,9 @@ def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigD
     # 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     config.train = section(actor_lr=1e-6, critic_lr=1e-5, kl_coef=2e-3, kl_coef_grpo=1e-3, lam=0.95, minibatch_size=4,
                            critic_warmup_steps=10, eval_every=10)
+    # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is
+    # d; `top_k` routed positions per token (K = 64). kind "standard" = the linear value head.
+    config.critic = section(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
     config.reward = section(workers=8, timeout_s=5.0)
     config.controller = section(enabled=True)  # appendix C thresholds (comppo_jax.train.controller.ControllerConfig)
     config.model.path_required = True  # no random 4B/8B init by accident: --config.model.path=... is required

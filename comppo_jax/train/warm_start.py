@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig, forward
 from comppo_jax.rollout import token_log_probs
 
@@ -32,17 +33,10 @@ def supervised_batch(tokenizer, problems, rng: np.random.Generator, batch_size: 
     chosen = [problems[i] for i in rng.integers(0, len(problems), batch_size)]
     prompts = [tokenizer.encode_prompt(p.prompt) for p in chosen]
     responses = [tokenizer.encode(noisy_solution(p, rng, answer_noise)) + [tokenizer.eos_token_id] for p in chosen]
-    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    response_length = max(len(r) for r in responses)
-    tokens = np.full((batch_size, length), tokenizer.pad_token_id, np.int32)
-    response_tokens = np.full((batch_size, response_length), tokenizer.pad_token_id, np.int32)
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        tokens[row, : len(prompt) + len(response)] = prompt + response
-        response_tokens[row, : len(response)] = response
-    lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses)])
-    mask = np.arange(length)[None] < lengths[:, None]
-    response_mask = np.arange(response_length)[None] < np.array([len(r) for r in responses])[:, None]
-    return tuple(jnp.asarray(x) for x in (tokens, mask, np.array([len(p) for p in prompts], np.int32), response_tokens, response_mask))
+    tokens, mask = pad_batch([p + r for p, r in zip(prompts, responses)], tokenizer.pad_token_id, side="right")
+    response_tokens, response_mask = pad_batch(responses, tokenizer.pad_token_id, side="right")
+    prompt_lengths = np.array([len(p) for p in prompts], np.int32)
+    return tuple(jnp.asarray(x) for x in (tokens, mask, prompt_lengths, response_tokens, response_mask))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tx"))

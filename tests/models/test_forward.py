@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import right_padded_batch
+from conftest import nested_jaxprs, right_padded_batch
 
 from comppo_jax.models import ModelConfig, forward, init_params, param_shapes
 import pallas_kernels
@@ -94,15 +94,7 @@ def test_forward_is_differentiable_and_concentration_is_detached(params):
 
 
 def count_pallas_calls(jaxpr):
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "pallas_call"
-        for param in eqn.params.values():
-            for nested in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(nested, "jaxpr", nested)
-                if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
-                    count += count_pallas_calls(inner)
-    return count
+    return sum(eqn.primitive.name == "pallas_call" for inner in nested_jaxprs(jaxpr) for eqn in inner.eqns)
 
 
 def test_only_the_final_layer_runs_the_kernel_and_it_matches_the_reference(params):
