@@ -32,4 +32,8 @@ def get_config():
             eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
         )
     )
-    return add_training_sections(config)
+    add_training_sections(config)
+    # The paper's minibatch of 4 responses is split over 4 FSDP shards; the remaining chips
+    # (-1) split heads and MLP width (tensor parallelism). Override for other slices.
+    config.mesh.update(data=1, fsdp=4, tensor=-1)
+    return config

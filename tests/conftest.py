@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import re
 import os
+import re
 
 import numpy as np
 import pytest
@@ -134,3 +135,53 @@ def hlo_shapes(text):
 
 def square(shapes, length):
     return sorted({shape for shape in shapes if sum(d >= length for d in shape) >= 2})
+
+
+TPU_TOPOLOGIES = {  # chip: (topology name, chip config), as in DESIGN.md
+    "v4": ("v4:2x2x1", "megacore"),
+    "v5e": ("v5e:2x2", "default"),
+    "v5p": ("v5p:2x2x1", "megacore"),
+    "v6e": ("v6e:2x2x1", "default"),
+}
+
+
+def tpu_devices(chip):
+    """The 4 devices of a 2x2 TPU topology via libtpu, for ahead-of-time compiles on this CPU.
+
+    Skips without libtpu, or fails when COMPPO_REQUIRE_LIBTPU=1 (CI).
+    """
+    if importlib.util.find_spec("libtpu") is None:
+        message = "libtpu is not installed (pip install -e '.[tpu]')"
+        if os.environ.get("COMPPO_REQUIRE_LIBTPU") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from jax.experimental import topologies
+
+    name, chip_config = TPU_TOPOLOGIES[chip]
+    return topologies.get_topology_desc(
+        platform="tpu", topology_name=name, chip_config_name=chip_config,
+        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False),
+    ).devices
+
+
+# The tiny default shrunk to seconds per step (dotted config keys), for the train-loop tests.
+SMALL_TRAIN_RUN = {
+    "steps": 2, "warm_start.steps": 3, "data.train_size": 40, "data.dev_size": 4, "rollout.prompts_per_step": 2,
+    "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 12, "train.minibatch_size": 2, "train.critic_warmup_steps": 1,
+    "train.eval_every": 1, "progress": False, "reward.workers": 1, "checkpoint.every": 1, "plot": False,
+}
+
+
+def small_train_config(output_dir, **overrides):
+    """configs/tiny.py with SMALL_TRAIN_RUN and `overrides` (dotted keys spelled with "__")."""
+    from comppo_jax.models import load_config_file
+
+    config = load_config_file(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py"))
+    values = {**SMALL_TRAIN_RUN, **{key.replace("__", "."): value for key, value in overrides.items()}, "output_dir": str(output_dir)}
+    for key, value in values.items():
+        *sections, name = key.split(".")
+        section = config
+        for part in sections:
+            section = section[part]
+        section[name] = value
+    return config

@@ -194,6 +194,14 @@ def critic_from_config(section) -> TransportAlignedCritic:
     return TransportAlignedCritic(bottleneck=section.bottleneck, eps=section.eps, query_block=section.query_block)
 
 
+def init_tac(module: TransportAlignedCritic, rng, num_fused_layers: int, hidden_size: int, top_k: int) -> dict:
+    """TAC params (they depend only on L', D and K, so a one-token dummy batch suffices)."""
+    slots = (1, 1, top_k)
+    routing = Routing(jnp.zeros(slots, jnp.int32), jnp.zeros(slots, jnp.float32), jnp.zeros(slots, bool))
+    hidden_states = jnp.zeros((num_fused_layers, 1, 1, hidden_size), jnp.float32)
+    return module.init(rng, hidden_states, routing, jnp.zeros((1, 1), jnp.float32))["params"]
+
+
 def init_standard_value_head(hidden_size: int) -> dict:
     """Zero-initialized linear value head (the standard critic of the paper's factorial)."""
     return {"weight": jnp.zeros((hidden_size,), jnp.float32), "bias": jnp.zeros((), jnp.float32)}

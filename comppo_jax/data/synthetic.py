@@ -15,17 +15,20 @@ from comppo_jax.data.datasets import Problem
 OPERATIONS = ("+", "-", "*")
 
 
-def chained_arithmetic(count: int, *, seed: int = 0, min_steps: int = 2, max_steps: int = 4) -> list[Problem]:
-    """`count` problems with min_steps..max_steps operations each."""
+def chained_arithmetic(count: int, *, seed: int = 0, min_steps: int = 2, max_steps: int = 4,
+                       operations: str = "".join(OPERATIONS)) -> list[Problem]:
+    """`count` problems with min_steps..max_steps operations each, drawn from `operations`."""
     if count < 1 or not 1 <= min_steps <= max_steps:
         raise ValueError(f"need count >= 1 and 1 <= min_steps <= max_steps, got {count}, {min_steps}, {max_steps}")
+    if not operations or set(operations) - set(OPERATIONS):
+        raise ValueError(f"operations={operations!r}; expected a non-empty string over {''.join(OPERATIONS)!r}")
     rng = random.Random(seed)
     problems = []
     for index in range(count):
         value = rng.randint(1, 20)
         prompt, lines = [str(value)], []
         for _ in range(rng.randint(min_steps, max_steps)):
-            op = rng.choice(OPERATIONS)
+            op = rng.choice(operations)
             operand = rng.randint(2, 9)
             result = {"+": value + operand, "-": value - operand, "*": value * operand}[op] % 1000
             prompt.append(f"{op}{operand}")

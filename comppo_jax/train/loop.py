@@ -11,7 +11,12 @@
    then whitened, clipped advantages;
 5. update: actor clipped PPO + KL and critic clipped value regression over minibatches, with
    the phase controller's knobs; the actor waits during the critic warm-up;
-6. the controller reads this step's metrics; metrics go to JSONL.
+6. the controller reads this step's metrics; metrics go to JSONL and TensorBoard; every
+   `checkpoint.every` steps (and at the end) an async Orbax checkpoint is started.
+
+Params, optimizer states and batches live on a (data, fsdp, tensor) mesh (comppo_jax.sharding);
+the update steps are jitted with explicit in/out shardings. `config.resume=True` restores the
+latest checkpoint and continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from comppo_jax.credit import clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, masked_mean, whiten_advantages
-from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head
+from comppo_jax import sharding
+from comppo_jax.credit import clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, whiten_advantages
+from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac
 from comppo_jax.data.datasets import load_dapo_math
-from comppo_jax.data.rewards import RewardCoefficients, VerifierPool, score_responses, terminal_reward_tokens
+from comppo_jax.data.rewards import RewardCoefficients, Verdict, VerifierPool, score_responses, terminal_reward_tokens
 from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval import encode_prompts, greedy_accuracy
@@ -36,15 +42,19 @@ from comppo_jax.eval.accuracy import decode_responses
 from comppo_jax.models import load_policy
 from comppo_jax.rollout import generate, score_rollout
 from comppo_jax.train import controller
+from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.methods import control_gate, recipe as make_recipe, spread_over_sequence
-from comppo_jax.train.update import Minibatch, actor_step, adamw, critic_step, critic_values
+from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
+from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.warm_start import warm_start
 
 
 def load_problems(data, seed: int):
     """(train, dev) problems for the config's `data` section."""
     if data.kind == "synthetic":
-        problems = chained_arithmetic(data.train_size + data.dev_size, seed=seed, min_steps=data.min_steps, max_steps=data.max_steps)
+        problems = chained_arithmetic(data.train_size + data.dev_size, seed=seed, min_steps=data.min_steps,
+                                      max_steps=data.max_steps, operations=data.operations)
         return problems[: data.train_size], problems[data.train_size :]
     if data.kind == "dapo_math":
         return load_dapo_math(data.path, dev_size=data.dev_size, seed=seed)
@@ -57,6 +67,10 @@ class PromptIterator:
     def __init__(self, count: int, batch_size: int, seed: int, position=(0, 0)):
         self.count, self.batch_size, self.seed = count, batch_size, seed
         self.epoch, self.index = position
+
+    @property
+    def position(self) -> list[int]:
+        return [self.epoch, self.index]
 
     def next(self) -> list[int]:
         order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
@@ -89,85 +103,124 @@ def check_paths(cfg) -> None:
         raise FileNotFoundError(f"config.data.path={cfg.data.path!r} does not exist; expected a local DAPO-Math-17K .parquet or .jsonl")
 
 
+def check_batch(cfg, mesh) -> None:
+    """Fails before any work on batch sizes the mesh cannot split."""
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    multiple = sharding.batch_size_multiple(mesh)
+    for name, size in (("train.minibatch_size", cfg.train.minibatch_size), ("rollout.prompts_per_step * samples_per_prompt", rows)):
+        if size % multiple:
+            raise ValueError(f"config.{name}={size} must be a multiple of mesh data x fsdp = {multiple}")
+    if rows % cfg.train.minibatch_size:
+        raise ValueError(f"config.train.minibatch_size={cfg.train.minibatch_size} must divide the {rows} responses per step")
+
+
 def train(cfg) -> dict:
-    """Runs `cfg.steps` steps; returns the summary (warm-start and final dev accuracy, ...)."""
+    """Runs (or, with `cfg.resume`, continues) `cfg.steps` steps; returns the summary."""
     check_paths(cfg)
+    sharding.initialize_distributed(cfg.mesh)
+    mesh = sharding.make_mesh(cfg.mesh)
+    check_batch(cfg, mesh)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    checkpoints = RunCheckpoints(cfg.output_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best)
+    if not cfg.resume and checkpoints.latest_step() is not None:
+        raise FileExistsError(f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
+                              "pass --config.resume=True to continue that run, or choose another --config.output_dir")
     rng = jax.random.PRNGKey(cfg.seed)
     policy_rng, critic_rng, rng = jax.random.split(rng, 3)
-    os.makedirs(cfg.output_dir, exist_ok=True)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer
     train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
     model_config, actor = load_policy(cfg.model, policy_rng)
-    if cfg.warm_start.steps:
-        actor, sft_loss = warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
-                                     batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate, seed=cfg.seed,
-                                     answer_noise=cfg.warm_start.answer_noise)
-    reference = actor  # frozen: jax arrays are immutable, and the actor is rebound, never mutated
+    meta = {"next_step": 0, "prompts": [0, 0], "controller": controller.initial_state()}
+    if cfg.warm_start.steps and cfg.resume:
+        reference = checkpoints.restore_reference(actor)
+    elif cfg.warm_start.steps:
+        actor, warm_start_loss = warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
+                                                    batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
+                                                    seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise)
+        meta["warm_start_loss"] = float(warm_start_loss)
+        reference = actor
+        checkpoints.save_reference(reference)
+    else:
+        reference = actor
+    # The reference is frozen in the compute dtype; the actor trains in the master dtype.
+    reference = jax.tree.map(lambda p: jnp.array(p, dtype=model_config.dtype, copy=True), reference)
+    actor = cast_params(actor, cfg.train.master_dtype)
     recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
     position_schedule = load_position_schedule(cfg.position_schedule) if cfg.gate == "position" and cfg.method == "comppo" else None
     n = model_config.num_layers
     hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "none": ()}[recipe.critic]
     top_k = cfg.critic.top_k if recipe.critic == "tac" else None
     critic_module = critic_from_config(cfg.critic) if recipe.critic == "tac" else None
-    critic = init_standard_value_head(model_config.hidden_size) if recipe.critic == "standard" else None
+    critic = {"tac": lambda: init_tac(critic_module, critic_rng, len(hidden_layers), model_config.hidden_size, top_k),
+              "standard": lambda: init_standard_value_head(model_config.hidden_size), "none": lambda: None}[recipe.critic]()
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
-    actor_opt = actor_tx.init(actor)
-    critic_opt = None if critic is None else critic_tx.init(critic)
+    state = {"actor": actor, "actor_opt": actor_tx.init(actor), "critic": critic,
+             "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}
+    if cfg.resume:
+        state, meta = checkpoints.restore(state)
+    state = sharding.put(state, sharding.tree_shardings(mesh, state))
+    reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
+    steps = jit_update_steps(mesh, model_config=model_config, temperature=cfg.rollout.temperature, actor=state["actor"],
+                             actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
+                             critic_tx=critic_tx, critic_module=critic_module, critic_kind=recipe.critic)
+    batch_shardings = minibatch_shardings(mesh, with_routing=recipe.critic == "tac")
     control_config = controller.ControllerConfig(**cfg.controller.to_dict())
-    control_state = controller.initial_state()
+    control_state = meta["controller"]
     schedule = controller.RewardSchedule()
-    prompts = PromptIterator(len(train_problems), cfg.rollout.prompts_per_step, cfg.seed)
+    prompts = PromptIterator(len(train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=meta["prompts"])
     group = cfg.rollout.samples_per_prompt
     eos = (tokenizer.eos_token_id,)
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    evaluate = lambda params, pool: greedy_accuracy(params, model_config, tokenizer, dev_problems, pool, max_new_tokens=cfg.rollout.max_new_tokens)
+    evaluate = lambda params, pool: greedy_accuracy(cast_params(params, model_config.dtype), model_config, tokenizer, dev_problems,
+                                                    pool, max_new_tokens=cfg.rollout.max_new_tokens)
+    writer = MetricsWriter(cfg.output_dir, start_step=meta["next_step"], tensorboard=cfg.tensorboard)
 
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool, open(metrics_path, "w") as log:
-        warm_accuracy = evaluate(actor, pool)
-        progress = tqdm.trange(cfg.steps, desc=f"{cfg.method}", disable=not cfg.progress)
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        if "warm_start_dev_accuracy" not in meta:
+            meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
+        progress = tqdm.trange(meta["next_step"], cfg.steps, desc=cfg.method, disable=not cfg.progress)
         for step in progress:
             started = time.time()
             knobs = controller.knobs(control_state, step, control_config)
-            step_rng = jax.random.fold_in(rng, step + 1)
+            step_rng = jax.random.fold_in(state["rng"], step + 1)
+            actor, critic = state["actor"], state["critic"]
+            policy = cast_params(actor, model_config.dtype)
 
             # 1. sample
             chosen = [train_problems[i] for i in prompts.next()]
             prompt_tokens, prompt_mask = encode_prompts(tokenizer, chosen)
-            generation = generate(actor, model_config, prompt_tokens, prompt_mask, step_rng, max_new_tokens=cfg.rollout.max_new_tokens,
+            generation = generate(policy, model_config, prompt_tokens, prompt_mask, step_rng, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
             # 2. score (behaviour and reference policies, detached)
-            rollout = score_rollout(actor, reference, model_config, generation, window=cfg.rollout.window,
+            rollout = score_rollout(policy, reference, model_config, generation, window=cfg.rollout.window,
                                     temperature=cfg.rollout.temperature, hidden_layers=hidden_layers, top_k=top_k,
                                     **cfg.gate_envelope.to_dict())
             # 3. reward
             format_coef, length_coef = schedule.at(step)
-            lengths = np.asarray(generation.response_mask).sum(axis=1)
-            texts = decode_responses(tokenizer, generation)
-            rewards, _, reward_metrics = score_responses(
-                texts, [p.answer for p in chosen for _ in range(group)], lengths, pool, RewardCoefficients(format_coef, length_coef))
             mask = rollout.response_mask
-            reward_tokens = jnp.asarray(terminal_reward_tokens(rewards, mask))
+            lengths = sharding.to_host(mask).sum(axis=1)
+            texts = decode_responses(tokenizer, generation)
+            rewards, verdicts, reward_metrics = score_responses(
+                texts, [p.answer for p in chosen for _ in range(group)], lengths, pool, RewardCoefficients(format_coef, length_coef))
+            reward_tokens = terminal_reward_tokens(rewards, sharding.to_host(mask))
 
             # 4. credit
             kappa = control_gate(recipe, rollout.kappa, mask, jax.random.fold_in(step_rng, 1), position_schedule)
-            batch = Minibatch(
+            zeros = jnp.zeros(mask.shape)
+            batch = sharding.put(Minibatch(
                 generation.tokens, generation.attention_mask, generation.prompt_lengths, generation.response_tokens, mask,
-                rollout.log_probs, rollout.ref_log_probs, jnp.zeros(mask.shape), jnp.zeros(mask.shape), jnp.zeros(mask.shape),
+                rollout.log_probs, rollout.ref_log_probs, zeros, zeros, zeros,
                 spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
-            )
-            if recipe.critic == "tac" and critic is None:  # TAC's parameter shapes follow the first rollout
-                critic = critic_module.init(critic_rng, batch.hidden_states, batch.routing, batch.kappa_sequence)["params"]
-                critic_opt = critic_tx.init(critic)
+            ), batch_shardings)
             if recipe.estimator == "grpo":
                 advantages = grpo_advantages(jnp.asarray(rewards), group, mask)
-                values = returns = jnp.zeros(mask.shape)
+                values = returns = zeros
             else:
-                values = critic_values(critic, critic_module, recipe.critic, batch)
+                values = steps.values(critic, batch)
                 if recipe.estimator == "gae":
-                    advantages, returns = gae(reward_tokens, values, mask, gamma=1.0, lam=cfg.train.lam)
+                    advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
                 else:
-                    advantages, returns = comp_gae(reward_tokens, values, kappa, mask, cfg.train.lam)
+                    advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
                 advantages = whiten_advantages(advantages, mask)
             advantages = clip_advantages(advantages, knobs["advantage_clip"])
             batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
@@ -184,38 +237,50 @@ def train(cfg) -> dict:
             for epoch in range(int(knobs["actor_epochs"])):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
                 for start in range(0, rows, cfg.train.minibatch_size):
-                    minibatch = take_rows(batch, order[start : start + cfg.train.minibatch_size])
+                    minibatch = sharding.put(take_rows(batch, order[start : start + cfg.train.minibatch_size]), batch_shardings)
                     out = {}
                     if update_actor:
-                        actor, actor_opt, out = actor_step(actor, actor_opt, minibatch, actor_hyper, config=model_config,
-                                                           tx=actor_tx, temperature=cfg.rollout.temperature)
+                        state["actor"], state["actor_opt"], out = steps.actor(state["actor"], state["actor_opt"], minibatch, actor_hyper)
                     if critic is not None:
-                        critic, critic_opt, critic_out = critic_step(critic, critic_opt, minibatch, critic_hyper,
-                                                                     critic_module=critic_module, kind=recipe.critic, tx=critic_tx)
+                        state["critic"], state["critic_opt"], critic_out = steps.critic(state["critic"], state["critic_opt"], minibatch,
+                                                                                        critic_hyper)
                         out = {**out, **critic_out}
                     update_metrics.append({k: float(v) for k, v in out.items()})
 
-            # 6. control and log
+            # 6. control, log, checkpoint
             metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
             metrics.update(reward_metrics)
             metrics["response_clip_ratio"] = float(np.mean(lengths >= cfg.rollout.max_new_tokens))
             metrics["response_length"] = float(lengths.mean())
-            metrics["gate_mean"] = float(masked_mean(kappa, mask))
-            if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-                metrics["dev_accuracy"] = evaluate(actor, pool)
+            host = lambda x: sharding.to_host(x)
+            correct = np.asarray([v is Verdict.CORRECT for v in verdicts])
+            metrics.update(gate_statistics(host(rollout.kappa), host(mask), correct))  # the policy's own gate, every method
+            if critic is not None:
+                metrics.update(critic_diagnostics(host(values), host(returns), reward_tokens, host(kappa), host(mask)))
+            evaluated = cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0
+            if evaluated:
+                metrics["dev_accuracy"] = evaluate(state["actor"], pool)
             if update_actor:
                 control_state = controller.update(control_state, metrics, control_config)
             metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
                            sample={"prompt": chosen[0].prompt, "response": texts[0], "reward": float(rewards[0])})
-            log.write(json.dumps(metrics) + "\n")
-            log.flush()
+            writer.write(metrics)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
+            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
+                meta.update(next_step=step + 1, prompts=prompts.position, controller=control_state)
+                checkpoints.save(step + 1, state, meta, metrics.get("dev_accuracy"))
 
-        final_accuracy = evaluate(actor, pool)
-    summary = {"method": cfg.method, "warm_start_dev_accuracy": warm_accuracy, "final_dev_accuracy": final_accuracy,
-               "steps": cfg.steps, "dev_problems": len(dev_problems)}
-    if cfg.warm_start.steps:
-        summary["warm_start_loss"] = sft_loss
+        final_accuracy = evaluate(state["actor"], pool)
+    checkpoints.wait()
+    summary = {"method": cfg.method, "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"], "final_dev_accuracy": final_accuracy,
+               "steps": cfg.steps, "dev_problems": len(dev_problems), "best_checkpoint_step": checkpoints.best_step()}
+    checkpoints.close()
+    writer.close()
+    if "warm_start_loss" in meta:
+        summary["warm_start_loss"] = meta["warm_start_loss"]
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if cfg.plot:
+        plot_run(os.path.join(cfg.output_dir, METRICS_FILE), os.path.join(cfg.output_dir, "curves.png"),
+                 title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}")
     return summary

@@ -20,7 +20,7 @@ def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigD
     config.gate_envelope = section(kappa_lo=0.1, kappa_hi=0.9, tau=4.0)  # eq. kappa_attention
     config.steps = 200
     # DAPO-Math-17K from a local parquet/jsonl; the 500-problem ID dev split drives the controller.
-    config.data = section(kind="dapo_math", path="", train_size=0, dev_size=500, min_steps=0, max_steps=0)
+    config.data = section(kind="dapo_math", path="", train_size=0, dev_size=500, min_steps=0, max_steps=0, operations="")
     config.warm_start = section(steps=0, batch_size=0, learning_rate=0.0, answer_noise=0.0)
     # Batch / responses / minibatch 4 / 4 / 4 (minibatch counted in responses); 16K responses;
     # temperature / top-p 1.0 / 0.7.
@@ -28,13 +28,23 @@ def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigD
                              window="response")
     # Actor LR 1e-6, critic LR 1e-5, KL 2e-3 (GRPO 1e-3), lambda 0.95. Clip 0.2, grad clip 1 and
     # 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
+    # master_dtype: the actor's trained copy (fp32 master weights under bf16 compute).
     config.train = section(actor_lr=1e-6, critic_lr=1e-5, kl_coef=2e-3, kl_coef_grpo=1e-3, lam=0.95, minibatch_size=4,
-                           critic_warmup_steps=10, eval_every=10)
+                           critic_warmup_steps=10, eval_every=10, master_dtype="float32")
     # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is
     # d; `top_k` routed positions per token (K = 64). kind "standard" = the linear value head.
     config.critic = section(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
     config.reward = section(workers=8, timeout_s=5.0)
     config.controller = section(enabled=True)  # appendix C thresholds (comppo_jax.train.controller.ControllerConfig)
+    # (data, fsdp, tensor) device mesh, -1 = all remaining devices (comppo_jax.sharding); multi-host
+    # runs set distributed=True (TPU pods need no coordinator address).
+    config.mesh = section(data=-1, fsdp=1, tensor=1, distributed=False, coordinator_address="", num_processes=0, process_id=0)
+    # Async Orbax checkpoints every `every` steps and at the end: the last `keep_last` plus the
+    # `keep_best` best by dev accuracy. resume=True continues the run in output_dir exactly.
+    config.checkpoint = section(every=10, keep_last=2, keep_best=1)
+    config.resume = False
+    config.tensorboard = True
+    config.plot = True  # curves.png at the end
     config.model.path_required = True  # no random 4B/8B init by accident: --config.model.path=... is required
     config.model.tokenizer = ""  # "" = the tokenizer saved with model.path
     return config

@@ -1,25 +1,31 @@
 """The update: actor clipped PPO + reference KL, critic clipped value regression (paper alg. 1).
 
-Pure functions over plain pytrees; `actor_step` and `critic_step` are jitted with the model
-config and recipe static. Per-step knobs from the phase controller (learning rates, clip, KL
-coefficient, value clip, gradient clips) enter as traced scalars, so a phase change does not
-recompile. Learning rates live in the optax state (`inject_hyperparams`), so they are
-checkpointed with it.
+Pure functions over plain pytrees. `jit_update_steps` jits them over a device mesh with
+explicit in/out shardings (comppo_jax.sharding) and donated params and optimizer states.
+Per-step knobs from the phase controller (learning rates, clip, KL coefficient, value clip,
+gradient clips) enter as traced scalars, so a phase change does not recompile. Learning rates
+live in the optax state (`inject_hyperparams`), so they are checkpointed with it.
+
+Mixed precision: the actor's params may be kept in a wider master dtype (float32) than the
+model's compute dtype (`config.dtype`, bfloat16 in the presets); the loss casts them down, so
+gradients and AdamW moments stay in the master dtype.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from comppo_jax.credit import entropy_from_logits, kl_penalty, masked_mean, ppo_clip_loss, value_loss
 from comppo_jax.critic import Routing, standard_value_head
 from comppo_jax.models import ModelConfig, forward
 from comppo_jax.rollout import gather_response, token_log_probs
+from comppo_jax.sharding import BATCH, replicated, tree_shardings
 
 
 class Minibatch(NamedTuple):
@@ -40,13 +46,26 @@ class Minibatch(NamedTuple):
     routing: Routing | None
 
 
+def minibatch_shardings(mesh: Mesh, with_routing: bool) -> Minibatch:
+    """Rows split over (data, fsdp); hidden states carry the batch on axis 1."""
+    rows = NamedSharding(mesh, P(BATCH))
+    fields = dict.fromkeys(Minibatch._fields, rows)
+    fields.update(hidden_states=NamedSharding(mesh, P(None, BATCH)), routing=Routing(rows, rows, rows) if with_routing else None)
+    return Minibatch(**fields)
+
+
+def cast_params(params, dtype):
+    """params in `dtype` (the compute copy of fp32 master weights; a no-op when equal)."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
 def adamw(learning_rate: float) -> optax.GradientTransformation:
     """AdamW (0.9, 0.999), weight decay 0 (appendix C), with an injectable learning rate."""
     return optax.inject_hyperparams(optax.adamw)(learning_rate=learning_rate, b1=0.9, b2=0.999, weight_decay=0.0)
 
 
 def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm):
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (grad_norm + 1e-6)), grads)
     opt_state.hyperparams["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -55,7 +74,7 @@ def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm):
 
 def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float):
     """Clipped surrogate (eq. ppo_outer) + kl_coef * low-variance KL to the reference policy."""
-    logits = forward(params, config, batch.tokens, batch.attention_mask, hidden_layers=()).logits
+    logits = forward(cast_params(params, config.dtype), config, batch.tokens, batch.attention_mask, hidden_layers=()).logits
     log_probs = token_log_probs(logits, batch.prompt_lengths, batch.response_tokens, temperature)
     mask = batch.response_mask
     policy_loss, stats = ppo_clip_loss(log_probs, batch.old_log_probs, batch.advantages, mask, clip, clip)
@@ -66,7 +85,6 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, tem
     return policy_loss + kl_coef * kl, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tx", "temperature"))
 def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: ModelConfig, tx, temperature: float):
     """One actor update; hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars)."""
     grads, metrics = jax.grad(actor_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature)
@@ -74,7 +92,7 @@ def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: Mode
     return params, opt_state, {**metrics, "grad_norm": grad_norm}
 
 
-def critic_values(critic_params, critic_module, kind: str, batch: Minibatch):
+def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str):
     """V_t [B, T] at the response positions, from TAC or the standard head (both clamped)."""
     if kind == "tac":
         sequence = critic_module.apply({"params": critic_params}, batch.hidden_states, batch.routing, batch.kappa_sequence).value
@@ -83,14 +101,41 @@ def critic_values(critic_params, critic_module, kind: str, batch: Minibatch):
     return gather_response(sequence, batch.prompt_lengths, batch.response_mask.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("critic_module", "kind", "tx"))
 def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_module, kind: str, tx):
     """One critic update toward the detached G_t; hyper: learning_rate, value_clip, grad_clip."""
 
     def loss(params):
-        values = critic_values(params, critic_module, kind, batch)
+        values = critic_values(params, batch, critic_module=critic_module, kind=kind)
         return value_loss(values, batch.old_values, batch.returns, batch.response_mask, hyper["value_clip"])
 
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
     params, opt_state, grad_norm = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"])
     return params, opt_state, {"value_loss": value, "value_clip_fraction": stats["clip_fraction"], "critic_grad_norm": grad_norm}
+
+
+class UpdateSteps(NamedTuple):
+    """The jitted, sharded steps of one run (critic entries are None without a critic)."""
+
+    actor: Callable  # (params, opt_state, minibatch, hyper) -> (params, opt_state, metrics)
+    critic: Callable | None  # (params, opt_state, minibatch, hyper) -> (params, opt_state, metrics)
+    values: Callable | None  # (params, batch) -> V [B, T]
+
+
+def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: float, actor, actor_opt, actor_tx,
+                     critic=None, critic_opt=None, critic_tx=None, critic_module=None, critic_kind: str = "none") -> UpdateSteps:
+    """`actor_step`, `critic_step` and `critic_values` as jax.jit with in/out shardings on `mesh`."""
+    rep = replicated(mesh)
+    batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac")
+    actor_sh, actor_opt_sh = tree_shardings(mesh, actor), tree_shardings(mesh, actor_opt)
+    actor_fn = jax.jit(functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature),
+                       in_shardings=(actor_sh, actor_opt_sh, batch, rep), out_shardings=(actor_sh, actor_opt_sh, rep),
+                       donate_argnums=(0, 1))
+    if critic is None:
+        return UpdateSteps(actor_fn, None, None)
+    critic_sh, critic_opt_sh = tree_shardings(mesh, critic), tree_shardings(mesh, critic_opt)
+    critic_fn = jax.jit(functools.partial(critic_step, critic_module=critic_module, kind=critic_kind, tx=critic_tx),
+                        in_shardings=(critic_sh, critic_opt_sh, batch, rep), out_shardings=(critic_sh, critic_opt_sh, rep),
+                        donate_argnums=(0, 1))
+    values_fn = jax.jit(functools.partial(critic_values, critic_module=critic_module, kind=critic_kind),
+                        in_shardings=(critic_sh, batch), out_shardings=batch.advantages)
+    return UpdateSteps(actor_fn, critic_fn, values_fn)

@@ -1,9 +1,11 @@
 """Supervised warm start on worked solutions (the tiny default's "imperfect but non-zero" policy).
 
 Cross-entropy of the solution tokens (and the EOS) given the prompt, token-mean over the batch,
-AdamW; the prompt tokens carry no loss. `answer_noise` corrupts that fraction of the final
-`Answer:` lines (the scratchpad stays right), so the warm-started policy makes a systematic,
-verifiable mistake that RL can fix in minutes on a CPU; 0 disables it.
+AdamW; the prompt tokens carry no loss. `answer_noise` is the probability that an odd answer's
+`Answer:` line reads answer + 1 (the scratchpad stays right, even answers are never touched).
+Above 1/2 the warm-started greedy policy is systematically wrong on odd answers while sampling
+still finds the right one, so RL has a verifiable mistake at the end of the response to fix in
+minutes on a CPU; 0 disables it.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from comppo_jax.rollout import token_log_probs
 
 
 def noisy_solution(problem, rng: np.random.Generator, answer_noise: float) -> str:
-    """The worked solution, with its Answer line off by 1..9 with probability answer_noise."""
-    if rng.random() >= answer_noise:
+    """The worked solution; an odd answer's Answer line reads answer + 1 with probability answer_noise."""
+    if int(problem.answer) % 2 == 0 or rng.random() >= answer_noise:
         return problem.solution
     steps, _ = problem.solution.rsplit("\n", 1)
-    return f"{steps}\nAnswer: {int(problem.answer) + int(rng.choice([-1, 1])) * int(rng.integers(1, 10))}"
+    return f"{steps}\nAnswer: {int(problem.answer) + 1}"
 
 
 def supervised_batch(tokenizer, problems, rng: np.random.Generator, batch_size: int, answer_noise: float = 0.0):

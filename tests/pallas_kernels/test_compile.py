@@ -9,15 +9,13 @@ libtpu fails instead of skipping.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import hlo_shapes, jaxpr_shapes, square
+from conftest import TPU_TOPOLOGIES, hlo_shapes, jaxpr_shapes, square, tpu_devices
 
 from comppo_jax.models import preset_model_config
 from pallas_kernels import attention_with_concentration
@@ -64,29 +62,9 @@ def test_no_l_by_l_intermediate_and_linear_memory_at_8192(backend):
 
 # --- TPU ahead-of-time compiles (libtpu) -------------------------------------------------------
 
-TPU_TOPOLOGIES = {  # chip: (topology name, chip config), as in DESIGN.md
-    "v4": ("v4:2x2x1", "megacore"),
-    "v5e": ("v5e:2x2", "default"),
-    "v5p": ("v5p:2x2x1", "megacore"),
-    "v6e": ("v6e:2x2x1", "default"),
-}
-
-
 def tpu_mesh(chip):
-    if importlib.util.find_spec("libtpu") is None:
-        message = "libtpu is not installed (pip install -e '.[tpu]')"
-        if os.environ.get("COMPPO_REQUIRE_LIBTPU") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    from jax.experimental import topologies
-
-    name, chip_config = TPU_TOPOLOGIES[chip]
-    topology = topologies.get_topology_desc(
-        platform="tpu", topology_name=name, chip_config_name=chip_config,
-        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False),
-    )
     # One chip: a Mosaic kernel is not auto-partitioned (sharding is the caller's shard_map).
-    return jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+    return jax.sharding.Mesh(np.array(tpu_devices(chip)[:1]), ("x",))
 
 
 def qwen3_4b_final_layer(length):

@@ -44,6 +44,7 @@ def test_qwen3_preset_runs_two_steps_on_a_tiny_checkpoint_and_small_data(tmp_pat
         "--config.data.dev_size=2", "--config.steps=2", "--config.rollout.max_new_tokens=6", "--config.rollout.prompts_per_step=2",
         "--config.rollout.samples_per_prompt=2", "--config.train.minibatch_size=2", "--config.train.critic_warmup_steps=0",
         "--config.train.eval_every=1", "--config.critic.bottleneck=8", "--config.reward.workers=1", "--config.progress=False",
+        "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
     )
     assert result.returncode == 0, result.stderr[-4000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

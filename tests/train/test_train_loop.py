@@ -8,14 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SMALL_TRAIN_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = [
-    "--config.steps=2", "--config.warm_start.steps=3", "--config.data.train_size=40", "--config.data.dev_size=4",
-    "--config.rollout.prompts_per_step=2", "--config.rollout.samples_per_prompt=2", "--config.rollout.max_new_tokens=12",
-    "--config.train.minibatch_size=2", "--config.train.critic_warmup_steps=1", "--config.train.eval_every=1",
-    "--config.progress=False", "--config.reward.workers=1",
-]
+SMALL = [f"--config.{key}={value}" for key, value in SMALL_TRAIN_RUN.items()]
 
 
 @pytest.mark.slow
@@ -23,7 +19,7 @@ SMALL = [
 def test_train_runs_each_method(tmp_path, method):
     result = subprocess.run(
         [sys.executable, "launch/train.py", "--config=configs/tiny.py", f"--config.method={method}",
-         f"--config.output_dir={tmp_path}", *SMALL],
+         f"--config.output_dir={tmp_path}", *SMALL, "--config.plot=True"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -33,3 +29,9 @@ def test_train_runs_each_method(tmp_path, method):
     assert [s["step"] for s in steps] == [0, 1] and all("dev_accuracy" in s for s in steps)
     assert ("value_loss" in steps[1]) == (method != "grpo")
     assert "policy_loss" in steps[1] and ("policy_loss" in steps[0]) == (method == "grpo")  # critic warm-up
+    assert {"gate/mean", "gate/iqr", "gate/first_third", "gate/last_third", "entropy", "clip_fraction", "kl_loss"} <= set(steps[1])
+    if method != "grpo":
+        assert {"critic/value_mae", "critic/clamp_saturation"} <= set(steps[1])
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]

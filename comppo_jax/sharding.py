@@ -1,0 +1,132 @@
+"""Device mesh and sharding rules, all in one place (maxtext-style logical rules).
+
+The mesh has three axes:
+- `data`: pure data parallelism (params replicated along it);
+- `fsdp`: data parallelism whose params and optimizer states are sharded along it (ZeRO-3);
+- `tensor`: Megatron tensor parallelism (attention heads, MLP width, vocabulary).
+
+Batches are split over `data` x `fsdp`. A weight's rule names the mesh axis of each dimension;
+a dimension whose size the axis does not divide stays replicated. Everything not named by a
+rule (norms, the TAC critic's ~2M params, optimizer counters, knobs) is replicated. The rules
+match a leaf by its nearest dict key, so the same rule shards a weight and its AdamW moments.
+
+Multi-host: `initialize_distributed` calls `jax.distributed.initialize` when configured. Every
+host builds the same global batch from the same seeds, and `to_host` gathers sharded arrays
+for the host-side steps (decoding, the verifier).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
+
+# Weight name -> mesh axis per dimension. Layer weights are stacked [num_layers, in, out].
+PARAM_RULES: dict[str, tuple] = {
+    "embed": ("tensor", "fsdp"),  # [V, D]
+    "lm_head": ("fsdp", "tensor"),  # [D, V]
+    "q_proj": (None, "fsdp", "tensor"),
+    "k_proj": (None, "fsdp", "tensor"),
+    "v_proj": (None, "fsdp", "tensor"),
+    "o_proj": (None, "tensor", "fsdp"),
+    "gate_proj": (None, "fsdp", "tensor"),
+    "up_proj": (None, "fsdp", "tensor"),
+    "down_proj": (None, "tensor", "fsdp"),
+}
+
+
+def initialize_distributed(mesh_config) -> None:
+    """Multi-host start-up (`config.mesh.distributed`); TPU pods find their peers themselves."""
+    if not mesh_config.distributed:
+        return
+    kwargs = {}
+    if mesh_config.coordinator_address:
+        kwargs = dict(coordinator_address=mesh_config.coordinator_address, num_processes=mesh_config.num_processes,
+                      process_id=mesh_config.process_id)
+    jax.distributed.initialize(**kwargs)
+
+
+def make_mesh(mesh_config, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh from `config.mesh`; one axis may be -1 (all remaining devices)."""
+    devices = jax.devices() if devices is None else devices
+    sizes = [int(mesh_config[axis]) for axis in AXES]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"config.mesh (data, fsdp, tensor) = {tuple(sizes)}: sizes must be positive, at most one -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"config.mesh {dict(zip(AXES, sizes))}: {len(devices)} devices are not a multiple of {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"config.mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, found {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(sizes), AXES)
+
+
+def batch_size_multiple(mesh: Mesh) -> int:
+    """Batches (rollouts and minibatches) must be a multiple of this."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _rule_for(path) -> tuple | None:
+    for entry in reversed(path):
+        if isinstance(entry, jax.tree_util.DictKey) and entry.key in PARAM_RULES:
+            return PARAM_RULES[entry.key]
+    return None
+
+
+def leaf_spec(mesh: Mesh, path, shape) -> P:
+    """The PartitionSpec of one weight (or optimizer moment) from PARAM_RULES."""
+    rule = _rule_for(path)
+    if rule is None or len(rule) != len(shape):
+        return P()
+    axes = []
+    for axis, size in zip(rule, shape):
+        if axis is not None and size % mesh.shape[axis]:
+            logging.warning("%s: dim %d not divisible by mesh axis %s=%d; replicated", jax.tree_util.keystr(path), size, axis,
+                            mesh.shape[axis])
+            axis = None
+        axes.append(axis)
+    return P(*axes)
+
+
+def tree_shardings(mesh: Mesh, tree: Any) -> Any:
+    """NamedShardings for a params or optimizer-state pytree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, leaf_spec(mesh, path, np.shape(x))), tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
+    """Splits `batch_axis` over (data, fsdp); the other dims are replicated."""
+    spec = [None] * ndim
+    spec[batch_axis] = BATCH
+    return NamedSharding(mesh, P(*spec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def minibatch_shardings(mesh: Mesh, batch) -> Any:
+    """Shardings for a `Minibatch` (hidden states carry the batch on axis 1, the rest on axis 0)."""
+    fields = {name: None if value is None else jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)), value)
+              for name, value in batch._asdict().items()}
+    fields["hidden_states"] = batch_sharding(mesh, np.ndim(batch.hidden_states), batch_axis=1)
+    return type(batch)(**fields)
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """Places a pytree with matching shardings (None leaves stay None)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+
+
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-host sharded) array as one NumPy array on this host."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)

@@ -1,0 +1,105 @@
+"""The sharded update steps: a 2x2x2 (data, fsdp, tensor) mesh on 8 CPU devices equals one device,
+and the tiny train step compiles ahead of time for a TPU topology through libtpu."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tpu_devices
+from jax.sharding import PartitionSpec as P
+
+from comppo_jax import sharding
+from comppo_jax.train.update import jit_update_steps
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from jax.sharding import PartitionSpec as P
+    from comppo_jax import sharding
+    from comppo_jax.train.update import jit_update_steps, minibatch_shardings
+    from update_inputs import CONFIG, HYPER, update_inputs
+
+    assert len(jax.devices()) == 8
+
+    def one_step(mesh_sizes, devices):
+        mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_sizes)), devices)
+        actor, actor_opt, actor_tx, module, critic, critic_opt, critic_tx, batch = update_inputs()
+        steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
+                                 critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind="tac")
+        state = (actor, actor_opt, critic, critic_opt)
+        actor, actor_opt, critic, critic_opt = sharding.put(state, sharding.tree_shardings(mesh, state))
+        batch = sharding.put(batch, minibatch_shardings(mesh, with_routing=True))
+        values = steps.values(critic, batch)
+        actor, actor_opt, actor_metrics = steps.actor(actor, actor_opt, batch, HYPER["actor"])
+        critic, critic_opt, critic_metrics = steps.critic(critic, critic_opt, batch, HYPER["critic"])
+        return (values, actor, actor_opt, critic, critic_opt, actor_metrics, critic_metrics), actor, batch
+
+    single, _, _ = one_step((1, 1, 1), jax.devices()[:1])
+    sharded, actor, batch = one_step((2, 2, 2), jax.devices())
+    assert actor["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor"), actor["layers"]["q_proj"].sharding
+    assert actor["embed"].sharding.spec == P("tensor", "fsdp")
+    assert len(actor["layers"]["q_proj"].addressable_shards) == 8
+    assert batch.tokens.sharding.spec == P(("data", "fsdp")) and batch.hidden_states.sharding.spec == P(None, ("data", "fsdp"))
+    paths = jax.tree_util.tree_flatten_with_path(jax.device_get(single))[0]
+    for (path, a), b in zip(paths, jax.tree.leaves(jax.device_get(sharded))):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    print("sharded == single device:", len(paths), "leaves")
+    """
+)
+
+
+@pytest.mark.slow
+def test_update_step_on_a_2x2x2_mesh_equals_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "sharded == single device" in result.stdout
+
+
+def test_make_mesh_sizes_and_errors():
+    devices = jax.devices()[:1] * 1
+    mesh = sharding.make_mesh(dict(data=-1, fsdp=1, tensor=1), devices)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ValueError, match="needs 4 devices, found 1"):
+        sharding.make_mesh(dict(data=1, fsdp=4, tensor=1), devices)
+    with pytest.raises(ValueError, match="at most one -1"):
+        sharding.make_mesh(dict(data=-1, fsdp=-1, tensor=1), devices)
+
+
+def test_rules_shard_weights_and_their_adam_moments_alike_and_replicate_the_rest():
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES)
+    tree = {"mu": {"layers": {"q_proj": np.zeros((2, 32, 64)), "attn_norm": np.zeros((2, 32))}, "embed": np.zeros((64, 32))},
+            "count": np.zeros(()), "layers": {"down_proj": np.zeros((2, 96, 31))}}
+    specs = jax.tree_util.tree_map_with_path(lambda path, x: sharding.leaf_spec(mesh, path, x.shape), tree)
+    assert specs["mu"]["layers"]["q_proj"] == P(None, "fsdp", "tensor")
+    assert specs["mu"]["layers"]["attn_norm"] == P() and specs["count"] == P()
+    assert specs["mu"]["embed"] == P("tensor", "fsdp")
+    assert specs["layers"]["down_proj"] == P(None, "tensor", None)  # 31 is not divisible by fsdp=2: replicated
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v4"])
+def test_tiny_train_step_compiles_for_a_tpu_topology(chip):
+    from update_inputs import CONFIG, HYPER, update_inputs
+
+    mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2), tpu_devices(chip))
+    actor, actor_opt, actor_tx, module, critic, critic_opt, critic_tx, batch = update_inputs()
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+    steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
+                             critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind="tac")
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        actor_step = steps.actor.trace(*abstract((actor, actor_opt, batch, HYPER["actor"]))).lower().compile()
+        critic_step = steps.critic.trace(*abstract((critic, critic_opt, batch, HYPER["critic"]))).lower().compile()
+    for compiled in (actor_step, critic_step):
+        assert compiled.memory_analysis() is not None
+    # The weights really are split over the 4 chips: fsdp x tensor.
+    assert actor_step.input_shardings[0][0]["layers"]["q_proj"].spec == P(None, "fsdp", "tensor")
