@@ -1,6 +1,8 @@
-"""The embedded default: a few-layer Qwen3-shaped model that runs on a laptop CPU.
+"""The embedded default: CompPO with a 4-layer Qwen3-shaped model on the synthetic arithmetic task.
 
-`model.path` empty means random init from `model.arch`; set it to load an HF checkpoint.
+A supervised warm start on the task's worked solutions gives an imperfect, non-zero policy; then
+60 RL steps on a laptop CPU (about 6 minutes on 2 cores). `model.path` empty means random init
+from `model.arch`; set it to load an HF checkpoint.
 """
 
 from ml_collections import config_dict
@@ -44,7 +46,7 @@ def get_config():
     # Supervised warm start on the task's solutions: RL starts from an imperfect, non-zero policy.
     # answer_noise: odd answers' warm-start Answer lines read answer + 1 with this probability
     # (comppo_jax.train.warm_start): a systematic, verifiable mistake RL can fix in minutes on a CPU.
-    config.warm_start = config_dict.ConfigDict(dict(steps=400, batch_size=32, learning_rate=1e-3, answer_noise=0.7))
+    config.warm_start = config_dict.ConfigDict(dict(steps=1000, batch_size=32, learning_rate=1e-3, answer_noise=0.7))
     config.rollout.update(prompts_per_step=16, max_new_tokens=40)
     config.train.update(actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, kl_coef_grpo=1e-2, minibatch_size=32, critic_warmup_steps=2)
     config.reward.workers = 2

@@ -265,7 +265,8 @@ def train(cfg) -> dict:
             metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
                            sample={"prompt": chosen[0].prompt, "response": texts[0], "reward": float(rewards[0])})
             writer.write(metrics)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
+                                 gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
             if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
                 meta.update(next_step=step + 1, prompts=prompts.position, controller=control_state)
                 checkpoints.save(step + 1, state, meta, metrics.get("dev_accuracy"))
