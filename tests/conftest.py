@@ -185,3 +185,8 @@ def small_train_config(output_dir, **overrides):
             section = section[part]
         section[name] = value
     return config
+
+
+# Subprocesses that run JAX stay on the CPU backend, so they never contend with this process for
+# libtpu's lockfile (/tmp/libtpu_lockfile) while the TPU ahead-of-time tests hold it.
+CPU_ONLY_ENV = dict(os.environ, JAX_PLATFORMS="cpu")

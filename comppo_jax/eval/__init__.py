@@ -1,5 +1,6 @@
-"""Evaluation: greedy accuracy on held-out problems."""
+"""Evaluation: greedy accuracy, frozen-benchmark pass@1 / majority@k, and the paper's statistics."""
 
-from comppo_jax.eval.accuracy import encode_prompts, greedy_accuracy
+from comppo_jax.eval.accuracy import count_correct, decode_responses, encode_prompts, greedy_accuracy
+from comppo_jax.eval.frozen import evaluate_problems, majority_answer
 
-__all__ = ["encode_prompts", "greedy_accuracy"]
+__all__ = ["count_correct", "decode_responses", "encode_prompts", "evaluate_problems", "greedy_accuracy", "majority_answer"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from comppo_jax.data.rewards import Verdict, VerifierPool, extract_answer
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout import generate
+from comppo_jax.sharding import to_host
 
 
 def encode_prompts(tokenizer, problems):
@@ -18,8 +18,14 @@ def encode_prompts(tokenizer, problems):
 
 
 def decode_responses(tokenizer, generation):
-    tokens, mask = np.asarray(generation.response_tokens), np.asarray(generation.response_mask)
+    tokens, mask = to_host(generation.response_tokens), to_host(generation.response_mask)
     return [tokenizer.decode(row[m & (row != tokenizer.eos_token_id)]) for row, m in zip(tokens, mask)]
+
+
+def count_correct(problems, answers, pool: VerifierPool) -> int:
+    """How many extracted `answers` (None: no answer, incorrect) verify against the problems' gold."""
+    pairs = [(p.answer, a) for p, a in zip(problems, answers) if a is not None]
+    return sum(v is Verdict.CORRECT for v in pool.check(pairs))
 
 
 def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64) -> float:
@@ -30,7 +36,5 @@ def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: Veri
         tokens, mask = encode_prompts(tokenizer, chunk)
         generation = generate(params, config, tokens, mask, jax.random.PRNGKey(0), max_new_tokens=max_new_tokens,
                               temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
-        answers = [extract_answer(text) for text in decode_responses(tokenizer, generation)]
-        pairs = [(p.answer, a) for p, a in zip(chunk, answers) if a is not None]
-        correct += sum(v is Verdict.CORRECT for v in pool.check(pairs))
+        correct += count_correct(chunk, [extract_answer(text) for text in decode_responses(tokenizer, generation)], pool)
     return correct / max(len(problems), 1)

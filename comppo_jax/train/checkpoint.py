@@ -27,15 +27,18 @@ def _abstract(tree: Any) -> Any:
 class RunCheckpoints:
     """Checkpoints under `directory`/checkpoints (and the reference under `directory`/reference)."""
 
-    def __init__(self, directory: str, keep_last: int, keep_best: int = 1):
+    def __init__(self, directory: str, keep_last: int = 1, keep_best: int = 1, read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        if read_only and not os.path.isdir(os.path.join(self.directory, "checkpoints")):
+            raise FileNotFoundError(f"{self.directory}/checkpoints does not exist; expected a training run's output_dir")
         dev_accuracy = lambda metrics: metrics["dev_accuracy"]
         policy = preservation_policy.AnyPreservationPolicy([
             preservation_policy.LatestN(n=keep_last),
             preservation_policy.BestN(get_metric_fn=dev_accuracy, n=keep_best, keep_checkpoints_without_metrics=False),
         ])
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, best_fn=dev_accuracy, best_mode="max",
-                                               keep_checkpoints_without_metrics=False, enable_async_checkpointing=True, create=True)
+                                               keep_checkpoints_without_metrics=False, enable_async_checkpointing=True,
+                                               create=not read_only, read_only=read_only)
         self.manager = ocp.CheckpointManager(os.path.join(self.directory, "checkpoints"), options=options,
                                              item_names=("state", "meta"))
 
@@ -59,6 +62,21 @@ class RunCheckpoints:
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)),
                                                                       meta=ocp.args.JsonRestore()))
         return restored["state"], restored["meta"]
+
+    def resolve_step(self, step: str | int) -> int:
+        """"latest", "best" or a saved step number -> a saved step (a clear error otherwise)."""
+        steps = self.manager.all_steps()
+        resolved = {"latest": self.latest_step, "best": self.best_step}.get(str(step), lambda: int(step))()
+        if resolved not in steps:
+            raise FileNotFoundError(f"no checkpoint {step!r} under {self.directory}/checkpoints; saved steps: {sorted(steps)}")
+        return resolved
+
+    def restore_actor(self, target: Any, step: int) -> Any:
+        """Only the actor params of checkpoint `step`, into `target`'s shapes, dtypes and shardings."""
+        abstract = {"actor": _abstract(target)}
+        args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                                      partial_restore=True)
+        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["actor"]
 
     def save_reference(self, params: Any) -> None:
         with ocp.StandardCheckpointer() as checkpointer:

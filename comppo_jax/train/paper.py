@@ -43,6 +43,9 @@ def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigD
     # `keep_best` best by dev accuracy. resume=True continues the run in output_dir exactly.
     config.checkpoint = section(every=10, keep_last=2, keep_best=1)
     config.resume = False
+    # launch/eval.py: frozen benchmarks as "name=path,..." (loaders: comppo_jax.data.datasets.BENCHMARKS),
+    # majority@samples with the rollout temperature / top-p.
+    config.eval = section(benchmarks="", samples=8, batch_size=32)
     config.tensorboard = True
     config.plot = True  # curves.png at the end
     config.model.path_required = True  # no random 4B/8B init by accident: --config.model.path=... is required

@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+from conftest import CPU_ONLY_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def benchmark(*args):
-    return subprocess.run([sys.executable, "launch/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "launch/benchmark.py", *args], cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_forward_suite_prints_ratio_table():

@@ -1,4 +1,4 @@
-"""README command 1 (until training lands): the scoring demo runs on the tiny config."""
+"""The scoring demo (launch/score.py) prints per-token concentration on the tiny config."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from conftest import CPU_ONLY_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -14,7 +16,7 @@ def test_score_demo_prints_per_token_concentration():
     result = subprocess.run(
         [sys.executable, "launch/score.py", "--config=configs/tiny.py", "--batch_size=2", "--response_length=12",
          "--config.model.arch.num_layers=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

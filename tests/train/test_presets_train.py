@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_word_tokenizer
+from conftest import CPU_ONLY_ENV, save_word_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train(*flags):
     return subprocess.run([sys.executable, "launch/train.py", "--config=configs/qwen3_4b.py", *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
 
 
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):

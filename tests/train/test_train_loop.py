@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SMALL_TRAIN_RUN
+from conftest import CPU_ONLY_ENV, SMALL_TRAIN_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = [f"--config.{key}={value}" for key, value in SMALL_TRAIN_RUN.items()]
@@ -20,7 +20,7 @@ def test_train_runs_each_method(tmp_path, method):
     result = subprocess.run(
         [sys.executable, "launch/train.py", "--config=configs/tiny.py", f"--config.method={method}",
          f"--config.output_dir={tmp_path}", *SMALL, "--config.plot=True"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,0 +1,108 @@
+"""Evaluate a training run's checkpoint: greedy pass@1 and majority@k per problem set.
+
+    python launch/eval.py --config=configs/tiny.py --checkpoint=runs/tiny [--step=latest|best|N]
+
+Restores only the actor params (onto this machine's `config.mesh`), then evaluates the ID dev
+set and every frozen benchmark in `config.eval.benchmarks` ("math500=/data/math500.jsonl,...";
+loaders in comppo_jax.data.datasets.BENCHMARKS). Each set's result is written to
+`<output>/<set>.json` as soon as it is done and is not recomputed on a rerun; the table (with the
+unweighted macro average over the frozen benchmarks) is printed and written as results.csv and
+results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "The run's ml_collections config file.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
+_STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")
+_OUTPUT = flags.DEFINE_string("output", "", "Where results go (default <checkpoint>/eval/step_<N>).")
+
+COLUMNS = ("set", "problems", "greedy_pass@1", "majority@{k}")
+
+
+def parse_benchmarks(spec: str) -> dict[str, str]:
+    """"name=path,name=path" -> {name: path}."""
+    out = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"config.eval.benchmarks item {item!r}: expected name=path")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    import jax
+
+    from comppo_jax import sharding
+    from comppo_jax.data.datasets import load_benchmark
+    from comppo_jax.data.rewards import VerifierPool
+    from comppo_jax.data.tokenizers import load_tokenizer
+    from comppo_jax.eval import evaluate_problems
+    from comppo_jax.models import ModelConfig, init_params
+    from comppo_jax.train.checkpoint import RunCheckpoints
+    from comppo_jax.train.loop import load_problems
+    from comppo_jax.train.update import cast_params
+
+    cfg = _CONFIG.value
+    benchmarks = parse_benchmarks(cfg.eval.benchmarks)
+    checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
+    step = checkpoints.resolve_step(_STEP.value)
+    output = _OUTPUT.value or os.path.join(_CHECKPOINT.value, "eval", f"step_{step}")
+    os.makedirs(output, exist_ok=True)
+    sets = {"id_dev": load_problems(cfg.data, cfg.seed)[1]} if cfg.data.kind == "synthetic" or cfg.data.path else {}
+    sets.update({name: load_benchmark(name, path) for name, path in benchmarks.items()})  # fails now on a bad file, not midway
+
+    sharding.initialize_distributed(cfg.mesh)
+    mesh = sharding.make_mesh(cfg.mesh)
+    model_config = ModelConfig.from_dict(cfg.model.arch.to_dict())
+    target = jax.eval_shape(lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, sharding.tree_shardings(mesh, target))
+    params = cast_params(checkpoints.restore_actor(target, step), model_config.dtype)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    samples = cfg.eval.samples
+    rows = []
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        for name, problems in sets.items():
+            path = os.path.join(output, f"{name}.json")
+            if os.path.exists(path):  # resumable: a finished set is not recomputed
+                with open(path) as f:
+                    result = json.load(f)
+            else:
+                result = evaluate_problems(params, model_config, tokenizer, problems, pool, max_new_tokens=cfg.rollout.max_new_tokens,
+                                           samples=samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
+                                           batch_size=cfg.eval.batch_size, desc=name)
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=2)
+            rows.append({"set": name, **result})
+    frozen = [row for row in rows if row["set"] != "id_dev"]
+    if frozen:
+        metrics = ("greedy_pass@1", f"majority@{samples}")
+        rows.append({"set": "macro (frozen)", "problems": sum(r["problems"] for r in frozen),
+                     **{m: sum(r[m] for r in frozen) / len(frozen) for m in metrics}})
+    columns = [c.format(k=samples) for c in COLUMNS]
+    with open(os.path.join(output, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(os.path.join(output, "results.json"), "w") as f:
+        json.dump({"checkpoint": os.path.abspath(_CHECKPOINT.value), "step": step, "rows": rows}, f, indent=2)
+    print(f"checkpoint {_CHECKPOINT.value} step {step}")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |")
+
+
+if __name__ == "__main__":
+    app.run(main)
