@@ -101,23 +101,13 @@ def tree_shardings(mesh: Mesh, tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, leaf_spec(mesh, path, np.shape(x))), tree)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
+def batch_sharding(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
     """Splits `batch_axis` over (data, fsdp); the other dims are replicated."""
-    spec = [None] * ndim
-    spec[batch_axis] = BATCH
-    return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P(*([None] * batch_axis), BATCH))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def minibatch_shardings(mesh: Mesh, batch) -> Any:
-    """Shardings for a `Minibatch` (hidden states carry the batch on axis 1, the rest on axis 0)."""
-    fields = {name: None if value is None else jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)), value)
-              for name, value in batch._asdict().items()}
-    fields["hidden_states"] = batch_sharding(mesh, np.ndim(batch.hidden_states), batch_axis=1)
-    return type(batch)(**fields)
 
 
 def put(tree: Any, shardings: Any) -> Any:

@@ -3,17 +3,11 @@
 Usage: --config=configs/llama3_8b.py --config.model.path=/path/to/Llama-3.1-8B-Instruct
 """
 
-from ml_collections import config_dict
-
-from comppo_jax.train.paper import add_training_sections
+from comppo_jax.train.paper import paper_config
 
 
 def get_config():
-    config = config_dict.ConfigDict()
-    config.seed = 0
-    config.model = config_dict.ConfigDict()
-    config.model.path = ""  # local HF checkpoint directory (config.json + *.safetensors); required
-    config.model.arch = config_dict.ConfigDict(
+    return paper_config(
         dict(
             architecture="llama",
             vocab_size=128256,
@@ -33,8 +27,3 @@ def get_config():
             eos_token_ids=(128001, 128008, 128009),
         )
     )
-    add_training_sections(config)
-    # The paper's minibatch of 4 responses is split over 4 FSDP shards; the remaining chips
-    # (-1) split heads and MLP width (tensor parallelism). Override for other slices.
-    config.mesh.update(data=1, fsdp=4, tensor=-1)
-    return config

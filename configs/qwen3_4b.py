@@ -3,17 +3,11 @@
 Usage: --config=configs/qwen3_4b.py --config.model.path=/path/to/Qwen3-4B
 """
 
-from ml_collections import config_dict
-
-from comppo_jax.train.paper import add_training_sections
+from comppo_jax.train.paper import paper_config
 
 
 def get_config():
-    config = config_dict.ConfigDict()
-    config.seed = 0
-    config.model = config_dict.ConfigDict()
-    config.model.path = ""  # local HF checkpoint directory (config.json + *.safetensors); required
-    config.model.arch = config_dict.ConfigDict(
+    return paper_config(
         dict(
             architecture="qwen3",
             vocab_size=151936,
@@ -32,8 +26,3 @@ def get_config():
             eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
         )
     )
-    add_training_sections(config)
-    # The paper's minibatch of 4 responses is split over 4 FSDP shards; the remaining chips
-    # (-1) split heads and MLP width (tensor parallelism). Override for other slices.
-    config.mesh.update(data=1, fsdp=4, tensor=-1)
-    return config

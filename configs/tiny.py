@@ -5,17 +5,11 @@ A supervised warm start on the task's worked solutions gives an imperfect, non-z
 from `model.arch`; set it to load an HF checkpoint.
 """
 
-from ml_collections import config_dict
-
-from comppo_jax.train.paper import add_training_sections
+from comppo_jax.train.paper import paper_config
 
 
 def get_config():
-    config = config_dict.ConfigDict()
-    config.seed = 0
-    config.model = config_dict.ConfigDict()
-    config.model.path = ""
-    config.model.arch = config_dict.ConfigDict(
+    config = paper_config(
         dict(
             architecture="qwen3",
             vocab_size=128,
@@ -36,17 +30,17 @@ def get_config():
             pad_token_id=0,
         )
     )
-    add_training_sections(config)  # the paper's sections, overridden below for a few CPU minutes
+    # The paper's sections (comppo_jax.train.paper), overridden below for a few CPU minutes.
     config.model.path_required = False
+    config.mesh.update(data=-1, fsdp=1, tensor=1)  # every local device does data parallelism
     config.output_dir = "runs/tiny"
     config.steps = 60
-    # Addition and subtraction only: a 4-layer model learns them well enough in a 400-step warm start.
-    config.data = config_dict.ConfigDict(dict(kind="synthetic", path="", train_size=2000, dev_size=100, min_steps=2, max_steps=3,
-                                              operations="+-"))
+    # Addition and subtraction only: a 4-layer model learns them well enough in a 1000-step warm start.
+    config.data.update(kind="synthetic", path="", train_size=2000, dev_size=100, min_steps=2, max_steps=3, operations="+-")
     # Supervised warm start on the task's solutions: RL starts from an imperfect, non-zero policy.
     # answer_noise: odd answers' warm-start Answer lines read answer + 1 with this probability
     # (comppo_jax.train.warm_start): a systematic, verifiable mistake RL can fix in minutes on a CPU.
-    config.warm_start = config_dict.ConfigDict(dict(steps=1000, batch_size=32, learning_rate=1e-3, answer_noise=0.7))
+    config.warm_start.update(steps=1000, batch_size=32, learning_rate=1e-3, answer_noise=0.7)
     config.rollout.update(prompts_per_step=16, max_new_tokens=40)
     config.train.update(actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, kl_coef_grpo=1e-2, minibatch_size=32, critic_warmup_steps=2)
     config.reward.workers = 2

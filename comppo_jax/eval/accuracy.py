@@ -28,13 +28,21 @@ def count_correct(problems, answers, pool: VerifierPool) -> int:
     return sum(v is Verdict.CORRECT for v in pool.check(pairs))
 
 
+def generated_answers(params, config: ModelConfig, tokenizer, problems, *, max_new_tokens: int, rng=None, temperature: float = 0.0,
+                      top_p: float = 1.0, num_samples: int = 1) -> list[str | None]:
+    """The extracted answer (None: none) of each generated response, `num_samples` per problem in
+    problem order; temperature 0 is greedy."""
+    tokens, mask = encode_prompts(tokenizer, problems)
+    generation = generate(params, config, tokens, mask, jax.random.PRNGKey(0) if rng is None else rng, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p, num_samples=num_samples, eos_token_ids=(tokenizer.eos_token_id,),
+                          pad_token_id=tokenizer.pad_token_id)
+    return [extract_answer(text) for text in decode_responses(tokenizer, generation)]
+
+
 def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64) -> float:
     """Fraction of `problems` whose greedy response's answer verifies against the gold."""
     correct = 0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        tokens, mask = encode_prompts(tokenizer, chunk)
-        generation = generate(params, config, tokens, mask, jax.random.PRNGKey(0), max_new_tokens=max_new_tokens,
-                              temperature=0.0, eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
-        correct += count_correct(chunk, [extract_answer(text) for text in decode_responses(tokenizer, generation)], pool)
+        correct += count_correct(chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens), pool)
     return correct / max(len(problems), 1)

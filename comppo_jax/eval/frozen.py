@@ -17,10 +17,9 @@ import collections
 import jax
 import tqdm
 
-from comppo_jax.data.rewards import VerifierPool, extract_answer
-from comppo_jax.eval.accuracy import count_correct, decode_responses, encode_prompts
+from comppo_jax.data.rewards import VerifierPool
+from comppo_jax.eval.accuracy import count_correct, generated_answers
 from comppo_jax.models import ModelConfig
-from comppo_jax.rollout import generate
 
 
 def majority_answer(answers) -> str | None:
@@ -36,19 +35,14 @@ def majority_answer(answers) -> str | None:
 def evaluate_problems(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, samples: int,
                       temperature: float, top_p: float, seed: int = 0, batch_size: int = 32, desc: str = "") -> dict:
     """{"problems", "greedy_pass@1", "majority@{samples}"} over `problems` (fractions in [0, 1])."""
-    eos, pad = (tokenizer.eos_token_id,), tokenizer.pad_token_id
     greedy_correct = majority_correct = 0
     for start in tqdm.trange(0, len(problems), batch_size, desc=desc, leave=False):
         chunk = problems[start : start + batch_size]
-        tokens, mask = encode_prompts(tokenizer, chunk)
-        greedy = generate(params, config, tokens, mask, jax.random.PRNGKey(0), max_new_tokens=max_new_tokens, temperature=0.0,
-                          eos_token_ids=eos, pad_token_id=pad)
-        sampled = generate(params, config, tokens, mask, jax.random.fold_in(jax.random.PRNGKey(seed), start), max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, num_samples=samples, eos_token_ids=eos, pad_token_id=pad)
-        greedy_answers = [extract_answer(text) for text in decode_responses(tokenizer, greedy)]
-        sampled_answers = [extract_answer(text) for text in decode_responses(tokenizer, sampled)]
-        voted = [majority_answer(sampled_answers[i * samples : (i + 1) * samples]) for i in range(len(chunk))]
-        greedy_correct += count_correct(chunk, greedy_answers, pool)
+        greedy = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens)
+        sampled = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    num_samples=samples, rng=jax.random.fold_in(jax.random.PRNGKey(seed), start))
+        voted = [majority_answer(sampled[i * samples : (i + 1) * samples]) for i in range(len(chunk))]
+        greedy_correct += count_correct(chunk, greedy, pool)
         majority_correct += count_correct(chunk, voted, pool)
     count = max(len(problems), 1)
     return {"problems": len(problems), "greedy_pass@1": greedy_correct / count, f"majority@{samples}": majority_correct / count}

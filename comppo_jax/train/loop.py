@@ -135,8 +135,8 @@ def train(cfg) -> dict:
         reference = checkpoints.restore_reference(actor)
     elif cfg.warm_start.steps:
         actor, warm_start_loss = warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
-                                                    batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
-                                                    seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise)
+                                            batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
+                                            seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise)
         meta["warm_start_loss"] = float(warm_start_loss)
         reference = actor
         checkpoints.save_reference(reference)
@@ -198,11 +198,12 @@ def train(cfg) -> dict:
             # 3. reward
             format_coef, length_coef = schedule.at(step)
             mask = rollout.response_mask
-            lengths = sharding.to_host(mask).sum(axis=1)
+            host_mask = sharding.to_host(mask)
+            lengths = host_mask.sum(axis=1)
             texts = decode_responses(tokenizer, generation)
             rewards, verdicts, reward_metrics = score_responses(
                 texts, [p.answer for p in chosen for _ in range(group)], lengths, pool, RewardCoefficients(format_coef, length_coef))
-            reward_tokens = terminal_reward_tokens(rewards, sharding.to_host(mask))
+            reward_tokens = terminal_reward_tokens(rewards, host_mask)
 
             # 4. credit
             kappa = control_gate(recipe, rollout.kappa, mask, jax.random.fold_in(step_rng, 1), position_schedule)
@@ -252,11 +253,11 @@ def train(cfg) -> dict:
             metrics.update(reward_metrics)
             metrics["response_clip_ratio"] = float(np.mean(lengths >= cfg.rollout.max_new_tokens))
             metrics["response_length"] = float(lengths.mean())
-            host = lambda x: sharding.to_host(x)
+            host = sharding.to_host
             correct = np.asarray([v is Verdict.CORRECT for v in verdicts])
-            metrics.update(gate_statistics(host(rollout.kappa), host(mask), correct))  # the policy's own gate, every method
+            metrics.update(gate_statistics(host(rollout.kappa), host_mask, correct))  # the policy's own gate, every method
             if critic is not None:
-                metrics.update(critic_diagnostics(host(values), host(returns), reward_tokens, host(kappa), host(mask)))
+                metrics.update(critic_diagnostics(host(values), host(returns), reward_tokens, host(kappa), host_mask))
             evaluated = cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0
             if evaluated:
                 metrics["dev_accuracy"] = evaluate(state["actor"], pool)

@@ -1,6 +1,6 @@
 """The paper's training settings (appendix C, "Primary configuration" and the controller), as
-ml_collections sections shared by the presets. Presets call `add_training_sections(config)` and
-then override what differs (configs/tiny.py overrides most of it for a CPU run).
+ml_collections sections shared by the presets. Presets call `paper_config(arch)` with their
+`model.arch` and override what differs (configs/tiny.py overrides most of it for a CPU run).
 """
 
 from __future__ import annotations
@@ -8,9 +8,15 @@ from __future__ import annotations
 from ml_collections import config_dict
 
 
-def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
-    """Adds method, data, rollout, train, critic, reward, controller and output sections to `config`."""
+def paper_config(arch: dict) -> config_dict.ConfigDict:
+    """A config for the model `arch` (ModelConfig fields) with the paper's model, method, data,
+    rollout, train, critic, reward, controller, mesh, checkpoint, eval and output sections."""
     section = lambda **kw: config_dict.ConfigDict(kw)
+    config = config_dict.ConfigDict()
+    config.seed = 0
+    # model.path: a local HF checkpoint directory (config.json + *.safetensors). Required (no random
+    # 4B/8B init by accident); nothing is downloaded. tokenizer "" = the one saved with model.path.
+    config.model = section(path="", path_required=True, tokenizer="", arch=section(**arch))
     config.output_dir = "runs/default"
     config.progress = True
     # Algorithm: comppo | grpo | ppo; CompPO's gate control: attention | fixed | shuffle | position.
@@ -36,9 +42,10 @@ def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigD
     config.critic = section(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
     config.reward = section(workers=8, timeout_s=5.0)
     config.controller = section(enabled=True)  # appendix C thresholds (comppo_jax.train.controller.ControllerConfig)
-    # (data, fsdp, tensor) device mesh, -1 = all remaining devices (comppo_jax.sharding); multi-host
-    # runs set distributed=True (TPU pods need no coordinator address).
-    config.mesh = section(data=-1, fsdp=1, tensor=1, distributed=False, coordinator_address="", num_processes=0, process_id=0)
+    # (data, fsdp, tensor) device mesh, -1 = all remaining devices (comppo_jax.sharding). The
+    # minibatch of 4 responses is split over 4 FSDP shards; the remaining chips split heads and MLP
+    # width (tensor parallelism). Multi-host runs set distributed=True (TPU pods need no address).
+    config.mesh = section(data=1, fsdp=4, tensor=-1, distributed=False, coordinator_address="", num_processes=0, process_id=0)
     # Async Orbax checkpoints every `every` steps and at the end: the last `keep_last` plus the
     # `keep_best` best by dev accuracy. resume=True continues the run in output_dir exactly.
     config.checkpoint = section(every=10, keep_last=2, keep_best=1)
@@ -48,6 +55,4 @@ def add_training_sections(config: config_dict.ConfigDict) -> config_dict.ConfigD
     config.eval = section(benchmarks="", samples=8, batch_size=32)
     config.tensorboard = True
     config.plot = True  # curves.png at the end
-    config.model.path_required = True  # no random 4B/8B init by accident: --config.model.path=... is required
-    config.model.tokenizer = ""  # "" = the tokenizer saved with model.path
     return config

@@ -19,13 +19,13 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from comppo_jax.credit import entropy_from_logits, kl_penalty, masked_mean, ppo_clip_loss, value_loss
 from comppo_jax.critic import Routing, standard_value_head
 from comppo_jax.models import ModelConfig, forward
 from comppo_jax.rollout import gather_response, token_log_probs
-from comppo_jax.sharding import BATCH, replicated, tree_shardings
+from comppo_jax.sharding import batch_sharding, replicated, tree_shardings
 
 
 class Minibatch(NamedTuple):
@@ -48,9 +48,9 @@ class Minibatch(NamedTuple):
 
 def minibatch_shardings(mesh: Mesh, with_routing: bool) -> Minibatch:
     """Rows split over (data, fsdp); hidden states carry the batch on axis 1."""
-    rows = NamedSharding(mesh, P(BATCH))
+    rows = batch_sharding(mesh)
     fields = dict.fromkeys(Minibatch._fields, rows)
-    fields.update(hidden_states=NamedSharding(mesh, P(None, BATCH)), routing=Routing(rows, rows, rows) if with_routing else None)
+    fields.update(hidden_states=batch_sharding(mesh, batch_axis=1), routing=Routing(rows, rows, rows) if with_routing else None)
     return Minibatch(**fields)
 
 

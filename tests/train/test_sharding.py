@@ -67,7 +67,7 @@ def test_update_step_on_a_2x2x2_mesh_equals_one_device():
 
 
 def test_make_mesh_sizes_and_errors():
-    devices = jax.devices()[:1] * 1
+    devices = jax.devices()[:1]
     mesh = sharding.make_mesh(dict(data=-1, fsdp=1, tensor=1), devices)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
     with pytest.raises(ValueError, match="needs 4 devices, found 1"):
