@@ -101,6 +101,12 @@ def tree_shardings(mesh: Mesh, tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, leaf_spec(mesh, path, np.shape(x))), tree)
 
 
+def abstract_sharded(mesh: Mesh, make) -> Any:
+    """The shapes and dtypes of `make()` (not computed), with this file's shardings: a restore target."""
+    tree = jax.eval_shape(make)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, tree_shardings(mesh, tree))
+
+
 def batch_sharding(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
     """Splits `batch_axis` over (data, fsdp); the other dims are replicated."""
     return NamedSharding(mesh, P(*([None] * batch_axis), BATCH))

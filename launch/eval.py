@@ -8,6 +8,10 @@ loaders in comppo_jax.data.datasets.BENCHMARKS). Each set's result is written to
 `<output>/<set>.json` as soon as it is done and is not recomputed on a rerun; the table (with the
 unweighted macro average over the frozen benchmarks) is printed and written as results.csv and
 results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
+
+`--held_out_problems=N` also writes `<output>/held_out.json`: the checkpoint's realized gate
+statistics and critic diagnostics on the first N dev prompts (comppo_jax.eval.held_out);
+`--accuracy=False` skips the accuracy sets.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "The run'
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")
 _OUTPUT = flags.DEFINE_string("output", "", "Where results go (default <checkpoint>/eval/step_<N>).")
+_ACCURACY = flags.DEFINE_bool("accuracy", True, "Evaluate greedy pass@1 / majority@k on the dev set and benchmarks.")
+_HELD_OUT = flags.DEFINE_integer("held_out_problems", 0, "Gate and critic diagnostics on this many dev prompts (0: none).")
 
 COLUMNS = ("set", "problems", "greedy_pass@1", "majority@{k}")
 
@@ -60,15 +66,23 @@ def main(argv):
     step = checkpoints.resolve_step(_STEP.value)
     output = _OUTPUT.value or os.path.join(_CHECKPOINT.value, "eval", f"step_{step}")
     os.makedirs(output, exist_ok=True)
+    sharding.initialize_distributed(cfg.mesh)
+    if _HELD_OUT.value:
+        from comppo_jax.eval.held_out import held_out_diagnostics
+
+        diagnostics = held_out_diagnostics(cfg, _CHECKPOINT.value, step, _HELD_OUT.value)
+        with open(os.path.join(output, "held_out.json"), "w") as f:
+            json.dump(diagnostics, f, indent=2)
+        print(json.dumps(diagnostics, indent=2))
+    if not _ACCURACY.value:
+        return
     sets = {"id_dev": load_problems(cfg.data, cfg.seed)[1]} if cfg.data.kind == "synthetic" or cfg.data.path else {}
     sets.update({name: load_benchmark(name, path) for name, path in benchmarks.items()})  # fails now on a bad file, not midway
 
-    sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     model_config = ModelConfig.from_dict(cfg.model.arch.to_dict())
-    target = jax.eval_shape(lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, sharding.tree_shardings(mesh, target))
-    params = cast_params(checkpoints.restore_actor(target, step), model_config.dtype)
+    target = sharding.abstract_sharded(mesh, lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
+    params = cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], model_config.dtype)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     samples = cfg.eval.samples
     rows = []

@@ -36,8 +36,10 @@ from comppo_jax.credit.schedule import (
     apply_position_schedule,
     fit_position_schedule,
     load_position_schedule,
+    position_bin_totals,
     position_bins,
     save_position_schedule,
+    schedule_from_totals,
 )
 
 __all__ = [
@@ -56,10 +58,12 @@ __all__ = [
     "load_position_schedule",
     "masked_mean",
     "normalized_concentration",
+    "position_bin_totals",
     "position_bins",
     "ppo_clip_loss",
     "retention_gate",
     "save_position_schedule",
+    "schedule_from_totals",
     "shuffle_gate",
     "transport_kernel",
     "value_loss",

@@ -110,12 +110,28 @@ def fit_position_schedule(kappa, mask, n_bins=DEFAULT_BINS, metadata=None):
     sums = np.zeros(n_bins, np.float64)
     counts = np.zeros(n_bins, np.int64)
     for i, (k, m) in enumerate(zip(kappas, masks)):
-        k, m = np.asarray(k), np.asarray(m)
-        _validation.check_bt(**{f"kappa[{i}]": k, f"mask[{i}]": m})
-        valid = m.astype(bool)
-        bins = np.asarray(position_bins(valid, n_bins))[valid]
-        sums += np.bincount(bins, weights=k[valid].astype(np.float64), minlength=n_bins)
-        counts += np.bincount(bins, minlength=n_bins)
+        _validation.check_bt(**{f"kappa[{i}]": np.asarray(k), f"mask[{i}]": np.asarray(m)})
+        batch_sums, batch_counts = position_bin_totals(k, m, n_bins)
+        sums += batch_sums
+        counts += batch_counts
+    return schedule_from_totals(sums, counts, metadata)
+
+
+def position_bin_totals(kappa, mask, n_bins=DEFAULT_BINS):
+    """(sum of kappa, token count) per bin of t/T for one [B, T] batch (host NumPy).
+
+    Summed over batches, these are all a schedule needs, so a training run can
+    accumulate its rollout gates step by step (`schedule_from_totals`).
+    """
+    kappa, valid = np.asarray(kappa), np.asarray(mask).astype(bool)
+    bins = np.asarray(position_bins(valid, n_bins))[valid]
+    return (np.bincount(bins, weights=kappa[valid].astype(np.float64), minlength=n_bins),
+            np.bincount(bins, minlength=n_bins).astype(np.int64))
+
+
+def schedule_from_totals(sums, counts, metadata=None):
+    """The `PositionSchedule` of accumulated per-bin kappa sums and token counts."""
+    sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.int64)
     total = counts.sum()
     if total == 0:
         raise ValueError("cannot fit a position schedule: the masks have no valid token")

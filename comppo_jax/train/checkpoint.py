@@ -10,6 +10,7 @@ usual way, so a restored run is sharded like a fresh one.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -51,6 +52,7 @@ class RunCheckpoints:
     def save(self, step: int, state: Any, meta: dict, dev_accuracy: float | None = None) -> None:
         """Starts an async save of `state` and `meta` as checkpoint `step` (the next step to run)."""
         metrics = None if dev_accuracy is None else {"dev_accuracy": float(dev_accuracy)}
+        meta = json.loads(json.dumps(meta))  # a snapshot: the caller keeps mutating its dict while the save runs
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                           metrics=metrics)
 
@@ -71,12 +73,13 @@ class RunCheckpoints:
             raise FileNotFoundError(f"no checkpoint {step!r} under {self.directory}/checkpoints; saved steps: {sorted(steps)}")
         return resolved
 
-    def restore_actor(self, target: Any, step: int) -> Any:
-        """Only the actor params of checkpoint `step`, into `target`'s shapes, dtypes and shardings."""
-        abstract = {"actor": _abstract(target)}
+    def restore_params(self, targets: dict, step: int) -> dict:
+        """Only the state entries named in `targets` (e.g. {"actor": ..., "critic": ...}) of checkpoint
+        `step`, into the targets' shapes, dtypes and shardings (optimizer states are not read)."""
+        abstract = {name: _abstract(target) for name, target in targets.items()}
         args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                                       partial_restore=True)
-        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["actor"]
+        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
 
     def save_reference(self, params: Any) -> None:
         with ocp.StandardCheckpointer() as checkpointer:

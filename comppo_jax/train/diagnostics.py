@@ -1,6 +1,6 @@
 """Per-step diagnostics of the gate and the critic (host-side NumPy, over valid response tokens).
 
-Gate: mean and interquartile range of kappa, its mean over the first / middle / last third of
+Gate: mean, median and interquartile range of kappa, its mean over the first / middle / last third of
 each response (t / T_i), and its mean on correct versus incorrect responses.
 Critic: explained variance of the returns G_t by V_t, the Spearman rank correlation of V_t with
 its one-step TD target r_t + kappa_t V_{t+1} m_{t+1} (eq. comp_td), the mean absolute error
@@ -24,7 +24,7 @@ def gate_statistics(kappa, mask, correct) -> dict[str, float]:
     q25, q75 = np.percentile(valid, [25, 75])
     lengths = mask.sum(axis=1, keepdims=True)
     third = np.minimum((3 * np.arange(mask.shape[1])[None, :]) // np.maximum(lengths, 1), 2)
-    out = {"gate/mean": float(valid.mean()), "gate/iqr": float(q75 - q25)}
+    out = {"gate/mean": float(valid.mean()), "gate/median": float(np.median(valid)), "gate/iqr": float(q75 - q25)}
     groups = {f"gate/{name}_third": mask & (third == i) for i, name in enumerate(("first", "middle", "last"))}
     groups.update({"gate/correct": mask & correct[:, None], "gate/incorrect": mask & ~correct[:, None]})
     out.update({name: float(kappa[where].mean()) for name, where in groups.items() if where.any()})

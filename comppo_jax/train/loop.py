@@ -13,6 +13,7 @@
    the phase controller's knobs; the actor waits during the critic warm-up;
 6. the controller reads this step's metrics; metrics go to JSONL and TensorBoard; every
    `checkpoint.every` steps (and at the end) an async Orbax checkpoint is started.
+At the end: summary.json, curves.png and gate_profile.json (the run's mean gate per position bin).
 
 Params, optimizer states and batches live on a (data, fsdp, tensor) mesh (comppo_jax.sharding);
 the update steps are jitted with explicit in/out shardings. `config.resume=True` restores the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,9 @@ import numpy as np
 import tqdm
 
 from comppo_jax import sharding
-from comppo_jax.credit import clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, whiten_advantages
+from comppo_jax.credit import (clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, position_bin_totals,
+                               save_position_schedule, schedule_from_totals, whiten_advantages)
+from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac
 from comppo_jax.data.datasets import load_dapo_math
 from comppo_jax.data.rewards import RewardCoefficients, Verdict, VerifierPool, score_responses, terminal_reward_tokens
@@ -44,10 +48,15 @@ from comppo_jax.rollout import generate, score_rollout
 from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
-from comppo_jax.train.methods import control_gate, recipe as make_recipe, spread_over_sequence
+from comppo_jax.train.methods import Recipe, control_gate, recipe as make_recipe, spread_over_sequence
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
-from comppo_jax.train.warm_start import warm_start
+from comppo_jax.train.warm_start import cached_warm_start, warm_start
+
+
+# The rollouts' own gates averaged per bin of t/T over the whole run (a comppo_jax.credit position
+# schedule): the position-only control of a later run reads it (config.position_schedule).
+GATE_PROFILE_FILE = "gate_profile.json"
 
 
 def load_problems(data, seed: int):
@@ -114,6 +123,86 @@ def check_batch(cfg, mesh) -> None:
         raise ValueError(f"config.train.minibatch_size={cfg.train.minibatch_size} must divide the {rows} responses per step")
 
 
+class RunParts(NamedTuple):
+    """What a config fixes about scoring and credit: the recipe, the critic's features and module."""
+
+    recipe: Recipe
+    hidden_layers: tuple[int, ...]  # HF hidden states the critic reads
+    top_k: int | None  # TAC routing width (None: no routing)
+    critic_module: Any  # the TAC module, or None
+    position_schedule: Any  # the position-only control's schedule, or None
+
+
+def run_parts(cfg, model_config) -> RunParts:
+    recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
+    n = model_config.num_layers
+    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "none": ()}[recipe.critic]
+    position_schedule = load_position_schedule(cfg.position_schedule) if recipe.gate == "position" else None
+    return RunParts(recipe, hidden_layers, cfg.critic.top_k if recipe.critic == "tac" else None,
+                    critic_from_config(cfg.critic) if recipe.critic == "tac" else None, position_schedule)
+
+
+def init_critic(parts: RunParts, model_config, rng):
+    """Fresh critic params for the recipe (None without a critic)."""
+    if parts.recipe.critic == "tac":
+        return init_tac(parts.critic_module, rng, len(parts.hidden_layers), model_config.hidden_size, parts.top_k)
+    return init_standard_value_head(model_config.hidden_size) if parts.recipe.critic == "standard" else None
+
+
+class Scored(NamedTuple):
+    """A sampled batch after score -> reward -> credit (advantages whitened, not yet clipped)."""
+
+    batch: Minibatch
+    rollout: Any  # comppo_jax.rollout.Rollout (kappa: the policy's own gate)
+    texts: list[str]
+    rewards: np.ndarray  # [B] terminal rewards
+    verdicts: list
+    reward_metrics: dict
+    reward_tokens: np.ndarray  # [B, T] the reward at each row's last token
+    host_mask: np.ndarray  # [B, T] response mask on the host
+    kappa: jax.Array  # [B, T] the gate the estimator and critic read (after the control)
+
+
+def score_and_credit(cfg, parts: RunParts, model_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
+                     coefficients: RewardCoefficients, rng, batch_shardings) -> Scored:
+    """Steps 2-4 of a train step for one generation (also the held-out diagnostics' path)."""
+    # 2. score (behaviour and reference policies, detached)
+    rollout = score_rollout(policy, reference, model_config, generation, window=cfg.rollout.window, temperature=cfg.rollout.temperature,
+                            hidden_layers=parts.hidden_layers, top_k=parts.top_k, **cfg.gate_envelope.to_dict())
+    # 3. reward
+    mask = rollout.response_mask
+    host_mask = sharding.to_host(mask)
+    texts = decode_responses(tokenizer, generation)
+    rewards, verdicts, reward_metrics = score_responses(texts, golds, host_mask.sum(axis=1), pool, coefficients)
+    reward_tokens = terminal_reward_tokens(rewards, host_mask)
+    # 4. credit
+    kappa = control_gate(parts.recipe, rollout.kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
+    zeros = jnp.zeros(mask.shape)
+    batch = sharding.put(Minibatch(
+        generation.tokens, generation.attention_mask, generation.prompt_lengths, generation.response_tokens, mask,
+        rollout.log_probs, rollout.ref_log_probs, zeros, zeros, zeros,
+        spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
+    ), batch_shardings)
+    if parts.recipe.estimator == "grpo":
+        advantages = grpo_advantages(jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask)
+        values = returns = zeros
+    else:
+        values = values_fn(critic, batch)
+        if parts.recipe.estimator == "gae":
+            advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
+        else:
+            advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
+        advantages = whiten_advantages(advantages, mask)
+    batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
+    return Scored(batch, rollout, texts, rewards, verdicts, reward_metrics, reward_tokens, host_mask, kappa)
+
+
+def warm_start_key(cfg) -> dict:
+    """Everything the warm-started policy depends on (its cache key)."""
+    settings = {k: v for k, v in cfg.warm_start.to_dict().items() if k != "cache_dir"}
+    return {"model": cfg.model.to_dict(), "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
+
+
 def train(cfg) -> dict:
     """Runs (or, with `cfg.resume`, continues) `cfg.steps` steps; returns the summary."""
     check_paths(cfg)
@@ -130,13 +219,16 @@ def train(cfg) -> dict:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer
     train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
     model_config, actor = load_policy(cfg.model, policy_rng)
-    meta = {"next_step": 0, "prompts": [0, 0], "controller": controller.initial_state()}
+    # gate_profile: per-bin sums of the rollouts' own kappa over t/T (the position-only control's fit).
+    meta = {"next_step": 0, "prompts": [0, 0], "controller": controller.initial_state(),
+            "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS}}
     if cfg.warm_start.steps and cfg.resume:
         reference = checkpoints.restore_reference(actor)
     elif cfg.warm_start.steps:
-        actor, warm_start_loss = warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
+        run_warm_start = lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
                                             batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
                                             seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise)
+        actor, warm_start_loss = cached_warm_start(cfg.warm_start.cache_dir, warm_start_key(cfg), actor, run_warm_start)
         meta["warm_start_loss"] = float(warm_start_loss)
         reference = actor
         checkpoints.save_reference(reference)
@@ -145,14 +237,8 @@ def train(cfg) -> dict:
     # The reference is frozen in the compute dtype; the actor trains in the master dtype.
     reference = jax.tree.map(lambda p: jnp.array(p, dtype=model_config.dtype, copy=True), reference)
     actor = cast_params(actor, cfg.train.master_dtype)
-    recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
-    position_schedule = load_position_schedule(cfg.position_schedule) if cfg.gate == "position" and cfg.method == "comppo" else None
-    n = model_config.num_layers
-    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "none": ()}[recipe.critic]
-    top_k = cfg.critic.top_k if recipe.critic == "tac" else None
-    critic_module = critic_from_config(cfg.critic) if recipe.critic == "tac" else None
-    critic = {"tac": lambda: init_tac(critic_module, critic_rng, len(hidden_layers), model_config.hidden_size, top_k),
-              "standard": lambda: init_standard_value_head(model_config.hidden_size), "none": lambda: None}[recipe.critic]()
+    parts = run_parts(cfg, model_config)
+    critic = init_critic(parts, model_config, critic_rng)
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
     state = {"actor": actor, "actor_opt": actor_tx.init(actor), "critic": critic,
              "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}
@@ -162,8 +248,8 @@ def train(cfg) -> dict:
     reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
     steps = jit_update_steps(mesh, model_config=model_config, temperature=cfg.rollout.temperature, actor=state["actor"],
                              actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
-                             critic_tx=critic_tx, critic_module=critic_module, critic_kind=recipe.critic)
-    batch_shardings = minibatch_shardings(mesh, with_routing=recipe.critic == "tac")
+                             critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
+    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     control_config = controller.ControllerConfig(**cfg.controller.to_dict())
     control_state = meta["controller"]
     schedule = controller.RewardSchedule()
@@ -191,50 +277,23 @@ def train(cfg) -> dict:
             generation = generate(policy, model_config, prompt_tokens, prompt_mask, step_rng, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
-            # 2. score (behaviour and reference policies, detached)
-            rollout = score_rollout(policy, reference, model_config, generation, window=cfg.rollout.window,
-                                    temperature=cfg.rollout.temperature, hidden_layers=hidden_layers, top_k=top_k,
-                                    **cfg.gate_envelope.to_dict())
-            # 3. reward
-            format_coef, length_coef = schedule.at(step)
-            mask = rollout.response_mask
-            host_mask = sharding.to_host(mask)
+            # 2-4. score, reward, credit
+            scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
+                                      [p.answer for p in chosen for _ in range(group)], RewardCoefficients(*schedule.at(step)),
+                                      jax.random.fold_in(step_rng, 1), batch_shardings)
+            host_mask = scored.host_mask
             lengths = host_mask.sum(axis=1)
-            texts = decode_responses(tokenizer, generation)
-            rewards, verdicts, reward_metrics = score_responses(
-                texts, [p.answer for p in chosen for _ in range(group)], lengths, pool, RewardCoefficients(format_coef, length_coef))
-            reward_tokens = terminal_reward_tokens(rewards, host_mask)
-
-            # 4. credit
-            kappa = control_gate(recipe, rollout.kappa, mask, jax.random.fold_in(step_rng, 1), position_schedule)
-            zeros = jnp.zeros(mask.shape)
-            batch = sharding.put(Minibatch(
-                generation.tokens, generation.attention_mask, generation.prompt_lengths, generation.response_tokens, mask,
-                rollout.log_probs, rollout.ref_log_probs, zeros, zeros, zeros,
-                spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
-            ), batch_shardings)
-            if recipe.estimator == "grpo":
-                advantages = grpo_advantages(jnp.asarray(rewards), group, mask)
-                values = returns = zeros
-            else:
-                values = steps.values(critic, batch)
-                if recipe.estimator == "gae":
-                    advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
-                else:
-                    advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
-                advantages = whiten_advantages(advantages, mask)
-            advantages = clip_advantages(advantages, knobs["advantage_clip"])
-            batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
+            batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
 
             # 5. update: E epochs of shuffled minibatches
-            kl_coef = cfg.train.kl_coef_grpo if recipe.estimator == "grpo" else cfg.train.kl_coef
+            kl_coef = cfg.train.kl_coef_grpo if parts.recipe.estimator == "grpo" else cfg.train.kl_coef
             actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
                                kl_coef=kl_coef * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
             critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
                                 grad_clip=knobs["critic_grad_clip"])
             update_actor = step >= cfg.train.critic_warmup_steps or critic is None
             update_metrics = []
-            rows = mask.shape[0]
+            rows = len(lengths)
             for epoch in range(int(knobs["actor_epochs"])):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
                 for start in range(0, rows, cfg.train.minibatch_size):
@@ -250,21 +309,25 @@ def train(cfg) -> dict:
 
             # 6. control, log, checkpoint
             metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
-            metrics.update(reward_metrics)
+            metrics.update(scored.reward_metrics)
             metrics["response_clip_ratio"] = float(np.mean(lengths >= cfg.rollout.max_new_tokens))
             metrics["response_length"] = float(lengths.mean())
             host = sharding.to_host
-            correct = np.asarray([v is Verdict.CORRECT for v in verdicts])
-            metrics.update(gate_statistics(host(rollout.kappa), host_mask, correct))  # the policy's own gate, every method
+            correct = np.asarray([v is Verdict.CORRECT for v in scored.verdicts])
+            own_kappa = host(scored.rollout.kappa)  # the policy's own gate, every method
+            metrics.update(gate_statistics(own_kappa, host_mask, correct))
+            for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
+                meta["gate_profile"][name] = (np.asarray(meta["gate_profile"][name]) + totals).tolist()
             if critic is not None:
-                metrics.update(critic_diagnostics(host(values), host(returns), reward_tokens, host(kappa), host_mask))
+                metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), scored.reward_tokens, host(scored.kappa),
+                                                  host_mask))
             evaluated = cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0
             if evaluated:
                 metrics["dev_accuracy"] = evaluate(state["actor"], pool)
             if update_actor:
                 control_state = controller.update(control_state, metrics, control_config)
             metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
-                           sample={"prompt": chosen[0].prompt, "response": texts[0], "reward": float(rewards[0])})
+                           sample={"prompt": chosen[0].prompt, "response": scored.texts[0], "reward": float(scored.rewards[0])})
             writer.write(metrics)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                                  gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
@@ -280,6 +343,10 @@ def train(cfg) -> dict:
     writer.close()
     if "warm_start_loss" in meta:
         summary["warm_start_loss"] = meta["warm_start_loss"]
+    profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
+                                   {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": cfg.steps, "seed": cfg.seed})
+    save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
+    summary["mean_gate"] = float(np.sum(profile.mean_gate * profile.token_counts) / np.sum(profile.token_counts))
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plot:

@@ -6,7 +6,7 @@ cell of the paper's 2x2 factorial and the signal controls (sections 6.2-6.4):
 | method | gate (kappa in trace and value mix)    | critic      | advantages                     |
 |--------|----------------------------------------|-------------|--------------------------------|
 | comppo | attention (kappa_t from the rollout)   | tac         | comp_gae (eq. comp_gae)        |
-| comppo | fixed (0.61) / shuffle / position      | tac         | comp_gae with that gate        |
+| comppo | fixed (config.fixed_gate) / shuffle / position | tac | comp_gae with that gate   |
 | comppo | attention / fixed / ...                | standard    | comp_gae; linear value head    |
 | ppo    | gamma (= 1) everywhere                 | standard    | gae (kappa = gamma)            |
 | grpo   | -                                      | none        | group-relative (eq. group_broadcast) |
@@ -18,7 +18,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from comppo_jax.credit import apply_position_schedule, fixed_gate, shuffle_gate
+from comppo_jax.credit import FIXED_GATE, apply_position_schedule, fixed_gate, shuffle_gate
 from comppo_jax.rollout import response_positions
 
 METHODS = ("comppo", "grpo", "ppo")
@@ -50,12 +50,13 @@ def recipe(method: str, gate: str = "attention", critic: str = "tac") -> Recipe:
     return Recipe(gate=gate, critic=critic, estimator="comp_gae")
 
 
-def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None):
-    """The kappa [B, T] the estimator and the TAC value mix read, for the recipe's gate."""
+def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None, fixed_value: float = FIXED_GATE):
+    """The kappa [B, T] the estimator and the TAC value mix read, for the recipe's gate
+    (`fixed_value`: the fixed control's constant, config.fixed_gate)."""
     if recipe.gate == "attention":
         return kappa
     if recipe.gate == "fixed":
-        return fixed_gate(mask)
+        return fixed_gate(mask, fixed_value)
     if recipe.gate == "shuffle":
         return shuffle_gate(kappa, mask, rng)
     if recipe.gate == "position":

@@ -22,12 +22,15 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     # Algorithm: comppo | grpo | ppo; CompPO's gate control: attention | fixed | shuffle | position.
     config.method = "comppo"
     config.gate = "attention"
-    config.position_schedule = ""  # JSON written by comppo_jax.credit.save_position_schedule
+    config.position_schedule = ""  # JSON written by comppo_jax.credit.save_position_schedule (a run's gate_profile.json)
+    config.fixed_gate = 0.61  # the fixed control's constant: the full method's empirical mean gate (section 6.3)
     config.gate_envelope = section(kappa_lo=0.1, kappa_hi=0.9, tau=4.0)  # eq. kappa_attention
     config.steps = 200
     # DAPO-Math-17K from a local parquet/jsonl; the 500-problem ID dev split drives the controller.
     config.data = section(kind="dapo_math", path="", train_size=0, dev_size=500, min_steps=0, max_steps=0, operations="")
-    config.warm_start = section(steps=0, batch_size=0, learning_rate=0.0, answer_noise=0.0)
+    # cache_dir: where a warm-started policy is kept, keyed by everything it depends on, so runs that
+    # differ only after the warm start (an experiment's arms) compute it once.
+    config.warm_start = section(steps=0, batch_size=0, learning_rate=0.0, answer_noise=0.0, cache_dir="")
     # Batch / responses / minibatch 4 / 4 / 4 (minibatch counted in responses); 16K responses;
     # temperature / top-p 1.0 / 0.7.
     config.rollout = section(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16384, temperature=1.0, top_p=0.7,

@@ -11,6 +11,9 @@ minutes on a CPU; 0 disables it.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -65,3 +68,35 @@ def warm_start(params, config: ModelConfig, tokenizer, problems, *, steps: int, 
     for _ in range(steps):
         params, opt_state, loss = supervised_step(params, opt_state, supervised_batch(tokenizer, problems, rng, batch_size, answer_noise), config=config, tx=tx)
     return params, float(loss)
+
+
+def cached_warm_start(cache_dir: str, key: dict, template, compute):
+    """compute() -> (params, loss), kept on disk under `cache_dir` by a hash of `key` (a JSON-able dict
+    of everything the result depends on); "" disables the cache.
+
+    The file is an .npz of the params (floats stored as float32, cast back to the template's
+    dtypes: exact for float32 and bfloat16) written atomically, so concurrent runs may share it.
+    """
+    if not cache_dir:
+        return compute()
+    text = json.dumps(key, sort_keys=True)
+    path = os.path.join(cache_dir, f"warm_start_{hashlib.sha256(text.encode()).hexdigest()[:16]}.npz")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    if os.path.exists(path):
+        with np.load(path) as stored:
+            missing = [n for n in names if n not in stored.files]
+            if missing or "loss" not in stored.files:
+                raise ValueError(f"warm-start cache {path} does not match this model (missing {missing[:3] or ['loss']}); delete it")
+            params = [jnp.asarray(stored[n]).astype(leaf.dtype) for n, (_, leaf) in zip(names, leaves)]
+            return jax.tree_util.tree_unflatten(treedef, params), float(stored["loss"])
+    params, loss = compute()
+    os.makedirs(cache_dir, exist_ok=True)
+    arrays = {n: np.asarray(jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+              for n, x in zip(names, jax.tree.leaves(params))}
+    partial = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(partial, loss=np.float64(loss), **arrays)
+    os.replace(partial, path)
+    with open(path[: -len(".npz")] + ".json", "w") as f:
+        f.write(text)
+    return params, loss

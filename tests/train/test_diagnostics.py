@@ -14,6 +14,7 @@ def test_gate_statistics_by_position_third_and_correctness():
     stats = gate_statistics(kappa, mask, correct=[True, False])
     valid = [0.1, 0.2, 0.3, 0.9, 0.9, 0.9, 0.5, 0.7, 0.6]
     assert stats["gate/mean"] == pytest.approx(np.mean(valid))
+    assert stats["gate/median"] == pytest.approx(0.6)
     assert stats["gate/iqr"] == pytest.approx(np.percentile(valid, 75) - np.percentile(valid, 25))
     # row 0 (T=6): thirds {0.1, 0.2}, {0.3, 0.9}, {0.9, 0.9}; row 1 (T=3): one token per third
     assert stats["gate/first_third"] == pytest.approx((0.1 + 0.2 + 0.5) / 3)

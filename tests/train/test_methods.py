@@ -44,6 +44,7 @@ def test_control_gates():
     rng = jax.random.PRNGKey(0)
     assert control_gate(recipe("comppo"), KAPPA, MASK, rng) is KAPPA
     np.testing.assert_allclose(control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng), np.where(MASK, FIXED_GATE, 0.0))
+    np.testing.assert_allclose(control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng, fixed_value=0.33), np.where(MASK, 0.33, 0.0))
     shuffled = control_gate(recipe("comppo", "shuffle"), KAPPA, MASK, rng)
     assert sorted(np.asarray(shuffled)[np.asarray(MASK)]) == sorted(np.asarray(KAPPA)[np.asarray(MASK)])
     np.testing.assert_array_equal(control_gate(recipe("ppo"), KAPPA, MASK, rng), MASK.astype(np.float32))

@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import CPU_ONLY_ENV, SMALL_TRAIN_RUN
+
+from comppo_jax.credit import load_position_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = [f"--config.{key}={value}" for key, value in SMALL_TRAIN_RUN.items()]
@@ -35,3 +38,6 @@ def test_train_runs_each_method(tmp_path, method):
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+    profile = load_position_schedule(tmp_path / "gate_profile.json")  # every rollout token's own gate, by t/T
+    assert profile.token_counts.sum() == sum(s["response_length"] * 4 for s in steps)  # 2 prompts x 2 samples per step
+    assert summary["mean_gate"] == pytest.approx(np.sum(profile.mean_gate * profile.token_counts) / profile.token_counts.sum())

@@ -1,0 +1,99 @@
+"""A run's checkpoint on held-out prompts: its realized gate and its critic (paper sections 6.3-6.4).
+
+- Gate statistics: the checkpoint's policy samples responses to the first `problems` dev prompts;
+  its own kappa_t on them (mean, median, IQR, response thirds, correct vs incorrect responses).
+- Critic diagnostics on a shared held-out token sample: the *reference* policy samples those
+  prompts with a fixed key, so every run with the same reference (every cell and control of a
+  seed; every run at all when the reference is the HF checkpoint) is measured on the same tokens.
+  The checkpoint's actor scores them (features, routing, kappa), its gate control and critic give
+  kappa and V_t, and the run's own estimator gives the returns: explained variance, Spearman of V_t
+  with r_t + kappa_t V_{t+1}, MAE and clamp saturation (comppo_jax.train.diagnostics).
+
+Rewards use the reward schedule's coefficients at the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from comppo_jax import sharding
+from comppo_jax.data.rewards import RewardCoefficients, Verdict, VerifierPool
+from comppo_jax.data.tokenizers import load_tokenizer
+from comppo_jax.eval.accuracy import encode_prompts
+from comppo_jax.models import ModelConfig, init_params, load_policy
+from comppo_jax.rollout import generate
+from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.controller import RewardSchedule
+from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
+from comppo_jax.train.loop import init_critic, load_problems, run_parts, score_and_credit
+from comppo_jax.train.update import cast_params, critic_values, minibatch_shardings
+
+SHARED_SAMPLE_KEY = 0  # the reference's sampling key: the same tokens for every run
+
+
+def _rows(arrays):
+    """Concatenates [b_i, T_i] host arrays along rows, right-padding to the widest T with zeros."""
+    width = max(a.shape[1] for a in arrays)
+    return np.concatenate([np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in arrays])
+
+
+def held_out_diagnostics(cfg, run_dir: str, step: str | int = "latest", problems: int = 32) -> dict:
+    """Gate statistics and critic diagnostics of `run_dir`'s checkpoint `step` (latest, best or N)
+    on the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
+    mesh = sharding.make_mesh(cfg.mesh)
+    model_config = ModelConfig.from_dict(cfg.model.arch.to_dict())
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    checkpoints = RunCheckpoints(run_dir, read_only=True)
+    step = checkpoints.resolve_step(step)
+    parts = run_parts(cfg, model_config)
+    actor = lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype)
+    targets = {"actor": sharding.abstract_sharded(mesh, actor)}
+    if parts.recipe.critic != "none":
+        targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, model_config, jax.random.PRNGKey(0)))
+    restored = checkpoints.restore_params(targets, step)
+    policy = cast_params(restored["actor"], model_config.dtype)
+    if cfg.warm_start.steps:
+        reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: init_params(model_config, jax.random.PRNGKey(0))))
+    else:
+        reference = load_policy(cfg.model, jax.random.PRNGKey(0))[1]
+    reference = cast_params(reference, model_config.dtype)
+    dev = load_problems(cfg.data, cfg.seed)[1][:problems]
+    if not dev:
+        raise ValueError(f"{run_dir}: the config's dev split is empty; held-out diagnostics need dev problems")
+    group = cfg.rollout.samples_per_prompt
+    values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic))
+    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
+    coefficients = RewardCoefficients(*RewardSchedule().at(step))
+    critic = restored.get("critic")
+    own, shared = {"kappa": [], "mask": [], "correct": []}, {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []}
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        for start in range(0, len(dev), cfg.rollout.prompts_per_step):
+            chunk = dev[start : start + cfg.rollout.prompts_per_step]
+            tokens, mask = encode_prompts(tokenizer, chunk)
+            golds = [p.answer for p in chunk for _ in range(group)]
+            score = lambda sampler, key: score_and_credit(
+                cfg, parts, model_config, tokenizer, pool, values_fn, critic, policy, reference,
+                generate(sampler, model_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
+                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
+                         eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id),
+                golds, coefficients, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
+            mine = score(policy, jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), start))
+            own["kappa"].append(sharding.to_host(mine.rollout.kappa))
+            own["mask"].append(mine.host_mask)
+            own["correct"].append(np.asarray([v is Verdict.CORRECT for v in mine.verdicts]))
+            if critic is not None:
+                theirs = score(reference, jax.random.fold_in(jax.random.PRNGKey(SHARED_SAMPLE_KEY), start))
+                batch = theirs.batch
+                for name, value in (("values", batch.old_values), ("returns", batch.returns), ("kappa", theirs.kappa)):
+                    shared[name].append(sharding.to_host(value))
+                shared["rewards"].append(theirs.reward_tokens)
+                shared["mask"].append(theirs.host_mask)
+    out = {"step": step, "problems": len(dev), "responses": len(dev) * group}
+    out.update(gate_statistics(_rows(own["kappa"]), _rows(own["mask"]).astype(bool), np.concatenate(own["correct"])))
+    if critic is not None:
+        out.update(critic_diagnostics(*(_rows(shared[k]) for k in ("values", "returns", "rewards", "kappa")),
+                                      _rows(shared["mask"]).astype(bool)))
+    return out

@@ -1,0 +1,239 @@
+"""Markdown tables and PNG bar plots of an experiment, shaped like the paper's (section 7, appendix B).
+
+Accuracies print as points (100 x fraction); intervals are two-sided 95% Student-t over seeds
+(comppo_jax.eval.statistics). Each `*_report` takes the experiment config and its `Outcome` (its
+arms' finished runs by seed, with held-out diagnostics) and returns (markdown, {png name:
+figure-drawing function}).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from comppo_jax.eval.experiment import Outcome, RunResult, grid_cells, parse_override
+from comppo_jax.eval.statistics import Interval, curve_endpoints, factorial_interaction, is_stable, paired_difference, t_interval
+
+FACTORIAL_CELLS = (("fixed_std", "Fixed gate + standard critic"), ("gate_std", "Comp-GAE + standard critic"),
+                   ("fixed_aligned", "Fixed gate + aligned critic"), ("full", "Full CompPO"))
+
+
+def pts(x: float | None) -> str:
+    return "never" if x is None else f"{100 * x:.1f}"
+
+
+def ci(interval: Interval) -> str:
+    return f"{100 * interval.mean:.1f} [{100 * interval.low:.1f}, {100 * interval.high:.1f}]"
+
+
+def signed_ci(interval: Interval) -> str:
+    return f"{100 * interval.mean:+.1f} [{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]"
+
+
+def table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def endpoints(result: RunResult, exp) -> dict:
+    return curve_endpoints(result.steps, result.accuracies, last=exp.last, target=exp.target)
+
+
+def seeds_of(outcome: Outcome, arms) -> list[int]:
+    """Seeds every one of `arms` finished (the seed-matched set)."""
+    sets = [set(outcome.arms.get(arm, {})) for arm in arms]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def arm_values(outcome: Outcome, exp, arm: str, key: str, seeds) -> list[float]:
+    return [endpoints(outcome.arms[arm][s], exp)[key] for s in seeds]
+
+
+def diagnostics_mean(outcome: Outcome, arm: str, seeds, key: str) -> str:
+    """The mean over `seeds` of a held-out diagnostic ("--" where none was computed)."""
+    values = [outcome.arms[arm][s].held_out.get(key) for s in seeds]
+    values = [v for v in values if v is not None]
+    return f"{np.mean(values):.2f}" if values else "--"
+
+
+def bar_plot(labels, intervals: list[Interval], ylabel: str, title: str):
+    """A figure-drawing function: bars at the means with 95% t-interval error bars."""
+    def draw(path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        means = np.array([100 * i.mean for i in intervals])
+        errors = np.array([[100 * (i.mean - i.low) for i in intervals], [100 * (i.high - i.mean) for i in intervals]])
+        fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(labels), 3.2))
+        ax.bar(range(len(labels)), means, yerr=errors, capsize=4, color="#4C72B0")
+        for x, m in enumerate(means):
+            ax.annotate(f"{m:.1f}", (x, m), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        low = min(i.low for i in intervals)
+        ax.set_ylim(max(0.0, 100 * low - 10), min(100.0, max(100 * i.high for i in intervals) + 5))
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    return draw
+
+
+def summary_rows(outcome: Outcome, exp, arms, seeds, labels=None) -> list[list[str]]:
+    """Variant | Best [CI] | Final [CI] | Last-N | AULC | Peak-final, means over `seeds`."""
+    rows = []
+    for arm in arms:
+        values = {k: arm_values(outcome, exp, arm, k, seeds) for k in ("best", "final", f"last_{exp.last}", "aulc", "peak_to_final_drop")}
+        rows.append([(labels or {}).get(arm, arm), ci(t_interval(values["best"])), ci(t_interval(values["final"])),
+                     pts(np.mean(values[f"last_{exp.last}"])), pts(np.mean(values["aulc"])), pts(np.mean(values["peak_to_final_drop"]))])
+    return rows
+
+
+def per_seed_table(outcome: Outcome, exp, arms, seeds, labels=None) -> str:
+    header = ["Seed"] + [f"{(labels or {}).get(a, a)} {k}" for a in arms for k in ("Best", "Final")]
+    rows = [[s] + [pts(endpoints(outcome.arms[a][s], exp)[k]) for a in arms for k in ("best", "final")] for s in seeds]
+    return table(header, rows)
+
+
+def main_report(exp, outcome: Outcome):
+    arms = [name for name, _ in exp.arms]
+    parts = [f"Screen: one run per grid cell at seed {exp.screen_seed}; the selected cell (best Final, ties by Best) is bold."]
+    for arm in arms:
+        cells = grid_cells(dict(exp.grids).get(arm, ()))
+        keys = [parse_override(c)[0] for c in cells[0]] if cells else []
+        rows = []
+        for result in outcome.screen.get(arm, []):
+            cell = tuple(o for o in result.run.overrides if parse_override(o)[0] in keys)
+            mark = "**" if outcome.selected.get(arm) == cell else ""
+            e = endpoints(result, exp)
+            rows.append([arm] + [parse_override(c)[1] for c in cell] + [f"{mark}{pts(e['best'])}{mark}", f"{mark}{pts(e['final'])}{mark}"])
+        if rows:
+            parts.append(table(["Method"] + [k.split(".")[-1] for k in keys] + ["Best", "Final"], rows))
+    seeds = seeds_of(outcome, arms)
+    if not seeds:
+        return "\n\n".join(parts + ["No seed finished every arm."]), {}
+    parts.append(f"Selected configurations over seeds {seeds}:")
+    parts.append(per_seed_table(outcome, exp, arms, seeds))
+    parts.append(table(["Method", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"], summary_rows(outcome, exp, arms, seeds)))
+    if len(arms) == 2:
+        a, b = arms
+        rows = [[k.capitalize(), signed_ci(paired_difference(arm_values(outcome, exp, a, k, seeds), arm_values(outcome, exp, b, k, seeds)))]
+                for k in ("best", "final")]
+        parts.append(f"Seed-matched difference {a} - {b} (points, 95% t interval):\n\n" + table(["Endpoint", f"{a} - {b}"], rows))
+    finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
+    plots = {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{exp.name}: {len(seeds)} seeds, 95% t intervals")}
+    return "\n\n".join(parts), plots
+
+
+def factorial_report(exp, outcome: Outcome):
+    arms = [name for name, _ in FACTORIAL_CELLS]
+    labels = dict(FACTORIAL_CELLS)
+    seeds = seeds_of(outcome, arms)
+    if not seeds:
+        return "No seed finished all four cells.", {}
+    target = "" if exp.target is None else f"Step to {pts(exp.target)}"
+    rows = []
+    for arm, label in FACTORIAL_CELLS:
+        e = [endpoints(outcome.arms[arm][s], exp) for s in seeds]
+        mean = lambda k: np.mean([x[k] for x in e])
+        reached = [x.get("step_to_target") for x in e]
+        step_to = "never" if any(r is None for r in reached) else f"{np.mean(reached):.0f}"
+        rows.append([label, pts(mean("best")), pts(mean("final")), pts(mean(f"last_{exp.last}")), pts(mean("aulc")),
+                     pts(mean("peak_to_final_drop"))]
+                    + [diagnostics_mean(outcome, arm, seeds, k) for k in
+                       ("critic/explained_variance", "critic/td_spearman", "critic/value_mae", "critic/clamp_saturation")]
+                    + ([step_to] if target else []))
+    header = ["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final", "EV", "TD rho_s", "MAE", "Clamp sat."]
+    parts = [f"Seeds {seeds}. Critic columns: held-out token sample at each run's final checkpoint (comppo_jax.eval.held_out).",
+             table(header + ([target] if target else []), rows),
+             "Best / Final with 95% t intervals:\n\n" + table(["Variant", "Best", "Final"], [r[:3] for r in summary_rows(outcome, exp, arms, seeds, labels)]),
+             per_seed_table(outcome, exp, arms, seeds, labels)]
+    values = {k: {arm: arm_values(outcome, exp, arm, k, seeds) for arm in arms} for k in ("best", "final")}
+    rows = []
+    for other in ("gate_std", "fixed_aligned"):
+        rows.append([f"Full - ({labels[other]})"] + [signed_ci(paired_difference(values[k]["full"], values[k][other])) for k in ("best", "final")])
+    rows.append(["Interaction I"] + [signed_ci(factorial_interaction(*(values[k][a] for a in ("full", "gate_std", "fixed_aligned", "fixed_std"))))
+                                     for k in ("best", "final")])
+    parts.append("Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), points:\n\n"
+                 + table(["Contrast", "Best", "Final"], rows))
+    finals = [t_interval(values["final"][arm]) for arm in arms]
+    plots = {f"{exp.name}_final.png": bar_plot(["Fixed+Std", "Gate+Std", "Fixed+TAC", "Full"], finals, "final dev accuracy (%)",
+                                               f"2x2 factorial, {len(seeds)} seeds; I = {signed_ci(factorial_interaction(*(values['final'][a] for a in ('full', 'gate_std', 'fixed_aligned', 'fixed_std'))))}")}
+    return "\n\n".join(parts), plots
+
+
+def controls_report(exp, outcome: Outcome):
+    arms = [name for name, _ in exp.arms]
+    seeds = seeds_of(outcome, arms)
+    if not seeds:
+        return "No seed finished every control.", {}
+    parts = [f"Seeds {seeds}.", table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"],
+                                      summary_rows(outcome, exp, arms, seeds))]
+    if "full" in arms:
+        rows = [[f"full - {other}"] + [signed_ci(paired_difference(arm_values(outcome, exp, "full", k, seeds), arm_values(outcome, exp, other, k, seeds)))
+                                        for k in ("best", "final")] for other in arms if other != "full"]
+        parts.append("Seed-matched differences (points):\n\n" + table(["Contrast", "Best", "Final"], rows))
+        stat = lambda k: diagnostics_mean(outcome, "full", seeds, k)
+        parts.append("Realized gate of the full method's final checkpoints (held-out prompts, mean over seeds):\n\n" + table(
+            ["Statistic", "Value", "Statistic", "Value"],
+            [["Mean / median", f"{stat('gate/mean')} / {stat('gate/median')}", "IQR", stat("gate/iqr")],
+             ["Early / middle / late", " / ".join(stat(f"gate/{t}_third") for t in ("first", "middle", "last")), "Correct / incorrect",
+              f"{stat('gate/correct')} / {stat('gate/incorrect')}"]]))
+    finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
+    return "\n\n".join(parts), {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"gate controls, {len(seeds)} seeds")}
+
+
+def stress_report(exp, outcome: Outcome):
+    rows, totals = [], {}
+    for arm, _ in exp.arms:
+        cells = [name for name in outcome.arms if name == arm or name.startswith(arm + "[")]
+        for name in cells:
+            results = list(outcome.arms[name].values())
+            e = [endpoints(r, exp) for r in results]
+            stable = [is_stable(r.accuracies, r.base, max_drop=exp.max_drop, run_below=exp.run_below) for r in results]
+            totals.setdefault(arm, []).extend(zip(stable, e))
+            rows.append([name, pts(np.mean([x["best"] for x in e])), pts(np.mean([x["final"] for x in e])), f"{sum(stable)}/{len(stable)}"])
+    if not rows:
+        return "No stress-grid run finished.", {}
+    parts = [f"Stable: final >= the run's base (warm-start) accuracy, peak-to-final drop < {pts(exp.max_drop)} points, and no "
+             f"{exp.run_below} consecutive post-peak evaluations below base.", table(["Cell", "Best", "Final", "Stable seeds"], rows)]
+    summary = [[arm, f"{sum(s for s, _ in v)}/{len(v)}", pts(np.mean([e['best'] for _, e in v])), pts(np.mean([e['final'] for _, e in v])),
+                pts(np.mean([e['peak_to_final_drop'] for _, e in v]))] for arm, v in totals.items()]
+    parts.append(table(["Method", "Stable runs", "Mean best", "Mean final", "Mean drop"], summary))
+
+    def draw(path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(3.2, 3.0))
+        counts = [sum(s for s, _ in v) for v in totals.values()]
+        ax.bar(range(len(counts)), counts, color="#4C72B0")
+        ax.set_xticks(range(len(counts)), list(totals), fontsize=8)
+        ax.set_ylabel(f"stable runs (of {max(len(v) for v in totals.values())})")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    return "\n\n".join(parts), {f"{exp.name}_stable.png": draw}
+
+
+def group_report(exp, outcome: Outcome):
+    rows = []
+    for arm, overrides in exp.arms:
+        for seed, result in sorted(outcome.arms.get(arm, {}).items()):
+            e = endpoints(result, exp)
+            settings = dict(parse_override(o) for o in result.run.overrides)
+            size = int(settings.get("rollout.prompts_per_step", 0) or 0) * int(settings.get("rollout.samples_per_prompt", 0) or 0)
+            rows.append([arm, seed, size or "config default", pts(e["best"]), pts(e["final"])])
+    if not rows:
+        return "No run finished.", {}
+    return ("Single runs (point estimates, no training-seed intervals); frozen macro: launch/eval.py on each run's final checkpoint.\n\n"
+            + table(["Method", "Seed", "Trajectories/update", "ID Best", "ID Final"], rows)), {}
+
+
+REPORTS = {"main": main_report, "factorial": factorial_report, "controls": controls_report, "stress": stress_report, "group": group_report}

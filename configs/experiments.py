@@ -1,0 +1,66 @@
+"""The paper's experiments (sections 6-7, appendix B) as sets of launch/train.py runs.
+
+    python launch/experiment.py --experiment=configs/experiments.py:main --root=experiments \
+        --experiment.overrides='("model.path=/ckpt/Qwen3-4B", "data.path=/data/dapo_math_17k.parquet")'
+
+Names: main | factorial | controls | stress | group. Semantics of the fields (arms, grids, screens,
+`{mean_gate:ARM}` / `{gate_profile:ARM}` references) are in comppo_jax.eval.experiment.
+configs/experiments_tiny.py scales these down to the CPU default (configs/tiny.py).
+"""
+
+from ml_collections import config_dict
+
+SEEDS = (17, 42, 123, 256, 2026)  # section 6.1; 42 is the submitted seed
+LEARNING_RATES = "5e-7,1e-6,2e-6"
+KL = "0,1e-3,2e-3"
+FULL = ("method=comppo", "gate=attention", "critic.kind=tac")
+
+
+def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, overrides=(), target=None, held_out_problems=0):
+    exp = config_dict.ConfigDict()
+    exp.name = name
+    exp.kind = kind
+    exp.base_config = "configs/qwen3_4b.py"
+    exp.overrides = tuple(overrides)  # "key=value" for every run (model.path, data.path, ...)
+    exp.seeds = tuple(seeds)
+    exp.arms = tuple((arm, tuple(o)) for arm, o in arms)
+    exp.grids = tuple((arm, tuple(axes)) for arm, axes in grids)
+    exp.screen_seed = config_dict.placeholder(int) if screen_seed is None else screen_seed
+    exp.last = 20  # Last-N endpoint: mean of the final N dev evaluations (train.eval_every apart)
+    exp.target = config_dict.placeholder(float) if target is None else target  # "step to X" (accuracy fraction)
+    exp.max_drop = 0.15  # stability rule (section 6.5)
+    exp.run_below = 5
+    # Dev prompts for the final-checkpoint gate / critic diagnostics (comppo_jax.eval.held_out); 0 = none.
+    exp.held_out_problems = held_out_problems
+    return exp
+
+
+def get_config(name: str):
+    if name == "main":  # section 6.1: a common 3x3 LR x KL screen at seed 42, then five seeds
+        return experiment("main", "main", [("comppo", FULL), ("grpo", ("method=grpo",))], screen_seed=42,
+                          grids=[("comppo", (f"train.actor_lr={LEARNING_RATES}", f"train.kl_coef={KL}")),
+                                 ("grpo", (f"train.actor_lr={LEARNING_RATES}", f"train.kl_coef_grpo={KL}"))])
+    if name == "factorial":  # section 6.2: transport x critic; the fixed gate is full CompPO's mean gate
+        fixed = ("method=comppo", "gate=fixed", "fixed_gate={mean_gate:full}")
+        return experiment("factorial", "factorial", [
+            ("full", FULL), ("gate_std", ("method=comppo", "gate=attention", "critic.kind=standard")),
+            ("fixed_aligned", fixed + ("critic.kind=tac",)), ("fixed_std", fixed + ("critic.kind=standard",)),
+        ], target=0.564, held_out_problems=64)
+    if name == "controls":  # section 6.3: global shuffle; position-only from the same seed's full run
+        return experiment("controls", "controls", [
+            ("full", FULL), ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
+            ("position", ("method=comppo", "gate=position", "position_schedule={gate_profile:full}", "critic.kind=tac")),
+        ], held_out_problems=64)
+    if name == "stress":  # section 6.5: 150 steps, no controller or critic warm-up, two seeds per cell
+        grid = ("train.actor_lr=2e-7,5e-7,1e-6", "train.kl_coef=0,1e-3")
+        return experiment("stress", "stress", [("ppo", ("method=ppo",)), ("comppo", FULL)], seeds=(17, 42),
+                          grids=[("ppo", grid), ("comppo", grid)],
+                          overrides=("steps=150", "controller.enabled=False", "train.critic_warmup_steps=0"))
+    if name == "group":  # section 6.6: a single 8x8 GRPO run beside the 4x4 baseline and the CompPO reference
+        four, eight = ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"), ("rollout.prompts_per_step=8", "rollout.samples_per_prompt=8")
+        return experiment("group", "group", [
+            ("grpo_4x4", ("method=grpo", "train.kl_coef_grpo=1e-3") + four),
+            ("grpo_8x8", ("method=grpo", "train.kl_coef_grpo=1e-3") + eight),
+            ("comppo", FULL + four),
+        ], seeds=(42,))
+    raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress or group")

@@ -1,0 +1,43 @@
+"""The paper's experiments (configs/experiments.py) at toy scale on the CPU default, configs/tiny.py.
+
+    python launch/experiment.py --experiment=configs/experiments_tiny.py:main --root=runs/experiments_tiny
+
+What is smaller than the paper, and why (a 2-core CPU): 3 seeds (0, 1, 2) instead of 5; a 2x2
+LR x KL screen instead of 3x3; 40 RL steps with a dev evaluation every 5 (Last-4 instead of
+Last-20); held-out diagnostics on 16 dev prompts. docs/results_tiny.md reports these runs.
+"""
+
+import importlib.util
+import os
+
+# The paper-scale definitions beside this file (configs/ is not a package).
+_spec = importlib.util.spec_from_file_location("comppo_experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments.py"))
+experiments = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(experiments)
+
+SEEDS = (0, 1, 2)
+TINY = ("steps=40", "train.eval_every=5", "checkpoint.every=20")
+
+
+def get_config(name: str):
+    exp = experiments.get_config(name)
+    exp.base_config = "configs/tiny.py"
+    exp.overrides = TINY + tuple(exp.overrides)
+    exp.seeds = SEEDS if name != "group" else (0,)
+    exp.last = 4
+    exp.held_out_problems = min(exp.held_out_problems, 16)
+    if name == "main":
+        exp.screen_seed = 0
+        exp.grids = (("comppo", ("train.actor_lr=1e-5,3e-5", "train.kl_coef=0,1e-2")),
+                     ("grpo", ("train.actor_lr=1e-5,3e-5", "train.kl_coef_grpo=0,1e-2")))
+    if name == "factorial":
+        exp.target = 0.8
+    if name == "group":  # 16 and 64 trajectories per update: minibatches of 16 split both
+        exp.overrides += ("train.minibatch_size=16",)
+    if name == "stress":
+        grid = ("train.actor_lr=1e-5,3e-5,1e-4", "train.kl_coef=0,1e-2")
+        exp.grids = (("ppo", grid), ("comppo", grid))
+        exp.seeds = SEEDS[:2]
+        exp.run_below = 2
+        exp.overrides = tuple(o for o in exp.overrides if o != "steps=150")  # TINY's 40 steps
+    return exp

@@ -1,0 +1,71 @@
+"""Run a named experiment (seeds x configs) and write its report.
+
+    python launch/experiment.py --experiment=configs/experiments_tiny.py:main --root=runs/experiments_tiny [--jobs=2]
+
+Runs what has not finished (launch/train.py subprocesses, `--jobs` at a time; identical runs are
+shared between experiments under <root>/runs/) and, when the experiment asks for them, held-out
+gate and critic diagnostics of each run's final checkpoint (launch/eval.py, written beside the
+run), then writes <root>/<name>/:
+report.md (tables shaped like the paper's), *.png (bar plots), runs.csv (every run's endpoints)
+and commands.sh (the exact training commands). `--report_only` skips training and reports what
+exists. Failed runs are listed and make the exit status non-zero; nothing finished is lost.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_EXPERIMENT = config_flags.DEFINE_config_file("experiment", None, "configs/experiments.py:NAME (or experiments_tiny.py:NAME).")
+_ROOT = flags.DEFINE_string("root", "runs/experiments", "Where runs (runs/) and reports (<name>/) go.")
+_JOBS = flags.DEFINE_integer("jobs", 1, "Training runs at a time.")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Do not train; report the finished runs.")
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    from comppo_jax.eval import experiment as experiments
+    from comppo_jax.eval.report import REPORTS, endpoints
+
+    exp = _EXPERIMENT.value
+    root = _ROOT.value
+    log = lambda message: print(message, flush=True)
+    outcome = experiments.run_experiment(exp, root, _JOBS.value, train=not _REPORT_ONLY.value, log=log)
+    finished = [r for arm in outcome.arms.values() for r in arm.values()]
+    body, plots = REPORTS[exp.kind](exp, outcome)
+    folder = os.path.join(root, exp.name)
+    os.makedirs(folder, exist_ok=True)
+    for name, draw in plots.items():
+        draw(os.path.join(folder, name))
+    with open(os.path.join(folder, "commands.sh"), "w") as f:
+        f.write(experiments.commands_script(outcome, root, exp.held_out_problems))
+    rows = []
+    for result in [r for rs in outcome.screen.values() for r in rs] + finished:
+        rows.append({"arm": result.run.arm, "seed": result.run.seed, "run": result.directory, "base": result.base,
+                     **endpoints(result, exp), **result.held_out, "overrides": " ".join(result.run.overrides)})
+    if rows:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        with open(os.path.join(folder, "runs.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+    failed = "".join(f"\n- {run.arm} seed {run.seed}: {why}" for run, why in outcome.failures.items())
+    report = (f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; exact commands in "
+              f"`commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
+              + "".join(f"\n![{name}]({name})\n" for name in plots) + (f"\n## Failed runs{failed}\n" if failed else ""))
+    with open(os.path.join(folder, "report.md"), "w") as f:
+        f.write(report)
+    print(report)
+    if outcome.failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("experiment")
+    app.run(main)

@@ -1,0 +1,165 @@
+"""Experiment planning (arms, grids, screens, references, shared runs) and the report tables."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from comppo_jax.eval import experiment as ex
+from comppo_jax.eval.report import factorial_report, main_report, stress_report
+from comppo_jax.eval.statistics import factorial_interaction
+from configs import experiments, experiments_tiny
+
+
+def test_grid_cells_and_stress_expansion():
+    assert ex.grid_cells(("a.lr=1,2", "kl=0,5")) == [("a.lr=1", "kl=0"), ("a.lr=1", "kl=5"), ("a.lr=2", "kl=0"), ("a.lr=2", "kl=5")]
+    stress = experiments.get_config("stress")
+    arms = ex.arms_of(stress)
+    assert len(arms) == 12 and arms[0][0] == "ppo[actor_lr=2e-7,kl_coef=0]"
+    assert "controller.enabled=False" in arms[0][1] and arms[0][1][-2:] == ("train.actor_lr=2e-7", "train.kl_coef=0")
+
+
+def test_screen_plans_one_run_per_cell_at_the_screen_seed():
+    main = experiments.get_config("main")
+    screens = ex.screen_runs(main)
+    assert sorted(screens) == ["comppo", "grpo"] and all(len(runs) == 9 for runs in screens.values())
+    assert {run.seed for runs in screens.values() for run in runs} == {42}
+    assert ex.arms_of(main) == [("comppo", ex.arms_of(main)[0][1]), ("grpo", ("method=grpo",))]
+
+
+def test_identical_runs_share_a_directory_whatever_the_arm_or_order():
+    a = ex.Run("full", 0, "configs/tiny.py", ("method=comppo", "seed=0"))
+    b = ex.Run("comppo", 0, "configs/tiny.py", ("seed=0", "method=comppo"))
+    assert a.directory("root") == b.directory("root")
+    assert ex.Run("full", 1, "configs/tiny.py", ("method=comppo", "seed=1")).key != a.key
+
+
+def _result(tmp_path, arm, seed, accuracies, base=0.5, **summary):
+    run = ex.Run(arm, seed, "configs/tiny.py", (f"arm={arm}", f"seed={seed}"))
+    directory = tmp_path / run.key
+    directory.mkdir(exist_ok=True)
+    return ex.RunResult(run, str(directory), {"warm_start_dev_accuracy": base, **summary}, np.arange(1, len(accuracies) + 1) * 5.0,
+                        np.asarray(accuracies, float), {})
+
+
+def test_references_resolve_to_the_mean_gate_and_the_same_seeds_profile(tmp_path):
+    done = {"full": {0: _result(tmp_path, "full", 0, [0.6], mean_gate=0.5), 1: _result(tmp_path, "full", 1, [0.6], mean_gate=0.7)}}
+    resolved = ex.resolve(("fixed_gate={mean_gate:full}", "position_schedule={gate_profile:full}"), 1, done)
+    assert float(resolved[0].split("=")[1]) == pytest.approx(0.6)
+    assert resolved[1] == "position_schedule=" + os.path.join(done["full"][1].directory, "gate_profile.json")
+    with pytest.raises(ValueError, match="no finished run for seed 2"):
+        ex.resolve(("position_schedule={gate_profile:full}",), 2, done)
+    with pytest.raises(ValueError, match="arm 'other'"):
+        ex.resolve(("fixed_gate={mean_gate:other}",), 0, done)
+    assert ex.references(("a={mean_gate:full}", "b=1")) == [("mean_gate", "full")]
+
+
+def test_screen_selects_best_final_then_best(tmp_path):
+    results = [_result(tmp_path, "a", 0, [0.9, 0.6]), _result(tmp_path, "b", 0, [0.5, 0.7]), _result(tmp_path, "c", 0, [0.8, 0.7])]
+    assert ex.select(results).run.arm == "c"
+
+
+def test_load_result_reads_the_curve_and_refuses_a_run_without_evaluations(tmp_path):
+    run = ex.Run("x", 0, "configs/tiny.py", ("seed=0",))
+    directory = run.directory(str(tmp_path))
+    assert ex.load_result(run, str(tmp_path)) is None
+    os.makedirs(directory)
+    with open(os.path.join(directory, "summary.json"), "w") as f:
+        json.dump({"warm_start_dev_accuracy": 0.5, "final_dev_accuracy": 0.7}, f)
+    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 4, "dev_accuracy": 0.6}) + "\n" + json.dumps({"step": 5}) + "\n" + json.dumps({"step": 9, "dev_accuracy": 0.7}) + "\n")
+    result = ex.load_result(run, str(tmp_path))
+    assert result.steps.tolist() == [5.0, 10.0] and result.accuracies.tolist() == [0.6, 0.7] and result.held_out == {}
+    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0}) + "\n")
+    with pytest.raises(ValueError, match="no dev_accuracy rows"):
+        ex.load_result(run, str(tmp_path))
+
+
+def test_factorial_report_interaction_matches_the_statistics(tmp_path):
+    exp = experiments_tiny.get_config("factorial")
+    finals = {"full": [0.9, 0.8, 0.85], "gate_std": [0.7, 0.7, 0.75], "fixed_aligned": [0.75, 0.7, 0.7], "fixed_std": [0.6, 0.65, 0.6]}
+    arms = {arm: {s: _result(tmp_path, arm, s, [0.5, 0.6, 0.7, v]) for s, v in enumerate(values)} for arm, values in finals.items()}
+    outcome = ex.Outcome(arms, {}, {}, {}, [])
+    text, plots = factorial_report(exp, outcome)
+    interaction = factorial_interaction(finals["full"], finals["gate_std"], finals["fixed_aligned"], finals["fixed_std"])
+    expected = f"{100 * interaction.mean:+.1f} [{100 * interaction.low:+.1f}, {100 * interaction.high:+.1f}]"
+    assert "| Interaction I | " in text and expected in text
+    assert "| Full CompPO | 85.0 | 85.0 | 66." in text  # Best, Final, Last-4 = mean of (0.5, 0.6, 0.7, 0.85)
+    for name, draw in plots.items():
+        draw(str(tmp_path / name))
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_main_and_stress_reports(tmp_path):
+    exp = experiments_tiny.get_config("main")
+    arms = {"comppo": {s: _result(tmp_path, "comppo", s, [0.6, 0.8 + 0.01 * s]) for s in range(3)},
+            "grpo": {s: _result(tmp_path, "grpo", s, [0.7, 0.75]) for s in range(3)}}
+    text, _ = main_report(exp, ex.Outcome(arms, {}, {}, {}, []))
+    assert "| Final | +6.0 [" in text  # paired comppo - grpo final: 0.81 - 0.75
+    stress = experiments_tiny.get_config("stress")
+    cells = {"ppo[actor_lr=1e-05,kl_coef=0]": {0: _result(tmp_path, "p", 0, [0.9, 0.4, 0.4], base=0.5)},
+             "comppo[actor_lr=1e-05,kl_coef=0]": {0: _result(tmp_path, "c", 0, [0.6, 0.7, 0.65], base=0.5)}}
+    text, _ = stress_report(stress, ex.Outcome(cells, {}, {}, {}, []))
+    assert "| ppo | 0/1 |" in text and "| comppo | 1/1 |" in text
+
+
+@pytest.mark.slow
+def test_controls_experiment_end_to_end(tmp_path):
+    """launch/experiment.py on one seed of tiny 2-step runs: the position-only arm is built from the
+    full run's gate profile, held-out diagnostics are computed, and the report, plot, CSV and
+    commands are written; a second invocation reruns nothing."""
+    import subprocess
+    import sys
+
+    from conftest import CPU_ONLY_ENV, SMALL_TRAIN_RUN
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    overrides = tuple(f"{k}={v}" for k, v in SMALL_TRAIN_RUN.items() if k not in ("progress", "plot"))
+    command = [sys.executable, "launch/experiment.py", "--experiment=configs/experiments_tiny.py:controls", f"--root={tmp_path}",
+               "--experiment.seeds=(0,)", f"--experiment.overrides={overrides!r}", "--experiment.held_out_problems=2"]
+    first = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    folder = tmp_path / "controls"
+    report = (folder / "report.md").read_text()
+    assert "| full - position |" in report and "| full - shuffle |" in report and "Mean / median" in report
+    assert (folder / "controls_final.png").stat().st_size > 0
+    commands = (folder / "commands.sh").read_text()
+    assert commands.count("launch/train.py") == 3 and "--config.gate=position" in commands
+    runs = list((tmp_path / "runs").iterdir())
+    position = [r for r in runs if "gate=position" in (r / "run.json").read_text()][0]
+    schedule = json.loads((position / "run.json").read_text())["overrides"]
+    profile = [o.split("=", 1)[1] for o in schedule if o.startswith("position_schedule=")][0]
+    assert os.path.exists(profile) and profile.endswith("gate_profile.json")
+    for run in runs:
+        held_out = json.loads((run / "held_out.json").read_text())
+        assert {"gate/mean", "gate/median", "critic/value_mae"} <= set(held_out) and held_out["problems"] == 2
+    second = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "start " not in second.stdout
+
+
+@pytest.mark.parametrize("module", [experiments, experiments_tiny])
+@pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group"])
+def test_every_experiment_plans(module, name):
+    from comppo_jax.models import load_config_file
+
+    exp = module.get_config(name)
+    assert exp.kind in ex.KINDS and exp.seeds
+    arms = ex.arms_of(exp)
+    names = {arm for arm, _ in arms}
+    for _, overrides in arms:
+        assert all(target in names for _, target in ex.references(overrides))
+        assert all(ex.parse_override(o) for o in overrides)
+    base = load_config_file(exp.base_config)
+    cells = [cell for _, axes in exp.grids for cell in ex.grid_cells(axes)]
+    for overrides in [o for _, o in arms] + cells:  # every override names a field of the base config
+        for key, _ in map(ex.parse_override, overrides):
+            section = base
+            for part in key.split("."):
+                assert part in section, f"{name}: {key} is not a field of {exp.base_config}"
+                section = section[part]
+    with pytest.raises(ValueError):
+        module.get_config("nope")
