@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import os
 import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -35,7 +36,12 @@ def main(argv):
 
     exp = _EXPERIMENT.value
     root = _ROOT.value
-    log = lambda message: print(message, flush=True)
+    lock = threading.Lock()  # runs log from worker threads
+
+    def log(message: str) -> None:
+        with lock:
+            print(message, flush=True)
+
     outcome = experiments.run_experiment(exp, root, _JOBS.value, train=not _REPORT_ONLY.value, log=log)
     finished = [r for arm in outcome.arms.values() for r in arm.values()]
     body, plots = REPORTS[exp.kind](exp, outcome)
