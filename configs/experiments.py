@@ -16,12 +16,14 @@ KL = "0,1e-3,2e-3"
 FULL = ("method=comppo", "gate=attention", "critic.kind=tac")
 
 
-def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, overrides=(), target=None, held_out_problems=0):
+def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, target=None, held_out_problems=0):
     exp = config_dict.ConfigDict()
     exp.name = name
     exp.kind = kind
     exp.base_config = "configs/qwen3_4b.py"
-    exp.overrides = tuple(overrides)  # "key=value" for every run (model.path, data.path, ...)
+    # "key=value" for every run, on top of the arms': the user's model.path, data.path, ... (the
+    # definitions below keep their own settings in the arms, so replacing this loses nothing).
+    exp.overrides = ()
     exp.seeds = tuple(seeds)
     exp.arms = tuple((arm, tuple(o)) for arm, o in arms)
     exp.grids = tuple((arm, tuple(axes)) for arm, axes in grids)
@@ -53,9 +55,9 @@ def get_config(name: str):
         ], held_out_problems=64)
     if name == "stress":  # section 6.5: 150 steps, no controller or critic warm-up, two seeds per cell
         grid = ("train.actor_lr=2e-7,5e-7,1e-6", "train.kl_coef=0,1e-3")
-        return experiment("stress", "stress", [("ppo", ("method=ppo",)), ("comppo", FULL)], seeds=(17, 42),
-                          grids=[("ppo", grid), ("comppo", grid)],
-                          overrides=("steps=150", "controller.enabled=False", "train.critic_warmup_steps=0"))
+        bare = ("steps=150", "controller.enabled=False", "train.critic_warmup_steps=0")
+        return experiment("stress", "stress", [("ppo", ("method=ppo",) + bare), ("comppo", FULL + bare)], seeds=(17, 42),
+                          grids=[("ppo", grid), ("comppo", grid)])
     if name == "group":  # section 6.6: a single 8x8 GRPO run beside the 4x4 baseline and the CompPO reference
         four, eight = ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"), ("rollout.prompts_per_step=8", "rollout.samples_per_prompt=8")
         return experiment("group", "group", [

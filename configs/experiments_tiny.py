@@ -39,5 +39,5 @@ def get_config(name: str):
         exp.grids = (("ppo", grid), ("comppo", grid))
         exp.seeds = SEEDS[:2]
         exp.run_below = 2
-        exp.overrides = tuple(o for o in exp.overrides if o != "steps=150")  # TINY's 40 steps
+        exp.arms = tuple((arm, tuple(o for o in overrides if o != "steps=150")) for arm, overrides in exp.arms)  # TINY's 40 steps
     return exp

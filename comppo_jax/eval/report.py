@@ -15,6 +15,7 @@ from comppo_jax.eval.statistics import Interval, curve_endpoints, factorial_inte
 
 FACTORIAL_CELLS = (("fixed_std", "Fixed gate + standard critic"), ("gate_std", "Comp-GAE + standard critic"),
                    ("fixed_aligned", "Fixed gate + aligned critic"), ("full", "Full CompPO"))
+SHORT_CELLS = ("Fixed+Std", "Gate+Std", "Fixed+TAC", "Full")
 
 
 def pts(x: float | None) -> str:
@@ -69,7 +70,7 @@ def bar_plot(labels, intervals: list[Interval], ylabel: str, title: str):
         fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(labels), 3.2))
         ax.bar(range(len(labels)), means, yerr=errors, capsize=4, color="#4C72B0")
         for x, m in enumerate(means):
-            ax.annotate(f"{m:.1f}", (x, m), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+            ax.annotate(f"{m:.1f}", (x + 0.05, m), textcoords="offset points", xytext=(2, 3), ha="left", fontsize=8)  # beside the error bar
         ax.set_xticks(range(len(labels)), labels, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=9)
@@ -139,8 +140,8 @@ def factorial_report(exp, outcome: Outcome):
     for arm, label in FACTORIAL_CELLS:
         e = [endpoints(outcome.arms[arm][s], exp) for s in seeds]
         mean = lambda k: np.mean([x[k] for x in e])
-        reached = [x.get("step_to_target") for x in e]
-        step_to = "never" if any(r is None for r in reached) else f"{np.mean(reached):.0f}"
+        reached = [x["step_to_target"] for x in e if x.get("step_to_target") is not None]
+        step_to = f"{np.mean(reached):.0f} ({len(reached)}/{len(e)} seeds)" if reached else "never"
         rows.append([label, pts(mean("best")), pts(mean("final")), pts(mean(f"last_{exp.last}")), pts(mean("aulc")),
                      pts(mean("peak_to_final_drop"))]
                     + [diagnostics_mean(outcome, arm, seeds, k) for k in
@@ -150,7 +151,7 @@ def factorial_report(exp, outcome: Outcome):
     parts = [f"Seeds {seeds}. Critic columns: held-out token sample at each run's final checkpoint (comppo_jax.eval.held_out).",
              table(header + ([target] if target else []), rows),
              "Best / Final with 95% t intervals:\n\n" + table(["Variant", "Best", "Final"], [r[:3] for r in summary_rows(outcome, exp, arms, seeds, labels)]),
-             per_seed_table(outcome, exp, arms, seeds, labels)]
+             per_seed_table(outcome, exp, arms, seeds, dict(zip(arms, SHORT_CELLS)))]
     values = {k: {arm: arm_values(outcome, exp, arm, k, seeds) for arm in arms} for k in ("best", "final")}
     rows = []
     for other in ("gate_std", "fixed_aligned"):
@@ -160,7 +161,7 @@ def factorial_report(exp, outcome: Outcome):
     parts.append("Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), points:\n\n"
                  + table(["Contrast", "Best", "Final"], rows))
     finals = [t_interval(values["final"][arm]) for arm in arms]
-    plots = {f"{exp.name}_final.png": bar_plot(["Fixed+Std", "Gate+Std", "Fixed+TAC", "Full"], finals, "final dev accuracy (%)",
+    plots = {f"{exp.name}_final.png": bar_plot(list(SHORT_CELLS), finals, "final dev accuracy (%)",
                                                f"2x2 factorial, {len(seeds)} seeds; I = {signed_ci(factorial_interaction(*(values['final'][a] for a in ('full', 'gate_std', 'fixed_aligned', 'fixed_std'))))}")}
     return "\n\n".join(parts), plots
 
