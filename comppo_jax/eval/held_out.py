@@ -74,12 +74,15 @@ def held_out_diagnostics(cfg, run_dir: str, step: str | int = "latest", problems
             chunk = dev[start : start + cfg.rollout.prompts_per_step]
             tokens, mask = encode_prompts(tokenizer, chunk)
             golds = [p.answer for p in chunk for _ in range(group)]
-            score = lambda sampler, key: score_and_credit(
-                cfg, parts, model_config, tokenizer, pool, values_fn, critic, policy, reference,
-                generate(sampler, model_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
-                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
-                         eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id),
-                golds, coefficients, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
+
+            def score(sampler, key):
+                """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and estimator."""
+                generation = generate(sampler, model_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
+                                      eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+                return score_and_credit(cfg, parts, model_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
+                                        coefficients, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
+
             mine = score(policy, jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), start))
             own["kappa"].append(sharding.to_host(mine.rollout.kappa))
             own["mask"].append(mine.host_mask)
