@@ -70,7 +70,7 @@ def main(argv):
     if _HELD_OUT.value:
         from comppo_jax.eval.held_out import held_out_diagnostics
 
-        diagnostics = held_out_diagnostics(cfg, _CHECKPOINT.value, step, _HELD_OUT.value)
+        diagnostics = held_out_diagnostics(cfg, checkpoints, step, _HELD_OUT.value)
         with open(os.path.join(output, "held_out.json"), "w") as f:
             json.dump(diagnostics, f, indent=2)
         print(json.dumps(diagnostics, indent=2))

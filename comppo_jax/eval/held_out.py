@@ -40,13 +40,12 @@ def _rows(arrays):
     return np.concatenate([np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in arrays])
 
 
-def held_out_diagnostics(cfg, run_dir: str, step: str | int = "latest", problems: int = 32) -> dict:
-    """Gate statistics and critic diagnostics of `run_dir`'s checkpoint `step` (latest, best or N)
-    on the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
+def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "latest", problems: int = 32) -> dict:
+    """Gate statistics and critic diagnostics of a run's checkpoint `step` (latest, best or N) on
+    the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
     mesh = sharding.make_mesh(cfg.mesh)
     model_config = ModelConfig.from_dict(cfg.model.arch.to_dict())
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-    checkpoints = RunCheckpoints(run_dir, read_only=True)
     step = checkpoints.resolve_step(step)
     parts = run_parts(cfg, model_config)
     actor = lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype)
@@ -62,7 +61,7 @@ def held_out_diagnostics(cfg, run_dir: str, step: str | int = "latest", problems
     reference = cast_params(reference, model_config.dtype)
     dev = load_problems(cfg.data, cfg.seed)[1][:problems]
     if not dev:
-        raise ValueError(f"{run_dir}: the config's dev split is empty; held-out diagnostics need dev problems")
+        raise ValueError(f"{checkpoints.directory}: the config's dev split is empty; held-out diagnostics need dev problems")
     group = cfg.rollout.samples_per_prompt
     values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic))
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")

@@ -57,30 +57,40 @@ def diagnostics_mean(outcome: Outcome, arm: str, seeds, key: str) -> str:
     return f"{np.mean(values):.2f}" if values else "--"
 
 
+def save_bars(path: str, labels, heights, ylabel: str, title: str = "", errors=None, ylim=None) -> None:
+    """A bar chart PNG; with `errors` ([2, n] below / above), error bars and each bar's value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(labels), 3.2))
+    ax.bar(range(len(labels)), heights, yerr=errors, capsize=4, color="#4C72B0")
+    if errors is not None:
+        for x, height in enumerate(heights):
+            ax.annotate(f"{height:.1f}", (x + 0.05, height), textcoords="offset points", xytext=(2, 3), ha="left", fontsize=8)  # beside the error bar
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def bar_plot(labels, intervals: list[Interval], ylabel: str, title: str):
-    """A figure-drawing function: bars at the means with 95% t-interval error bars."""
-    def draw(path: str) -> None:
-        import matplotlib
+    """A figure-drawing function: bars at the means (points) with 95% t-interval error bars."""
+    means = [100 * i.mean for i in intervals]
+    errors = np.array([[100 * (i.mean - i.low) for i in intervals], [100 * (i.high - i.mean) for i in intervals]])
+    ylim = (max(0.0, 100 * min(i.low for i in intervals) - 10), min(100.0, 100 * max(i.high for i in intervals) + 5))
+    return lambda path: save_bars(path, labels, means, ylabel, title, errors, ylim)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        means = np.array([100 * i.mean for i in intervals])
-        errors = np.array([[100 * (i.mean - i.low) for i in intervals], [100 * (i.high - i.mean) for i in intervals]])
-        fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(labels), 3.2))
-        ax.bar(range(len(labels)), means, yerr=errors, capsize=4, color="#4C72B0")
-        for x, m in enumerate(means):
-            ax.annotate(f"{m:.1f}", (x + 0.05, m), textcoords="offset points", xytext=(2, 3), ha="left", fontsize=8)  # beside the error bar
-        ax.set_xticks(range(len(labels)), labels, fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=9)
-        low = min(i.low for i in intervals)
-        ax.set_ylim(max(0.0, 100 * low - 10), min(100.0, max(100 * i.high for i in intervals) + 5))
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-    return draw
+def contrast(outcome: Outcome, exp, seeds, a: str, b: str) -> list[str]:
+    """The seed-matched differences a - b of Best and Final, with 95% t intervals (points)."""
+    return [signed_ci(paired_difference(arm_values(outcome, exp, a, k, seeds), arm_values(outcome, exp, b, k, seeds)))
+            for k in ("best", "final")]
 
 
 def summary_rows(outcome: Outcome, exp, arms, seeds, labels=None) -> list[list[str]]:
@@ -121,8 +131,7 @@ def main_report(exp, outcome: Outcome):
     parts.append(table(["Method", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"], summary_rows(outcome, exp, arms, seeds)))
     if len(arms) == 2:
         a, b = arms
-        rows = [[k.capitalize(), signed_ci(paired_difference(arm_values(outcome, exp, a, k, seeds), arm_values(outcome, exp, b, k, seeds)))]
-                for k in ("best", "final")]
+        rows = [[endpoint, difference] for endpoint, difference in zip(("Best", "Final"), contrast(outcome, exp, seeds, a, b))]
         parts.append(f"Seed-matched difference {a} - {b} (points, 95% t interval):\n\n" + table(["Endpoint", f"{a} - {b}"], rows))
     finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
     plots = {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{exp.name}: {len(seeds)} seeds, 95% t intervals")}
@@ -153,16 +162,14 @@ def factorial_report(exp, outcome: Outcome):
              "Best / Final with 95% t intervals:\n\n" + table(["Variant", "Best", "Final"], [r[:3] for r in summary_rows(outcome, exp, arms, seeds, labels)]),
              per_seed_table(outcome, exp, arms, seeds, dict(zip(arms, SHORT_CELLS)))]
     values = {k: {arm: arm_values(outcome, exp, arm, k, seeds) for arm in arms} for k in ("best", "final")}
-    rows = []
-    for other in ("gate_std", "fixed_aligned"):
-        rows.append([f"Full - ({labels[other]})"] + [signed_ci(paired_difference(values[k]["full"], values[k][other])) for k in ("best", "final")])
-    rows.append(["Interaction I"] + [signed_ci(factorial_interaction(*(values[k][a] for a in ("full", "gate_std", "fixed_aligned", "fixed_std"))))
-                                     for k in ("best", "final")])
+    interaction = {k: factorial_interaction(*(values[k][a] for a in ("full", "gate_std", "fixed_aligned", "fixed_std"))) for k in values}
+    rows = [[f"Full - ({labels[other]})", *contrast(outcome, exp, seeds, "full", other)] for other in ("gate_std", "fixed_aligned")]
+    rows.append(["Interaction I", signed_ci(interaction["best"]), signed_ci(interaction["final"])])
     parts.append("Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), points:\n\n"
                  + table(["Contrast", "Best", "Final"], rows))
     finals = [t_interval(values["final"][arm]) for arm in arms]
     plots = {f"{exp.name}_final.png": bar_plot(list(SHORT_CELLS), finals, "final dev accuracy (%)",
-                                               f"2x2 factorial, {len(seeds)} seeds; I = {signed_ci(factorial_interaction(*(values['final'][a] for a in ('full', 'gate_std', 'fixed_aligned', 'fixed_std'))))}")}
+                                               f"2x2 factorial, {len(seeds)} seeds; I = {signed_ci(interaction['final'])}")}
     return "\n\n".join(parts), plots
 
 
@@ -174,8 +181,7 @@ def controls_report(exp, outcome: Outcome):
     parts = [f"Seeds {seeds}.", table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"],
                                       summary_rows(outcome, exp, arms, seeds))]
     if "full" in arms:
-        rows = [[f"full - {other}"] + [signed_ci(paired_difference(arm_values(outcome, exp, "full", k, seeds), arm_values(outcome, exp, other, k, seeds)))
-                                        for k in ("best", "final")] for other in arms if other != "full"]
+        rows = [[f"full - {other}", *contrast(outcome, exp, seeds, "full", other)] for other in arms if other != "full"]
         parts.append("Seed-matched differences (points):\n\n" + table(["Contrast", "Best", "Final"], rows))
         stat = lambda k: diagnostics_mean(outcome, "full", seeds, k)
         parts.append("Realized gate of the full method's final checkpoints (held-out prompts, mean over seeds):\n\n" + table(
@@ -205,21 +211,8 @@ def stress_report(exp, outcome: Outcome):
                 pts(np.mean([e['peak_to_final_drop'] for _, e in v]))] for arm, v in totals.items()]
     parts.append(table(["Method", "Stable runs", "Mean best", "Mean final", "Mean drop"], summary))
 
-    def draw(path: str) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(3.2, 3.0))
-        counts = [sum(s for s, _ in v) for v in totals.values()]
-        ax.bar(range(len(counts)), counts, color="#4C72B0")
-        ax.set_xticks(range(len(counts)), list(totals), fontsize=8)
-        ax.set_ylabel(f"stable runs (of {max(len(v) for v in totals.values())})")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
+    draw = lambda path: save_bars(path, list(totals), [sum(s for s, _ in v) for v in totals.values()],
+                                  f"stable runs (of {max(len(v) for v in totals.values())})")
     return "\n\n".join(parts), {f"{exp.name}_stable.png": draw}
 
 

@@ -346,7 +346,7 @@ def train(cfg) -> dict:
     profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
                                    {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": cfg.steps, "seed": cfg.seed})
     save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
-    summary["mean_gate"] = float(np.sum(profile.mean_gate * profile.token_counts) / np.sum(profile.token_counts))
+    summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plot:
