@@ -107,6 +107,25 @@ def abstract_sharded(mesh: Mesh, make) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, tree_shardings(mesh, tree))
 
 
+def per_shard(fn, in_specs, out_specs):
+    """`fn` under `jax.shard_map` over the context mesh (`jax.set_mesh`, `use_abstract_mesh`), or
+    `fn` itself when there is none.
+
+    Pallas (Mosaic) kernels cannot be partitioned by XLA: under a mesh they must see per-device
+    blocks. The train loop, the evaluation and launch/plan.py trace inside their mesh's context.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def heads_axis(*head_counts: int) -> str | None:
+    """`tensor` when the context mesh's tensor axis divides every head count, else None (replicated)."""
+    tensor = jax.sharding.get_abstract_mesh().shape.get("tensor", 1)
+    return "tensor" if all(count % tensor == 0 for count in head_counts) else None
+
+
 def batch_sharding(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
     """Splits `batch_axis` over (data, fsdp); the other dims are replicated."""
     return NamedSharding(mesh, P(*([None] * batch_axis), BATCH))

@@ -32,6 +32,8 @@ def get_config():
     )
     # The paper's sections (comppo_jax.train.paper), overridden below for a few CPU minutes.
     config.model.path_required = False
+    # Short sequences: no remat and one vocabulary pass are fastest and fit easily.
+    config.model.update(remat="none", logits_chunk=0)
     config.mesh.update(data=-1, fsdp=1, tensor=1)  # every local device does data parallelism
     config.output_dir = "runs/tiny"
     config.steps = 60

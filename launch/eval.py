@@ -55,7 +55,7 @@ def main(argv):
     from comppo_jax.data.rewards import VerifierPool
     from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
-    from comppo_jax.models import ModelConfig, init_params
+    from comppo_jax.models import init_params, model_config
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
     from comppo_jax.train.update import cast_params
@@ -80,9 +80,9 @@ def main(argv):
     sets.update({name: load_benchmark(name, path) for name, path in benchmarks.items()})  # fails now on a bad file, not midway
 
     mesh = sharding.make_mesh(cfg.mesh)
-    model_config = ModelConfig.from_dict(cfg.model.arch.to_dict())
-    target = sharding.abstract_sharded(mesh, lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
-    params = cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], model_config.dtype)
+    policy_config = model_config(cfg.model)
+    target = sharding.abstract_sharded(mesh, lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
+    params = cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], policy_config.dtype)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     samples = cfg.eval.samples
     rows = []
@@ -93,7 +93,7 @@ def main(argv):
                 with open(path) as f:
                     result = json.load(f)
             else:
-                result = evaluate_problems(params, model_config, tokenizer, problems, pool, max_new_tokens=cfg.rollout.max_new_tokens,
+                result = evaluate_problems(params, policy_config, tokenizer, problems, pool, max_new_tokens=cfg.rollout.max_new_tokens,
                                            samples=samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
                                            batch_size=cfg.eval.batch_size, desc=name)
                 with open(path, "w") as f:

@@ -23,7 +23,7 @@ from comppo_jax import sharding
 from comppo_jax.data.rewards import RewardCoefficients, Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.accuracy import encode_prompts
-from comppo_jax.models import ModelConfig, init_params, load_policy
+from comppo_jax.models import init_params, load_policy, model_config
 from comppo_jax.rollout import generate
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import RewardSchedule
@@ -44,21 +44,21 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     """Gate statistics and critic diagnostics of a run's checkpoint `step` (latest, best or N) on
     the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
     mesh = sharding.make_mesh(cfg.mesh)
-    model_config = ModelConfig.from_dict(cfg.model.arch.to_dict())
+    policy_config = model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     step = checkpoints.resolve_step(step)
-    parts = run_parts(cfg, model_config)
-    actor = lambda: cast_params(init_params(model_config, jax.random.PRNGKey(0)), cfg.train.master_dtype)
+    parts = run_parts(cfg, policy_config)
+    actor = lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype)
     targets = {"actor": sharding.abstract_sharded(mesh, actor)}
     if parts.recipe.critic != "none":
-        targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, model_config, jax.random.PRNGKey(0)))
+        targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, policy_config, jax.random.PRNGKey(0)))
     restored = checkpoints.restore_params(targets, step)
-    policy = cast_params(restored["actor"], model_config.dtype)
+    policy = cast_params(restored["actor"], policy_config.dtype)
     if cfg.warm_start.steps:
-        reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: init_params(model_config, jax.random.PRNGKey(0))))
+        reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: init_params(policy_config, jax.random.PRNGKey(0))))
     else:
         reference = load_policy(cfg.model, jax.random.PRNGKey(0))[1]
-    reference = cast_params(reference, model_config.dtype)
+    reference = cast_params(reference, policy_config.dtype)
     dev = load_problems(cfg.data, cfg.seed)[1][:problems]
     if not dev:
         raise ValueError(f"{checkpoints.directory}: the config's dev split is empty; held-out diagnostics need dev problems")
@@ -68,7 +68,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     coefficients = RewardCoefficients(*RewardSchedule().at(step))
     critic = restored.get("critic")
     own, shared = {"kappa": [], "mask": [], "correct": []}, {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []}
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
         for start in range(0, len(dev), cfg.rollout.prompts_per_step):
             chunk = dev[start : start + cfg.rollout.prompts_per_step]
             tokens, mask = encode_prompts(tokenizer, chunk)
@@ -76,10 +76,10 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
 
             def score(sampler, key):
                 """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and estimator."""
-                generation = generate(sampler, model_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
+                generation = generate(sampler, policy_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
                                       eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
-                return score_and_credit(cfg, parts, model_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
+                return score_and_credit(cfg, parts, policy_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
                                         coefficients, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
 
             mine = score(policy, jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), start))

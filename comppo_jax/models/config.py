@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "xla", "chunked", "splash", "splash_interpret", "cudnn")  # comppo_jax.models.attention
+REMAT = ("none", "full", "dots", "dots_no_batch")  # per-layer jax.checkpoint policy (transformer.REMAT_POLICIES)
 
 
 class ConfigError(ValueError):
@@ -44,6 +46,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # How to run it, not what it is (config `model.attention` / `model.remat` / `model.logits_chunk`):
+    # the training attention implementation, the per-layer remat policy, and response tokens per
+    # chunk of the vocabulary projection in log-prob / entropy passes (0 = all at once).
+    attention: str = "auto"
+    remat: str = "none"
+    logits_chunk: int = 0
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES.values():
@@ -62,6 +70,12 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; expected one of {DTYPES}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention={self.attention!r} is not supported; expected one of {ATTENTION}")
+        if self.remat not in REMAT:
+            raise ConfigError(f"remat={self.remat!r} is not supported; expected one of {REMAT}")
+        if not isinstance(self.logits_chunk, int) or isinstance(self.logits_chunk, bool) or self.logits_chunk < 0:
+            raise ConfigError(f"logits_chunk must be a non-negative integer (0 = no chunking), got {self.logits_chunk!r}")
         if isinstance(self.rope_scaling, Mapping):  # from ml_collections / JSON
             object.__setattr__(self, "rope_scaling", Llama3RopeScaling(**self.rope_scaling))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))

@@ -22,17 +22,33 @@ _ARCHITECTURE_FIELDS = (
 )
 
 
+# The `model` section's execution fields, copied onto the ModelConfig (absent: the defaults).
+EXECUTION_FIELDS = ("attention", "remat", "logits_chunk")
+
+
+def _section_dict(model_section: Mapping[str, Any]) -> dict:
+    return model_section.to_dict() if hasattr(model_section, "to_dict") else dict(model_section)
+
+
+def model_config(model_section: Mapping[str, Any]) -> ModelConfig:
+    """The ModelConfig of a config's `model` section: `model.arch` plus the execution fields."""
+    section = _section_dict(model_section)
+    execution = {name: section[name] for name in EXECUTION_FIELDS if name in section}
+    return ModelConfig.from_dict({**section["arch"], **execution})
+
+
 def load_policy(model_section: Mapping[str, Any], rng: jax.Array) -> tuple[ModelConfig, dict]:
     """(config, params) from `model.path` (HF directory) or, when it is empty, `model.arch` at random.
 
     A checkpoint whose architecture differs from `model.arch` is refused, naming the field,
     so a wrong path fails before any training starts.
     """
-    section = model_section.to_dict() if hasattr(model_section, "to_dict") else dict(model_section)
-    arch = ModelConfig.from_dict(section["arch"])
+    section = _section_dict(model_section)
+    arch = model_config(section)
     if not section.get("path"):
         return arch, init_params(arch, rng)
     config, params = from_hf(section["path"], dtype=arch.dtype)
+    config = config.replace(**{name: getattr(arch, name) for name in EXECUTION_FIELDS})
     for field in _ARCHITECTURE_FIELDS:
         if getattr(config, field) != getattr(arch, field):
             raise ConfigError(

@@ -10,6 +10,11 @@ Params are a plain dict of arrays; the decoder layers are stacked on a leading a
 
 Matrices are stored [in, out] (x @ W). Matmuls run in `config.dtype` with float32
 accumulation; RMSNorm, RoPE, softmax and the logits are float32.
+
+Memory at long lengths: attention runs `config.attention` (comppo_jax.models.attention: splash on
+TPU, cuDNN on GPU, chunked flash attention in XLA on CPU), each scanned layer is rematerialized
+with the `config.remat` policy, and `compute_logits=False` skips the [B, L, V] logits so callers
+can project the vocabulary chunk by chunk (comppo_jax.rollout.scoring.response_token_stats).
 """
 
 from __future__ import annotations
@@ -21,10 +26,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from pallas_kernels.common import causal_attention
+from comppo_jax import sharding
+from comppo_jax.models.attention import training_attention
 from comppo_jax.models.config import ModelConfig
+
+# config.remat -> what a rematerialized layer keeps for the backward pass (None: no remat).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class FinalAttention(NamedTuple):
@@ -36,7 +51,7 @@ class FinalAttention(NamedTuple):
 
 
 class ForwardOutput(NamedTuple):
-    logits: jax.Array  # [B, L, V] float32
+    logits: jax.Array | None  # [B, L, V] float32 (None with compute_logits=False)
     hidden_states: jax.Array  # [K, B, L, D], the requested `hidden_layers` (HF indexing)
     herfindahl: jax.Array | None  # [B, L] float32, final-layer concentration (None without window_start)
     window_size: jax.Array | None  # [B, L] int32, n for the same window
@@ -175,7 +190,8 @@ def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_l
         raise ValueError(f"hidden_layers {bad} out of range [0, {config.num_layers}] (HF hidden_states indexing)")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend", "return_final_attention"))
+@functools.partial(
+    jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend", "return_final_attention", "compute_logits"))
 def forward(
     params: dict,
     config: ModelConfig,
@@ -186,6 +202,7 @@ def forward(
     hidden_layers: tuple[int, ...] | None = None,
     concentration_backend: str | None = None,
     return_final_attention: bool = False,
+    compute_logits: bool = True,
 ) -> ForwardOutput:
     """Teacher-forced forward pass.
 
@@ -198,7 +215,7 @@ def forward(
     use fused attention. Concentration is a detached statistic: it carries no gradient.
     `return_final_attention=True` (needs window_start) also returns the final layer's
     detached q, k and per-head LSE (`FinalAttention`), which the TAC critic's top-K routing
-    reads.
+    reads. `compute_logits=False` returns logits=None (ask for hidden layer num_layers instead).
     """
     if return_final_attention and window_start is None:
         raise ValueError("return_final_attention=True needs window_start (the final layer's kernel computes the LSE)")
@@ -212,10 +229,12 @@ def forward(
     embedded = params["embed"].astype(dtype)[tokens]
 
     def concentrated(q, k, v):
-        out, herfindahl, window_size, *lse = pallas_kernels.attention_with_concentration(
-            q, k, v, attention_mask, window_start.astype(jnp.int32), backend=concentration_backend,
-            return_lse=return_final_attention,
-        )
+        # Per batch shard with all heads: H_t is a statistic of the head-averaged attention.
+        kernel = sharding.per_shard(
+            functools.partial(pallas_kernels.attention_with_concentration, backend=concentration_backend,
+                              return_lse=return_final_attention),
+            in_specs=P(sharding.BATCH), out_specs=P(sharding.BATCH))
+        out, herfindahl, window_size, *lse = kernel(q, k, v, attention_mask, window_start.astype(jnp.int32))
         statistics = {"herfindahl": herfindahl, "window_size": window_size}
         if return_final_attention:
             statistics["final_attention"] = FinalAttention(q, k, lse[0])
@@ -224,33 +243,44 @@ def forward(
     def no_statistics(q, k, v):  # zeros shaped like the final layer's statistics
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(concentrated, q, k, v)[1])
 
+    def causal(q, k, v):
+        return training_attention(q, k, v, attention_mask, implementation=config.attention)
+
     def plain(q, k, v):
-        return causal_attention(q, k, v, attention_mask), no_statistics(q, k, v)
+        return causal(q, k, v), no_statistics(q, k, v)
 
     def step(carry, scanned):
         x, captured, statistics = carry
         layer, index, slot = scanned
-        attention = lambda q, k, v: (causal_attention(q, k, v, attention_mask), {})
+        attention = lambda q, k, v: (causal(q, k, v), {})
         if window_start is not None:
             attention = lambda q, k, v: jax.lax.cond(index == config.num_layers - 1, concentrated, plain, q, k, v)
         x, layer_statistics = _decoder_layer(layer, x, positions, config, inv_freq, attention)
         # Only the final layer's statistics are non-zero, so summing over layers selects them.
-        captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
+        if captured is not None:
+            captured = jax.lax.dynamic_update_index_in_dim(captured, x, slot, 0)
         return (x, captured, jax.tree.map(jnp.add, statistics, layer_statistics)), None
 
-    # One spare slot receives the layers nobody asked for.
-    captured = jnp.zeros((len(hidden_layers) + 1, batch, length, config.hidden_size), dtype)
+    # Requested layers inside the stack go to their slot of a carried buffer, the others to one
+    # spare slot; with none inside, no buffer is carried (nor saved for the backward pass).
+    captured_shape = (len(hidden_layers) + 1, batch, length, config.hidden_size)
+    captured = jnp.zeros(captured_shape, dtype) if any(1 <= i < config.num_layers for i in hidden_layers) else None
     scanned = (params["layers"], jnp.arange(config.num_layers), jnp.asarray(_hidden_slots(config, hidden_layers)))
     statistics = {}
     if window_start is not None:
         first_layer = lambda: jax.tree.map(lambda x: x[0], params["layers"])  # shapes only, nothing computed
         statistics = no_statistics(*jax.eval_shape(lambda: _qkv(first_layer(), embedded, positions, config, inv_freq)))
+    policy = REMAT_POLICIES[config.remat]
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy)
     (x, captured, statistics), _ = jax.lax.scan(step, (embedded, captured, statistics), scanned)
+    if captured is None:
+        captured = jnp.zeros(captured_shape, dtype)
 
     final = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == 0], jnp.int32)].set(embedded)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)].set(final)
-    logits = lm_logits(params, config, final)
+    logits = lm_logits(params, config, final) if compute_logits else None
     return ForwardOutput(
         logits, captured[:-1], statistics.get("herfindahl"), statistics.get("window_size"), statistics.get("final_attention")
     )

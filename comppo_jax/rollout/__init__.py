@@ -1,7 +1,7 @@
 """Rollouts: KV-cache sampling (`sampler`) and the behaviour-policy scoring pass (`scoring`)."""
 
 from comppo_jax.rollout.sampler import Generation, generate, sample_token, top_p_filter
-from comppo_jax.rollout.scoring import Rollout, gather_response, response_positions, score_rollout, token_log_probs
+from comppo_jax.rollout.scoring import Rollout, gather_response, response_positions, policy_token_stats, response_token_stats, score_rollout
 
 __all__ = [
     "Generation",
@@ -11,6 +11,7 @@ __all__ = [
     "response_positions",
     "sample_token",
     "score_rollout",
-    "token_log_probs",
+    "policy_token_stats",
+    "response_token_stats",
     "top_p_filter",
 ]

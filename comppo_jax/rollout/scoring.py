@@ -17,9 +17,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from comppo_jax.credit import normalized_concentration, retention_gate
+from comppo_jax.credit import entropy_from_logits, normalized_concentration, retention_gate
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
+from comppo_jax.models.transformer import lm_logits
 from comppo_jax.rollout.sampler import Generation
 
 WINDOWS = ("response", "full")
@@ -52,11 +53,39 @@ def gather_response(x, prompt_lengths, length: int):
     return jnp.take_along_axis(x, positions.reshape(positions.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def token_log_probs(logits, prompt_lengths, response_tokens, temperature: float = 1.0):
-    """log softmax(logits / temperature) of y_t, read at p_t; logits [B, L, V] -> [B, T] float32."""
-    response_logits = gather_response(logits, prompt_lengths, response_tokens.shape[1]).astype(jnp.float32) / temperature
-    taken = jnp.take_along_axis(response_logits, response_tokens[..., None], axis=-1)[..., 0]
-    return taken - jax.nn.logsumexp(response_logits, axis=-1)
+def response_token_stats(params: dict, config: ModelConfig, final_hidden, prompt_lengths, response_tokens,
+                         temperature: float = 1.0):
+    """(log pi(y_t | h_t), entropy) [B, T] float32 from the final-norm hidden states [B, L, D].
+
+    log-probs are of softmax(logits / temperature); the entropy is of softmax(logits). The
+    vocabulary projection runs `config.logits_chunk` response tokens at a time (0: all), each
+    chunk rematerialized in the backward pass, so no [B, T, V] float32 logits are ever held.
+    """
+    batch, length = response_tokens.shape
+    chunk = min(config.logits_chunk or length, length)
+    padded = -(-length // chunk) * chunk
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+    to_chunks = lambda x: jnp.moveaxis(pad(x).reshape((batch, padded // chunk, chunk) + x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def chunk_stats(inputs):
+        hidden, tokens = inputs  # [B, C, D], [B, C]
+        logits = lm_logits(params, config, hidden)
+        scaled = logits / temperature
+        taken = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0]
+        return taken - jax.nn.logsumexp(scaled, axis=-1), entropy_from_logits(logits)
+
+    hidden = gather_response(final_hidden, prompt_lengths, length)
+    log_probs, entropy = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(response_tokens)))
+    from_chunks = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length]
+    return from_chunks(log_probs), from_chunks(entropy)
+
+
+def policy_token_stats(params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_tokens,
+                       temperature: float = 1.0):
+    """Teacher-forced (log-probs, entropies) [B, T] of y_1..y_T under `params` (`response_token_stats`)."""
+    out = forward(params, config, tokens, attention_mask, hidden_layers=(config.num_layers,), compute_logits=False)
+    return response_token_stats(params, config, out.hidden_states[0], prompt_lengths, response_tokens, temperature)
 
 
 @functools.partial(
@@ -89,25 +118,30 @@ def score_rollout(
         raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
     mask = generation.attention_mask
     window_start = generation.prompt_lengths if window == "response" else jnp.zeros_like(generation.prompt_lengths)
+    # The final-norm hidden states feed the chunked log-probs; the critic's layers ride along.
+    with_final = hidden_layers if config.num_layers in hidden_layers else hidden_layers + (config.num_layers,)
     out = forward(
-        params, config, generation.tokens, mask, window_start, hidden_layers=hidden_layers,
-        concentration_backend=backend, return_final_attention=top_k is not None,
+        params, config, generation.tokens, mask, window_start, hidden_layers=with_final,
+        concentration_backend=backend, return_final_attention=top_k is not None, compute_logits=False,
     )
     length = generation.response_tokens.shape[1]
     response_mask = generation.response_mask
-    log_probs = token_log_probs(out.logits, generation.prompt_lengths, generation.response_tokens, temperature)
+    final_hidden = out.hidden_states[with_final.index(config.num_layers)]
+    log_probs, _ = response_token_stats(params, config, final_hidden, generation.prompt_lengths, generation.response_tokens,
+                                        temperature)
     herfindahl = gather_response(out.herfindahl, generation.prompt_lengths, length)
     window_size = gather_response(out.window_size, generation.prompt_lengths, length)
     kappa = retention_gate(normalized_concentration(herfindahl, window_size), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
     ref_log_probs = None
     if ref_params is not None:
-        ref_logits = forward(ref_params, config, generation.tokens, mask, hidden_layers=()).logits
-        ref_log_probs = jnp.where(response_mask, token_log_probs(ref_logits, generation.prompt_lengths, generation.response_tokens, temperature), 0.0)
+        ref_log_probs, _ = policy_token_stats(ref_params, config, generation.tokens, mask, generation.prompt_lengths,
+                                              generation.response_tokens, temperature)
+        ref_log_probs = jnp.where(response_mask, ref_log_probs, 0.0)
     routing = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)
     zero = lambda x: jnp.where(response_mask, x, jnp.zeros((), x.dtype))
     return jax.lax.stop_gradient(Rollout(
         generation.tokens, mask, generation.prompt_lengths, response_mask, zero(log_probs), ref_log_probs,
-        zero(herfindahl), zero(window_size), zero(kappa), out.hidden_states, routing,
+        zero(herfindahl), zero(window_size), zero(kappa), out.hidden_states[: len(hidden_layers)], routing,
     ))

@@ -260,7 +260,8 @@ def train(cfg) -> dict:
                                                     pool, max_new_tokens=cfg.rollout.max_new_tokens)
     writer = MetricsWriter(cfg.output_dir, start_step=meta["next_step"], tensorboard=cfg.tensorboard)
 
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    # The mesh is the trace-time context of every sharded call, so Pallas kernels run per shard.
+    with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
         if "warm_start_dev_accuracy" not in meta:
             meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
         progress = tqdm.trange(meta["next_step"], cfg.steps, desc=cfg.method, disable=not cfg.progress)

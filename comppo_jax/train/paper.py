@@ -16,7 +16,10 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     config.seed = 0
     # model.path: a local HF checkpoint directory (config.json + *.safetensors). Required (no random
     # 4B/8B init by accident); nothing is downloaded. tokenizer "" = the one saved with model.path.
-    config.model = section(path="", path_required=True, tokenizer="", arch=section(**arch))
+    # attention / remat / logits_chunk: how the model runs at 16K tokens (comppo_jax.models.attention;
+    # jax.checkpoint policy per scanned layer; response tokens per chunk of the vocabulary projection).
+    config.model = section(path="", path_required=True, tokenizer="", arch=section(**arch), attention="auto", remat="full",
+                           logits_chunk=1024)
     config.output_dir = "runs/default"
     config.progress = True
     # Algorithm: comppo | grpo | ppo; CompPO's gate control: attention | fixed | shuffle | position.

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from comppo_jax.credit import entropy_from_logits, kl_penalty, masked_mean, ppo_clip_loss, value_loss
+from comppo_jax.credit import kl_penalty, masked_mean, ppo_clip_loss, value_loss
 from comppo_jax.critic import Routing, standard_value_head
-from comppo_jax.models import ModelConfig, forward
-from comppo_jax.rollout import gather_response, token_log_probs
+from comppo_jax.models import ModelConfig
+from comppo_jax.rollout import gather_response, policy_token_stats
 from comppo_jax.sharding import batch_sharding, replicated, tree_shardings
 
 
@@ -74,12 +74,12 @@ def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm):
 
 def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float):
     """Clipped surrogate (eq. ppo_outer) + kl_coef * low-variance KL to the reference policy."""
-    logits = forward(cast_params(params, config.dtype), config, batch.tokens, batch.attention_mask, hidden_layers=()).logits
-    log_probs = token_log_probs(logits, batch.prompt_lengths, batch.response_tokens, temperature)
+    log_probs, entropy = policy_token_stats(cast_params(params, config.dtype), config, batch.tokens, batch.attention_mask,
+                                            batch.prompt_lengths, batch.response_tokens, temperature)
     mask = batch.response_mask
     policy_loss, stats = ppo_clip_loss(log_probs, batch.old_log_probs, batch.advantages, mask, clip, clip)
     kl = kl_penalty(log_probs, batch.ref_log_probs, mask)
-    entropy = masked_mean(entropy_from_logits(gather_response(logits, batch.prompt_lengths, mask.shape[1])), mask)
+    entropy = masked_mean(entropy, mask)
     metrics = {"policy_loss": policy_loss, "kl_loss": kl, "ppo_kl": stats["approx_kl"],
                "clip_fraction": stats["clip_fraction"], "entropy": jax.lax.stop_gradient(entropy)}
     return policy_loss + kl_coef * kl, metrics

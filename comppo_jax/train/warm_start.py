@@ -21,8 +21,8 @@ import numpy as np
 import optax
 
 from comppo_jax.data.tokenizers import pad_batch
-from comppo_jax.models import ModelConfig, forward
-from comppo_jax.rollout import token_log_probs
+from comppo_jax.models import ModelConfig
+from comppo_jax.rollout import policy_token_stats
 
 
 def noisy_solution(problem, rng: np.random.Generator, answer_noise: float) -> str:
@@ -49,8 +49,7 @@ def supervised_step(params, opt_state, batch, *, config: ModelConfig, tx):
     tokens, mask, prompt_lengths, response_tokens, response_mask = batch
 
     def loss(params):
-        logits = forward(params, config, tokens, mask, hidden_layers=()).logits
-        log_probs = token_log_probs(logits, prompt_lengths, response_tokens)
+        log_probs, _ = policy_token_stats(params, config, tokens, mask, prompt_lengths, response_tokens)
         return -jnp.sum(jnp.where(response_mask, log_probs, 0.0)) / jnp.maximum(response_mask.sum(), 1)
 
     value, grads = jax.value_and_grad(loss)(params)

@@ -1,0 +1,271 @@
+"""Training attention: causal GQA attention with a backward pass that never materializes [L, L].
+
+`training_attention(q, k, v, attention_mask, implementation=...)` takes q [B, L, Hq, D],
+k / v [B, L, Hkv, D] and attention_mask [B, L] bool (False = padding, anywhere in the row) and
+returns [B, L, Hq, D]: at every real query, softmax over the real keys at or before it. Outputs
+at padded queries are finite but unspecified. Implementations:
+
+- "xla": `pallas_kernels.common.causal_attention`, the materialized reference (small L only);
+- "chunked": flash attention in plain XLA with a hand-written VJP (`chunked_attention`): memory
+  O(block_q x block_k) per head, any platform; CPU's memory-efficient path;
+- "splash": the Pallas TPU splash-attention kernel that ships with JAX, forward and backward
+  (`splash_attention`); "splash_interpret" runs the same kernel interpreted (CPU tests);
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on GPU (`cudnn_attention`);
+- "auto": splash on TPU, cudnn on GPU for 16-bit inputs, chunked otherwise.
+
+The model picks one through `ModelConfig.attention` (config `model.attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from comppo_jax.models.config import ATTENTION
+from comppo_jax.sharding import BATCH, heads_axis, per_shard
+from pallas_kernels.common import MASK_VALUE, causal_attention, round_up
+
+IMPLEMENTATIONS = ATTENTION
+# Block edge of the chunked and splash paths (clipped to the padded length).
+DEFAULT_BLOCK = 512
+
+
+def resolve_implementation(implementation: str, dtype, platform: str | None = None) -> str:
+    """The concrete implementation "auto" stands for on `platform` (default: JAX's backend)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {implementation!r} is not available; expected one of {IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "splash"
+    if platform in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "chunked"
+
+
+def training_attention(q, k, v, attention_mask, *, implementation: str = "auto", sm_scale: float | None = None,
+                       block: int = DEFAULT_BLOCK):
+    """Causal GQA attention over the real keys; see the module docstring for `implementation`."""
+    _check_inputs(q, k, v, attention_mask)
+    chosen = resolve_implementation(implementation, q.dtype)
+    if chosen == "xla":
+        return causal_attention(q, k, v, attention_mask, sm_scale=sm_scale)
+    if chosen == "chunked":
+        return chunked_attention(q, k, v, attention_mask, sm_scale=sm_scale, block_q=block, block_k=block)
+    if chosen == "cudnn":
+        return cudnn_attention(q, k, v, attention_mask, sm_scale=sm_scale)
+    return splash_attention(q, k, v, attention_mask, sm_scale=sm_scale, block=block, interpret=chosen == "splash_interpret")
+
+
+def _check_inputs(q, k, v, attention_mask):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"attention needs q [B, L, Hq, D] and k, v [B, L, Hkv, D]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
+    if attention_mask.shape != q.shape[:2] or attention_mask.dtype != jnp.bool_:
+        raise ValueError(f"attention_mask must be bool [B, L] = {list(q.shape[:2])}, got {attention_mask.dtype} {attention_mask.shape}")
+
+
+def _scale(sm_scale, head_dim):
+    return head_dim**-0.5 if sm_scale is None else sm_scale
+
+
+# --- chunked: flash attention in XLA -----------------------------------------------------------
+
+
+def _pad_length(x, length, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, length - x.shape[1])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK):
+    """Flash attention (online softmax over key blocks) in plain XLA, with a blockwise VJP.
+
+    Query blocks are mapped one after another; each visits only the key blocks at or before
+    its diagonal. The forward keeps the per-row log-sum-exp; the backward recomputes each
+    [block_q, block_k] probability block from it (FlashAttention-2's recurrences: dV = P^T dO,
+    dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q), one pass for dQ and one for dK, dV.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    block_q, block_k = min(block_q, round_up(length, 8)), min(block_k, round_up(length, 8))
+    padded = round_up(length, np.lcm(block_q, block_k))
+    grouped = lambda x: _pad_length(x, padded).reshape(batch, padded, num_kv, num_heads // num_kv, head_dim)
+    out = _flash(grouped(q), _pad_length(k, padded), _pad_length(v, padded), _pad_length(attention_mask, padded, False),
+                 _scale(sm_scale, head_dim), block_q, block_k)
+    return out.reshape(batch, padded, num_heads, head_dim)[:, :length]
+
+
+def _block_logits(q_block, k_block, key_mask_block, q_start, k_start, scale):
+    """Scaled logits [B, Hkv, G, bq, bk] (float32) with causal and padding masks applied."""
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, preferred_element_type=jnp.float32) * scale
+    q_pos = q_start + jnp.arange(q_block.shape[1])
+    k_pos = k_start + jnp.arange(k_block.shape[1])
+    visible = (q_pos[:, None] >= k_pos[None, :])[None, None, None] & key_mask_block[:, None, None, None, :]
+    return jnp.where(visible, logits, MASK_VALUE), visible
+
+
+def _slice(x, start, size):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _unblock(blocks):
+    """[n, B, block, ...] stacked by `lax.map` -> [B, n * block, ...]."""
+    return jnp.moveaxis(blocks, 0, 1).reshape((blocks.shape[1], -1) + blocks.shape[3:])
+
+
+def _last_key_block(q_start, block_q, block_k):
+    """Number of key blocks at or before the diagonal of the query block starting at q_start."""
+    return jax.lax.div(q_start + block_q - 1, block_k) + 1
+
+
+def _flash_forward(q, k, v, key_mask, scale, block_q, block_k):
+    """(out [B, Lp, Hkv, G, D] in q's dtype, lse [B, Hkv, G, Lp] float32)."""
+    batch, padded, num_kv, groups, head_dim = q.shape
+
+    def query_block(i):
+        q_start = i * block_q
+        q_block = _slice(q, q_start, block_q)
+        stats_shape = (batch, num_kv, groups, block_q)
+
+        def key_block(j, carry):
+            row_max, row_sum, acc = carry
+            k_start = j * block_k
+            logits, _ = _block_logits(q_block, _slice(k, k_start, block_k), _slice(key_mask, k_start, block_k), q_start, k_start, scale)
+            new_max = jnp.maximum(row_max, logits.max(-1))
+            probs = jnp.exp(logits - new_max[..., None])
+            correction = jnp.exp(row_max - new_max)
+            acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs.astype(v.dtype), _slice(v, k_start, block_k),
+                                                           preferred_element_type=jnp.float32)
+            return new_max, row_sum * correction + probs.sum(-1), acc
+
+        init = (jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+                jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+        row_max, row_sum, acc = jax.lax.fori_loop(0, _last_key_block(q_start, block_q, block_k), key_block, init)
+        out = (acc / row_sum[..., None]).astype(q.dtype)  # [B, Hkv, G, bq, D]
+        return out.transpose(0, 3, 1, 2, 4), row_max + jnp.log(row_sum)
+
+    out, lse = jax.lax.map(query_block, jnp.arange(padded // block_q))  # [nq, B, bq, Hkv, G, D], [nq, B, Hkv, G, bq]
+    return _unblock(out), lse.transpose(1, 2, 3, 0, 4).reshape(batch, num_kv, groups, padded)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, key_mask, scale, block_q, block_k):
+    return _flash_forward(q, k, v, key_mask, scale, block_q, block_k)[0]
+
+
+def _flash_fwd(q, k, v, key_mask, scale, block_q, block_k):
+    out, lse = _flash_forward(q, k, v, key_mask, scale, block_q, block_k)
+    return out, (q, k, v, key_mask, out, lse)
+
+
+def _flash_bwd(scale, block_q, block_k, residuals, d_out):
+    q, k, v, key_mask, out, lse = residuals
+    batch, padded, num_kv, groups, head_dim = q.shape
+    # rowsum(dO * O) per query row: the softmax Jacobian's diagonal correction.
+    d_sum = jnp.einsum("bqhgd,bqhgd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+    def probs_and_dlogits(q_start, k_start):
+        """P and dS of one [bq, bk] block, recomputed from the saved LSE."""
+        q_block = _slice(q, q_start, block_q)
+        logits, visible = _block_logits(q_block, _slice(k, k_start, block_k), _slice(key_mask, k_start, block_k), q_start, k_start, scale)
+        lse_block = jax.lax.dynamic_slice_in_dim(lse, q_start, block_q, axis=3)
+        probs = jnp.where(visible, jnp.exp(logits - lse_block[..., None]), 0.0)
+        d_out_block = _slice(d_out, q_start, block_q)
+        d_probs = jnp.einsum("bqhgd,bkhd->bhgqk", d_out_block, _slice(v, k_start, block_k), preferred_element_type=jnp.float32)
+        d_sum_block = jax.lax.dynamic_slice_in_dim(d_sum, q_start, block_q, axis=3)
+        return probs, probs * (d_probs - d_sum_block[..., None]), q_block, d_out_block
+
+    def dq_block(i):
+        q_start = i * block_q
+
+        def key_block(j, d_q):
+            k_start = j * block_k
+            _, d_logits, _, _ = probs_and_dlogits(q_start, k_start)
+            return d_q + jnp.einsum("bhgqk,bkhd->bqhgd", d_logits.astype(k.dtype), _slice(k, k_start, block_k),
+                                    preferred_element_type=jnp.float32)
+
+        d_q = jax.lax.fori_loop(0, _last_key_block(q_start, block_q, block_k), key_block,
+                                jnp.zeros((batch, block_q, num_kv, groups, head_dim), jnp.float32))
+        return (d_q * scale).astype(q.dtype)
+
+    def dkv_block(j):
+        k_start = j * block_k
+
+        def query_block(i, carry):
+            d_k, d_v = carry
+            probs, d_logits, q_block, d_out_block = probs_and_dlogits(i * block_q, k_start)
+            d_v = d_v + jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(v.dtype), d_out_block, preferred_element_type=jnp.float32)
+            d_k = d_k + jnp.einsum("bhgqk,bqhgd->bkhd", d_logits.astype(q.dtype), q_block, preferred_element_type=jnp.float32)
+            return d_k, d_v
+
+        zeros = jnp.zeros((batch, block_k, num_kv, head_dim), jnp.float32)
+        d_k, d_v = jax.lax.fori_loop(jax.lax.div(k_start, block_q), padded // block_q, query_block, (zeros, zeros))
+        return (d_k * scale).astype(k.dtype), d_v.astype(v.dtype)
+
+    d_q = _unblock(jax.lax.map(dq_block, jnp.arange(padded // block_q)))
+    d_k, d_v = jax.lax.map(dkv_block, jnp.arange(padded // block_k))
+    return d_q, _unblock(d_k), _unblock(d_v), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# --- cudnn: jax.nn.dot_product_attention on packed rows ---------------------------------------
+
+
+def cudnn_attention(q, k, v, attention_mask, *, sm_scale=None, implementation="cudnn"):
+    """`jax.nn.dot_product_attention(is_causal=True)` with each row's real tokens packed first.
+
+    cuDNN's fused kernel takes causal masking and per-row key lengths, not an arbitrary padding
+    mask, so the real tokens of each row are moved (stably) to the front, attended with
+    `key_value_seq_lengths`, and moved back. RoPE is applied before, so positions are unaffected.
+    `implementation="xla"` runs the same packing on any platform (how the tests check it).
+    """
+    order = jnp.argsort(~attention_mask, axis=1, stable=True)  # real tokens first, in order
+    inverse = jnp.argsort(order, axis=1)
+    take = lambda x, index: jnp.take_along_axis(x, index[:, :, None, None], axis=1)
+    lengths = attention_mask.sum(axis=1, dtype=jnp.int32)
+    packed = jax.nn.dot_product_attention(take(q, order), take(k, order), take(v, order), scale=sm_scale, is_causal=True,
+                                          key_value_seq_lengths=lengths, implementation=implementation)
+    return take(packed, inverse)
+
+
+# --- splash: the Pallas TPU kernel --------------------------------------------------------------
+
+
+def splash_attention(q, k, v, attention_mask, *, sm_scale=None, block=DEFAULT_BLOCK, interpret=False):
+    """JAX's Pallas splash attention (TPU), forward and backward, padding as segment ids.
+
+    Real tokens are segment 1 and padding segment 0, so a real query sees exactly the real keys
+    at or before it. The length is padded to a multiple of the block. Under a context mesh the
+    kernel runs per shard (`comppo_jax.sharding.per_shard`): batch over (data, fsdp), heads over
+    `tensor` where it divides them.
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    batch, length, num_heads, head_dim = q.shape
+    block = min(block, round_up(length, 128))
+    padded = round_up(length, block)
+    heads_first = lambda x: _pad_length(x, padded).transpose(0, 2, 1, 3)  # [B, H, Lp, D]
+    q = heads_first(q * jnp.asarray(_scale(sm_scale, head_dim), q.dtype))
+    k, v = heads_first(k), heads_first(v)
+    segments = _pad_length(attention_mask, padded, False).astype(jnp.int32)
+    sizes = dict.fromkeys(["block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
+                           "block_q_dq", "block_kv_dq"], block)
+
+    def local(q, k, v, segments):
+        mask = splash.MultiHeadMask([splash.CausalMask((padded, padded))] * q.shape[1])
+        kernel = splash.make_splash_mha(mask, block_sizes=splash.BlockSizes(**sizes), head_shards=1, q_seq_shards=1,
+                                        interpret=interpret)
+        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(q=s, kv=s)))(q, k, v, segments)
+
+    rows = P(BATCH, heads_axis(num_heads, k.shape[1]), None, None)
+    out = per_shard(local, in_specs=(rows, rows, rows, P(BATCH, None)), out_specs=rows)(q, k, v, segments)
+    return out.transpose(0, 2, 1, 3)[:, :length]

@@ -1,0 +1,156 @@
+"""Training attention paths against the materialized reference: forward, gradients, memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from comppo_jax.models import ConfigError, ModelConfig, forward, init_params
+from comppo_jax.models.attention import (chunked_attention, cudnn_attention, resolve_implementation, splash_attention,
+                                         training_attention)
+from pallas_kernels.common import causal_attention
+
+
+def inputs(batch=3, length=200, heads=4, kv_heads=2, head_dim=16, seed=0, dtype=jnp.float32):
+    """Random q, k, v and a mask with left padding, right padding and a hole in the middle."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), dtype)
+    k = jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), dtype)
+    mask = np.ones((batch, length), bool)
+    mask[0, : length // 7] = False
+    mask[1 % batch, length - length // 4 :] = False
+    mask[2 % batch, length // 5 : length // 5 + 6] = False
+    # Cotangent weights on the real queries only: padded queries' outputs are unspecified.
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
+    return q, k, v, jnp.asarray(mask), weights
+
+
+def value_and_grads(attention, q, k, v, weights):
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * weights)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+PATHS = {
+    "chunked, blocks dividing L": lambda q, k, v, m: chunked_attention(q, k, v, m, block_q=40, block_k=40),
+    "chunked, uneven blocks": lambda q, k, v, m: chunked_attention(q, k, v, m, block_q=64, block_k=32),
+    "chunked, one block": lambda q, k, v, m: chunked_attention(q, k, v, m),
+    "splash (interpreted)": lambda q, k, v, m: splash_attention(q, k, v, m, block=128, interpret=True),
+    "packed rows (cudnn's, run by XLA)": lambda q, k, v, m: cudnn_attention(q, k, v, m, implementation="xla"),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_path_matches_reference_forward_and_gradient(path):
+    q, k, v, mask, weights = inputs()
+    reference = causal_attention(q, k, v, mask)
+    out = PATHS[path](q, k, v, mask)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(reference)[real], atol=2e-5)
+    expected_value, expected_grads = value_and_grads(lambda q, k, v: causal_attention(q, k, v, mask), q, k, v, weights)
+    value, grads = value_and_grads(lambda q, k, v: PATHS[path](q, k, v, mask), q, k, v, weights)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    for name, grad, expected in zip("qkv", grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=5e-5, err_msg=f"d{name}")
+
+
+def test_bfloat16_chunked_attention_is_close_to_the_float32_reference():
+    q, k, v, mask, _ = inputs(dtype=jnp.bfloat16)
+    reference = causal_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    out = chunked_attention(q, k, v, mask, block_q=64, block_k=64)
+    assert out.dtype == jnp.bfloat16
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(reference)[real], atol=3e-2)
+
+
+def temp_bytes(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_attention_gradient_never_materializes_the_length_squared_logits():
+    q, k, v, mask, weights = inputs(batch=1, length=2048, heads=2, kv_heads=1, head_dim=16)
+    logits_bytes = 2 * 2048 * 2048 * 4  # one float32 [H, L, L] logits tensor
+    grad = lambda attention: (lambda q, k, v: value_and_grads(lambda q, k, v: attention(q, k, v, mask), q, k, v, weights))
+    dense = temp_bytes(grad(causal_attention), q, k, v)
+    chunked = temp_bytes(grad(lambda q, k, v, m: chunked_attention(q, k, v, m, block_q=128, block_k=128)), q, k, v)
+    assert dense >= logits_bytes  # the reference does hold [L, L] (the check has teeth)
+    assert chunked < logits_bytes / 8, (chunked, dense)
+
+
+def test_auto_picks_splash_on_tpu_cudnn_for_16_bit_gpu_and_chunked_otherwise():
+    assert resolve_implementation("auto", jnp.bfloat16, "tpu") == "splash"
+    assert resolve_implementation("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert resolve_implementation("auto", jnp.float32, "gpu") == "chunked"
+    assert resolve_implementation("auto", jnp.float32, "cpu") == "chunked"
+    assert resolve_implementation("xla", jnp.float32, "tpu") == "xla"
+    with pytest.raises(ValueError, match="'flash'"):
+        resolve_implementation("flash", jnp.float32)
+
+
+def test_bad_attention_inputs_are_named():
+    q, k, v, mask, _ = inputs()
+    with pytest.raises(ValueError, match="attention_mask must be bool"):
+        training_attention(q, k, v, mask.astype(jnp.int32))
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        training_attention(q[:, :, :3], k, v, mask)
+    for field, value in (("attention", "flash"), ("remat", "some"), ("logits_chunk", -1)):
+        with pytest.raises(ConfigError, match=field):
+            ModelConfig(architecture="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=4, **{field: value})
+
+
+CONFIG = ModelConfig(architecture="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, attention="xla")
+
+
+@pytest.mark.parametrize("attention,remat", [("chunked", "full"), ("splash_interpret", "none"), ("xla", "dots"),
+                                             ("xla", "dots_no_batch")])
+def test_forward_logits_and_gradient_do_not_depend_on_attention_or_remat(attention, remat):
+    params = init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.3)
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 50)), jnp.int32)
+    mask = jnp.asarray(np.arange(50)[None] < np.array([[50], [33]]))
+
+    def loss(params, config):
+        logits = forward(params, config, tokens, mask).logits
+        return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2) / 1000
+
+    expected_value, expected = jax.value_and_grad(loss)(params, CONFIG)
+    value, grads = jax.value_and_grad(loss)(params, CONFIG.replace(attention=attention, remat=remat))
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+        wanted = dict(jax.tree_util.tree_leaves_with_path(expected))[path]
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(wanted), atol=2e-5, err_msg=jax.tree_util.keystr(path))
+
+
+SHARDED_SPLASH = """
+import jax, jax.numpy as jnp, numpy as np, ml_collections
+from jax.sharding import NamedSharding, PartitionSpec as P
+from comppo_jax.sharding import make_mesh, BATCH
+from comppo_jax.models.attention import splash_attention
+from pallas_kernels.common import causal_attention
+mesh = make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=2)))
+rng = np.random.default_rng(0)
+q = jnp.asarray(rng.normal(size=(2, 130, 4, 16)), jnp.float32)
+k, v = (jnp.asarray(rng.normal(size=(2, 130, 2, 16)), jnp.float32) for _ in range(2))
+mask = jnp.asarray(np.arange(130)[None] < np.array([[130], [90]]))
+rows = NamedSharding(mesh, P(BATCH))
+attend = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, block=128, interpret=True), in_shardings=(rows,) * 4)
+with jax.set_mesh(mesh):
+    out = attend(q, k, v, mask)
+error = np.abs(np.asarray(out - causal_attention(q, k, v, mask)))[np.asarray(mask)].max()
+assert error < 2e-5, error
+print("ok", error)
+"""
+
+
+def test_splash_runs_per_shard_under_a_context_mesh():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", SHARDED_SPLASH], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
