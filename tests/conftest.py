@@ -145,16 +145,18 @@ TPU_TOPOLOGIES = {  # chip: (topology name, chip config), as in DESIGN.md
 }
 
 
-def tpu_devices(chip):
-    """The 4 devices of a 2x2 TPU topology via libtpu, for ahead-of-time compiles on this CPU.
-
-    Skips without libtpu, or fails when COMPPO_REQUIRE_LIBTPU=1 (CI).
-    """
+def require_libtpu():
+    """Skips without libtpu, or fails when COMPPO_REQUIRE_LIBTPU=1 (CI)."""
     if importlib.util.find_spec("libtpu") is None:
         message = "libtpu is not installed (pip install -e '.[tpu]')"
         if os.environ.get("COMPPO_REQUIRE_LIBTPU") == "1":
             pytest.fail(message)
         pytest.skip(message)
+
+
+def tpu_devices(chip):
+    """The 4 devices of a 2x2 TPU topology via libtpu, for ahead-of-time compiles on this CPU."""
+    require_libtpu()
     from jax.experimental import topologies
 
     name, chip_config = TPU_TOPOLOGIES[chip]

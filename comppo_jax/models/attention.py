@@ -29,15 +29,14 @@ from comppo_jax.models.config import ATTENTION
 from comppo_jax.sharding import BATCH, heads_axis, per_shard
 from pallas_kernels.common import MASK_VALUE, causal_attention, round_up
 
-IMPLEMENTATIONS = ATTENTION
 # Block edge of the chunked and splash paths (clipped to the padded length).
 DEFAULT_BLOCK = 512
 
 
 def resolve_implementation(implementation: str, dtype, platform: str | None = None) -> str:
     """The concrete implementation "auto" stands for on `platform` (default: JAX's backend)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation {implementation!r} is not available; expected one of {IMPLEMENTATIONS}")
+    if implementation not in ATTENTION:
+        raise ValueError(f"attention implementation {implementation!r} is not available; expected one of {ATTENTION}")
     if implementation != "auto":
         return implementation
     platform = platform or jax.default_backend()

@@ -1,0 +1,46 @@
+"""Will this config's train step fit a TPU slice? AOT-compile it for the slice, from this host.
+
+    python launch/plan.py --config=configs/qwen3_4b.py --topology=v5p:2x2x2 [--config.rollout.max_new_tokens=4096]
+
+Needs libtpu (`pip install -e .[tpu]`), not a TPU. Builds `config.mesh` on the topology's abstract
+chips, the run's params, optimizer states, reference params, critic and batches as sharded
+shapes (nothing is allocated), compiles the actor update, the critic update and the scoring pass
+with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
+take, temporaries, generated code, the compiler's peak, the conservative args + out + temp + code, the verdict
+against the chip's HBM and the compile time (comppo_jax.train.plan). A program that exceeds HBM
+is reported as "does not fit (needs ...)". `--markdown=FILE` appends the table as markdown.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
+_TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
+_PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
+_STEPS = flags.DEFINE_list("steps", ["actor", "critic", "score"], "Programs to compile: actor, critic, score.")
+_MARKDOWN = flags.DEFINE_string("markdown", "", "Append the tables as markdown to this file.")
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    from comppo_jax.train import plan
+
+    cfg = _CONFIG.value
+    name = os.path.basename(flags.FLAGS["config"].config_filename)
+    for topology in _TOPOLOGY.value:
+        result = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=lambda m: print(m, flush=True))
+        print(plan.format_plan(result), flush=True)
+        if _MARKDOWN.value:
+            with open(_MARKDOWN.value, "a") as f:
+                for row in plan.table_rows(result):
+                    f.write("| " + " | ".join([name, topology, str(result.length)] + row) + " |\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,72 @@
+"""launch/plan.py's engine: the tiny config's train step compiled for abstract TPU slices (needs libtpu)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import require_libtpu
+
+from comppo_jax.models import model_config, param_shapes
+from comppo_jax.models.loading import PRESET_DIR, load_config_file
+from comppo_jax.train import plan
+
+PROMPT = 24
+
+
+def tiny_config():
+    """configs/tiny.py with ZeRO-3 over every chip, widened so that each weight's shard is a whole
+    number of TPU (8, 128) tiles: the compiler's argument bytes then have no tile padding."""
+    cfg = load_config_file(PRESET_DIR / "tiny.py")
+    cfg.mesh.update(data=1, fsdp=-1, tensor=1)
+    cfg.model.arch.update(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=2, head_dim=64)
+    return cfg
+
+
+def actor_minibatch_bytes(cfg, chips: int) -> int:
+    """Bytes per chip of the minibatch fields the actor step reads (jit drops the unused ones), by hand."""
+    rows = cfg.train.minibatch_size // chips
+    response = cfg.rollout.max_new_tokens
+    length = PROMPT + response
+    per_row = (
+        length * (4 + 1)  # tokens int32, attention_mask bool
+        + 4  # prompt_lengths int32
+        + response * (4 + 1 + 3 * 4)  # response tokens int32, mask bool, old / ref log-probs and advantages float32
+    )
+    return rows * per_row + 4 * 4  # + the four float32 knobs (learning rate, clip, KL coefficient, grad clip)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_tiny_actor_step_compiles_for_tpu_and_its_arguments_are_the_analytic_count(topology):
+    require_libtpu()
+    cfg = tiny_config()
+    result = plan.plan(cfg, topology, prompt_length=PROMPT, steps=("actor",), log=lambda message: None)
+    (actor,) = result.steps
+    assert result.chips == 4 and actor.error is None
+    config = model_config(cfg.model)
+    params = sum(int(np.prod(shape)) for shape in jax.tree.leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
+    moments = 2  # AdamW's mu and nu, float32 like the master params
+    analytic = params * 4 * (1 + moments) / result.chips + actor_minibatch_bytes(cfg, result.chips)
+    assert actor.arguments == pytest.approx(analytic, rel=0.01)
+    assert result.state["actor"] == pytest.approx(params * 4 / result.chips, rel=0.01)
+    assert 0 < actor.temp and 0 < actor.code and actor.peak <= actor.conservative <= result.hbm
+    assert plan.verdict(actor, result.hbm) == "fits"
+    assert "v5" in plan.format_plan(result)
+
+
+def test_out_of_memory_messages_become_one_line():
+    message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+               "Used 57.27G of 15.75G hbm. Exceeded hbm capacity by 41.52G.")
+    assert plan._does_not_fit(message) == "does not fit (needs 57.27G of 15.75G HBM)"
+    assert plan._does_not_fit("RESOURCE_EXHAUSTED: Exceeded hbm capacity by 3.1G") == "does not fit (exceeds HBM by 3.1G)"
+
+
+def test_unknown_topology_and_step_are_named():
+    with pytest.raises(ValueError, match="'tpu9'"):
+        plan.topology_devices("tpu9:2x2")
+    with pytest.raises(ValueError, match="backward"):
+        plan.plan(tiny_config(), "v5e:2x2", prompt_length=PROMPT, steps=("backward",))
+    require_libtpu()
+    with pytest.raises(ValueError, match="'v5e:3x3'"):
+        plan.topology_devices("v5e:3x3")
