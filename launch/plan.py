@@ -4,8 +4,8 @@
 
 Needs libtpu (`pip install -e .[tpu]`), not a TPU. Builds `config.mesh` on the topology's abstract
 chips, the run's params, optimizer states, reference params, critic and batches as sharded
-shapes (nothing is allocated), compiles the actor update, the critic update and the scoring pass
-with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
+shapes (nothing is allocated), compiles the sampler, the scoring pass, the actor update and the
+critic update with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
 take, temporaries, generated code, the compiler's peak, the conservative args + out + temp + code, the verdict
 against the chip's HBM and the compile time (comppo_jax.train.plan). A program that exceeds HBM
 is reported as "does not fit (needs ...)". `--markdown=FILE` appends the table as markdown.
@@ -21,7 +21,7 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
-_STEPS = flags.DEFINE_list("steps", ["actor", "critic", "score"], "Programs to compile: actor, critic, score.")
+_STEPS = flags.DEFINE_list("steps", ["sample", "score", "actor", "critic"], "Programs to compile: sample, score, actor, critic.")
 _MARKDOWN = flags.DEFINE_string("markdown", "", "Append the tables as markdown to this file.")
 
 

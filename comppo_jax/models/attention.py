@@ -34,7 +34,8 @@ DEFAULT_BLOCK = 512
 
 
 def resolve_implementation(implementation: str, dtype, platform: str | None = None) -> str:
-    """The concrete implementation "auto" stands for on `platform` (default: JAX's backend)."""
+    """The concrete implementation "auto" stands for on `platform` (default: JAX's backend; a plan
+    for another platform, like launch/plan.py's TPU compile from a CPU, resolves it first)."""
     if implementation not in ATTENTION:
         raise ValueError(f"attention implementation {implementation!r} is not available; expected one of {ATTENTION}")
     if implementation != "auto":
@@ -90,6 +91,8 @@ def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT
     its diagonal. The forward keeps the per-row log-sum-exp; the backward recomputes each
     [block_q, block_k] probability block from it (FlashAttention-2's recurrences: dV = P^T dO,
     dS = P (dO V^T - rowsum(dO O)), dQ = dS K, dK = dS^T Q), one pass for dQ and one for dK, dV.
+    A query with no real key at or before it (left padding) gets the mean of the masked values and
+    no gradient; its output is unspecified anyway, and the model never reads it.
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
@@ -230,7 +233,7 @@ def cudnn_attention(q, k, v, attention_mask, *, sm_scale=None, implementation="c
     order = jnp.argsort(~attention_mask, axis=1, stable=True)  # real tokens first, in order
     inverse = jnp.argsort(order, axis=1)
     take = lambda x, index: jnp.take_along_axis(x, index[:, :, None, None], axis=1)
-    lengths = attention_mask.sum(axis=1, dtype=jnp.int32)
+    lengths = jnp.maximum(attention_mask.sum(axis=1, dtype=jnp.int32), 1)  # an all-padding row must not reach cuDNN empty
     packed = jax.nn.dot_product_attention(take(q, order), take(k, order), take(v, order), scale=sm_scale, is_causal=True,
                                           key_value_seq_lengths=lengths, implementation=implementation)
     return take(packed, inverse)

@@ -272,7 +272,7 @@ def forward(
         statistics = no_statistics(*jax.eval_shape(lambda: _qkv(first_layer(), embedded, positions, config, inv_freq)))
     policy = REMAT_POLICIES[config.remat]
     if policy is not None:
-        step = jax.checkpoint(step, policy=policy)
+        step = jax.checkpoint(step, policy=policy, prevent_cse=False)  # scan already keeps CSE apart
     (x, captured, statistics), _ = jax.lax.scan(step, (embedded, captured, statistics), scanned)
     if captured is None:
         captured = jnp.zeros(captured_shape, dtype)

@@ -62,7 +62,7 @@ def response_token_stats(params: dict, config: ModelConfig, final_hidden, prompt
     chunk rematerialized in the backward pass, so no [B, T, V] float32 logits are ever held.
     """
     batch, length = response_tokens.shape
-    chunk = min(config.logits_chunk or length, length)
+    chunk = max(min(config.logits_chunk or length, length), 1)
     padded = -(-length // chunk) * chunk
     pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
     to_chunks = lambda x: jnp.moveaxis(pad(x).reshape((batch, padded // chunk, chunk) + x.shape[2:]), 1, 0)

@@ -153,7 +153,7 @@ class Scored(NamedTuple):
     """A sampled batch after score -> reward -> credit (advantages whitened, not yet clipped)."""
 
     batch: Minibatch
-    rollout: Any  # comppo_jax.rollout.Rollout (kappa: the policy's own gate)
+    rollout: Any  # comppo_jax.rollout.Rollout without the critic's features (kappa: the policy's own gate)
     texts: list[str]
     rewards: np.ndarray  # [B] terminal rewards
     verdicts: list
@@ -194,6 +194,8 @@ def score_and_credit(cfg, parts: RunParts, model_config, tokenizer, pool, values
             advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
         advantages = whiten_advantages(advantages, mask)
     batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
+    # The critic's features live on in `batch` only (no second copy through the update).
+    rollout = rollout._replace(hidden_states=None, routing=None)
     return Scored(batch, rollout, texts, rewards, verdicts, reward_metrics, reward_tokens, host_mask, kappa)
 
 
@@ -282,6 +284,7 @@ def train(cfg) -> dict:
             scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
                                       [p.answer for p in chosen for _ in range(group)], RewardCoefficients(*schedule.at(step)),
                                       jax.random.fold_in(step_rng, 1), batch_shardings)
+            del policy, generation  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.host_mask
             lengths = host_mask.sum(axis=1)
             batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))

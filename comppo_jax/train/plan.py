@@ -2,9 +2,11 @@
 
 With `libtpu` installed, `jax.experimental.topologies` describes a TPU slice without one. The
 run's mesh is built on those abstract devices, the state as sharded `ShapeDtypeStruct`s (nothing
-is allocated), and the three programs of a train step are lowered and compiled by the real TPU
-compiler exactly as `train()` jits them:
+is allocated), and the programs of a train step are lowered and compiled by the real TPU
+compiler as `train()` jits them, with the kernels a TPU run picks (splash attention, the Mosaic
+concentration kernel):
 
+- `sample`: `rollout.generate` (prefill + KV-cache decoding of the step's responses);
 - `actor`: `update.actor_step` (clipped PPO + reference KL, AdamW on the fp32 master params);
 - `critic`: `update.critic_step` (TAC or the standard head);
 - `score`: `rollout.score_rollout` on the whole rollout batch (behaviour and reference policies,
@@ -30,16 +32,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from comppo_jax import sharding
 from comppo_jax.models import init_params, model_config
-from comppo_jax.rollout import score_rollout
+from comppo_jax.models.attention import resolve_implementation
+from comppo_jax.rollout import generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
-from comppo_jax.train.loop import init_critic, run_parts
+from comppo_jax.train.loop import check_batch, init_critic, run_parts
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 
 GIB = 2**30
 # Per-chip HBM (GiB) and the chip configuration `get_topology_desc` needs, per TPU family.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
-STEPS = ("actor", "critic", "score")
+STEPS = ("sample", "score", "actor", "critic")
 
 
 def topology_devices(topology: str) -> list:
@@ -87,21 +90,32 @@ class Plan(NamedTuple):
     chips: int
     hbm: int  # bytes per chip
     mesh: dict
+    attention: str  # the training attention compiled ("auto" resolved for TPU)
     length: int  # prompt + response tokens per row
     state: dict  # bytes per chip of each piece of state
     steps: list[StepPlan]
 
 
+# The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
+_OUT_OF_MEMORY = (
+    (r"required for (.+?) \(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)", "needs {1} for {0} alone, {2} HBM"),
+    (r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm", "needs {0} of {1} HBM"),
+    (r"[Ee]xceeded .*? by ([\d.]+[KMGT]?)", "exceeds HBM by {0}"),
+)
+
+
 def _does_not_fit(message: str) -> str:
     """The compiler's out-of-memory report as one line."""
-    used = re.search(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm", message)
-    if used:
-        return f"does not fit (needs {used.group(1)} of {used.group(2)} HBM)"
-    exceeded = re.search(r"[Ee]xceeded .*? by ([\d.]+[KMGT]?)", message)
-    return f"does not fit (exceeds HBM by {exceeded.group(1)})" if exceeded else "does not fit (RESOURCE_EXHAUSTED)"
+    for pattern, summary in _OUT_OF_MEMORY:
+        found = re.search(pattern, message)
+        if found:
+            return f"does not fit ({summary.format(*found.groups())})"
+    return "does not fit (RESOURCE_EXHAUSTED)"
 
 
 def _compile(name, jitted, args, resident, log) -> StepPlan:
+    """Compiles `jitted(*args)`. `resident`: bytes of the state held meanwhile; arguments the
+    program does not read (jit drops them) are placed all the same, so they are added to it."""
     log(f"compiling {name} ...")
     started = time.time()
     try:
@@ -114,6 +128,7 @@ def _compile(name, jitted, args, resident, log) -> StepPlan:
     seconds = time.time() - started
     stats = compiled.memory_analysis()
     arguments, temp, code = stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
+    resident += max(0, tree_bytes_per_chip(args) - arguments)
     outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
     return StepPlan(name, arguments, outputs, temp, code, stats.peak_memory_in_bytes + resident,
                     arguments + outputs + resident + temp + code, resident, seconds)
@@ -126,8 +141,11 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
         raise ValueError(f"unknown step(s) {unknown}; expected a subset of {STEPS}")
     devices = topology_devices(topology)
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    check_batch(cfg, mesh)
     family = topology.split(":")[0]
     config = model_config(cfg.model)
+    # "auto" means what a TPU run would pick, not this host's platform.
+    config = config.replace(attention=resolve_implementation(config.attention, config.dtype, platform="tpu"))
     parts = run_parts(cfg, config)
     key = jax.random.PRNGKey(0)
     abstract = lambda make: sharding.abstract_sharded(mesh, make)
@@ -155,7 +173,7 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
 
     score = jax.jit(lambda policy, reference, generation: score_rollout(
         policy, reference, config, generation, window=cfg.rollout.window, temperature=cfg.rollout.temperature,
-        hidden_layers=parts.hidden_layers, top_k=parts.top_k, **cfg.gate_envelope.to_dict()))
+        hidden_layers=parts.hidden_layers, top_k=parts.top_k, backend="tpu", **cfg.gate_envelope.to_dict()))
 
     def minibatch(batch):
         """The Minibatch of `batch` rows, shaped as score_and_credit builds it."""
@@ -175,25 +193,30 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
     held = lambda *names: sum(bytes_of[name] for name in names)
     train_rows = minibatch(cfg.train.minibatch_size)
-    # The full rollout batch stays on device while its minibatches are trained on, and the whole
-    # minibatch is placed even where a step reads only some of its fields (jit drops the others).
-    in_update = held("rollout_batch") + tree_bytes_per_chip(train_rows)
+    prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32, sharding=batch_sharding)
+    sample = jax.jit(lambda policy, prompts, prompt_mask, rng: generate(
+        policy, config, prompts, prompt_mask, rng, max_new_tokens=response, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=config.eos_token_ids or (0,)))
+    # The actor and its optimizer, the reference and the critic stay on device all step; during
+    # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
     programs = {
+        "sample": (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), jax.ShapeDtypeStruct(
+            (2,), jnp.uint32, sharding=NamedSharding(mesh, P()))), held("actor", "actor_opt", "reference", "critic", "critic_opt")),
+        "score": (score, (state["policy"], state["reference"], generation(rows)), held("actor", "actor_opt", "critic", "critic_opt")),
         "actor": (update.actor, (state["actor"], state["actor_opt"], train_rows,
                                  dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar)),
-                  held("reference", "critic", "critic_opt") + in_update),
+                  held("reference", "critic", "critic_opt", "rollout_batch")),
         "critic": None if update.critic is None else (
             update.critic, (state["critic"], state["critic_opt"], train_rows,
                             dict.fromkeys(("learning_rate", "value_clip", "grad_clip"), scalar)),
-            held("actor", "actor_opt", "reference") + in_update),
-        "score": (score, (state["policy"], state["reference"], generation(rows)), held("actor", "actor_opt", "critic", "critic_opt")),
+            held("actor", "actor_opt", "reference", "rollout_batch")),
     }
     compiled = []
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         for name in steps:
             if programs[name] is not None:
                 compiled.append(_compile(name, *programs[name], log))
-    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), length, bytes_of, compiled)
+    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, length, bytes_of, compiled)
 
 
 def _gib(value) -> str:
@@ -225,7 +248,8 @@ def format_plan(result: Plan) -> str:
     state = ", ".join(f"{name} {_gib(value)}" for name, value in result.state.items())
     rows = [list(TABLE_COLUMNS)] + table_rows(result)
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
-    lines = [f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.length} tokens per row; GiB per chip",
+    lines = [f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
+             "per row; GiB per chip",
              f"state: {state}"]
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     return "\n".join(lines)

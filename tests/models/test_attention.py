@@ -144,6 +144,11 @@ rows = NamedSharding(mesh, P(BATCH))
 attend = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, block=128, interpret=True), in_shardings=(rows,) * 4)
 with jax.set_mesh(mesh):
     out = attend(q, k, v, mask)
+    assert "shard_map" in str(jax.make_jaxpr(attend)(q, k, v, mask))  # the kernel sees per-device blocks
+    grad = jax.jit(jax.grad(lambda q: jnp.where(mask[:, :, None, None], attend(q, k, v, mask), 0).sum()))(q)
+reference_grad = jax.grad(lambda q: jnp.where(mask[:, :, None, None], causal_attention(q, k, v, mask), 0).sum())(q)
+grad_error = np.abs(np.asarray(grad - reference_grad)).max()
+assert grad_error < 5e-5, grad_error
 error = np.abs(np.asarray(out - causal_attention(q, k, v, mask)))[np.asarray(mask)].max()
 assert error < 2e-5, error
 print("ok", error)
