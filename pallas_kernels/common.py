@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 
-def check_attention_inputs(q, k, v, attention_mask, window_start):
-    """Validates shapes/dtypes; returns (batch, length, num_heads, head_dim, num_kv_heads)."""
+def check_attention_inputs(q, k, v, attention_mask, window_start=None):
+    """Validates shapes/dtypes (window_start=None: attention without a concentration window);
+    returns (batch, length, num_heads, head_dim, num_kv_heads)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, L, Hq, D], got shape {q.shape}")
     batch, length, num_heads, head_dim = q.shape
@@ -23,7 +24,7 @@ def check_attention_inputs(q, k, v, attention_mask, window_start):
         raise ValueError(
             f"attention_mask must be bool [B, L] = [{batch}, {length}], got {attention_mask.dtype} {attention_mask.shape}"
         )
-    if window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer):
+    if window_start is not None and (window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer)):
         raise ValueError(f"window_start must be int [B] = [{batch}], got {window_start.dtype} {window_start.shape}")
     return batch, length, num_heads, head_dim, num_kv_heads
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from comppo_jax.models.config import ATTENTION
 from comppo_jax.sharding import BATCH, heads_axis, per_shard
-from pallas_kernels.common import MASK_VALUE, causal_attention, round_up
+from pallas_kernels.common import MASK_VALUE, causal_attention, check_attention_inputs, round_up
 
 # Block edge of the chunked and splash paths (clipped to the padded length).
 DEFAULT_BLOCK = 512
@@ -51,7 +51,7 @@ def resolve_implementation(implementation: str, dtype, platform: str | None = No
 def training_attention(q, k, v, attention_mask, *, implementation: str = "auto", sm_scale: float | None = None,
                        block: int = DEFAULT_BLOCK):
     """Causal GQA attention over the real keys; see the module docstring for `implementation`."""
-    _check_inputs(q, k, v, attention_mask)
+    check_attention_inputs(q, k, v, attention_mask)
     chosen = resolve_implementation(implementation, q.dtype)
     if chosen == "xla":
         return causal_attention(q, k, v, attention_mask, sm_scale=sm_scale)
@@ -60,15 +60,6 @@ def training_attention(q, k, v, attention_mask, *, implementation: str = "auto",
     if chosen == "cudnn":
         return cudnn_attention(q, k, v, attention_mask, sm_scale=sm_scale)
     return splash_attention(q, k, v, attention_mask, sm_scale=sm_scale, block=block, interpret=chosen == "splash_interpret")
-
-
-def _check_inputs(q, k, v, attention_mask):
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"attention needs q [B, L, Hq, D] and k, v [B, L, Hkv, D]; got q {q.shape}, k {k.shape}, v {v.shape}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
-    if attention_mask.shape != q.shape[:2] or attention_mask.dtype != jnp.bool_:
-        raise ValueError(f"attention_mask must be bool [B, L] = {list(q.shape[:2])}, got {attention_mask.dtype} {attention_mask.shape}")
 
 
 def _scale(sm_scale, head_dim):

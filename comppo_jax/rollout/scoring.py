@@ -21,6 +21,7 @@ from comppo_jax.credit import entropy_from_logits, normalized_concentration, ret
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
 from comppo_jax.models.transformer import lm_logits
+from pallas_kernels.common import round_up
 from comppo_jax.rollout.sampler import Generation
 
 WINDOWS = ("response", "full")
@@ -63,7 +64,7 @@ def response_token_stats(params: dict, config: ModelConfig, final_hidden, prompt
     """
     batch, length = response_tokens.shape
     chunk = max(min(config.logits_chunk or length, length), 1)
-    padded = -(-length // chunk) * chunk
+    padded = round_up(length, chunk)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
     to_chunks = lambda x: jnp.moveaxis(pad(x).reshape((batch, padded // chunk, chunk) + x.shape[2:]), 1, 0)
 

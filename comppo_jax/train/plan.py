@@ -199,10 +199,14 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
         top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=config.eos_token_ids or (0,)))
     # The actor and its optimizer, the reference and the critic stay on device all step; during
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
+    # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op).
+    beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
     programs = {
-        "sample": (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), jax.ShapeDtypeStruct(
-            (2,), jnp.uint32, sharding=NamedSharding(mesh, P()))), held("actor", "actor_opt", "reference", "critic", "critic_opt")),
-        "score": (score, (state["policy"], state["reference"], generation(rows)), held("actor", "actor_opt", "critic", "critic_opt")),
+        "sample": (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
+                   held(*beside_policy, "actor_opt", "reference", "critic", "critic_opt")),
+        "score": (score, (state["policy"], state["reference"], generation(rows)),
+                  held(*beside_policy, "actor_opt", "critic", "critic_opt")),
         "actor": (update.actor, (state["actor"], state["actor_opt"], train_rows,
                                  dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar)),
                   held("reference", "critic", "critic_opt", "rollout_batch")),
