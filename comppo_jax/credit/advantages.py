@@ -21,16 +21,60 @@ def _shift_left(x):
     return jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
 
 
-def _affine_scan_sequential(b, c):
-    """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, by a reverse `lax.scan` over time."""
+def _reverse_scan(b, c):
+    """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, by one reverse loop over time.
 
-    def step(a_next, bc):
-        b_t, c_t = bc
+    A_t overwrites b_t in b's time-major copy once b_t is read, which spares
+    the zero-filled output buffer a `lax.scan` would allocate.
+    """
+    b_by_time, c_by_time = b.T, c.T
+    length = b_by_time.shape[0]
+    if length == 0:
+        return b
+
+    def step(i, carry):
+        a_next, out = carry
+        t = length - 1 - i
+        b_t = jax.lax.dynamic_index_in_dim(out, t, keepdims=False)
+        c_t = jax.lax.dynamic_index_in_dim(c_by_time, t, keepdims=False)
         a_t = b_t + c_t * a_next
-        return a_t, a_t
+        return a_t, jax.lax.dynamic_update_index_in_dim(out, a_t, t, 0)
 
-    _, a = jax.lax.scan(step, jnp.zeros(b.shape[0], b.dtype), (b.T, c.T), reverse=True)
+    _, a = jax.lax.fori_loop(0, length, step, (jnp.zeros(b.shape[0], b.dtype), b_by_time))
     return a.T
+
+
+# Rows per while loop on CPU. XLA:CPU's [B, T] <-> [T, B] transposes and its loop
+# slow down 2-4x once more rows than this share a power-of-two row stride
+# (cache-set conflicts; docs/benchmarks.md, "Credit estimators").
+_CPU_GROUP_ROWS = 8
+# Up to this many groups each gets its own loop (their row slices fuse into the
+# producers); beyond it one `lax.map` over the groups keeps the compile time flat.
+_CPU_SEPARATE_LOOPS = 8
+
+
+def _reverse_scan_cpu(b, c):
+    """`_reverse_scan` for XLA:CPU, in groups of `_CPU_GROUP_ROWS` rows."""
+    rows, length = b.shape
+    group = _CPU_GROUP_ROWS
+    if rows <= group:
+        return _reverse_scan(b, c)
+    if rows <= group * _CPU_SEPARATE_LOOPS:
+        pieces = [_reverse_scan(b[lo:lo + group], c[lo:lo + group]) for lo in range(0, rows, group)]
+    else:
+        grouped = rows - rows % group
+        shape = (grouped // group, group, length)
+        a = jax.lax.map(lambda bc: _reverse_scan(*bc), (b[:grouped].reshape(shape), c[:grouped].reshape(shape)))
+        pieces = [a.reshape(grouped, length)]
+        if grouped < rows:
+            pieces.append(_reverse_scan(b[grouped:], c[grouped:]))
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+
+def _affine_scan_sequential(b, c):
+    """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, by a reverse loop over time: one
+    loop over all rows on accelerators, `_reverse_scan_cpu` on CPU."""
+    return jax.lax.platform_dependent(b, c, cpu=_reverse_scan_cpu, default=_reverse_scan)
 
 
 def _compose_affine(later, earlier):
@@ -71,11 +115,12 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
       kappa: [B, T] float, detached retention gate kappa_t (`retention_gate`).
       mask: [B, T] bool/int/float, 1 on valid response tokens.
       lam: trace parameter lambda, a Python or traced float.
-      method: "scan" (sequential `lax.scan` over T) or "associative"
-        (`lax.associative_scan` of the affine recurrence, O(log T) depth, O(T log T)
-        work). On CPU "scan" is the faster one (docs/benchmarks.md); the
-        associative form exists for accelerators, where a T-step loop is
-        latency-bound. Both agree to float32 rounding.
+      method: "scan" (a sequential loop over T; on CPU one loop per group of
+        8 rows, which XLA:CPU runs faster than one loop over all rows) or
+        "associative" (`lax.associative_scan` of the affine recurrence, O(log T)
+        depth, O(T log T) work). On CPU "scan" is the faster one
+        (docs/benchmarks.md); the associative form exists for accelerators,
+        where a T-step loop is latency-bound. Both agree to float32 rounding.
 
     Returns:
       (advantages, returns), both [B, T] float32; returns are the critic

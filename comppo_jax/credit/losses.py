@@ -84,8 +84,10 @@ def kl_penalty(log_probs, ref_log_probs, mask, kind="low_var_kl"):
 
     kind="k1":  logp - ref_logp.
     kind="low_var_kl" (alias "k3"), as verl: with d = ref_logp - logp clamped
-      to [-20, 20], kl = exp(d) - d - 1, clamped to [-10, 10]. Non-negative,
-      unbiased for KL(pi || ref) before clamping, lower variance than k1.
+      to [-20, 20], kl = exp(d) - d - 1, clamped to [-10, 10]. Unbiased for
+      KL(pi || ref) before clamping, lower variance than k1. Computed as
+      expm1(d) - d, which keeps it non-negative in float32 where exp(d) - d - 1
+      rounds below zero for |d| near 1e-7.
 
     Args:
       log_probs: [B, T] float, current-policy log-probs (differentiated).
@@ -105,7 +107,7 @@ def kl_penalty(log_probs, ref_log_probs, mask, kind="low_var_kl"):
         per_token = logp - ref
     else:
         d = jnp.clip(ref - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        per_token = jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
+        per_token = jnp.clip(jnp.expm1(d) - d, -10.0, 10.0)
     return masked_mean(per_token, mask)
 
 

@@ -21,6 +21,8 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], repeats: in
     Each `fn()` must block until its result is ready. After one warm-up call each (compiles),
     the candidates are timed in `repeats` interleaved rounds, so load from other processes
     hits them alike; in a round each candidate runs back to back for >= `min_round_seconds`.
+    A candidate fast enough to run several calls a round gets one untimed call first, so
+    it is not timed on caches the previous candidate left cold.
     """
     calls = {}
     for name, fn in candidates.items():
@@ -29,6 +31,8 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], repeats: in
     samples = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
+            if calls[name] > 1:
+                fn()
             samples[name].append(_per_call_seconds(fn, calls[name]))
     return {name: statistics.median(times) for name, times in samples.items()}
 
