@@ -6,6 +6,9 @@
 Names: main | factorial | controls | stress | group. Semantics of the fields (arms, grids, screens,
 `{mean_gate:ARM}` / `{gate_profile:ARM}` references) are in comppo_jax.eval.experiment.
 configs/experiments_tiny.py scales these down to the CPU default (configs/tiny.py).
+
+Every arm makes the same number of actor updates (`steps`): a critic's warm-up comes on top
+(MATCHED_BUDGET; docs/controller.md).
 """
 
 from ml_collections import config_dict
@@ -14,6 +17,7 @@ SEEDS = (17, 42, 123, 256, 2026)  # section 6.1; 42 is the submitted seed
 LEARNING_RATES = "5e-7,1e-6,2e-6"
 KL = "0,1e-3,2e-3"
 FULL = ("method=comppo", "gate=attention", "critic.kind=tac")
+MATCHED_BUDGET = ("train.critic_warmup_counts_toward_steps=False",)
 
 
 def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, target=None, held_out_problems=0):
@@ -25,7 +29,7 @@ def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=
     # definitions below keep their own settings in the arms, so replacing this loses nothing).
     exp.overrides = ()
     exp.seeds = tuple(seeds)
-    exp.arms = tuple((arm, tuple(o)) for arm, o in arms)
+    exp.arms = tuple((arm, tuple(o) + MATCHED_BUDGET) for arm, o in arms)
     exp.grids = tuple((arm, tuple(axes)) for arm, axes in grids)
     exp.screen_seed = config_dict.placeholder(int) if screen_seed is None else screen_seed
     exp.last = 20  # Last-N endpoint: mean of the final N dev evaluations (train.eval_every apart)

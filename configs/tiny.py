@@ -47,7 +47,4 @@ def get_config():
     config.train.update(actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, kl_coef_grpo=1e-2, minibatch_size=32, critic_warmup_steps=2)
     config.reward.workers = 2
     config.critic.bottleneck = 32
-    # The tiny vocabulary's entropy (<= ln 128 = 4.85) is far below appendix C's Qwen3 thresholds
-    # (8.0 / 7.5 / 6.5), so the entropy rules are off here.
-    config.controller.update(entropy_below=(None, None, None), entropy_drop_at_least=(None, None, None))
     return config

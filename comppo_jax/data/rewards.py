@@ -7,8 +7,9 @@ hang. A timeout or a verifier crash counts as incorrect and is counted in the me
 
 Reward of a response (terminal, at its last valid token):
   correct 1, incorrect 0; a response with malformed reasoning tags (unbalanced or misordered
-  <think>...</think>) gets -format_coef instead; a correct, well-formed response pays
-  length_coef per response token; the total is clipped to [-1, 1].
+  <think>...</think>) gets -format_coef instead; a correct, well-formed response (only those,
+  as in the paper) pays a length penalty (`length_penalty`), and by default never scores below
+  an incorrect one; the total is clipped to [-1, 1].
 """
 
 from __future__ import annotations
@@ -153,12 +154,39 @@ class VerifierPool:
         self.close()
 
 
+LENGTH_PENALTIES = ("linear", "overlong")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardCoefficients:
-    """Shaping coefficients; inputs so a trainer can schedule them."""
+    """Shaping coefficients; inputs so a trainer can schedule them (comppo_jax.train.controller).
+
+    length_penalty "linear": a correct response pays `length_coef` per token (the paper's form).
+    "overlong" (DAPO's soft overlong punishment): it pays nothing up to `max_length -
+    overlong_buffer` tokens, then a linear ramp to `length_coef` at `max_length`.
+    correct_never_below_incorrect: a correct response's reward is at least an incorrect one's (0).
+    """
 
     format_coef: float = 0.5
     length_coef: float = 0.0
+    length_penalty: str = "linear"
+    max_length: int = 0
+    overlong_buffer: int = 0
+    correct_never_below_incorrect: bool = True
+
+
+def length_penalty(lengths, coefficients: RewardCoefficients) -> np.ndarray:
+    """[B] penalty a correct, well-formed response of each length pays (float32)."""
+    lengths = np.asarray(lengths, np.float32)
+    if coefficients.length_penalty == "linear":
+        return (coefficients.length_coef * lengths).astype(np.float32)
+    if coefficients.length_penalty == "overlong":
+        buffer = coefficients.overlong_buffer
+        if not 0 < buffer <= coefficients.max_length:
+            raise ValueError(f"overlong_buffer={buffer} must be in (0, max_length={coefficients.max_length}]")
+        over = np.clip((lengths - (coefficients.max_length - buffer)) / buffer, 0.0, 1.0)
+        return (coefficients.length_coef * over).astype(np.float32)
+    raise ValueError(f"length_penalty={coefficients.length_penalty!r}; expected one of {LENGTH_PENALTIES}")
 
 
 def score_responses(
@@ -177,11 +205,14 @@ def score_responses(
     verdicts = [checked.get(i, Verdict.NO_ANSWER) for i in range(len(responses))]
     rewards = np.zeros(len(responses), np.float32)
     well_formed = np.array([reasoning_format_ok(text) for text in responses])
+    correct_rewards = 1.0 - length_penalty(response_lengths, coefficients)
+    if coefficients.correct_never_below_incorrect:
+        correct_rewards = np.maximum(correct_rewards, 0.0)
     for i, verdict in enumerate(verdicts):
         if not well_formed[i]:
             rewards[i] = -coefficients.format_coef
         elif verdict is Verdict.CORRECT:
-            rewards[i] = 1.0 - coefficients.length_coef * response_lengths[i]
+            rewards[i] = correct_rewards[i]
     rewards = np.clip(rewards, -1.0, 1.0)
     metrics = {f"reward/{v.value}": float(sum(x is v for x in verdicts)) for v in Verdict}
     metrics["reward/malformed"] = float((~well_formed).sum())

@@ -134,7 +134,8 @@ def resolve(overrides, seed: int, done: dict[str, dict[int, "RunResult"]]) -> tu
 
 @dataclasses.dataclass(eq=False)
 class RunResult:
-    """A finished run's summary and dev-accuracy curve (steps are 1-based: after step s+1)."""
+    """A finished run's summary and dev-accuracy curve (steps: actor updates before each evaluation,
+    so runs with and without a critic warm-up share one axis)."""
 
     run: Run
     directory: str
@@ -163,7 +164,7 @@ def load_result(run: Run, root: str) -> RunResult | None:
     if os.path.exists(os.path.join(directory, HELD_OUT_FILE)):
         with open(os.path.join(directory, HELD_OUT_FILE)) as f:
             held_out = json.load(f)
-    return RunResult(run, directory, summary, np.array([r["step"] + 1 for r in rows], float),
+    return RunResult(run, directory, summary, np.array([r["actor_updates"] for r in rows], float),
                      np.array([r["dev_accuracy"] for r in rows], float), held_out)
 
 

@@ -10,7 +10,8 @@
 4. credit: the method's gate control, critic values and estimator (comppo_jax.train.methods),
    then whitened, clipped advantages;
 5. update: actor clipped PPO + KL and critic clipped value regression over minibatches, with
-   the phase controller's knobs; the actor waits during the critic warm-up;
+   the phase controller's knobs; the actor waits during the critic warm-up (extra steps on top
+   of `steps` unless train.critic_warmup_counts_toward_steps);
 6. the controller reads this step's metrics; metrics go to JSONL and TensorBoard; every
    `checkpoint.every` steps (and at the end) an async Orbax checkpoint is started.
 At the end: summary.json, curves.png and gate_profile.json (the run's mean gate per position bin).
@@ -142,6 +143,17 @@ def run_parts(cfg, model_config) -> RunParts:
                     critic_from_config(cfg.critic) if recipe.critic == "tac" else None, position_schedule)
 
 
+def critic_warmup(cfg, parts: RunParts) -> int:
+    """Critic-only steps at the start of the run (none without a critic)."""
+    return cfg.train.critic_warmup_steps if parts.recipe.critic != "none" else 0
+
+
+def total_steps(cfg, parts: RunParts) -> int:
+    """The run's loop steps: `steps` actor updates after the critic warm-up, or, with
+    train.critic_warmup_counts_toward_steps (the paper's literal reading), `steps` in all."""
+    return cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + critic_warmup(cfg, parts)
+
+
 def init_critic(parts: RunParts, model_config, rng):
     """Fresh critic params for the recipe (None without a critic)."""
     if parts.recipe.critic == "tac":
@@ -206,11 +218,13 @@ def warm_start_key(cfg) -> dict:
 
 
 def train(cfg) -> dict:
-    """Runs (or, with `cfg.resume`, continues) `cfg.steps` steps; returns the summary."""
+    """Runs (or, with `cfg.resume`, continues) the run's steps (`total_steps`); returns the summary."""
     check_paths(cfg)
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
+    control_config = controller.controller_config(cfg.controller)  # both validate their sections before any work
+    schedule = controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)
     os.makedirs(cfg.output_dir, exist_ok=True)
     checkpoints = RunCheckpoints(cfg.output_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best)
     if not cfg.resume and checkpoints.latest_step() is not None:
@@ -252,9 +266,11 @@ def train(cfg) -> dict:
                              actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
-    control_config = controller.ControllerConfig(**cfg.controller.to_dict())
     control_state = meta["controller"]
-    schedule = controller.RewardSchedule()
+    warmup, last_step = critic_warmup(cfg, parts), total_steps(cfg, parts)
+    # Warm-up steps added on top of `steps` are prepended: the reward schedule, the knobs' drift and
+    # the dev evaluations then count from the first actor update, as in a run without a critic.
+    prepended = last_step - cfg.steps
     prompts = PromptIterator(len(train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=meta["prompts"])
     group = cfg.rollout.samples_per_prompt
     eos = (tokenizer.eos_token_id,)
@@ -266,10 +282,11 @@ def train(cfg) -> dict:
     with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
         if "warm_start_dev_accuracy" not in meta:
             meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
-        progress = tqdm.trange(meta["next_step"], cfg.steps, desc=cfg.method, disable=not cfg.progress)
+        progress = tqdm.trange(meta["next_step"], last_step, desc=cfg.method, disable=not cfg.progress)
         for step in progress:
             started = time.time()
-            knobs = controller.knobs(control_state, step, control_config)
+            schedule_step = max(step - prepended, 0)
+            knobs = controller.knobs(control_state, schedule_step, control_config)
             step_rng = jax.random.fold_in(state["rng"], step + 1)
             actor, critic = state["actor"], state["critic"]
             policy = cast_params(actor, model_config.dtype)
@@ -282,7 +299,7 @@ def train(cfg) -> dict:
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
             # 2-4. score, reward, credit
             scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
-                                      [p.answer for p in chosen for _ in range(group)], RewardCoefficients(*schedule.at(step)),
+                                      [p.answer for p in chosen for _ in range(group)], schedule.at(schedule_step),
                                       jax.random.fold_in(step_rng, 1), batch_shardings)
             del policy, generation  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.host_mask
@@ -295,7 +312,7 @@ def train(cfg) -> dict:
                                kl_coef=kl_coef * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
             critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
                                 grad_clip=knobs["critic_grad_clip"])
-            update_actor = step >= cfg.train.critic_warmup_steps or critic is None
+            update_actor = step >= warmup
             update_metrics = []
             rows = len(lengths)
             for epoch in range(int(knobs["actor_epochs"])):
@@ -325,7 +342,8 @@ def train(cfg) -> dict:
             if critic is not None:
                 metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), scored.reward_tokens, host(scored.kappa),
                                                   host_mask))
-            evaluated = cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0
+            metrics["actor_updates"] = max(0, step + 1 - warmup)
+            evaluated = cfg.train.eval_every and step >= prepended and (step + 1 - prepended) % cfg.train.eval_every == 0
             if evaluated:
                 metrics["dev_accuracy"] = evaluate(state["actor"], pool)
             if update_actor:
@@ -335,20 +353,21 @@ def train(cfg) -> dict:
             writer.write(metrics)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                                  gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
-            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == last_step:
                 meta.update(next_step=step + 1, prompts=prompts.position, controller=control_state)
                 checkpoints.save(step + 1, state, meta, metrics.get("dev_accuracy"))
 
         final_accuracy = evaluate(state["actor"], pool)
     checkpoints.wait()
     summary = {"method": cfg.method, "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"], "final_dev_accuracy": final_accuracy,
-               "steps": cfg.steps, "dev_problems": len(dev_problems), "best_checkpoint_step": checkpoints.best_step()}
+               "steps": last_step, "actor_updates": max(0, last_step - warmup), "dev_problems": len(dev_problems),
+               "best_checkpoint_step": checkpoints.best_step()}
     checkpoints.close()
     writer.close()
     if "warm_start_loss" in meta:
         summary["warm_start_loss"] = meta["warm_start_loss"]
     profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
-                                   {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": cfg.steps, "seed": cfg.seed})
+                                   {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": last_step, "seed": cfg.seed})
     save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
     summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:

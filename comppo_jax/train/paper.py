@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from ml_collections import config_dict
 
+from comppo_jax.train import controller
+
 
 def paper_config(arch: dict) -> config_dict.ConfigDict:
     """A config for the model `arch` (ModelConfig fields) with the paper's model, method, data,
@@ -41,13 +43,29 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     # Actor LR 1e-6, critic LR 1e-5, KL 2e-3 (GRPO 1e-3), lambda 0.95. Clip 0.2, grad clip 1 and
     # 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     # master_dtype: the actor's trained copy (fp32 master weights under bf16 compute).
+    # critic_warmup_steps: critic-only steps before the actor's first update. They come on top of
+    # `steps` (every method gets `steps` actor updates) unless critic_warmup_counts_toward_steps,
+    # the paper's literal reading, where a critic method then gets steps - 10 actor updates.
     config.train = section(actor_lr=1e-6, critic_lr=1e-5, kl_coef=2e-3, kl_coef_grpo=1e-3, lam=0.95, minibatch_size=4,
-                           critic_warmup_steps=10, eval_every=10, master_dtype="float32")
+                           critic_warmup_steps=10, critic_warmup_counts_toward_steps=False, eval_every=10, master_dtype="float32")
     # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is
     # d; `top_k` routed positions per token (K = 64). kind "standard" = the linear value head.
     config.critic = section(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
-    config.reward = section(workers=8, timeout_s=5.0)
-    config.controller = section(enabled=True)  # appendix C thresholds (comppo_jax.train.controller.ControllerConfig)
+    # Rewards (comppo_jax.data.rewards; schedule: comppo_jax.train.controller.RewardSchedule). Only
+    # correct, well-formed responses pay for length. length_penalty "linear": the paper's per-token
+    # coefficient (3e-5 -> 8e-5 over steps 20-60; at 8e-5 a correct answer of 12,500 tokens or more
+    # reaches 0); "overlong": DAPO's soft overlong punishment, 0 up to max_new_tokens -
+    # overlong_buffer, then a ramp to overlong_penalty at max_new_tokens (ramped in by the same
+    # schedule). correct_never_below_incorrect keeps a correct answer's reward >= 0 (an incorrect one's).
+    config.reward = section(workers=8, timeout_s=5.0, length_penalty="linear", overlong_buffer=4096, overlong_penalty=1.0,
+                            correct_never_below_incorrect=True)
+    # Phase controller (comppo_jax.train.controller; its docstring has each signal's unit and the
+    # table of thresholds). thresholds "calibrated": entropy relative to the run's own baseline and
+    # KL loss on the token-mean k3's scale; "paper_literal": appendix C's numbers as printed.
+    # phase0_drift "none": the stable phase keeps the stable knobs; "warning": steps 25-40 drift
+    # them to the warning knobs for good (the literal reading). Every ControllerConfig field is here
+    # (e.g. --config.controller.kl_loss_at_least="(0.1, 0.2, 0.4)"); those left None come from `thresholds`.
+    config.controller = controller.config_section()
     # (data, fsdp, tensor) device mesh, -1 = all remaining devices (comppo_jax.sharding). The
     # minibatch of 4 responses is split over 4 FSDP shards; the remaining chips split heads and MLP
     # width (tensor parallelism). Multi-host runs set distributed=True (TPU pods need no address).

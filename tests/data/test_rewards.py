@@ -10,6 +10,7 @@ from comppo_jax.data.rewards import (
     Verdict,
     VerifierPool,
     extract_answer,
+    length_penalty,
     reasoning_format_ok,
     score_responses,
     terminal_reward_tokens,
@@ -72,6 +73,36 @@ def test_length_penalty_only_for_correct_well_formed_and_clipped(pool):
     responses = ["Answer: 4", "Answer: 5", "<think>x\nAnswer: 4"]
     rewards, _, _ = score_responses(responses, ["4"] * 3, [100, 100, 100], pool, RewardCoefficients(format_coef=2.0, length_coef=0.001))
     np.testing.assert_allclose(rewards, [0.9, 0.0, -1.0])
+
+
+def test_a_correct_answer_never_scores_below_an_incorrect_one_unless_configured(pool):
+    """The paper's final 8e-5 per token at a 16K budget: 1 - 8e-5 * 16384 = -0.31 unfloored."""
+    responses = ["Answer: 4", "Answer: 4", "Answer: 5", "<think>x\nAnswer: 4"]
+    lengths = [12_000, 16_384, 16_384, 100]
+    floored = RewardCoefficients(format_coef=0.2, length_coef=8e-5)
+    rewards, _, _ = score_responses(responses, ["4"] * 4, lengths, pool, floored)
+    np.testing.assert_allclose(rewards, [0.04, 0.0, 0.0, -0.2], atol=1e-6)
+    literal = RewardCoefficients(format_coef=0.2, length_coef=8e-5, correct_never_below_incorrect=False)
+    rewards, _, _ = score_responses(responses, ["4"] * 4, lengths, pool, literal)
+    np.testing.assert_allclose(rewards, [0.04, 1 - 8e-5 * 16384, 0.0, -0.2], atol=1e-6)
+    assert rewards[1] < rewards[3]  # below a malformed one: what the floor prevents
+
+
+def test_overlong_penalty_ramps_over_the_last_buffer_tokens():
+    coefficients = RewardCoefficients(length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096)
+    np.testing.assert_allclose(length_penalty([100, 12288, 14336, 16384], coefficients), [0.0, 0.0, 0.5, 1.0])
+    half = RewardCoefficients(length_coef=0.375, length_penalty="overlong", max_length=40, overlong_buffer=10)
+    np.testing.assert_allclose(length_penalty([30, 35, 40], half), [0.0, 0.1875, 0.375])
+    with pytest.raises(ValueError, match=r"overlong_buffer=50 must be in \(0, max_length=40\]"):
+        length_penalty([1], RewardCoefficients(length_penalty="overlong", max_length=40, overlong_buffer=50))
+    with pytest.raises(ValueError, match="length_penalty='cubic'"):
+        length_penalty([1], RewardCoefficients(length_penalty="cubic"))
+
+
+def test_overlong_rewards_stay_at_or_above_incorrect(pool):
+    coefficients = RewardCoefficients(length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096)
+    rewards, _, _ = score_responses(["Answer: 4"] * 3, ["4"] * 3, [1000, 14336, 16384], pool, coefficients)
+    np.testing.assert_allclose(rewards, [1.0, 0.5, 0.0])
 
 
 def test_terminal_reward_sits_at_the_last_valid_token():

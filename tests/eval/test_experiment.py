@@ -27,7 +27,13 @@ def test_screen_plans_one_run_per_cell_at_the_screen_seed():
     screens = ex.screen_runs(main)
     assert sorted(screens) == ["comppo", "grpo"] and all(len(runs) == 9 for runs in screens.values())
     assert {run.seed for runs in screens.values() for run in runs} == {42}
-    assert ex.arms_of(main) == [("comppo", ex.arms_of(main)[0][1]), ("grpo", ("method=grpo",))]
+    assert ex.arms_of(main) == [("comppo", ex.arms_of(main)[0][1]), ("grpo", ("method=grpo",) + experiments.MATCHED_BUDGET)]
+
+
+@pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group"])
+def test_every_arm_has_a_matched_actor_update_budget(name):
+    for definitions in (experiments, experiments_tiny):
+        assert all("train.critic_warmup_counts_toward_steps=False" in overrides for _, overrides in ex.arms_of(definitions.get_config(name)))
 
 
 def test_identical_runs_share_a_directory_whatever_the_arm_or_order():
@@ -70,7 +76,8 @@ def test_load_result_reads_the_curve_and_refuses_a_run_without_evaluations(tmp_p
     with open(os.path.join(directory, "summary.json"), "w") as f:
         json.dump({"warm_start_dev_accuracy": 0.5, "final_dev_accuracy": 0.7}, f)
     with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
-        f.write(json.dumps({"step": 4, "dev_accuracy": 0.6}) + "\n" + json.dumps({"step": 5}) + "\n" + json.dumps({"step": 9, "dev_accuracy": 0.7}) + "\n")
+        rows = [{"step": 6, "actor_updates": 5, "dev_accuracy": 0.6}, {"step": 7, "actor_updates": 6}, {"step": 11, "actor_updates": 10, "dev_accuracy": 0.7}]
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
     result = ex.load_result(run, str(tmp_path))
     assert result.steps.tolist() == [5.0, 10.0] and result.accuracies.tolist() == [0.6, 0.7] and result.held_out == {}
     with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
