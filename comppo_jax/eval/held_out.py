@@ -28,7 +28,7 @@ from comppo_jax.rollout import generate
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import reward_schedule
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
-from comppo_jax.train.loop import init_critic, load_problems, run_parts, score_and_credit
+from comppo_jax.train.loop import init_critic, load_problems, run_parts, schedule_step, score_and_credit
 from comppo_jax.train.update import cast_params, critic_values, minibatch_shardings
 
 SHARED_SAMPLE_KEY = 0  # the reference's sampling key: the same tokens for every run
@@ -65,7 +65,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     group = cfg.rollout.samples_per_prompt
     values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic))
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
-    coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(step)
+    coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(schedule_step(cfg, parts, step))
     critic = restored.get("critic")
     own, shared = {"kappa": [], "mask": [], "correct": []}, {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []}
     with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:

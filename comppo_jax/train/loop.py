@@ -154,6 +154,13 @@ def total_steps(cfg, parts: RunParts) -> int:
     return cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + critic_warmup(cfg, parts)
 
 
+def schedule_step(cfg, parts: RunParts, step: int) -> int:
+    """The step the reward schedule and the knobs' drift read at loop step `step`: warm-up steps
+    added on top of `steps` are prepended, so these count from the first actor update, as in a
+    run without a critic."""
+    return max(step - (total_steps(cfg, parts) - cfg.steps), 0)
+
+
 def init_critic(parts: RunParts, model_config, rng):
     """Fresh critic params for the recipe (None without a critic)."""
     if parts.recipe.critic == "tac":
@@ -268,9 +275,7 @@ def train(cfg) -> dict:
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     control_state = meta["controller"]
     warmup, last_step = critic_warmup(cfg, parts), total_steps(cfg, parts)
-    # Warm-up steps added on top of `steps` are prepended: the reward schedule, the knobs' drift and
-    # the dev evaluations then count from the first actor update, as in a run without a critic.
-    prepended = last_step - cfg.steps
+    prepended = last_step - cfg.steps  # evaluations, too, count from the first actor update (schedule_step)
     prompts = PromptIterator(len(train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=meta["prompts"])
     group = cfg.rollout.samples_per_prompt
     eos = (tokenizer.eos_token_id,)
@@ -285,8 +290,7 @@ def train(cfg) -> dict:
         progress = tqdm.trange(meta["next_step"], last_step, desc=cfg.method, disable=not cfg.progress)
         for step in progress:
             started = time.time()
-            schedule_step = max(step - prepended, 0)
-            knobs = controller.knobs(control_state, schedule_step, control_config)
+            knobs = controller.knobs(control_state, schedule_step(cfg, parts, step), control_config)
             step_rng = jax.random.fold_in(state["rng"], step + 1)
             actor, critic = state["actor"], state["critic"]
             policy = cast_params(actor, model_config.dtype)
@@ -299,7 +303,7 @@ def train(cfg) -> dict:
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
             # 2-4. score, reward, credit
             scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
-                                      [p.answer for p in chosen for _ in range(group)], schedule.at(schedule_step),
+                                      [p.answer for p in chosen for _ in range(group)], schedule.at(schedule_step(cfg, parts, step)),
                                       jax.random.fold_in(step_rng, 1), batch_shardings)
             del policy, generation  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.host_mask
