@@ -50,6 +50,7 @@ import dataclasses
 from typing import Mapping
 
 from ml_collections import config_dict
+
 from comppo_jax.data.rewards import LENGTH_PENALTIES, RewardCoefficients
 
 PHASES = ("stable", "warning", "strong", "hard_stop")
