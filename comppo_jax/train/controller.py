@@ -27,7 +27,7 @@ these metrics, so `thresholds="calibrated"` (the default) restates those rules:
   uniform maximum; healthy RL runs sit at 0.3-1.0), so the literal rule fires on every step. The
   calibrated rule compares the EMA with the mean of the run's first `entropy_baseline_steps`
   actor steps (the rule is silent until then): below 40 % of it is a collapse in progress,
-  15 % a collapse (DAPO's entropy collapse falls about tenfold). The drop rule keeps the paper's
+  15 % a collapse (the entropy collapse DAPO reports ends close to zero). The drop rule keeps the paper's
   drops relative to its own warning level (1.5 / 8.0 and 3.0 / 8.0).
 - KL loss: the token-mean k3 of a healthy run is 1e-4-1e-2, so 2.85 can never fire. The
   calibrated thresholds sit 5x above that range and next to the PPO-KL rule's scale.
@@ -186,11 +186,10 @@ def target_phase(state: Mapping[str, float], metrics: Mapping[str, float], confi
         _level(state["ema_kl_loss"], config.kl_loss_at_least),
         _level(state["ema_grad_norm"], config.grad_norm_at_least),
         _level(metrics.get("response_clip_ratio", float("nan")), config.response_clip_ratio_at_least),
+        _level(state["dev_drop"], config.dev_drop_at_least),
     ]
-    levels.append(_level(state["dev_drop"], config.dev_drop_at_least))
-    window = [state[f"entropy_{i}"] for i in range(ENTROPY_WINDOW)]
     if state["entropy_seen"] >= ENTROPY_WINDOW and (clip_level or kl_level):
-        oldest = sum(window[:4]) / 4  # the window is oldest first
+        oldest = sum(state[f"entropy_{i}"] for i in range(4)) / 4  # the window is oldest first
         drop = oldest - state["ema_entropy"]
         levels.append(_level(_fraction(drop, oldest) if relative else drop, config.entropy_drop_at_least))
     return max(levels)
@@ -256,14 +255,12 @@ class RewardSchedule:
     3e-5 -> 8e-5 per token over steps 20-60 (linear form). The overlong form ramps its full
     penalty the same way, 3/8 -> 1 of `overlong_penalty` (comppo_jax.data.rewards.length_penalty).
 
-    Specs are (start value, end value, start step, end step)."""
+    Specs are (start value, end value, start step, end step); `shaping` holds the unscheduled
+    fields (the length penalty's form and the floor)."""
 
     format_coef: tuple = (0.2, 1.0, 0, 40)
     length_coef: tuple = (3e-5, 8e-5, 20, 60)
-    length_penalty: str = "linear"
-    max_length: int = 0
-    overlong_buffer: int = 0
-    correct_never_below_incorrect: bool = True
+    shaping: RewardCoefficients = RewardCoefficients()
 
     @staticmethod
     def _ramp(spec, step: int) -> float:
@@ -275,20 +272,22 @@ class RewardSchedule:
 
     def at(self, step: int) -> RewardCoefficients:
         """The shaping coefficients at `step`."""
-        return RewardCoefficients(self._ramp(self.format_coef, step), self._ramp(self.length_coef, step), self.length_penalty,
-                                  self.max_length, self.overlong_buffer, self.correct_never_below_incorrect)
+        return dataclasses.replace(self.shaping, format_coef=self._ramp(self.format_coef, step),
+                                   length_coef=self._ramp(self.length_coef, step))
 
 
 def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
     """The schedule of a config's `reward` section for responses of at most `max_new_tokens`."""
     if reward.length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"config.reward.length_penalty={reward.length_penalty!r}; expected one of {LENGTH_PENALTIES}")
+    floor = reward.correct_never_below_incorrect
     if reward.length_penalty == "linear":
-        return RewardSchedule(correct_never_below_incorrect=reward.correct_never_below_incorrect)
+        return RewardSchedule(shaping=RewardCoefficients(correct_never_below_incorrect=floor))
     if not 0 < reward.overlong_buffer <= max_new_tokens:
         raise ValueError(f"config.reward.overlong_buffer={reward.overlong_buffer} must be in (0, rollout.max_new_tokens={max_new_tokens}]")
     if not 0 < reward.overlong_penalty:
         raise ValueError(f"config.reward.overlong_penalty={reward.overlong_penalty} must be > 0")
     penalty = reward.overlong_penalty
-    return RewardSchedule(length_coef=(3 / 8 * penalty, penalty, 20, 60), length_penalty="overlong", max_length=max_new_tokens,
-                          overlong_buffer=reward.overlong_buffer, correct_never_below_incorrect=reward.correct_never_below_incorrect)
+    shaping = RewardCoefficients(length_penalty="overlong", max_length=max_new_tokens, overlong_buffer=reward.overlong_buffer,
+                                 correct_never_below_incorrect=floor)
+    return RewardSchedule(length_coef=(3 / 8 * penalty, penalty, 20, 60), shaping=shaping)

@@ -154,11 +154,15 @@ def total_steps(cfg, parts: RunParts) -> int:
     return cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + critic_warmup(cfg, parts)
 
 
+def prepended_warmup(cfg, parts: RunParts) -> int:
+    """Warm-up steps added on top of `steps`: the reward schedule, the knobs' drift and the dev
+    evaluations count from the first actor update after them, as in a run without a critic."""
+    return total_steps(cfg, parts) - cfg.steps
+
+
 def schedule_step(cfg, parts: RunParts, step: int) -> int:
-    """The step the reward schedule and the knobs' drift read at loop step `step`: warm-up steps
-    added on top of `steps` are prepended, so these count from the first actor update, as in a
-    run without a critic."""
-    return max(step - (total_steps(cfg, parts) - cfg.steps), 0)
+    """The step the reward schedule and the knobs' drift read at loop step `step`."""
+    return max(step - prepended_warmup(cfg, parts), 0)
 
 
 def init_critic(parts: RunParts, model_config, rng):
@@ -275,7 +279,7 @@ def train(cfg) -> dict:
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     control_state = meta["controller"]
     warmup, last_step = critic_warmup(cfg, parts), total_steps(cfg, parts)
-    prepended = last_step - cfg.steps  # evaluations, too, count from the first actor update (schedule_step)
+    prepended = prepended_warmup(cfg, parts)
     prompts = PromptIterator(len(train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=meta["prompts"])
     group = cfg.rollout.samples_per_prompt
     eos = (tokenizer.eos_token_id,)
@@ -290,7 +294,8 @@ def train(cfg) -> dict:
         progress = tqdm.trange(meta["next_step"], last_step, desc=cfg.method, disable=not cfg.progress)
         for step in progress:
             started = time.time()
-            knobs = controller.knobs(control_state, schedule_step(cfg, parts, step), control_config)
+            scheduled = schedule_step(cfg, parts, step)
+            knobs = controller.knobs(control_state, scheduled, control_config)
             step_rng = jax.random.fold_in(state["rng"], step + 1)
             actor, critic = state["actor"], state["critic"]
             policy = cast_params(actor, model_config.dtype)
@@ -303,7 +308,7 @@ def train(cfg) -> dict:
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
             # 2-4. score, reward, credit
             scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
-                                      [p.answer for p in chosen for _ in range(group)], schedule.at(schedule_step(cfg, parts, step)),
+                                      [p.answer for p in chosen for _ in range(group)], schedule.at(scheduled),
                                       jax.random.fold_in(step_rng, 1), batch_shardings)
             del policy, generation  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.host_mask
