@@ -12,7 +12,8 @@ match a leaf by its nearest dict key, so the same rule shards a weight and its A
 
 Multi-host: `initialize_distributed` calls `jax.distributed.initialize` when configured. Every
 host builds the same global batch from the same seeds, and `to_host` gathers sharded arrays
-for the host-side steps (decoding, the verifier).
+for the host-side steps (decoding, the verifier). `split_over_processes` splits host work whose
+result may differ between hosts (the verifier's timeouts) so that it is done once and shared.
 """
 
 from __future__ import annotations
@@ -145,3 +146,17 @@ def to_host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+def split_over_processes(fn, items: list) -> list[int]:
+    """`fn(items)` (a list of ints, one per item) computed with each process taking every
+    process_count()-th item, then gathered, so all processes return the same list. Every process
+    must call it with the same `items`."""
+    count, index = jax.process_count(), jax.process_index()
+    if count == 1:
+        return list(fn(items))
+    width = -(-len(items) // count)
+    mine = np.full(width, -1, np.int32)
+    mine[: len(items[index::count])] = fn(items[index::count])
+    gathered = np.asarray(multihost_utils.process_allgather(mine))  # [count, width]
+    return [int(gathered[i % count, i // count]) for i in range(len(items))]

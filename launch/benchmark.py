@@ -15,6 +15,8 @@ import importlib
 
 from absl import app, flags
 
+from comppo_jax import cli
+
 SUITES = ("forward", "credit", "kernel", "critic", "sampler")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
@@ -30,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

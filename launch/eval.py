@@ -20,8 +20,10 @@ import csv
 import json
 import os
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
+
+from comppo_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "The run's ml_collections config file.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
@@ -46,8 +48,6 @@ def parse_benchmarks(spec: str) -> dict[str, str]:
 
 def main(argv):
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     import jax
 
     from comppo_jax import sharding
@@ -119,4 +119,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

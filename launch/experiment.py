@@ -18,8 +18,10 @@ import os
 import sys
 import threading
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
+
+from comppo_jax import cli
 
 _EXPERIMENT = config_flags.DEFINE_config_file("experiment", None, "configs/experiments.py:NAME (or experiments_tiny.py:NAME).")
 _ROOT = flags.DEFINE_string("root", "runs/experiments", "Where runs (runs/) and reports (<name>/) go.")
@@ -29,8 +31,6 @@ _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Do not train; report the
 
 def main(argv):
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     from comppo_jax.eval import experiment as experiments
     from comppo_jax.eval.report import REPORTS, endpoints
 
@@ -74,4 +74,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("experiment")
-    app.run(main)
+    cli.run(main)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
+
+from comppo_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
@@ -27,8 +29,6 @@ _MARKDOWN = flags.DEFINE_string("markdown", "", "Append the tables as markdown t
 
 def main(argv):
     del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     from comppo_jax.train import plan
 
     cfg = _CONFIG.value
@@ -43,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from comppo_jax import normalized_concentration, retention_gate
+from comppo_jax import cli, normalized_concentration, retention_gate
 from comppo_jax.models import forward, load_policy
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "ml_collections config file.")
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

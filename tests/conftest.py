@@ -174,13 +174,24 @@ SMALL_TRAIN_RUN = {
 }
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _small_train_values(output_dir, overrides) -> dict:
+    return {**SMALL_TRAIN_RUN, **{key.replace("__", "."): value for key, value in overrides.items()}, "output_dir": str(output_dir)}
+
+
+def small_train_flags(output_dir, **overrides) -> list[str]:
+    """`small_train_config`'s values as launch/train.py flags (configs/tiny.py is the default config)."""
+    return [f"--config.{key}={value}" for key, value in _small_train_values(output_dir, overrides).items()]
+
+
 def small_train_config(output_dir, **overrides):
     """configs/tiny.py with SMALL_TRAIN_RUN and `overrides` (dotted keys spelled with "__")."""
     from comppo_jax.models import load_config_file
 
-    config = load_config_file(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py"))
-    values = {**SMALL_TRAIN_RUN, **{key.replace("__", "."): value for key, value in overrides.items()}, "output_dir": str(output_dir)}
-    for key, value in values.items():
+    config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    for key, value in _small_train_values(output_dir, overrides).items():
         *sections, name = key.split(".")
         section = config
         for part in sections:

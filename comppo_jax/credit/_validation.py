@@ -1,8 +1,12 @@
 """Shape and dtype checks shared by the credit estimators.
 
 They run at trace time (shapes and dtypes are static under `jax.jit`), so a bad
-call fails before compilation with a message naming the offending tensor.
+call fails before compilation with a message naming the offending tensor; ranges of
+Python-number arguments are checked before the jitted call (`unit_interval_arguments`).
 """
+
+import functools
+import inspect
 
 import jax.numpy as jnp
 
@@ -52,3 +56,31 @@ def check_bt(**arrays):
         else:
             check_floating(name, x)
     check_same_shape(ref_name, ref, **dict(rest))
+
+
+def unit_interval_arguments(*names):
+    """Decorates a jitted function so that the arguments `names`, when given as Python numbers,
+    must lie in [0, 1] (ValueError naming the argument otherwise).
+
+    The check runs before the jitted call: inside it they are tracers. Traced values (the
+    function called under a caller's jit) pass through. `lower`, `trace` and `eval_shape` are
+    the jitted function's.
+    """
+
+    def decorate(jitted):
+        signature = inspect.signature(jitted)
+
+        @functools.wraps(jitted)
+        def checked(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            for name in names:
+                value = bound.arguments[name]
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+                    raise ValueError(f"{name} must be in [0, 1], got {value}")
+            return jitted(*args, **kwargs)
+
+        checked.lower, checked.trace, checked.eval_shape = jitted.lower, jitted.trace, jitted.eval_shape
+        return checked
+
+    return decorate

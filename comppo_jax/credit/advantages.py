@@ -95,6 +95,7 @@ def _affine_scan_associative(b, c):
     return a
 
 
+@_validation.unit_interval_arguments("lam")
 @functools.partial(jax.jit, static_argnames=("method",))
 def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
     """Computation-conditioned GAE, paper eqs. (comp_td) and (comp_gae).
@@ -114,7 +115,8 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
       values: [B, T] float, critic values V_t.
       kappa: [B, T] float, detached retention gate kappa_t (`retention_gate`).
       mask: [B, T] bool/int/float, 1 on valid response tokens.
-      lam: trace parameter lambda, a Python or traced float.
+      lam: trace parameter lambda in [0, 1], a Python or traced float (a Python
+        number outside [0, 1] raises ValueError before anything is traced).
       method: "scan" (a sequential loop over T; on CPU one loop per group of
         8 rows, which XLA:CPU runs faster than one loop over all rows) or
         "associative" (`lax.associative_scan` of the affine recurrence, O(log T)
@@ -149,6 +151,7 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
     return advantages, returns
 
 
+@_validation.unit_interval_arguments("gamma", "lam")
 @functools.partial(jax.jit, static_argnames=("method",))
 def gae(rewards, values, mask, gamma=1.0, lam=0.95, method="scan"):
     """Standard masked GAE, paper eq. (stdgae): `comp_gae` with kappa_t = gamma.
@@ -167,6 +170,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95, method="scan"):
     return comp_gae(rewards, values, kappa, mask, lam, method=method)
 
 
+@_validation.unit_interval_arguments("lam")
 @jax.jit
 def transport_kernel(kappa, lam, mask=None):
     """Explicit causal transport kernel K of paper eq. (cct_kernel), for small T.

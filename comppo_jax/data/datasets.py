@@ -38,31 +38,51 @@ class Problem(NamedTuple):
     solution: str | None = None  # a worked solution where the source has one (synthetic task)
 
 
+def _malformed(reason: str) -> dict:
+    return {"__malformed__": reason}
+
+
 def read_records(path: str, expected: str) -> list[dict[str, Any]]:
-    """Rows of a .parquet, .jsonl, .json (list of objects) or .csv file. `expected` describes the fields."""
+    """Rows of a .parquet, .jsonl, .json (list of objects) or .csv file. `expected` describes the fields.
+
+    A jsonl line or csv row that is not valid UTF-8 or JSON becomes a malformed row (skipped and
+    counted by the loaders), so one bad row does not reject the file.
+    """
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist; expected a .parquet, .jsonl, .json or .csv file with {expected}")
     if path.endswith(".parquet"):
         import pyarrow.parquet
 
         return pyarrow.parquet.read_table(path).to_pylist()
-    with open(path) as f:
-        if path.endswith(".jsonl"):
-            rows = []
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as error:
-                        rows.append({"__malformed__": f"line {number}: {error}"})
-            return rows
-        if path.endswith(".csv"):
-            return list(csv.DictReader(f))
-        if path.endswith(".json"):
-            rows = json.load(f)
-            if not isinstance(rows, list):
-                raise DataError(f"{path} must hold a JSON list of objects with {expected}")
-            return rows
+                try:
+                    text = line.decode("utf-8")
+                    if text.strip():
+                        rows.append(json.loads(text))
+                except UnicodeDecodeError as error:
+                    rows.append(_malformed(f"line {number}: not valid UTF-8 ({error.reason} at byte {error.start})"))
+                except json.JSONDecodeError as error:
+                    rows.append(_malformed(f"line {number}: {error}"))
+        return rows
+    if path.endswith(".csv"):
+        # Undecodable bytes survive as lone surrogates, so the row holding them is found and skipped.
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            rows = list(csv.DictReader(f))
+        undecodable = lambda value: isinstance(value, str) and any("\udc80" <= c <= "\udcff" for c in value)
+        return [_malformed(f"csv row {number}: not valid UTF-8") if any(undecodable(v) for v in row.values()) else row
+                for number, row in enumerate(rows, 1)]
+    if path.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                rows = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DataError(f"{path} is not a UTF-8 JSON list of objects with {expected} ({error})") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path} must hold a JSON list of objects with {expected}")
+        return rows
     raise DataError(f"{path}: unsupported extension; expected .parquet, .jsonl, .json or .csv with {expected}")
 
 
@@ -97,6 +117,32 @@ def _text(row: dict, *names: str) -> str:
     raise KeyError(f"missing field, one of {names}")
 
 
+def encodable_problems(tokenizer, problems: list[Problem], where: str, *, max_prompt_tokens: int | None = None) -> list[Problem]:
+    """The problems whose prompt, answer (and worked solution) `tokenizer` can encode, with a prompt
+    of at most `max_prompt_tokens`; the others are skipped and counted in one warning naming
+    `where` and the first one, like malformed rows. Runs at load time, so such a row cannot stop
+    a run midway."""
+    kept, bad = [], []
+    for index, problem in enumerate(problems):
+        try:
+            length = len(tokenizer.encode_prompt(problem.prompt))
+            for text in (problem.answer, problem.solution):
+                if text is not None:
+                    tokenizer.encode(text)
+        except (ValueError, TypeError, KeyError) as error:
+            bad.append(f"problem {index} ({problem.id or problem.prompt[:40]!r}): {error}")
+            continue
+        if max_prompt_tokens is not None and length > max_prompt_tokens:
+            bad.append(f"problem {index} ({problem.id or problem.prompt[:40]!r}): {length} prompt tokens, more than {max_prompt_tokens}")
+            continue
+        kept.append(problem)
+    if bad:
+        logger.warning("%s: skipped %d problem(s) the tokenizer cannot encode; first: %s", where, len(bad), bad[0])
+    if not kept:
+        raise DataError(f"{where}: the tokenizer can encode none of its {len(problems)} problems; first: {bad[0]}")
+    return kept
+
+
 # --- DAPO-Math-17K -----------------------------------------------------------------------------
 
 DAPO_FIELDS = "'prompt' (a chat message list or a string) and 'reward_model'.'ground_truth' (or 'answer')"
@@ -105,7 +151,12 @@ DAPO_FIELDS = "'prompt' (a chat message list or a string) and 'reward_model'.'gr
 def _dapo_problem(index: int, row: dict) -> Problem:
     prompt = row["prompt"]
     if isinstance(prompt, (list, tuple)):  # the released parquet: [{"role": "user", "content": ...}]
-        prompt = next(m["content"] for m in prompt if m.get("role") == "user")
+        turns = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if not turns or not isinstance(turns[0], str):
+            raise ValueError("the chat prompt has no user turn with string content")
+        prompt = turns[0]
+    elif not isinstance(prompt, str):
+        raise TypeError(f"'prompt' is a {type(prompt).__name__}; expected a chat message list or a string")
     elif "Answer:" not in prompt:
         prompt = DAPO_TEMPLATE.format(problem=prompt.strip())
     reward_model = row.get("reward_model")

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from comppo_jax.sharding import split_over_processes
+
 STARTUP_TIMEOUT_S = 120.0
 ANSWER_LINE = re.compile(r"^\s*Answer\s*:\s*(.+?)\s*$", re.MULTILINE)
 
@@ -36,6 +38,9 @@ class Verdict(enum.Enum):
     NO_ANSWER = "no_answer"
     TIMEOUT = "timeout"
     ERROR = "error"
+
+
+VERDICTS = tuple(Verdict)  # their integer codes, for gathering across processes
 
 
 def last_boxed(text: str) -> str | None:
@@ -74,13 +79,16 @@ class VerifierPool:
     """math-verify in `num_workers` processes with a hard per-item timeout (killed on expiry).
 
     Use as a context manager or call `close()`. `check(pairs)` returns a Verdict per
-    (gold, answer) pair, in order.
+    (gold, answer) pair, in order. In a multi-process JAX run every process calls `check` with
+    the same pairs; with `across_processes` each verifies its share and the verdicts are gathered,
+    so each pair is verified once and every process gets the same verdicts (a timeout on one
+    host cannot make the hosts disagree on a reward).
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0):
+    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, across_processes: bool = False):
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"num_workers must be >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.across_processes = timeout_s, across_processes
         self._workers = [self._start() for _ in range(num_workers)]
 
     @staticmethod
@@ -106,6 +114,12 @@ class VerifierPool:
         self._workers[index] = self._start()
 
     def check(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
+        if not self.across_processes:
+            return self._check_here(pairs)
+        codes = split_over_processes(lambda share: [VERDICTS.index(v) for v in self._check_here(share)], list(pairs))
+        return [VERDICTS[code] for code in codes]
+
+    def _check_here(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(pairs)
         pending = list(range(len(pairs)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker -> (item, start time)

@@ -12,7 +12,8 @@ REMAT = ("none", "full", "dots", "dots_no_batch")  # per-layer jax.checkpoint po
 
 
 class ConfigError(ValueError):
-    """A model configuration field is missing, malformed or unsupported."""
+    """A configuration field (a model's or a run's) is missing, malformed or unsupported; the
+    message names the field and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

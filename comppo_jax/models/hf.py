@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from comppo_jax.models.config import ConfigError, ModelConfig
@@ -62,6 +63,16 @@ def tensor_layout(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], i
             yield f"model.layers.{index}.{_LAYER_NAMES[key]}", ("layers", key), index, per_layer[::-1], transposed
 
 
+@contextlib.contextmanager
+def _open_safetensors(file: str):
+    """`safe_open(file)` whose errors (truncated or corrupt file, bad header) become CheckpointError naming it."""
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except SafetensorError as error:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({error}); re-download or re-export it") from None
+
+
 def _read_hf_config(path: str) -> dict:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
@@ -88,7 +99,7 @@ def _weight_files(path: str) -> dict[str, str]:
                 raise CheckpointError(f"{file} (listed in {index_path}) not found")
         return files
     if os.path.isfile(single_path):
-        with safe_open(single_path, framework="numpy") as f:
+        with _open_safetensors(single_path) as f:
             return {name: single_path for name in f.keys()}
     raise CheckpointError(f"no weights in {path}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards")
 
@@ -96,7 +107,7 @@ def _weight_files(path: str) -> dict[str, str]:
 def _stored_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="numpy") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 if files.get(name) == file:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -137,7 +148,7 @@ def from_hf(path: str, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="numpy") as f:
+        with _open_safetensors(file) as f:
             for name in names:
                 target, index, _, transposed = expected[name]
                 tensor = f.get_tensor(name)

@@ -1,28 +1,130 @@
-"""Orbax checkpoints of a training run: async saves, the last N plus the best by dev accuracy.
+"""Orbax checkpoints of a training run: async saves, the last N plus the best by dev accuracy,
+content digests verified on restore.
 
 A checkpoint is two items: `state` (arrays: actor and critic params, both optimizer states,
 the base rng key) and `meta` (JSON: next step, prompt-iterator position, controller state,
-warm-start accuracy). The frozen reference policy is saved once, beside the steps, when it is
-not the loaded checkpoint (the tiny default's warm-started policy); otherwise it is reloaded
-from `config.model.path` on resume. Restores go into the shardings of a target state built the
-usual way, so a restored run is sharded like a fresh one.
+warm-start accuracy, and `digests`: one content digest per state leaf). The frozen reference
+policy is saved once, beside the steps, when it is not the loaded checkpoint (the tiny default's
+warm-started policy), with its digests in reference_digests.json; otherwise it is reloaded from
+`config.model.path` on resume. Restores go into the shardings of a target state built the usual
+way, so a restored run is sharded like a fresh one.
+
+Integrity:
+- A state with a non-finite leaf is never saved (`NonFiniteStateError` names the leaves).
+- Restores recompute every leaf's digest and check finiteness; a checkpoint that cannot be read,
+  does not match its digests or holds non-finite values raises `CheckpointError` naming the
+  step, item and leaf. `restore_newest_good` then falls back to the next older step with a
+  warning and moves the bad one aside to `<output_dir>/corrupt_checkpoints/`.
+- A failed async save (disk full, permissions) is raised by `confirm_saves` at the next step
+  boundary as one `CheckpointError` naming the step, path and cause; its partial files are
+  removed and the older checkpoints are untouched (Orbax deletes rotated-out steps only after a
+  save commits).
+- Retention never deletes the newest good checkpoint: the one the run resumed from after
+  verification, or the newest save confirmed committed. It is kept beside keep_last/keep_best
+  until a newer save is confirmed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import glob
 import json
 import os
-from typing import Any
+import shutil
+import time
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
+from comppo_jax.models import CheckpointError
+
 REFERENCE_DIR = "reference"
+REFERENCE_DIGESTS = "reference_digests.json"
+QUARANTINE_DIR = "corrupt_checkpoints"
+
+
+class NonFiniteStateError(FloatingPointError):
+    """A state about to be saved holds NaN or infinity; the message names the leaves."""
 
 
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two uint32 position-weighted sums of the leaf's bits, and whether it is finite.
+
+    Integer sums wrap exactly, so the digest is the same on every mesh and device count; the
+    position weights make it see swapped or shifted values, not only changed ones.
+    """
+    x = jnp.asarray(x)
+    bits = x.dtype.itemsize * 8
+    words = x if bits == 32 and x.dtype == jnp.uint32 else jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}"))
+    if bits == 64:  # [..., 2] 32-bit halves
+        words = jax.lax.bitcast_convert_type(words, jnp.uint32)
+    words = words.astype(jnp.uint32)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    first = jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+    second = jnp.sum((words ^ (words >> 15)) * jnp.uint32(0x9E3779B1) + index, dtype=jnp.uint32)
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.asarray(True)
+    return jnp.stack([first, second]), finite
+
+
+_digests = jax.jit(lambda leaves: [_leaf_digest(x) for x in leaves])
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def state_digests(tree: Any) -> tuple[dict[str, str], list[str]]:
+    """({leaf path: 16-hex-digit content digest}, [paths of leaves holding NaN or inf])."""
+    paths, leaves = leaf_paths(tree), jax.tree.leaves(tree)
+    results = jax.device_get(_digests(leaves)) if leaves else []
+    digests = {path: "".join(f"{int(word):08x}" for word in digest) for path, (digest, _) in zip(paths, results)}
+    return digests, [path for path, (_, finite) in zip(paths, results) if not finite]
+
+
+def verify(tree: Any, expected: dict[str, str] | None, what: str) -> None:
+    """Raises CheckpointError naming `what` and the first leaf whose digest differs from `expected`
+    (a restore may read a subset of the saved leaves) or that holds non-finite values."""
+    digests, non_finite = state_digests(tree)
+    if expected is None:
+        raise CheckpointError(f"{what} has no content digests (written before digests existed, or its meta item is damaged)")
+    for path, digest in digests.items():
+        if expected.get(path) != digest:
+            raise CheckpointError(f"{what} leaf {path}: content digest {digest} does not match the saved {expected.get(path)} "
+                                  "(the files were changed or damaged after the save)")
+    if non_finite:
+        raise CheckpointError(f"{what} holds non-finite values in {non_finite[0]} ({len(non_finite)} leaves)")
+
+
+@dataclasses.dataclass
+class _KeepSteps(preservation_policy.PreservationPolicy):
+    """Preserves the steps in `steps` (a set the owner updates)."""
+
+    steps: set
+
+    def should_preserve(self, checkpoints: Sequence[preservation_policy.PolicyCheckpointInfo], *, context) -> Sequence[bool]:
+        return [info.step in self.steps for info in checkpoints]
+
+
+def _on_any_process(flag: bool) -> bool:
+    """`flag` or-ed over processes (a collective), so every process takes the same branch."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
 class RunCheckpoints:
@@ -32,16 +134,26 @@ class RunCheckpoints:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(os.path.join(self.directory, "checkpoints")):
             raise FileNotFoundError(f"{self.directory}/checkpoints does not exist; expected a training run's output_dir")
+        self.read_only, self.keep_last, self.keep_best = read_only, keep_last, keep_best
+        self.newest_good: set[int] = set()  # at most one step: retention never deletes it
+        self.pending: int | None = None  # the step of the save not yet confirmed
+        self.manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
         dev_accuracy = lambda metrics: metrics["dev_accuracy"]
         policy = preservation_policy.AnyPreservationPolicy([
-            preservation_policy.LatestN(n=keep_last),
-            preservation_policy.BestN(get_metric_fn=dev_accuracy, n=keep_best, keep_checkpoints_without_metrics=False),
+            preservation_policy.LatestN(n=self.keep_last),
+            preservation_policy.BestN(get_metric_fn=dev_accuracy, n=self.keep_best, keep_checkpoints_without_metrics=False),
+            _KeepSteps(self.newest_good),
         ])
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, best_fn=dev_accuracy, best_mode="max",
                                                keep_checkpoints_without_metrics=False, enable_async_checkpointing=True,
-                                               create=not read_only, read_only=read_only)
-        self.manager = ocp.CheckpointManager(os.path.join(self.directory, "checkpoints"), options=options,
-                                             item_names=("state", "meta"))
+                                               create=not self.read_only, read_only=self.read_only)
+        return ocp.CheckpointManager(os.path.join(self.directory, "checkpoints"), options=options, item_names=("state", "meta"))
+
+    @property
+    def steps_directory(self) -> str:
+        return os.path.join(self.directory, "checkpoints")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -50,20 +162,107 @@ class RunCheckpoints:
         return self.manager.best_step()
 
     def save(self, step: int, state: Any, meta: dict, dev_accuracy: float | None = None) -> None:
-        """Starts an async save of `state` and `meta` as checkpoint `step` (the next step to run)."""
+        """Starts an async save of `state` and `meta` as checkpoint `step` (the next step to run).
+
+        The previous save is confirmed first (`confirm_saves`); a non-finite state is refused."""
+        self.confirm_saves(wait=True)
+        digests, non_finite = state_digests(state)
+        if non_finite:
+            raise NonFiniteStateError(f"checkpoint {step} not saved: the state holds NaN or inf in {', '.join(non_finite[:3])}"
+                                      f"{' ...' if len(non_finite) > 3 else ''} ({len(non_finite)} leaves)")
         metrics = None if dev_accuracy is None else {"dev_accuracy": float(dev_accuracy)}
-        meta = json.loads(json.dumps(meta))  # a snapshot: the caller keeps mutating its dict while the save runs
+        meta = json.loads(json.dumps({**meta, "digests": digests}))  # a snapshot: the caller keeps mutating its dict
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                           metrics=metrics)
+        self.pending = step
+
+    @contextlib.contextmanager
+    def completed_on_error(self):
+        """Lets a pending async save finish when the block raises (a run stopped by an error still
+        leaves its last checkpoint whole); a failure of that save is logged, the error re-raised."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.manager.wait_until_finished()
+            except Exception as error:  # the block's own error is the one to report; this one is logged
+                logging.warning("checkpoint %s was not completed: %s: %s", self.pending, type(error).__name__, error)
+            raise
+
+    def confirm_saves(self, wait: bool = False) -> None:
+        """Reports a failed async save (one CheckpointError naming step, path and cause) once it has
+        ended; `wait` blocks until it has. A confirmed save becomes the newest good step."""
+        if self.pending is None or (not wait and _on_any_process(self.manager.is_saving_in_progress())):
+            return
+        step, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as error:  # any failure of the background save: disk full, permissions, ...
+            self._remove_partial(step)
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(f"saving checkpoint {step} to {self.steps_directory}/{step} failed: {type(error).__name__}: "
+                                  f"{cause}; the older checkpoints are intact ({sorted(self._committed_steps())})") from error
+        if step in self.manager.all_steps():
+            self.newest_good.clear()
+            self.newest_good.add(step)
+
+    def _committed_steps(self) -> list[int]:
+        return [int(name) for name in os.listdir(self.steps_directory) if name.isdigit()] if os.path.isdir(self.steps_directory) else []
+
+    def _remove_partial(self, step: int) -> None:
+        """Deletes what a failed save of `step` left behind (Orbax writes into a temporary directory first)."""
+        if jax.process_index() == 0:
+            for path in glob.glob(os.path.join(self.steps_directory, f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(path, ignore_errors=True)
+        multihost_utils.sync_global_devices(f"comppo_remove_partial_{step}")
+        self.manager.reload()
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state, meta) of `step` (default: the latest), with the target's structure and shardings."""
+        """(state, meta) of `step` (default: the latest), verified, with the target's structure and shardings."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.directory}/checkpoints")
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)),
-                                                                      meta=ocp.args.JsonRestore()))
-        return restored["state"], restored["meta"]
+            raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.steps_directory}")
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)),
+                                                                          meta=ocp.args.JsonRestore()))
+        except Exception as error:  # TensorStore, JSON and structure errors of a damaged checkpoint
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {type(error).__name__}: "
+                                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
+        meta = restored["meta"]
+        verify(restored["state"], meta.get("digests") if isinstance(meta, dict) else None, f"checkpoint {step} item state")
+        return restored["state"], {k: v for k, v in meta.items() if k != "digests"}
+
+    def restore_newest_good(self, target_state: Any) -> tuple[Any, dict, int]:
+        """(state, meta, step) of the newest checkpoint that passes verification. Each one that
+        fails is named in a warning and moved to corrupt_checkpoints/ (kept for inspection)."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.steps_directory}")
+        failures = {}
+        for step in steps:
+            try:
+                state, meta = self.restore(target_state, step)
+            except CheckpointError as error:
+                failures[step] = str(error)
+                logging.warning("%s; falling back to the previous checkpoint", error)
+                self._quarantine(step)
+                continue
+            if failures:
+                print(f"resume: checkpoint(s) {sorted(failures)} failed verification and were moved to "
+                      f"{os.path.join(self.directory, QUARANTINE_DIR)}; resuming from step {step}", flush=True)
+            self.newest_good.clear()
+            self.newest_good.add(step)
+            return state, meta, step
+        raise CheckpointError(f"no checkpoint under {self.steps_directory} passes verification: " + " | ".join(failures.values()))
+
+    def _quarantine(self, step: int) -> None:
+        if jax.process_index() == 0:
+            target = os.path.join(self.directory, QUARANTINE_DIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.move(os.path.join(self.steps_directory, str(step)), target)
+        multihost_utils.sync_global_devices(f"comppo_quarantine_{step}")
+        self.manager.reload()
 
     def resolve_step(self, step: str | int) -> int:
         """"latest", "best" or a saved step number -> a saved step (a clear error otherwise)."""
@@ -75,25 +274,45 @@ class RunCheckpoints:
 
     def restore_params(self, targets: dict, step: int) -> dict:
         """Only the state entries named in `targets` (e.g. {"actor": ..., "critic": ...}) of checkpoint
-        `step`, into the targets' shapes, dtypes and shardings (optimizer states are not read)."""
+        `step`, verified, into the targets' shapes, dtypes and shardings (optimizer states are not read)."""
         abstract = {name: _abstract(target) for name, target in targets.items()}
         args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                                       partial_restore=True)
-        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=args, meta=ocp.args.JsonRestore()))
+        except Exception as error:  # TensorStore, JSON and structure errors of a damaged checkpoint
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {type(error).__name__}: "
+                                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
+        verify(restored["state"], restored["meta"].get("digests"), f"checkpoint {step} item state")
+        return restored["state"]
 
     def save_reference(self, params: Any) -> None:
+        digests, non_finite = state_digests(params)
+        if non_finite:
+            raise NonFiniteStateError(f"the reference policy holds NaN or inf in {non_finite[0]}; not saved")
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(os.path.join(self.directory, REFERENCE_DIR), params, force=True)
+        if jax.process_index() == 0:
+            with open(os.path.join(self.directory, REFERENCE_DIGESTS), "w") as f:
+                json.dump(digests, f)
 
     def restore_reference(self, target: Any) -> Any:
         path = os.path.join(self.directory, REFERENCE_DIR)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path} is missing: the run's warm-started reference policy cannot be restored")
-        with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(path, _abstract(target))
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                params = checkpointer.restore(path, _abstract(target))
+            with open(os.path.join(self.directory, REFERENCE_DIGESTS)) as f:
+                digests = json.load(f)
+        except Exception as error:  # TensorStore / JSON errors of damaged files
+            raise CheckpointError(f"the reference policy under {path} cannot be read: {type(error).__name__}: {error}") from error
+        verify(params, digests, f"the reference policy ({path})")
+        return params
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self.confirm_saves(wait=True)
 
     def close(self) -> None:
+        self.confirm_saves(wait=True)
         self.manager.close()

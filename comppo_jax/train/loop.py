@@ -38,16 +38,18 @@ from comppo_jax.credit import (clip_advantages, comp_gae, gae, grpo_advantages, 
                                save_position_schedule, schedule_from_totals, whiten_advantages)
 from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac
-from comppo_jax.data.datasets import load_dapo_math
+from comppo_jax.data.datasets import encodable_problems, load_dapo_math
 from comppo_jax.data.rewards import RewardCoefficients, Verdict, VerifierPool, score_responses, terminal_reward_tokens
 from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval import encode_prompts, greedy_accuracy
 from comppo_jax.eval.accuracy import decode_responses
-from comppo_jax.models import load_policy
 from comppo_jax.rollout import generate, score_rollout
 from comppo_jax.train import controller
+from comppo_jax.models import CheckpointError, load_policy
 from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
+from comppo_jax.train.validation import validate_config
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.methods import Recipe, control_gate, recipe as make_recipe, spread_over_sequence
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
@@ -100,17 +102,6 @@ def take_rows(batch: Minibatch, rows) -> Minibatch:
         hidden_states=batch.hidden_states[:, rows],
         routing=None if batch.routing is None else jax.tree.map(lambda x: x[rows], batch.routing),
     )
-
-
-def check_paths(cfg) -> None:
-    """Fails before any work when a required local path is missing (nothing is downloaded)."""
-    if cfg.model.get("path_required") and not cfg.model.path:
-        raise ValueError("config.model.path is required for this preset: pass --config.model.path=/path/to/hf_checkpoint "
-                         "(a local directory with config.json, *.safetensors and the tokenizer); nothing is downloaded")
-    if cfg.model.path and not os.path.isdir(cfg.model.path):
-        raise FileNotFoundError(f"config.model.path={cfg.model.path} does not exist; expected a local HF checkpoint directory")
-    if cfg.data.kind != "synthetic" and not os.path.isfile(cfg.data.path):
-        raise FileNotFoundError(f"config.data.path={cfg.data.path!r} does not exist; expected a local DAPO-Math-17K .parquet or .jsonl")
 
 
 def check_batch(cfg, mesh) -> None:
@@ -228,14 +219,43 @@ def warm_start_key(cfg) -> dict:
     return {"model": cfg.model.to_dict(), "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
 
 
+def load_encodable_problems(cfg, tokenizer):
+    """(train, dev) problems without the rows the tokenizer cannot encode (skipped and counted)."""
+    train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
+    where = cfg.data.path or f"the {cfg.data.kind} data"
+    longest_prompt = cfg.model.arch.max_position_embeddings - cfg.rollout.max_new_tokens
+    return (encodable_problems(tokenizer, train_problems, f"{where} (train)", max_prompt_tokens=longest_prompt),
+            encodable_problems(tokenizer, dev_problems, f"{where} (dev)", max_prompt_tokens=longest_prompt))
+
+
+def restore_for_resume(cfg, checkpoints: RunCheckpoints, state):
+    """(state, meta) to continue from: `resume_step`, or the newest checkpoint that verifies."""
+    if cfg.resume_step < 0:
+        state, meta, _ = checkpoints.restore_newest_good(state)
+        return state, meta
+    try:
+        return checkpoints.restore(state, cfg.resume_step)
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}; pass --config.resume_step=-1 to resume from the newest checkpoint that verifies") from error
+
+
+def stopped(cfg, checkpoints: RunCheckpoints, writer: MetricsWriter, next_step: int) -> dict:
+    """Finishes a run stopped by a signal: the checkpoint of `next_step` is confirmed written."""
+    checkpoints.close()  # waits for the save and raises if it failed
+    writer.close()
+    return {"stopped_at_step": next_step, "checkpoint": os.path.join(checkpoints.steps_directory, str(next_step))}
+
+
 def train(cfg) -> dict:
-    """Runs (or, with `cfg.resume`, continues) the run's steps (`total_steps`); returns the summary."""
-    check_paths(cfg)
+    """Runs (or, with `cfg.resume`, continues) the run's steps (`total_steps`); returns the summary,
+    or, when a SIGTERM / SIGINT stopped it, {"stopped_at_step", "checkpoint"}."""
+    validate_config(cfg)  # every field, before any loading or compiling
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
-    control_config = controller.controller_config(cfg.controller)  # both validate their sections before any work
+    control_config = controller.controller_config(cfg.controller)
     schedule = controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)
+    main_process = jax.process_index() == 0  # the one that writes metrics, summary and plots
     os.makedirs(cfg.output_dir, exist_ok=True)
     checkpoints = RunCheckpoints(cfg.output_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best)
     if not cfg.resume and checkpoints.latest_step() is not None:
@@ -244,13 +264,13 @@ def train(cfg) -> dict:
     rng = jax.random.PRNGKey(cfg.seed)
     policy_rng, critic_rng, rng = jax.random.split(rng, 3)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer
-    train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
+    train_problems, dev_problems = load_encodable_problems(cfg, tokenizer)
     model_config, actor = load_policy(cfg.model, policy_rng)
     # gate_profile: per-bin sums of the rollouts' own kappa over t/T (the position-only control's fit).
-    meta = {"next_step": 0, "prompts": [0, 0], "controller": controller.initial_state(),
+    meta = {"next_step": 0, "prompts": [0, 0], "controller": controller.initial_state(), "skipped_updates": SkippedUpdates(0).state(),
             "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS}}
     if cfg.warm_start.steps and cfg.resume:
-        reference = checkpoints.restore_reference(actor)
+        reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: actor))
     elif cfg.warm_start.steps:
         run_warm_start = lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
                                             batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
@@ -258,7 +278,6 @@ def train(cfg) -> dict:
         actor, warm_start_loss = cached_warm_start(cfg.warm_start.cache_dir, warm_start_key(cfg), actor, run_warm_start)
         meta["warm_start_loss"] = float(warm_start_loss)
         reference = actor
-        checkpoints.save_reference(reference)
     else:
         reference = actor
     # The reference is frozen in the compute dtype; the actor trains in the master dtype.
@@ -269,10 +288,12 @@ def train(cfg) -> dict:
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
     state = {"actor": actor, "actor_opt": actor_tx.init(actor), "critic": critic,
              "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}
-    if cfg.resume:
-        state, meta = checkpoints.restore(state)
     state = sharding.put(state, sharding.tree_shardings(mesh, state))
+    if cfg.resume:  # into the mesh's shardings: every process reads its own shards
+        state, meta = restore_for_resume(cfg, checkpoints, state)
     reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
+    if cfg.warm_start.steps and not cfg.resume:  # saved once it is a global array (every process writes its shards)
+        checkpoints.save_reference(reference)
     steps = jit_update_steps(mesh, model_config=model_config, temperature=cfg.rollout.temperature, actor=state["actor"],
                              actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
@@ -285,14 +306,18 @@ def train(cfg) -> dict:
     eos = (tokenizer.eos_token_id,)
     evaluate = lambda params, pool: greedy_accuracy(cast_params(params, model_config.dtype), model_config, tokenizer, dev_problems,
                                                     pool, max_new_tokens=cfg.rollout.max_new_tokens)
-    writer = MetricsWriter(cfg.output_dir, start_step=meta["next_step"], tensorboard=cfg.tensorboard)
+    writer = MetricsWriter(cfg.output_dir, start_step=meta["next_step"], tensorboard=cfg.tensorboard, enabled=main_process)
+    skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta["skipped_updates"])
 
     # The mesh is the trace-time context of every sharded call, so Pallas kernels run per shard.
-    with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    with (jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
+          StopSignals() as stop,
+          checkpoints.completed_on_error()):
         if "warm_start_dev_accuracy" not in meta:
             meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
-        progress = tqdm.trange(meta["next_step"], last_step, desc=cfg.method, disable=not cfg.progress)
+        progress = tqdm.trange(meta["next_step"], last_step, desc=cfg.method, disable=not (cfg.progress and main_process))
         for step in progress:
+            checkpoints.confirm_saves()  # a failed async save stops the run here, in one line naming it
             started = time.time()
             scheduled = schedule_step(cfg, parts, step)
             knobs = controller.knobs(control_state, scheduled, control_config)
@@ -324,7 +349,9 @@ def train(cfg) -> dict:
             update_actor = step >= warmup
             update_metrics = []
             rows = len(lengths)
-            for epoch in range(int(knobs["actor_epochs"])):
+            # A non-finite reward, value, advantage or return skips the whole update.
+            nonfinite = nonfinite_credit(scored.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
+            for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
                 for start in range(0, rows, cfg.train.minibatch_size):
                     minibatch = sharding.put(take_rows(batch, order[start : start + cfg.train.minibatch_size]), batch_shardings)
@@ -336,6 +363,11 @@ def train(cfg) -> dict:
                                                                                         critic_hyper)
                         out = {**out, **critic_out}
                     update_metrics.append({k: float(v) for k, v in out.items()})
+            for name, quantity in (("actor_finite", "actor loss or gradient norm"), ("critic_finite", "critic loss or gradient norm")):
+                unapplied = sum(m.pop(name, 1.0) == 0.0 for m in update_metrics)
+                if unapplied:  # those minibatches' updates were skipped inside the jitted step
+                    nonfinite.append(f"{quantity} ({unapplied} of {len(update_metrics)} minibatches)")
+            skipped.record(nonfinite)
 
             # 6. control, log, checkpoint
             metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
@@ -355,16 +387,23 @@ def train(cfg) -> dict:
             evaluated = cfg.train.eval_every and step >= prepended and (step + 1 - prepended) % cfg.train.eval_every == 0
             if evaluated:
                 metrics["dev_accuracy"] = evaluate(state["actor"], pool)
-            if update_actor:
+            if update_actor and not nonfinite:
                 control_state = controller.update(control_state, metrics, control_config)
+            metrics["skipped_updates"] = skipped.total
+            if nonfinite:
+                metrics["nonfinite"] = ", ".join(nonfinite)
             metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
                            sample={"prompt": chosen[0].prompt, "response": scored.texts[0], "reward": float(scored.rewards[0])})
             writer.write(metrics)
+            skipped.stop_if_exhausted(step, nonfinite)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                                  gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
-            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == last_step:
-                meta.update(next_step=step + 1, prompts=prompts.position, controller=control_state)
+            stopping = stop.requested() and step + 1 < last_step  # every process reads it at the same step
+            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == last_step or stopping:
+                meta.update(next_step=step + 1, prompts=prompts.position, controller=control_state, skipped_updates=skipped.state())
                 checkpoints.save(step + 1, state, meta, metrics.get("dev_accuracy"))
+            if stopping:
+                return stopped(cfg, checkpoints, writer, step + 1)
 
         final_accuracy = evaluate(state["actor"], pool)
     checkpoints.wait()
@@ -375,10 +414,13 @@ def train(cfg) -> dict:
     writer.close()
     if "warm_start_loss" in meta:
         summary["warm_start_loss"] = meta["warm_start_loss"]
+    summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
+    summary["skipped_updates"] = skipped.total
+    if not main_process:
+        return summary
     profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
                                    {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": last_step, "seed": cfg.seed})
     save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
-    summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plot:

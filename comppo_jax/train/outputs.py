@@ -22,22 +22,27 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends step metrics to `output_dir`/metrics.jsonl and TensorBoard; keeps rows before `start_step`."""
+    """Appends step metrics to `output_dir`/metrics.jsonl and TensorBoard; keeps rows before `start_step`.
+    Disabled (`enabled=False`) it writes nothing: a multi-process run's other processes."""
 
-    def __init__(self, output_dir: str, start_step: int = 0, tensorboard: bool = True):
+    def __init__(self, output_dir: str, start_step: int = 0, tensorboard: bool = True, enabled: bool = True):
+        self.file = self.tensorboard = None
+        if not enabled:
+            return
         self.path = os.path.join(output_dir, METRICS_FILE)
         kept = [row for row in read_metrics(self.path) if row["step"] < start_step] if start_step and os.path.exists(self.path) else []
         self.file = open(self.path, "w")
         for row in kept:
             self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        self.tensorboard = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
 
             self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step or None)
 
     def write(self, metrics: dict) -> None:
+        if self.file is None:
+            return
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.tensorboard is not None:
@@ -47,7 +52,8 @@ class MetricsWriter:
             self.tensorboard.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
 

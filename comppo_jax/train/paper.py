@@ -43,11 +43,14 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     # Actor LR 1e-6, critic LR 1e-5, KL 2e-3 (GRPO 1e-3), lambda 0.95. Clip 0.2, grad clip 1 and
     # 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     # master_dtype: the actor's trained copy (fp32 master weights under bf16 compute).
+    # max_skipped_updates: updates skipped for non-finite rewards, values, advantages, losses or
+    # gradient norms (params unchanged) in a row before the run stops (docs/reliability.md).
     # critic_warmup_steps: critic-only steps before the actor's first update. They come on top of
     # `steps` (every method gets `steps` actor updates) unless critic_warmup_counts_toward_steps,
     # the paper's literal reading, where a critic method then gets steps - 10 actor updates.
     config.train = section(actor_lr=1e-6, critic_lr=1e-5, kl_coef=2e-3, kl_coef_grpo=1e-3, lam=0.95, minibatch_size=4,
-                           critic_warmup_steps=10, critic_warmup_counts_toward_steps=False, eval_every=10, master_dtype="float32")
+                           critic_warmup_steps=10, critic_warmup_counts_toward_steps=False, eval_every=10, master_dtype="float32",
+                           max_skipped_updates=3)
     # TAC (paper section 4.3): the last `fused_layers` HF hidden states are fused; `bottleneck` is
     # d; `top_k` routed positions per token (K = 64). kind "standard" = the linear value head.
     config.critic = section(kind="tac", fused_layers=4, bottleneck=128, top_k=64, eps=1e-6, query_block=128)
@@ -72,8 +75,11 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     config.mesh = section(data=1, fsdp=4, tensor=-1, distributed=False, coordinator_address="", num_processes=0, process_id=0)
     # Async Orbax checkpoints every `every` steps and at the end: the last `keep_last` plus the
     # `keep_best` best by dev accuracy. resume=True continues the run in output_dir exactly.
+    # Every checkpoint carries per-leaf content digests, verified on restore: resume falls back to
+    # the newest checkpoint that verifies unless resume_step (>= 0) names one.
     config.checkpoint = section(every=10, keep_last=2, keep_best=1)
     config.resume = False
+    config.resume_step = -1
     # launch/eval.py: frozen benchmarks as "name=path,..." (loaders: comppo_jax.data.datasets.BENCHMARKS),
     # majority@samples with the rollout temperature / top-p.
     config.eval = section(benchmarks="", samples=8, batch_size=32)

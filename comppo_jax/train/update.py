@@ -64,12 +64,16 @@ def adamw(learning_rate: float) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=learning_rate, b1=0.9, b2=0.999, weight_decay=0.0)
 
 
-def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm):
+def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm, losses):
+    """Clips and applies `grads`; when a loss in `losses` or the gradient norm is not finite the
+    update is skipped: params and optimizer state come back unchanged, with finite=False."""
     grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.all(jnp.isfinite(jnp.stack(losses)))
     grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / (grad_norm + 1e-6)), grads)
     opt_state.hyperparams["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, grad_norm
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return keep_if_finite(optax.apply_updates(params, updates), params), keep_if_finite(new_opt_state, opt_state), grad_norm, finite
 
 
 def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float):
@@ -86,10 +90,12 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, tem
 
 
 def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: ModelConfig, tx, temperature: float):
-    """One actor update; hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars)."""
+    """One actor update; hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
+    Skipped (params and optimizer state unchanged, actor_finite=False) on a non-finite loss or gradient."""
     grads, metrics = jax.grad(actor_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature)
-    params, opt_state, grad_norm = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"])
-    return params, opt_state, {**metrics, "grad_norm": grad_norm}
+    params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"],
+                                                           (metrics["policy_loss"], metrics["kl_loss"]))
+    return params, opt_state, {**metrics, "grad_norm": grad_norm, "actor_finite": finite}
 
 
 def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str):
@@ -102,15 +108,18 @@ def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str):
 
 
 def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_module, kind: str, tx):
-    """One critic update toward the detached G_t; hyper: learning_rate, value_clip, grad_clip."""
+    """One critic update toward the detached G_t; hyper: learning_rate, value_clip, grad_clip.
+    Skipped (critic_finite=False) on a non-finite loss or gradient, as `actor_step`."""
 
     def loss(params):
         values = critic_values(params, batch, critic_module=critic_module, kind=kind)
         return value_loss(values, batch.old_values, batch.returns, batch.response_mask, hyper["value_clip"])
 
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    params, opt_state, grad_norm = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"])
-    return params, opt_state, {"value_loss": value, "value_clip_fraction": stats["clip_fraction"], "critic_grad_norm": grad_norm}
+    params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"],
+                                                           (value,))
+    return params, opt_state, {"value_loss": value, "value_clip_fraction": stats["clip_fraction"], "critic_grad_norm": grad_norm,
+                               "critic_finite": finite}
 
 
 class UpdateSteps(NamedTuple):

@@ -296,3 +296,23 @@ def test_whitening_matches_verl_masked_whiten(batch):
 def test_clip_advantages():
     got = clip_advantages(jnp.array([[-9.0, -1.0, 0.0, 2.0, 6.0]]), 5.0)
     np.testing.assert_array_equal(got, [[-5.0, -1.0, 0.0, 2.0, 5.0]])
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, m: comp_gae(x, x, x, m, 1.5),
+    lambda x, m: comp_gae(x, x, x, m, lam=-0.1),
+    lambda x, m: gae(x, x, m, gamma=1.01),
+    lambda x, m: gae(x, x, m, lam=2),
+    lambda x, m: transport_kernel(x, 1.5, m),
+])
+def test_out_of_range_python_lam_or_gamma_is_refused_naming_it(call):
+    x, mask = np.zeros((2, 5), np.float32), np.ones((2, 5), bool)
+    with pytest.raises(ValueError, match=r"(lam|gamma) must be in \[0, 1\], got"):
+        call(x, mask)
+
+
+def test_range_checks_keep_the_jitted_api():
+    x, mask = np.zeros((2, 5), np.float32), np.ones((2, 5), bool)
+    assert comp_gae.lower(x, x, x, mask, 0.9).compile() is not None
+    assert "paper eqs. (comp_td) and (comp_gae)" in comp_gae.__doc__
+    np.testing.assert_array_equal(jax.jit(comp_gae)(x, x, x, mask, 0.9)[0], comp_gae(x, x, x, mask, 0.9)[0])

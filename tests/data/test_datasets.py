@@ -121,3 +121,39 @@ def test_hf_tokenizer_from_a_local_directory_uses_the_chat_template(tmp_path):
     assert tokenizer.decode(tokenizer.encode("what is 2")) == "what is 2"
     with pytest.raises(FileNotFoundError, match="missing_dir does not exist"):
         load_tokenizer(str(tmp_path / "missing_dir"))
+
+
+def test_undecodable_role_less_and_wrongly_typed_rows_are_skipped_and_counted(tmp_path, caplog):
+    good = [json.dumps(row).encode() for row in dapo_rows(8, copies=1)]
+    bad = [
+        b'{"prompt": "What is 1 + \xff?", "answer": "2"}',  # not UTF-8
+        json.dumps({"prompt": [{"role": "system", "content": "no user turn"}], "answer": "1"}).encode(),
+        json.dumps({"prompt": {"content": "a dict"}, "answer": "1"}).encode(),
+    ]
+    path = tmp_path / "dapo.jsonl"
+    path.write_bytes(b"\n".join(good[:4] + bad + good[4:]) + b"\n")
+    with caplog.at_level(logging.WARNING):
+        train, dev = load_dapo_math(str(path), dev_size=2)
+    assert len(train) + len(dev) == 8
+    assert "skipped 3 malformed DAPO-Math row(s)" in caplog.text and "line 5: not valid UTF-8" in caplog.text
+
+
+def test_a_csv_row_that_is_not_utf8_is_skipped_not_the_file(tmp_path, caplog):
+    path = tmp_path / "math500.csv"
+    path.write_bytes(b"problem,answer\nWhat is 1 + 1?,2\nWhat is \xe9 + 1?,3\nWhat is 2 + 2?,4\n")
+    with caplog.at_level(logging.WARNING):
+        problems = load_benchmark("math500", str(path))
+    assert [p.answer for p in problems] == ["2", "4"] and "csv row 2: not valid UTF-8" in caplog.text
+
+
+def test_problems_the_tokenizer_cannot_encode_are_skipped_at_load_time(caplog):
+    from comppo_jax.data.datasets import Problem, encodable_problems
+
+    problems = [Problem("What is 1 + 1?", "2", "a", "t"), Problem("What is π + 1?", "4.14", "b", "t"),
+                Problem("What is 2 + 2?", "4", "c", "t"), Problem("x" * 50, "1", "d", "t")]
+    with caplog.at_level(logging.WARNING):
+        kept = encodable_problems(CharTokenizer(), problems, "dapo.jsonl (train)", max_prompt_tokens=40)
+    assert [p.id for p in kept] == ["a", "c"]
+    assert "dapo.jsonl (train): skipped 2 problem(s) the tokenizer cannot encode; first: problem 1 ('b')" in caplog.text
+    with pytest.raises(DataError, match="can encode none of its 1 problems"):
+        encodable_problems(CharTokenizer(), problems[1:2], "dev")

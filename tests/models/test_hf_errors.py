@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -106,3 +107,13 @@ def test_load_policy_refuses_a_checkpoint_of_another_architecture(hf_checkpoint)
     section.arch.hidden_size = 64
     loaded, params = load_policy(section, rng=None)
     assert loaded == config and params["embed"].shape == (config.vocab_size, 64)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_a_damaged_safetensors_file_is_a_checkpoint_error_naming_it(checkpoint_copy, damage):
+    weights = os.path.join(checkpoint_copy, "model.safetensors")
+    data = open(weights, "rb").read()
+    with open(weights, "wb") as f:
+        f.write(data[: len(data) // 2] if damage == "truncated" else b"")
+    with pytest.raises(CheckpointError, match=re.escape(weights) + " is not a readable safetensors file"):
+        from_hf(checkpoint_copy)

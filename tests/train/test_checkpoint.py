@@ -1,15 +1,23 @@
-"""Orbax checkpoints: keep-last-N plus best-by-dev, and a resumed run equal to a straight one, bitwise."""
+"""Orbax checkpoints: keep-last-N plus best-by-dev, integrity (digests, fallback, failed saves), and runs stopped
+(SIGTERM) or damaged then resumed equal to a straight one, bitwise."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import small_train_config
+from conftest import CPU_ONLY_ENV, REPO, small_train_config, small_train_flags
 
+from comppo_jax.models import CheckpointError
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.loop import train
 
@@ -43,20 +51,145 @@ def restored_state(run_dir, step):
         return checkpointer.restore(run_dir / "checkpoints" / str(step) / "state")
 
 
-@pytest.mark.slow
-def test_two_steps_stop_resume_two_steps_equals_four_steps_bitwise(tmp_path):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train(small_train_config(straight, steps=4))
-    train(small_train_config(split, steps=2))
-    train(small_train_config(split, steps=4, resume=True))
+def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedProcess:
+    """Runs launch/train.py and sends it SIGTERM twice (the second during its save) once metrics.jsonl has `rows` rows."""
+    process = subprocess.Popen([sys.executable, "launch/train.py", *small_train_flags(run_dir, **overrides)], cwd=REPO, env=CPU_ONLY_ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while process.poll() is None and time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.1)
+    stdout, stderr = process.communicate(timeout=240)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
-    # CompPO: 1 critic warm-up step, then 4 actor updates (2 + 2 across the resume).
-    a, b = restored_state(straight, 5), restored_state(split, 5)
+
+def metric_rows(run):
+    return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_checkpoint(a_dir, b_dir, step):
+    a, b = restored_state(a_dir, step), restored_state(b_dir, step)
     paths = jax.tree_util.tree_flatten_with_path(a)[0]
     assert len(paths) == len(jax.tree.leaves(b)) > 0
     for (path, x), y in zip(paths, jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
-    rows = lambda run: [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert rows(straight) == rows(split) and [r["step"] for r in rows(split)] == [0, 1, 2, 3, 4]
-    summary = lambda run: {k: v for k, v in json.loads((run / "summary.json").read_text()).items()}
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_straight_run_bitwise(tmp_path):
+    # CompPO: 1 critic warm-up step, then 4 actor updates: loop steps 0..4, checkpoints 2, 4 and 5.
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    settings = dict(steps=4, checkpoint__every=2, checkpoint__keep_last=2)
+    train(small_train_config(straight, **settings))
+
+    rows = int(np.random.default_rng().integers(1, 4))  # SIGTERM once 1-3 steps are logged
+    stopped = stop_with_sigterm_after(split, rows, **settings)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    saved = [line for line in stopped.stdout.splitlines() if line.startswith("stopped: checkpoint")]
+    assert len(saved) == 1 and saved[0].endswith("--config.resume=True"), stopped.stdout
+    next_step = int(saved[0].split()[2])
+    assert rows <= next_step < 5 and (split / "checkpoints" / str(next_step)).is_dir(), (rows, stopped.stdout)
+    assert not (split / "summary.json").exists()
+    train(small_train_config(split, resume=True, **settings))
+    assert_same_checkpoint(straight, split, 5)
+    assert metric_rows(straight) == metric_rows(split) and [r["step"] for r in metric_rows(split)] == [0, 1, 2, 3, 4]
+    summary = lambda run: json.loads((run / "summary.json").read_text())
     assert summary(straight) == summary(split)
+
+    # 4 KB overwritten inside checkpoint 5's data: resuming detects it, falls back to 4 and redoes step 4.
+    overwrite_inside(data_files(split, 5)[-1])
+    train(small_train_config(split, resume=True, **settings))
+    assert os.listdir(split / "corrupt_checkpoints")[0].startswith("5-")
+    assert_same_checkpoint(straight, split, 5)
+    assert metric_rows(straight) == metric_rows(split)
+
+
+# --- Integrity: digests verified on restore, fallback to the newest good step ----------------------
+
+
+def small_state(seed):
+    rng = np.random.default_rng(seed)
+    return {"actor": {"w": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32), "b": jnp.asarray(rng.standard_normal(64), jnp.bfloat16)},
+            "rng": jax.random.PRNGKey(seed), "count": jnp.int32(seed)}
+
+
+def data_files(run_dir, step):
+    root = run_dir / "checkpoints" / str(step) / "state"
+    return sorted((p for p in root.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+
+
+def overwrite_inside(path, size=4096):
+    """Overwrites `size` bytes in the middle of `path` in place (its size unchanged)."""
+    data = bytearray(path.read_bytes())
+    start = max(0, len(data) // 2 - size // 2)
+    data[start : start + size] = np.random.default_rng(1).integers(0, 256, min(size, len(data) - start), dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "overwritten in place": lambda run, step: overwrite_inside(data_files(run, step)[-1]),
+    "truncated": lambda run, step: data_files(run, step)[-1].write_bytes(data_files(run, step)[-1].read_bytes()[:100]),
+    "meta emptied": lambda run, step: (run / "checkpoints" / str(step) / "meta" / "metadata").write_text(""),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_restored(tmp_path, damage, capsys):
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
+    for step in (1, 2):
+        checkpoints.save(step, small_state(step), {"next_step": step})
+    checkpoints.close()
+    DAMAGE[damage](tmp_path, 2)
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
+    with pytest.raises(CheckpointError, match=r"checkpoint 2 "):
+        checkpoints.restore(small_state(0), step=2)
+    state, meta, step = checkpoints.restore_newest_good(small_state(0))
+    assert step == 1 and meta == {"next_step": 1}
+    jax.tree.map(np.testing.assert_array_equal, state, small_state(1))
+    assert "checkpoint(s) [2] failed verification" in capsys.readouterr().out
+    assert checkpoints.manager.all_steps() == [1] and os.listdir(tmp_path / "corrupt_checkpoints")[0].startswith("2-")
+    checkpoints.close()
+
+
+def test_retention_keeps_the_newest_good_checkpoint_until_a_newer_save_is_confirmed(tmp_path):
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
+    checkpoints.save(1, small_state(1), {})
+    checkpoints.save(2, small_state(2), {})  # confirms 1 first: 1 is kept while 2 is unconfirmed
+    checkpoints.manager.wait_until_finished()
+    assert checkpoints.manager.all_steps() == [1, 2]
+    checkpoints.save(3, small_state(3), {})  # 2 confirmed: 1 may go
+    checkpoints.close()
+    assert checkpoints.manager.all_steps() == [2, 3]
+
+
+FAILED_SAVE = """
+import resource, sys
+import jax.numpy as jnp, numpy as np
+from comppo_jax.train.checkpoint import RunCheckpoints
+checkpoints = RunCheckpoints(sys.argv[1], keep_last=1, keep_best=0)
+checkpoints.save(1, {"w": jnp.ones(8)}, {"next_step": 1})
+checkpoints.confirm_saves(wait=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a write past 200 kB fails with EFBIG, like a full disk
+checkpoints.save(2, {"w": jnp.asarray(np.random.default_rng(0).standard_normal(500_000), jnp.float32)}, {"next_step": 2})
+try:
+    checkpoints.confirm_saves(wait=True)
+except Exception as error:
+    print("RAISED", type(error).__name__, error)
+"""
+
+
+def test_a_failed_async_save_is_one_error_naming_step_path_and_cause_and_loses_nothing(tmp_path):
+    result = subprocess.run([sys.executable, "-c", FAILED_SAVE, str(tmp_path)], capture_output=True, text=True, env=CPU_ONLY_ENV,
+                            timeout=300)
+    raised = [line for line in result.stdout.splitlines() if line.startswith("RAISED")]
+    assert raised and raised[0].startswith(f"RAISED CheckpointError saving checkpoint 2 to {tmp_path}/checkpoints/2 failed: "), result.stdout
+    assert "File too large" in raised[0] and "the older checkpoints are intact ([1])" in raised[0]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]  # no partial step 2 left behind
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
+    np.testing.assert_array_equal(checkpoints.restore({"w": np.zeros(8, np.float32)})[0]["w"], np.ones(8))
+    checkpoints.close()

@@ -21,11 +21,14 @@ def train(*flags):
 
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):
     result = train()
-    assert result.returncode != 0 and "config.model.path is required" in result.stderr
+    assert result.returncode == 1 and "config.model.path='': this preset needs a local HF checkpoint" in result.stderr
+    assert result.stderr.startswith("error: ConfigError: ") and "Traceback" not in result.stderr
     result = train(f"--config.model.path={tmp_path / 'nope'}")
-    assert result.returncode != 0 and "config.model.path=" in result.stderr and "does not exist" in result.stderr
+    assert result.returncode == 1 and "config.model.path=" in result.stderr and "does not exist" in result.stderr
     result = train(f"--config.model.path={tmp_path}", f"--config.data.path={tmp_path / 'dapo.parquet'}")
-    assert result.returncode != 0 and "config.data.path=" in result.stderr and "DAPO-Math-17K" in result.stderr
+    assert result.returncode == 1 and "config.data.path=" in result.stderr and "dapo-math-17k.parquet" in result.stderr
+    result = train(f"--config.model.path={tmp_path}", "--config.method=compo", "--verbosity=1")  # the traceback on request
+    assert result.returncode == 1 and "Traceback" in result.stderr and "pass --config.method=comppo" in result.stderr
 
 
 @pytest.mark.slow

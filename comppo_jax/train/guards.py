@@ -1,0 +1,94 @@
+"""What keeps an unattended run from losing work: preemption signals and the non-finite guard.
+
+- `StopSignals`: SIGTERM (a preempted TPU VM, a scheduler) and SIGINT set a flag instead of
+  killing the process; the train loop reads `requested()` at each step boundary, where every
+  process agrees on it, saves and exits. Repeated signals while it stops are ignored, so a second
+  one cannot interrupt the save.
+- `nonfinite_credit`: which of a step's credit inputs (rewards, values, advantages, returns) hold
+  NaN or inf; the loop skips that step's update. Loss and gradient norms are guarded inside the
+  jitted update steps (`update._clip_and_apply`).
+- `SkippedUpdates`: counts skipped updates; after `limit` consecutive ones the run stops with
+  `NonFiniteError` naming the step and quantity.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive updates were skipped for non-finite values."""
+
+
+class StopSignals:
+    """Within `with StopSignals() as stop:`, SIGTERM / SIGINT request a stop at the next step boundary."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        del frame
+        if self.received is None:
+            print(f"{signal.Signals(signum).name} received: stopping after this step, saving a checkpoint", file=sys.stderr, flush=True)
+        self.received = signum
+
+    def __enter__(self) -> "StopSignals":
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def requested(self) -> bool:
+        """Whether any process received a signal (a collective: every process must call it at the same step)."""
+        flag = self.received is not None
+        if jax.process_count() == 1:
+            return flag
+        return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+@jax.jit
+def _all_finite(arrays):
+    return [jnp.all(jnp.isfinite(x)) for x in arrays]
+
+
+def nonfinite_credit(rewards: np.ndarray, **arrays) -> list[str]:
+    """Names of the quantities holding NaN or inf: "rewards (rows [..])" and any of `arrays` (device)."""
+    names = []
+    bad_rows = np.flatnonzero(~np.isfinite(rewards))
+    if bad_rows.size:
+        names.append(f"rewards (rows {bad_rows[:5].tolist()}{' ...' if bad_rows.size > 5 else ''})")
+    flags = jax.device_get(_all_finite(list(arrays.values())))
+    return names + [name for name, finite in zip(arrays, flags) if not finite]
+
+
+class SkippedUpdates:
+    """The run's skipped updates: `total`, and `consecutive` ones, which stop the run at `limit`."""
+
+    def __init__(self, limit: int, total: int = 0, consecutive: int = 0):
+        self.limit, self.total, self.consecutive = limit, total, consecutive
+
+    def record(self, nonfinite: list[str]) -> None:
+        """Counts a step's update as skipped for `nonfinite` quantities (none: it was applied)."""
+        self.total += bool(nonfinite)
+        self.consecutive = self.consecutive + 1 if nonfinite else 0
+
+    def stop_if_exhausted(self, step: int, nonfinite: list[str]) -> None:
+        if self.consecutive >= self.limit:
+            raise NonFiniteError(f"step {step}: {self.consecutive} consecutive updates skipped for non-finite values, last in "
+                                 f"{', '.join(nonfinite)}; params and optimizer state are those before the first skip, and the last "
+                                 "checkpoint is intact. Lower the learning rates, check the rewards, or raise train.max_skipped_updates")
+
+    def state(self) -> dict:
+        return {"total": self.total, "consecutive": self.consecutive}

@@ -1,0 +1,207 @@
+"""One validation pass over a training config, before the warm start or any compile.
+
+`validate_config(cfg)` checks every field a run reads: that it exists (against the preset
+template, `comppo_jax.train.paper.paper_config`), every enum, every range, the paths a run needs
+(model, tokenizer, data, position schedule) and the batch arithmetic. It collects every problem
+and raises one `ConfigError` listing them, each naming the field, the value and the fix, so a
+mistake costs seconds, not the 11-minute warm start. The mesh-dependent divisibility checks
+(`check_batch`) run once the mesh exists, still before any model is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+
+from comppo_jax.credit.schedule import load_position_schedule
+from comppo_jax.data.rewards import LENGTH_PENALTIES
+from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
+from comppo_jax.rollout.scoring import WINDOWS
+from comppo_jax.sharding import AXES
+from comppo_jax.train import controller
+from comppo_jax.train.methods import GATES, METHODS
+
+CRITIC_KINDS = ("tac", "standard")
+DATA_KINDS = ("synthetic", "dapo_math")
+
+
+def _template_keys(section, prefix: str = "") -> list[str]:
+    """Dotted names of every field of a config section (model.arch is the model's own, not checked)."""
+    keys = []
+    for name, value in section.items():
+        dotted = f"{prefix}{name}"
+        if hasattr(value, "items") and dotted != "model.arch":
+            keys.extend(_template_keys(value, dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def _lookup(cfg, dotted: str):
+    section = cfg
+    for part in dotted.split("."):
+        if not hasattr(section, "keys") or part not in section.keys():
+            raise KeyError(dotted)
+        section = section[part]
+    return section
+
+
+def missing_fields(cfg) -> list[str]:
+    """Fields the preset template has and `cfg` lacks (a deleted or misspelt field)."""
+    from comppo_jax.train.paper import paper_config  # paper -> controller; imported late to keep this module light
+
+    missing = []
+    for dotted in _template_keys(paper_config(dict(cfg.model.arch) if "model" in cfg and "arch" in cfg.model else {})):
+        try:
+            _lookup(cfg, dotted)
+        except KeyError:
+            missing.append(dotted)
+    return missing
+
+
+class _Problems:
+    """Collects `config.<field>=<value>: <what is wrong>; <the fix>` lines."""
+
+    def __init__(self, cfg):
+        self.cfg, self.lines = cfg, []
+
+    def value(self, dotted: str):
+        return _lookup(self.cfg, dotted)
+
+    def add(self, dotted: str, message: str) -> None:
+        self.lines.append(f"config.{dotted}={self.value(dotted)!r}: {message}")
+
+    def enum(self, dotted: str, allowed) -> None:
+        value = self.value(dotted)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            fix = f"pass --config.{dotted}={close[0]}" if close else f"pass --config.{dotted}=<one of them>"
+            self.add(dotted, f"expected one of {tuple(allowed)}; {fix}")
+
+    def number(self, dotted: str, *, low=None, high=None, low_open=False, high_open=False, integer=False) -> None:
+        """Range check; low/high bounds are inclusive unless *_open."""
+        value = self.value(dotted)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+            self.add(dotted, f"expected {'an integer' if integer else 'a number'}")
+            return
+        if not math.isfinite(value):
+            self.add(dotted, "expected a finite number")
+            return
+        below = low is not None and (value <= low if low_open else value < low)
+        above = high is not None and (value >= high if high_open else value > high)
+        if below or above:
+            if high is None:
+                allowed = f"{'>' if low_open else '>='} {low}"
+            elif low is None:
+                allowed = f"{'<' if high_open else '<='} {high}"
+            else:
+                allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            self.add(dotted, f"must be {allowed}; pass --config.{dotted}=<{'an integer' if integer else 'a value'} {allowed}>")
+
+
+def _check_paths(problems: _Problems, cfg) -> None:
+    model = cfg.model
+    if model.get("path_required") and not model.path:
+        problems.lines.append("config.model.path='': this preset needs a local HF checkpoint: pass --config.model.path=/path/to/hf_checkpoint "
+                              "(a directory with config.json, *.safetensors and the tokenizer); nothing is downloaded")
+    if model.path and not os.path.isdir(model.path):
+        problems.add("model.path", "does not exist; expected a local HF checkpoint directory (config.json + *.safetensors)")
+    if model.tokenizer and not os.path.isdir(model.tokenizer):
+        problems.add("model.tokenizer", "does not exist; expected a local directory with tokenizer.json / tokenizer_config.json, "
+                                        "or '' for the tokenizer saved with model.path")
+    if cfg.data.kind == "dapo_math" and not os.path.isfile(cfg.data.path):
+        problems.add("data.path", "does not exist; pass --config.data.path=/path/to/dapo-math-17k.parquet (or .jsonl)")
+    if cfg.method == "comppo" and cfg.gate == "position":
+        if not cfg.position_schedule:
+            problems.add("position_schedule", "gate='position' needs a position schedule: pass --config.position_schedule=<a CompPO "
+                                              "run's output_dir>/gate_profile.json")
+        elif not os.path.isfile(cfg.position_schedule):
+            problems.add("position_schedule", "does not exist; expected a JSON schedule such as a CompPO run's gate_profile.json")
+        else:
+            try:
+                load_position_schedule(cfg.position_schedule)
+            except (ValueError, KeyError, TypeError) as error:
+                problems.add("position_schedule", f"is not a position schedule ({error}); expected a CompPO run's gate_profile.json")
+
+
+def _check_mesh(problems: _Problems, cfg) -> None:
+    sizes = [cfg.mesh[axis] for axis in AXES]
+    if sizes.count(-1) > 1 or any(not isinstance(s, int) or s == 0 or s < -1 for s in sizes):
+        problems.lines.append(f"config.mesh (data, fsdp, tensor)={tuple(sizes)}: sizes must be positive integers, at most one -1 "
+                              "(all remaining devices)")
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    minibatch = cfg.train.minibatch_size
+    if isinstance(minibatch, int) and minibatch >= 1 and rows % minibatch:
+        problems.add("train.minibatch_size", f"must divide the {rows} responses per step (rollout.prompts_per_step x samples_per_prompt)")
+    if cfg.mesh.distributed and cfg.mesh.coordinator_address:
+        problems.number("mesh.num_processes", low=1, integer=True)
+        problems.number("mesh.process_id", low=0, high=max(cfg.mesh.num_processes - 1, 0), integer=True)
+
+
+def validate_config(cfg) -> None:
+    """Raises ConfigError listing every problem of a training config (nothing is loaded or compiled)."""
+    missing = missing_fields(cfg)
+    if missing:
+        raise ConfigError("\n".join(f"config.{name} is missing: restore it from configs/ (the preset's value) or pass "
+                                    f"--config.{name}=..." for name in missing))
+    problems = _Problems(cfg)
+    problems.enum("method", METHODS)
+    problems.enum("gate", GATES)
+    problems.enum("critic.kind", CRITIC_KINDS)
+    problems.enum("model.attention", ATTENTION)
+    problems.enum("model.remat", REMAT)
+    problems.enum("model.arch.dtype", DTYPES)
+    problems.enum("train.master_dtype", DTYPES)
+    problems.enum("data.kind", DATA_KINDS)
+    problems.enum("rollout.window", WINDOWS)
+    problems.enum("reward.length_penalty", LENGTH_PENALTIES)
+    problems.number("steps", low=1, integer=True)
+    problems.number("seed", low=0, integer=True)
+    for name in ("train.actor_lr", "train.critic_lr"):
+        problems.number(name, low=0, low_open=True)
+    for name in ("train.kl_coef", "train.kl_coef_grpo"):
+        problems.number(name, low=0)
+    problems.number("train.lam", low=0, high=1, low_open=True)
+    problems.number("train.minibatch_size", low=1, integer=True)
+    problems.number("train.critic_warmup_steps", low=0, integer=True)
+    problems.number("train.eval_every", low=0, integer=True)
+    problems.number("train.max_skipped_updates", low=1, integer=True)
+    problems.number("gate_envelope.kappa_lo", low=0, high=1)
+    problems.number("gate_envelope.kappa_hi", low=0, high=1)
+    if cfg.gate_envelope.kappa_lo >= cfg.gate_envelope.kappa_hi:
+        problems.lines.append(f"config.gate_envelope: kappa_lo={cfg.gate_envelope.kappa_lo} must be below kappa_hi="
+                              f"{cfg.gate_envelope.kappa_hi} (0 <= kappa_lo < kappa_hi <= 1); swap them")
+    problems.number("gate_envelope.tau", low=0, low_open=True)
+    problems.number("fixed_gate", low=0, high=1)
+    problems.number("rollout.prompts_per_step", low=1, integer=True)
+    problems.number("rollout.samples_per_prompt", low=1, integer=True)
+    problems.number("rollout.max_new_tokens", low=1, integer=True)
+    problems.number("rollout.temperature", low=0, low_open=True)
+    problems.number("rollout.top_p", low=0, high=1, low_open=True)
+    problems.number("critic.fused_layers", low=1, integer=True)
+    problems.number("critic.bottleneck", low=1, integer=True)
+    problems.number("critic.top_k", low=1, integer=True)
+    problems.number("reward.workers", low=1, integer=True)
+    problems.number("reward.timeout_s", low=0, low_open=True)
+    problems.number("checkpoint.every", low=1, integer=True)
+    problems.number("checkpoint.keep_last", low=1, integer=True)
+    problems.number("checkpoint.keep_best", low=0, integer=True)
+    problems.number("resume_step", low=-1, integer=True)
+    problems.number("data.dev_size", low=1, integer=True)
+    if cfg.data.kind == "synthetic":
+        problems.number("data.train_size", low=1, integer=True)
+    if cfg.warm_start.steps:
+        problems.number("warm_start.steps", low=0, integer=True)
+        problems.number("warm_start.batch_size", low=1, integer=True)
+        problems.number("warm_start.learning_rate", low=0, low_open=True)
+    for check in (lambda: controller.controller_config(cfg.controller),
+                  lambda: controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)):
+        try:
+            check()
+        except (ValueError, TypeError) as error:
+            problems.lines.append(str(error))
+    _check_mesh(problems, cfg)
+    _check_paths(problems, cfg)
+    if problems.lines:
+        raise ConfigError("\n".join(problems.lines))

@@ -1,0 +1,98 @@
+"""Config mistakes fail in one pass, naming the field and the fix, before anything is loaded or compiled."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import small_train_config
+
+from comppo_jax.models import ConfigError
+from comppo_jax.train import loop
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """train() stops the test if it gets past validation: the tokenizer is the first thing it loads."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("train() got past validation (it loaded the tokenizer)")
+
+    monkeypatch.setattr(loop, "load_tokenizer", reached)
+    monkeypatch.setattr(loop, "load_policy", reached)
+
+
+def delete(dotted):
+    def edit(config):
+        *sections, name = dotted.split(".")
+        section = config
+        for part in sections:
+            section = section[part]
+        del section[name]
+
+    return edit
+
+
+def assign(**values):
+    def edit(config):
+        for key, value in values.items():
+            *sections, name = key.split("__")
+            section = config
+            for part in sections:
+                section = section[part]
+            section[name] = value
+
+    return edit
+
+
+CASES = {
+    "method typo": (assign(method="compo"), r"config\.method='compo': expected one of \('comppo', 'grpo', 'ppo'\); pass --config\.method=comppo"),
+    "inverted envelope": (assign(gate_envelope__kappa_lo=0.9, gate_envelope__kappa_hi=0.1),
+                          r"config\.gate_envelope: kappa_lo=0\.9 must be below kappa_hi=0\.1"),
+    "checkpoint every 0": (assign(checkpoint__every=0), r"config\.checkpoint\.every=0: must be >= 1"),
+    "position gate without schedule": (assign(gate="position"), r"config\.position_schedule='': gate='position' needs a position schedule"),
+    "position schedule missing": (assign(gate="position", position_schedule="/nowhere/gate_profile.json"),
+                                  r"config\.position_schedule='/nowhere/gate_profile\.json': does not exist"),
+    "no verifier workers": (assign(reward__workers=0), r"config\.reward\.workers=0: must be >= 1"),
+    "deleted lam": (delete("train.lam"), r"config\.train\.lam is missing"),
+    "negative learning rate": (assign(train__actor_lr=-1e-6), r"config\.train\.actor_lr=-1e-06: must be > 0"),
+    "lam above one": (assign(train__lam=1.5), r"config\.train\.lam=1\.5: must be in \(0, 1\]"),
+    "negative steps": (assign(steps=-3), r"config\.steps=-3: must be >= 1"),
+    "unknown critic": (assign(critic__kind="big"), r"config\.critic\.kind='big': expected one of \('tac', 'standard'\)"),
+    "unknown attention": (assign(model__attention="flash"), r"config\.model\.attention='flash': expected one of"),
+    "unknown remat": (assign(model__remat="some"), r"config\.model\.remat='some': expected one of"),
+    "unknown data kind": (assign(data__kind="gsm8k"), r"config\.data\.kind='gsm8k': expected one of \('synthetic', 'dapo_math'\)"),
+    "missing data file": (assign(data__kind="dapo_math", data__path="/nowhere/dapo.parquet"), r"config\.data\.path='/nowhere/dapo\.parquet': does not exist"),
+    "missing model": (assign(model__path="/nowhere/qwen3"), r"config\.model\.path='/nowhere/qwen3': does not exist"),
+    "minibatch does not divide": (assign(train__minibatch_size=3), r"config\.train\.minibatch_size=3: must divide the 4 responses per step"),
+    "top_p zero": (assign(rollout__top_p=0.0), r"config\.rollout\.top_p=0\.0: must be in \(0, 1\]"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_config_mistake_names_the_field_before_anything_loads(tmp_path, nothing_loads, case):
+    edit, message = CASES[case]
+    config = small_train_config(tmp_path)
+    edit(config)
+    with pytest.raises(ConfigError, match=message):
+        loop.train(config)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_problem_is_listed_at_once(tmp_path, nothing_loads):
+    config = small_train_config(tmp_path, steps=0, train__lam=2.0, reward__workers=0)
+    with pytest.raises(ConfigError) as error:
+        loop.train(config)
+    assert len(str(error.value).splitlines()) == 3
+
+
+def test_the_presets_validate(tmp_path):
+    from comppo_jax.models import load_config_file
+    from comppo_jax.train.validation import validate_config
+
+    for preset in ("tiny", "qwen3_4b", "llama3_8b"):
+        config = load_config_file(f"configs/{preset}.py")
+        if config.model.path_required:  # the real presets need a checkpoint and data; everything else is valid
+            with pytest.raises(ConfigError) as error:
+                validate_config(config)
+            assert {line.split("=")[0] for line in str(error.value).splitlines()} == {"config.model.path", "config.data.path"}
+        else:
+            validate_config(config)
