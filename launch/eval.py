@@ -12,6 +12,9 @@ results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
 `--held_out_problems=N` also writes `<output>/held_out.json`: the checkpoint's realized gate
 statistics and critic diagnostics on the first N dev prompts (comppo_jax.eval.held_out);
 `--accuracy=False` skips the accuracy sets.
+
+Multi-host: run it on every host like launch/train.py (docs/reliability.md); every process
+evaluates its shards and process 0 writes the results.
 """
 
 from __future__ import annotations
@@ -62,22 +65,27 @@ def main(argv):
 
     cfg = _CONFIG.value
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
+    sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
     step = checkpoints.resolve_step(_STEP.value)
     output = _OUTPUT.value or os.path.join(_CHECKPOINT.value, "eval", f"step_{step}")
-    os.makedirs(output, exist_ok=True)
-    sharding.initialize_distributed(cfg.mesh)
+    main_process = jax.process_index() == 0  # a multi-process run: every process evaluates, process 0 writes
+    if main_process:
+        os.makedirs(output, exist_ok=True)
     if _HELD_OUT.value:
         from comppo_jax.eval.held_out import held_out_diagnostics
 
         diagnostics = held_out_diagnostics(cfg, checkpoints, step, _HELD_OUT.value)
-        with open(os.path.join(output, "held_out.json"), "w") as f:
-            json.dump(diagnostics, f, indent=2)
-        print(json.dumps(diagnostics, indent=2))
+        if main_process:
+            with open(os.path.join(output, "held_out.json"), "w") as f:
+                json.dump(diagnostics, f, indent=2)
+            print(json.dumps(diagnostics, indent=2))
     if not _ACCURACY.value:
         return
     sets = {"id_dev": load_problems(cfg.data, cfg.seed)[1]} if cfg.data.kind == "synthetic" or cfg.data.path else {}
     sets.update({name: load_benchmark(name, path) for name, path in benchmarks.items()})  # fails now on a bad file, not midway
+    # Sets finished by an earlier run are read, not recomputed; decided once, before any process writes.
+    done = {name: os.path.exists(os.path.join(output, f"{name}.json")) for name in sets}
 
     mesh = sharding.make_mesh(cfg.mesh)
     policy_config = model_config(cfg.model)
@@ -86,19 +94,22 @@ def main(argv):
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     samples = cfg.eval.samples
     rows = []
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
         for name, problems in sets.items():
             path = os.path.join(output, f"{name}.json")
-            if os.path.exists(path):  # resumable: a finished set is not recomputed
+            if done[name]:
                 with open(path) as f:
                     result = json.load(f)
             else:
                 result = evaluate_problems(params, policy_config, tokenizer, problems, pool, max_new_tokens=cfg.rollout.max_new_tokens,
                                            samples=samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
                                            batch_size=cfg.eval.batch_size, desc=name)
-                with open(path, "w") as f:
-                    json.dump(result, f, indent=2)
+                if main_process:
+                    with open(path, "w") as f:
+                        json.dump(result, f, indent=2)
             rows.append({"set": name, **result})
+    if not main_process:
+        return
     frozen = [row for row in rows if row["set"] != "id_dev"]
     if frozen:
         metrics = ("greedy_pass@1", f"majority@{samples}")

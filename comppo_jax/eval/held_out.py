@@ -68,7 +68,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(schedule_step(cfg, parts, step))
     critic = restored.get("critic")
     own, shared = {"kappa": [], "mask": [], "correct": []}, {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []}
-    with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
         for start in range(0, len(dev), cfg.rollout.prompts_per_step):
             chunk = dev[start : start + cfg.rollout.prompts_per_step]
             tokens, mask = encode_prompts(tokenizer, chunk)

@@ -83,11 +83,12 @@ def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_p
 
     monkeypatch.setattr(loop, "score_responses", poisoned)
     config = small_train_config(tmp_path, steps=4, checkpoint__keep_last=10, train__max_skipped_updates=2)
-    with pytest.raises(NonFiniteError, match=r"step 4: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\)"):
+    with pytest.raises(NonFiniteError, match=r"step 4: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\), "):
         loop.train(config)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["skipped_updates"] for row in rows] == [0, 1, 1, 2, 3]
-    assert [row.get("nonfinite") for row in rows] == [None, "rewards (rows [0])", None, "rewards (rows [0])", "rewards (rows [0])"]
+    poisoned_step = "rewards (rows [0]), advantages, returns"  # named where it arose, then where it spread
+    assert [row.get("nonfinite") for row in rows] == [None, poisoned_step, None, poisoned_step, poisoned_step]
     # Checkpoint k holds the state after loop step k - 1: step 1 changed nothing, step 2 trained.
     assert_trees_equal(restored_state(tmp_path, 2), restored_state(tmp_path, 1))
     assert not np.array_equal(restored_state(tmp_path, 3)["actor"]["embed"], restored_state(tmp_path, 2)["actor"]["embed"])

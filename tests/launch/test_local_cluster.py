@@ -1,0 +1,137 @@
+"""Multi-process runs as on a pod: 2 `jax.distributed` processes x 4 fake CPU devices on 127.0.0.1
+(launch/local_cluster.py) against 1 process x 8 devices, and a 2-process run stopped by SIGTERM,
+then killed with SIGKILL, resumed bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import CPU_ONLY_ENV, REPO, small_train_flags
+from jax.sharding import SingleDeviceSharding
+
+# One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
+# time, so rewards, advantages and gradients carry signal (not rounding noise) to compare.
+POD_RUN = dict(steps=3, warm_start__steps=120, warm_start__learning_rate=2e-3, data__train_size=200, data__dev_size=4, data__min_steps=1,
+               data__max_steps=1, data__operations="+", rollout__max_new_tokens=20, train__minibatch_size=4, train__eval_every=2,
+               checkpoint__keep_last=10, mesh__data=4, mesh__tensor=2)
+LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("warm_start_cache")
+
+
+def flags(run_dir, cache, **overrides):
+    return small_train_flags(run_dir, **{**POD_RUN, "warm_start__cache_dir": str(cache), **overrides})
+
+
+def one_process(run_dir, cache, devices=8, **overrides):
+    env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "launch/train.py", *flags(run_dir, cache, **overrides)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def cluster(script_flags, *, signal_after_rows=None, signum=None, metrics=None, script="launch/train.py"):
+    """launch/local_cluster.py with 2 x 4 devices; optionally `signum` once `metrics` has that many rows
+    (SIGKILL goes to the whole process group: the launcher, both processes and their verifier workers)."""
+    process = subprocess.Popen([sys.executable, "launch/local_cluster.py", "--processes=2", "--devices_per_process=4", "--", script,
+                                *script_flags], cwd=REPO, env=CPU_ONLY_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    if signal_after_rows is not None:
+        deadline = time.time() + 500
+        while process.poll() is None and time.time() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= signal_after_rows:
+                if signum == signal.SIGKILL:
+                    os.killpg(process.pid, signal.SIGKILL)
+                else:
+                    process.send_signal(signum)
+                break
+            time.sleep(0.05)
+    output, _ = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def restored(run_dir, step):
+    """A checkpoint's state on this process's one device (it was saved from a 2-process mesh)."""
+    path = run_dir / "checkpoints" / str(step) / "state"
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+        device = SingleDeviceSharding(jax.devices()[0])
+        return checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree))
+
+
+def rows(run_dir):
+    return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, warm_cache):
+    run_dir = tmp_path_factory.mktemp("two_process")
+    result = cluster(flags(run_dir, warm_cache))
+    assert result.returncode == 0, result.stdout[-4000:]
+    return run_dir, result.stdout
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache, two_process_run):
+    two, output = two_process_run
+    one = tmp_path / "one"
+    result = one_process(one, warm_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert len(rows(two)) == len(rows(one)) == LAST_CHECKPOINT
+    for a, b in zip(rows(two), rows(one)):
+        assert a.keys() == b.keys()
+        for name in a:
+            if name.endswith("clip_fraction"):  # fractions of tokens on a clip boundary: rounding may move one token
+                assert abs(a[name] - b[name]) <= 0.02, (a["step"], name)
+            elif isinstance(a[name], float):
+                np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=f"step {a['step']} {name}")
+            else:
+                assert a[name] == b[name], (a["step"], name)
+    a, b = restored(two, LAST_CHECKPOINT), restored(one, LAST_CHECKPOINT)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    # Only process 0 writes: one TensorBoard event file, the summary printed once, the same files as one process.
+    assert len(os.listdir(two / "tensorboard")) == 1
+    assert sorted(os.listdir(two)) == sorted(os.listdir(one))
+    assert "[p0] {" in output and "[p1] {" not in output
+
+    # launch/eval.py the same way: every process evaluates, process 0 writes.
+    evaluated = cluster([*flags(two, warm_cache), f"--checkpoint={two}", "--config.eval.samples=2"], script="launch/eval.py")
+    assert evaluated.returncode == 0, evaluated.stdout[-4000:]
+    results = json.loads((two / "eval" / f"step_{LAST_CHECKPOINT}" / "results.json").read_text())
+    assert results["rows"][0]["set"] == "id_dev" and "[p0] | id_dev | 4 |" in evaluated.stdout and "[p1] | id_dev" not in evaluated.stdout
+
+
+@pytest.mark.slow
+def test_two_process_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path, warm_cache, two_process_run):
+    straight, _ = two_process_run
+    split = tmp_path / "split"
+    metrics = split / "metrics.jsonl"
+    stopped_at = int(np.random.default_rng().integers(1, 3))  # SIGTERM (a preempted slice) once 1 or 2 steps are logged
+    stopped = cluster(flags(split, warm_cache), signal_after_rows=stopped_at, signum=signal.SIGTERM, metrics=metrics)
+    assert stopped.returncode == 0, stopped.stdout[-4000:]
+    saved = [line for line in stopped.stdout.splitlines() if "stopped: checkpoint" in line]
+    assert len(saved) == 1 and saved[0].startswith("[p0] ") and saved[0].endswith("--config.resume=True"), stopped.stdout[-4000:]
+    assert not (split / "summary.json").exists()
+
+    # Resumed, then SIGKILL (no chance to save) one step later, then resumed again to the end.
+    killed = cluster(flags(split, warm_cache, resume=True), signal_after_rows=stopped_at + 2, signum=signal.SIGKILL, metrics=metrics)
+    assert killed.returncode != 0
+    finished = cluster(flags(split, warm_cache, resume=True))
+    assert finished.returncode == 0, finished.stdout[-4000:]
+    assert rows(split) == rows(straight)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(restored(straight, LAST_CHECKPOINT))[0],
+                            jax.tree.leaves(restored(split, LAST_CHECKPOINT)), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    assert json.loads((split / "summary.json").read_text()) == json.loads((straight / "summary.json").read_text())
