@@ -153,7 +153,7 @@ def split_over_processes(fn, items: list) -> list[int]:
     process_count()-th item, then gathered, so all processes return the same list. Every process
     must call it with the same `items`."""
     count, index = jax.process_count(), jax.process_index()
-    if count == 1:
+    if count == 1 or not items:  # the same `items` everywhere: every process takes this branch together
         return list(fn(items))
     width = -(-len(items) // count)
     mine = np.full(width, -1, np.int32)

@@ -12,6 +12,10 @@ import pytest
 
 VOCAB = 101
 
+# The tests run in two pytest-xdist workers, and the TPU ahead-of-time tests in both load libtpu;
+# without this, the second to load it fails on libtpu's single-process lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 
 def hf_model_config(architecture: str, tie_word_embeddings: bool):
     import transformers

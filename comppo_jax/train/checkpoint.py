@@ -50,8 +50,19 @@ REFERENCE_DIGESTS = "reference_digests.json"
 QUARANTINE_DIR = "corrupt_checkpoints"
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint whose state structure differs from the run's: not damage, so no fallback."""
+
+
 class NonFiniteStateError(FloatingPointError):
     """A state about to be saved holds NaN or infinity; the message names the leaves."""
+
+
+def _first_line(error: BaseException) -> str:
+    """`Type: first line of the message`, at most 1000 characters (TensorStore errors go on with whole specs)."""
+    message = str(error).strip()
+    first = message.splitlines()[0] if message else ""
+    return f"{type(error).__name__}: {first[:1000]}{' ...' if len(first) > 1000 else ''}"
 
 
 def _abstract(tree: Any) -> Any:
@@ -98,10 +109,12 @@ def state_digests(tree: Any) -> tuple[dict[str, str], list[str]]:
 
 def verify(tree: Any, expected: dict[str, str] | None, what: str) -> None:
     """Raises CheckpointError naming `what` and the first leaf whose digest differs from `expected`
-    (a restore may read a subset of the saved leaves) or that holds non-finite values."""
+    (a restore may read a subset of the saved leaves) or that holds non-finite values. Without
+    `expected` (a checkpoint older than digests) only the values are checked, with a warning."""
     digests, non_finite = state_digests(tree)
-    if expected is None:
-        raise CheckpointError(f"{what} has no content digests (written before digests existed, or its meta item is damaged)")
+    if expected is None:  # written by a version before digests: only finiteness can be checked
+        logging.warning("%s has no content digests (saved before they existed): checked for NaN and inf only", what)
+        expected = digests
     for path, digest in digests.items():
         if expected.get(path) != digest:
             raise CheckpointError(f"{what} leaf {path}: content digest {digest} does not match the saved {expected.get(path)} "
@@ -200,9 +213,8 @@ class RunCheckpoints:
             self.manager.check_for_errors()
         except Exception as error:  # any failure of the background save: disk full, permissions, ...
             self._remove_partial(step)
-            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CheckpointError(f"saving checkpoint {step} to {self.steps_directory}/{step} failed: {type(error).__name__}: "
-                                  f"{cause}; the older checkpoints are intact ({sorted(self._committed_steps())})") from error
+            raise CheckpointError(f"saving checkpoint {step} to {self.steps_directory}/{step} failed: {_first_line(error)}; "
+                                  f"the older checkpoints are intact ({sorted(self._committed_steps())})") from error
         if step in self.manager.all_steps():
             self.newest_good.clear()
             self.newest_good.add(step)
@@ -218,24 +230,42 @@ class RunCheckpoints:
         multihost_utils.sync_global_devices(f"comppo_remove_partial_{step}")
         self.manager.reload()
 
+    def _read_digests(self, step: int, target: Any) -> dict[str, str] | None:
+        """The saved digests of checkpoint `step`, after checking that it holds every leaf of
+        `target` (CheckpointMismatchError otherwise); None for a checkpoint older than digests."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as error:  # an unreadable meta item is damage
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item meta cannot be read: {_first_line(error)}") from error
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item meta is not a JSON object")
+        digests = meta.get("digests")
+        if digests is not None:
+            unknown = sorted(set(leaf_paths(target)) - set(digests))
+            if unknown:
+                raise CheckpointMismatchError(f"checkpoint {step} under {self.steps_directory} has no leaf {unknown[0]} ({len(unknown)} "
+                                              "such): it was saved with another state structure (another method, critic or code "
+                                              "version), so it cannot be restored into this run")
+        return digests
+
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
         """(state, meta) of `step` (default: the latest), verified, with the target's structure and shardings."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.steps_directory}")
+        digests = self._read_digests(step, target_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)),
                                                                           meta=ocp.args.JsonRestore()))
-        except Exception as error:  # TensorStore, JSON and structure errors of a damaged checkpoint
-            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {type(error).__name__}: "
-                                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
-        meta = restored["meta"]
-        verify(restored["state"], meta.get("digests") if isinstance(meta, dict) else None, f"checkpoint {step} item state")
-        return restored["state"], {k: v for k, v in meta.items() if k != "digests"}
+        except Exception as error:  # TensorStore errors of damaged files
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}") from error
+        verify(restored["state"], digests, f"checkpoint {step} item state")
+        return restored["state"], {k: v for k, v in restored["meta"].items() if k != "digests"}
 
     def restore_newest_good(self, target_state: Any) -> tuple[Any, dict, int]:
         """(state, meta, step) of the newest checkpoint that passes verification. Each one that
-        fails is named in a warning and moved to corrupt_checkpoints/ (kept for inspection)."""
+        fails is named in a warning and moved to corrupt_checkpoints/ (kept for inspection). A
+        checkpoint of another state structure raises CheckpointMismatchError and moves nothing."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.steps_directory}")
@@ -243,6 +273,8 @@ class RunCheckpoints:
         for step in steps:
             try:
                 state, meta = self.restore(target_state, step)
+            except CheckpointMismatchError:
+                raise
             except CheckpointError as error:
                 failures[step] = str(error)
                 logging.warning("%s; falling back to the previous checkpoint", error)
@@ -275,15 +307,15 @@ class RunCheckpoints:
     def restore_params(self, targets: dict, step: int) -> dict:
         """Only the state entries named in `targets` (e.g. {"actor": ..., "critic": ...}) of checkpoint
         `step`, verified, into the targets' shapes, dtypes and shardings (optimizer states are not read)."""
+        digests = self._read_digests(step, targets)
         abstract = {name: _abstract(target) for name, target in targets.items()}
         args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                                       partial_restore=True)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=args, meta=ocp.args.JsonRestore()))
-        except Exception as error:  # TensorStore, JSON and structure errors of a damaged checkpoint
-            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {type(error).__name__}: "
-                                  f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
-        verify(restored["state"], restored["meta"].get("digests"), f"checkpoint {step} item state")
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
+        except Exception as error:  # TensorStore errors of damaged files
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}") from error
+        verify(restored["state"], digests, f"checkpoint {step} item state")
         return restored["state"]
 
     def save_reference(self, params: Any) -> None:
@@ -306,7 +338,7 @@ class RunCheckpoints:
             with open(os.path.join(self.directory, REFERENCE_DIGESTS)) as f:
                 digests = json.load(f)
         except Exception as error:  # TensorStore / JSON errors of damaged files
-            raise CheckpointError(f"the reference policy under {path} cannot be read: {type(error).__name__}: {error}") from error
+            raise CheckpointError(f"the reference policy under {path} cannot be read: {_first_line(error)}") from error
         verify(params, digests, f"the reference policy ({path})")
         return params
 

@@ -38,7 +38,8 @@ class StopSignals:
     def _handle(self, signum, frame):
         del frame
         if self.received is None:
-            print(f"{signal.Signals(signum).name} received: stopping after this step, saving a checkpoint", file=sys.stderr, flush=True)
+            print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint (further signals are ignored; "
+                  "kill -9 stops at once, and the newest checkpoint stays whole)", file=sys.stderr, flush=True)
         self.received = signum
 
     def __enter__(self) -> "StopSignals":

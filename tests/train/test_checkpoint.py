@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +20,8 @@ import pytest
 from conftest import CPU_ONLY_ENV, REPO, small_train_config, small_train_flags
 
 from comppo_jax.models import CheckpointError
-from comppo_jax.train.checkpoint import RunCheckpoints
-from comppo_jax.train.loop import train
+from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.train.loop import restore_for_resume, train
 
 
 def test_keeps_the_last_n_and_the_best_by_dev_accuracy(tmp_path):
@@ -101,8 +103,10 @@ def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_stra
     summary = lambda run: json.loads((run / "summary.json").read_text())
     assert summary(straight) == summary(split)
 
-    # 4 KB overwritten inside checkpoint 5's data: resuming detects it, falls back to 4 and redoes step 4.
-    overwrite_inside(data_files(split, 5)[-1])
+    # Checkpoint 5's arrays replaced by checkpoint 4's (the files read fine, with other values): resuming
+    # detects it by the digests, falls back to 4 and redoes step 4.
+    shutil.rmtree(split / "checkpoints" / "5" / "state")
+    shutil.copytree(split / "checkpoints" / "4" / "state", split / "checkpoints" / "5" / "state")
     train(small_train_config(split, resume=True, **settings))
     assert os.listdir(split / "corrupt_checkpoints")[0].startswith("5-")
     assert_same_checkpoint(straight, split, 5)
@@ -114,8 +118,10 @@ def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_stra
 
 def small_state(seed):
     rng = np.random.default_rng(seed)
+    # `ids` is incompressible, so its bytes are stored verbatim and can be damaged without breaking the file's format.
     return {"actor": {"w": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32), "b": jnp.asarray(rng.standard_normal(64), jnp.bfloat16)},
-            "rng": jax.random.PRNGKey(seed), "count": jnp.int32(seed)}
+            "ids": jnp.asarray(rng.integers(-2**31, 2**31 - 1, (64, 64), dtype=np.int32)), "rng": jax.random.PRNGKey(seed),
+            "count": jnp.int32(seed)}
 
 
 def data_files(run_dir, step):
@@ -123,16 +129,27 @@ def data_files(run_dir, step):
     return sorted((p for p in root.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
 
 
-def overwrite_inside(path, size=4096):
-    """Overwrites `size` bytes in the middle of `path` in place (its size unchanged)."""
+def overwrite_inside(path, size=4096, at=None):
+    """Overwrites `size` bytes of `path` in place (its size unchanged), from byte `at` (default: the middle)."""
     data = bytearray(path.read_bytes())
-    start = max(0, len(data) // 2 - size // 2)
+    start = max(0, len(data) // 2 - size // 2) if at is None else at
     data[start : start + size] = np.random.default_rng(1).integers(0, 256, min(size, len(data) - start), dtype=np.uint8).tobytes()
     path.write_bytes(bytes(data))
 
 
+def overwrite_values_silently(run_dir, step):
+    """4 KB overwritten inside the stored bytes of `ids`: the file still reads, with other values."""
+    stored = np.asarray(small_state(step)["ids"]).tobytes()
+    for path in data_files(run_dir, step):
+        offset = path.read_bytes().find(stored[:64])
+        if offset >= 0:
+            return overwrite_inside(path, at=offset + 1024)
+    raise AssertionError("the ids leaf's bytes were not found stored verbatim")
+
+
 DAMAGE = {
-    "overwritten in place": lambda run, step: overwrite_inside(data_files(run, step)[-1]),
+    "overwritten in place": overwrite_values_silently,
+    "format broken": lambda run, step: overwrite_inside(data_files(run, step)[-1]),
     "truncated": lambda run, step: data_files(run, step)[-1].write_bytes(data_files(run, step)[-1].read_bytes()[:100]),
     "meta emptied": lambda run, step: (run / "checkpoints" / str(step) / "meta" / "metadata").write_text(""),
 }
@@ -146,13 +163,40 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_restored(tmp_path
     checkpoints.close()
     DAMAGE[damage](tmp_path, 2)
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
-    with pytest.raises(CheckpointError, match=r"checkpoint 2 "):
+    with pytest.raises(CheckpointError, match=r"checkpoint 2 " + ("item state leaf \['ids'\]: content digest" if damage == "overwritten in place" else "")):
         checkpoints.restore(small_state(0), step=2)
     state, meta, step = checkpoints.restore_newest_good(small_state(0))
     assert step == 1 and meta == {"next_step": 1}
     jax.tree.map(np.testing.assert_array_equal, state, small_state(1))
     assert "checkpoint(s) [2] failed verification" in capsys.readouterr().out
     assert checkpoints.manager.all_steps() == [1] and os.listdir(tmp_path / "corrupt_checkpoints")[0].startswith("2-")
+    checkpoints.close()
+
+
+def test_a_checkpoint_of_another_state_structure_is_refused_not_set_aside(tmp_path):
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    checkpoints.save(1, small_state(1), {"next_step": 1})
+    checkpoints.close()
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint 1 under .* has no leaf \['critic'\]\['w'\] .*another state structure"):
+        checkpoints.restore_newest_good({**small_state(0), "critic": {"w": jnp.zeros(3)}})
+    assert checkpoints.manager.all_steps() == [1] and not (tmp_path / "corrupt_checkpoints").exists()
+    checkpoints.close()
+
+
+def test_a_damaged_resume_step_is_refused_with_the_flag_that_falls_back(tmp_path):
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    for step in (1, 2):
+        checkpoints.save(step, small_state(step), {"next_step": step})
+    checkpoints.close()
+    overwrite_values_silently(tmp_path, 2)
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    config = small_train_config(tmp_path, resume=True, resume_step=2)
+    with pytest.raises(CheckpointError, match=r"checkpoint 2 .*; pass --config\.resume_step=-1 to resume from the newest checkpoint that verifies"):
+        restore_for_resume(config, checkpoints, small_state(0))
+    assert checkpoints.manager.all_steps() == [1, 2]  # nothing moved: the user decides
+    state, meta = restore_for_resume(small_train_config(tmp_path, resume=True, resume_step=1), checkpoints, small_state(0))
+    assert meta == {"next_step": 1}
     checkpoints.close()
 
 
@@ -170,7 +214,7 @@ def test_retention_keeps_the_newest_good_checkpoint_until_a_newer_save_is_confir
 FAILED_SAVE = """
 import resource, sys
 import jax.numpy as jnp, numpy as np
-from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
 checkpoints = RunCheckpoints(sys.argv[1], keep_last=1, keep_best=0)
 checkpoints.save(1, {"w": jnp.ones(8)}, {"next_step": 1})
 checkpoints.confirm_saves(wait=True)
@@ -193,3 +237,27 @@ def test_a_failed_async_save_is_one_error_naming_step_path_and_cause_and_loses_n
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
     np.testing.assert_array_equal(checkpoints.restore({"w": np.zeros(8, np.float32)})[0]["w"], np.ones(8))
     checkpoints.close()
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_at_the_next_step_boundary_with_the_older_checkpoints_intact(tmp_path, monkeypatch):
+    save = RunCheckpoints.save
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def save_onto_a_full_disk_from_checkpoint_3(self, step, *args, **kwargs):
+        if step == 3:
+            self.confirm_saves(wait=True)  # checkpoint 2 is on disk
+            resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))  # writes past 200 kB now fail with EFBIG, like a full disk
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(RunCheckpoints, "save", save_onto_a_full_disk_from_checkpoint_3)
+    try:
+        with pytest.raises(CheckpointError, match=f"saving checkpoint 3 to {tmp_path}/checkpoints/3 failed: .*File too large"):
+            train(small_train_config(tmp_path, steps=4, checkpoint__keep_last=1, checkpoint__keep_best=0))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows in ([0, 1, 2], [0, 1, 2, 3])  # reported at the first step boundary after the failed save ended
+    # 1 is kept until 2 is confirmed by a later save: 3 never was, and nothing of it is left.
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored_state(tmp_path, 2)))

@@ -1,32 +1,26 @@
-"""launch/train.py end to end on the tiny default, shrunk to a couple of steps, for each method."""
+"""The train loop end to end on the tiny default, shrunk to a couple of steps, for each method.
+
+In this process, so the runs share compiled programs; launch/train.py itself runs in
+tests/train/test_presets_train.py and tests/train/test_checkpoint.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, SMALL_TRAIN_RUN
+from conftest import small_train_config
 
 from comppo_jax.credit import load_position_schedule
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = [f"--config.{key}={value}" for key, value in SMALL_TRAIN_RUN.items()]
+from comppo_jax.train.loop import train
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,warmup_counts", [("comppo", False), ("grpo", False), ("ppo", False), ("ppo", True)])
 def test_train_runs_each_method(tmp_path, method, warmup_counts):
-    result = subprocess.run(
-        [sys.executable, "launch/train.py", "--config=configs/tiny.py", f"--config.method={method}",
-         f"--config.output_dir={tmp_path}", *SMALL, "--config.plot=True", f"--config.train.critic_warmup_counts_toward_steps={warmup_counts}"],
-        cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = train(small_train_config(tmp_path, method=method, plot=True, train__critic_warmup_counts_toward_steps=warmup_counts))
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == method and 0.0 <= summary["final_dev_accuracy"] <= 1.0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # The critic warm-up (1 step) comes on top of the 2 actor updates unless it counts toward them.
