@@ -5,6 +5,7 @@
     python launch/benchmark.py kernel    # attention_with_concentration vs plain causal attention
     python launch/benchmark.py critic    # TAC routing and critic fwd+bwd vs the policy forward
     python launch/benchmark.py sampler   # KV-cache sampler vs transformers generate (decode tokens/s)
+    python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -17,7 +18,7 @@ from absl import app, flags
 
 from comppo_jax import cli
 
-SUITES = ("forward", "credit", "kernel", "critic", "sampler")
+SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")

@@ -207,3 +207,10 @@ def small_train_config(output_dir, **overrides):
 # Subprocesses that run JAX stay on the CPU backend, so they never contend with this process for
 # libtpu's lockfile (/tmp/libtpu_lockfile) while the TPU ahead-of-time tests hold it.
 CPU_ONLY_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first: the two xdist workers then start the longest files early
+    and finish on short ones, instead of one worker running a long file alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

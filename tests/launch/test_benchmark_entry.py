@@ -60,3 +60,11 @@ def test_sampler_suite_prints_throughput_against_transformers():
     assert "token agreement 1.000" in result.stdout  # fp32 greedy: both sides emit the same tokens
     rows = result.stdout.splitlines()[2:]
     assert len(rows) == 2 and all(row.endswith("x") for row in rows)
+
+
+def test_host_suite_times_decoding_and_verification():
+    result = benchmark("host", "--batch=4", "--length=64", "--repeats=1")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    rows = [line.split() for line in lines[lines.index(next(l for l in lines if l.split()[0] == "work")) + 1 :]]
+    assert [row[0] for row in rows] == ["decode", "verify"] and all(float(row[-1]) >= 0 for row in rows)
