@@ -148,6 +148,13 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def any_process(flag: bool) -> bool:
+    """`flag` or-ed over all processes (a collective: every process must call it at the same point)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
 def split_over_processes(fn, items: list) -> list[int]:
     """`fn(items)` (a list of ints, one per item) computed with each process taking every
     process_count()-th item, then gathered, so all processes return the same list. Every process

@@ -37,13 +37,13 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from comppo_jax.models import CheckpointError
+from comppo_jax.sharding import any_process
 
 REFERENCE_DIR = "reference"
 REFERENCE_DIGESTS = "reference_digests.json"
@@ -133,13 +133,6 @@ class _KeepSteps(preservation_policy.PreservationPolicy):
         return [info.step in self.steps for info in checkpoints]
 
 
-def _on_any_process(flag: bool) -> bool:
-    """`flag` or-ed over processes (a collective), so every process takes the same branch."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
-
-
 class RunCheckpoints:
     """Checkpoints under `directory`/checkpoints (and the reference under `directory`/reference)."""
 
@@ -205,7 +198,7 @@ class RunCheckpoints:
     def confirm_saves(self, wait: bool = False) -> None:
         """Reports a failed async save (one CheckpointError naming step, path and cause) once it has
         ended; `wait` blocks until it has. A confirmed save becomes the newest good step."""
-        if self.pending is None or (not wait and _on_any_process(self.manager.is_saving_in_progress())):
+        if self.pending is None or (not wait and any_process(self.manager.is_saving_in_progress())):
             return
         step, self.pending = self.pending, None
         try:

@@ -19,7 +19,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
+
+from comppo_jax.sharding import any_process
 
 
 class NonFiniteError(FloatingPointError):
@@ -53,10 +54,7 @@ class StopSignals:
 
     def requested(self) -> bool:
         """Whether any process received a signal (a collective: every process must call it at the same step)."""
-        flag = self.received is not None
-        if jax.process_count() == 1:
-            return flag
-        return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+        return any_process(self.received is not None)
 
 
 @jax.jit
