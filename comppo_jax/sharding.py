@@ -121,6 +121,12 @@ def per_shard(fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def context_batch_shards() -> int:
+    """How many ways the context mesh splits the batch (data x fsdp); 1 without a mesh."""
+    shape = jax.sharding.get_abstract_mesh().shape
+    return int(np.prod([shape.get(axis, 1) for axis in BATCH]))
+
+
 def heads_axis(*head_counts: int) -> str | None:
     """`tensor` when the context mesh's tensor axis divides every head count, else None (replicated)."""
     tensor = jax.sharding.get_abstract_mesh().shape.get("tensor", 1)

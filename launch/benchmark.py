@@ -4,7 +4,7 @@
     python launch/benchmark.py credit    # comp_gae (scan / associative) vs rlax and a NumPy loop
     python launch/benchmark.py kernel    # attention_with_concentration vs plain causal attention
     python launch/benchmark.py critic    # TAC routing and critic fwd+bwd vs the policy forward
-    python launch/benchmark.py sampler   # KV-cache sampler vs transformers generate (decode tokens/s)
+    python launch/benchmark.py sampler   # rollout engine vs the dense sampler, tunix and transformers
     python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
@@ -22,13 +22,14 @@ SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
+_TUNIX = flags.DEFINE_string("tunix_python", None, "sampler suite: the python of a venv with google-tunix, to time its sampler.")
 
 
 def main(argv):
     if len(argv) != 2 or argv[1] not in SUITES:
         raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
     suite = importlib.import_module(f"benchmarks.{argv[1]}")
-    overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value}
+    overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value}
     suite.run(**{name: value for name, value in overrides.items() if value is not None})
 
 

@@ -24,7 +24,7 @@ from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.accuracy import encode_prompts
 from comppo_jax.models import init_params, load_policy, model_config
-from comppo_jax.rollout import generate
+from comppo_jax.rollout import engine_options, generate
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import reward_schedule
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
@@ -78,7 +78,8 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
                 """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and estimator."""
                 generation = generate(sampler, policy_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
-                                      eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+                                      eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
+                                      **engine_options(cfg.rollout))
                 return score_and_credit(cfg, parts, policy_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
                                         coefficients, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
 

@@ -1,11 +1,13 @@
-"""Rollouts: KV-cache sampling (`sampler`) and the behaviour-policy scoring pass (`scoring`)."""
+"""Rollouts: sampling (`sampler.generate` on the paged-cache `engine`; `dense` is its reference) and
+the behaviour-policy scoring pass (`scoring`)."""
 
-from comppo_jax.rollout.sampler import Generation, generate, sample_token, top_p_filter
+from comppo_jax.rollout.sampler import Generation, engine_options, generate, sample_token, top_p_filter
 from comppo_jax.rollout.scoring import Rollout, gather_response, response_positions, policy_token_stats, response_token_stats, score_rollout
 
 __all__ = [
     "Generation",
     "Rollout",
+    "engine_options",
     "gather_response",
     "generate",
     "response_positions",

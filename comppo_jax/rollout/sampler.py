@@ -1,9 +1,9 @@
-"""Batched generation with a KV cache: prefill, then a `lax.while_loop` decode, all in one jit.
+"""`generate`: batched sampling with the rollout engine (`comppo_jax.rollout.engine`), in one jit.
 
 Rows are laid out as DESIGN.md's rollouts: `prompt (P_b real tokens) + response y_1..y_T +
-right padding`. Prompts may come left- or right-padded; they are left-aligned internally so one
-cache slot serves every row. Responses stop at the first EOS (kept, and counted in the response)
-or at `max_new_tokens`. `num_samples` responses per prompt are consecutive rows (a GRPO group).
+right padding`. Prompts may come left- or right-padded. Responses stop at the first EOS (kept,
+and counted in the response) or at `max_new_tokens`. `num_samples` responses per prompt are
+consecutive rows (a GRPO group).
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.kv_cache import decode_step, prefill
+from comppo_jax.models.paged_cache import resolve_paged_attention
+from comppo_jax.rollout.engine import run_engine, sample_token, top_p_filter
+
+__all__ = ["Generation", "engine_options", "generate", "sample_token", "top_p_filter"]
+
+DEFAULT_PAGE_SIZE = 64
 
 
 class Generation(NamedTuple):
@@ -27,38 +32,17 @@ class Generation(NamedTuple):
     log_probs: jax.Array  # [B', T] float32, log softmax(logits / temperature) of y_t; 0 on padding
 
 
-def top_p_filter(logits, top_p: float):
-    """Masks (to -inf) the tokens outside the smallest set whose probability reaches top_p.
-
-    The most likely token always stays, so a tiny top_p is greedy.
-    """
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    kept = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
-
-
-def sample_token(rng, logits, temperature: float, top_p: float):
-    """A token per row [B] from logits [B, V]: greedy when temperature == 0, else nucleus sampling."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / temperature
-    if top_p < 1.0:
-        scaled = top_p_filter(scaled, top_p)
-    return jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
-
-
-def left_align(tokens, mask, pad_token_id):
-    """Moves each row's real tokens to the end (stable), whatever its padding side."""
-    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
-    aligned_mask = jnp.take_along_axis(mask, order, 1)
-    return jnp.where(aligned_mask, jnp.take_along_axis(tokens, order, 1), pad_token_id), aligned_mask
+def engine_options(rollout) -> dict:
+    """`generate`'s engine keywords from a config's rollout section (decode_slots 0: one slot per row).
+    Configs written before the engine had these fields get the defaults."""
+    return dict(page_size=rollout.get("page_size", DEFAULT_PAGE_SIZE), decode_slots=rollout.get("decode_slots", 0) or None,
+                paged_attention=rollout.get("paged_attention", "auto"))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "temperature", "top_p", "num_samples", "eos_token_ids", "pad_token_id"),
+    static_argnames=("config", "max_new_tokens", "temperature", "top_p", "num_samples", "eos_token_ids", "pad_token_id",
+                     "page_size", "decode_slots", "paged_attention"),
 )
 def generate(
     params: dict,
@@ -73,61 +57,43 @@ def generate(
     num_samples: int = 1,
     eos_token_ids: tuple[int, ...] | None = None,
     pad_token_id: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    decode_slots: int | None = None,
+    paged_attention: str = "auto",
 ) -> Generation:
     """Samples `num_samples` responses per prompt.
 
     prompt_tokens [B, P] int, prompt_mask [B, P] bool (either padding side); rng a PRNG key.
     temperature 0 is greedy; top_p < 1 is nucleus sampling (the paper: 1.0 / 0.7). EOS ids and
-    the pad id default to the model config's. Deterministic for a given rng. Log-probs are
-    those of the sampled token under softmax(logits / temperature), before top-p truncation,
-    which is what a teacher-forced scoring pass at the same temperature recomputes (greedy
-    decoding reports temperature-1 log-probs).
+    the pad id default to the model config's. Log-probs are those of the sampled token under
+    softmax(logits / temperature), before top-p truncation, which is what a teacher-forced
+    scoring pass at the same temperature recomputes (greedy decoding reports temperature-1
+    log-probs). Row r's tokens depend only on rng and r: `decode_slots` (rows decoded at once,
+    default all), `page_size` and `paged_attention` (see `comppo_jax.models.paged_cache`) change
+    speed and memory, not results.
     """
     if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
         raise ValueError(f"prompt_tokens and prompt_mask must both be [B, P], got {prompt_tokens.shape} and {prompt_mask.shape}")
-    log_prob_temperature = temperature if temperature > 0 else 1.0  # greedy reports the policy's own log-probs
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = jnp.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids, jnp.int32)
     pad = (config.pad_token_id or 0) if pad_token_id is None else pad_token_id
-    tokens = jnp.repeat(prompt_tokens.astype(jnp.int32), num_samples, axis=0)
-    mask = jnp.repeat(prompt_mask.astype(bool), num_samples, axis=0)
-    tokens, mask = left_align(tokens, mask, pad)
-    batch, prompt_slots = tokens.shape
-    logits, cache = prefill(params, config, tokens, mask, prompt_slots + max_new_tokens)
+    prompts, prompt_lengths, response, log_probs, response_length = run_engine(
+        params, config, prompt_tokens, prompt_mask, rng, num_samples=num_samples, max_new_tokens=max_new_tokens,
+        page_size=page_size, decode_slots=decode_slots, temperature=temperature, top_p=top_p, eos=eos, pad=pad,
+        backend=resolve_paged_attention(paged_attention, config.head_dim))
 
-    def keep_going(state):
-        step, _, _, done, *_ = state
-        return (step < max_new_tokens) & ~jnp.all(done)
-
-    def body(state):
-        step, cache, logits, done, response, log_probs, rng = state
-        rng, key = jax.random.split(rng)
-        token = sample_token(key, logits, temperature, top_p)
-        log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits / log_prob_temperature), token[:, None], 1)[:, 0]
-        response = response.at[:, step].set(jnp.where(done, pad, token))
-        log_probs = log_probs.at[:, step].set(jnp.where(done, 0.0, log_prob))
-        done = done | jnp.isin(token, eos)
-        logits, cache = decode_step(params, config, token, cache, prompt_slots + step)
-        return step + 1, cache, logits, done, response, log_probs, rng
-
-    state = (
-        jnp.int32(0), cache, logits, jnp.zeros((batch,), bool),
-        jnp.full((batch, max_new_tokens), pad, jnp.int32), jnp.zeros((batch, max_new_tokens), jnp.float32), rng,
-    )
-    _, _, _, _, response, log_probs, _ = jax.lax.while_loop(keep_going, body, state)
-
-    # Response length: up to and including the first EOS.
-    is_eos = jnp.isin(response, eos)
-    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, max_new_tokens)
-    response_mask = jnp.arange(max_new_tokens)[None] < first_eos[:, None]
-    response = jnp.where(response_mask, response, pad)
-
-    # Left-aligned prompt + response -> prompt + response + right padding.
-    prompt_lengths = mask.sum(axis=1).astype(jnp.int32)
-    combined = jnp.concatenate([tokens, response], axis=1)
-    combined_mask = jnp.concatenate([mask, response_mask], axis=1)
-    source = jnp.arange(prompt_slots + max_new_tokens)[None] + (prompt_slots - prompt_lengths)[:, None]
-    inside = source < prompt_slots + max_new_tokens
-    source = jnp.minimum(source, prompt_slots + max_new_tokens - 1)
+    prompt_lengths = jnp.repeat(prompt_lengths, num_samples)
+    prompts = jnp.repeat(prompts, num_samples, axis=0)
+    response_mask = jnp.arange(max_new_tokens)[None] < response_length[:, None]
+    # prompt (its first P_b slots) + response, then right padding.
+    width = prompts.shape[1] + max_new_tokens
+    position = jnp.arange(width)[None]
+    source = jnp.where(position < prompt_lengths[:, None], position, prompts.shape[1] + position - prompt_lengths[:, None])
+    combined = jnp.concatenate([prompts, response], axis=1)
+    combined_mask = jnp.concatenate([jnp.arange(prompts.shape[1])[None] < prompt_lengths[:, None], response_mask], axis=1)
+    inside = source < width
+    source = jnp.minimum(source, width - 1)
     out_mask = inside & jnp.take_along_axis(combined_mask, source, 1)
     out_tokens = jnp.where(out_mask, jnp.take_along_axis(combined, source, 1), pad)
     return Generation(out_tokens, out_mask, prompt_lengths, response, response_mask, jnp.where(response_mask, log_probs, 0.0))

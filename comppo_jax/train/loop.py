@@ -45,7 +45,7 @@ from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval import encode_prompts, greedy_accuracy
 from comppo_jax.eval.accuracy import decode_responses
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
-from comppo_jax.rollout import generate, score_rollout
+from comppo_jax.rollout import engine_options, generate, score_rollout
 from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
@@ -328,7 +328,7 @@ def train(cfg) -> dict:
             prompt_tokens, prompt_mask = encode_prompts(tokenizer, chosen)
             generation = generate(policy, model_config, prompt_tokens, prompt_mask, step_rng, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
-                                  eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id)
+                                  eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
             # 2-4. score, reward, credit
             scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
                                       [p.answer for p in chosen for _ in range(group)], schedule.at(scheduled),

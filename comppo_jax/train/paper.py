@@ -38,8 +38,11 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     config.warm_start = section(steps=0, batch_size=0, learning_rate=0.0, answer_noise=0.0, cache_dir="")
     # Batch / responses / minibatch 4 / 4 / 4 (minibatch counted in responses); 16K responses;
     # temperature / top-p 1.0 / 0.7.
+    # The rollout engine (comppo_jax.rollout.engine): KV pages of page_size tokens; decode_slots
+    # rows decoded at once (0: every row; fewer bounds the cache and reuses slots as rows end);
+    # paged_attention "auto" is the TPU / GPU Pallas kernel on those platforms, XLA elsewhere.
     config.rollout = section(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=16384, temperature=1.0, top_p=0.7,
-                             window="response")
+                             window="response", page_size=64, decode_slots=0, paged_attention="auto")
     # Actor LR 1e-6, critic LR 1e-5, KL 2e-3 (GRPO 1e-3), lambda 0.95. Clip 0.2, grad clip 1 and
     # 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     # master_dtype: the actor's trained copy (fp32 master weights under bf16 compute).

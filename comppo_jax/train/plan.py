@@ -6,7 +6,8 @@ is allocated), and the programs of a train step are lowered and compiled by the 
 compiler as `train()` jits them, with the kernels a TPU run picks (splash attention, the Mosaic
 concentration kernel):
 
-- `sample`: `rollout.generate` (prefill + KV-cache decoding of the step's responses);
+- `sample`: `rollout.generate` (the rollout engine: one prefill per prompt, then decoding over
+  the paged KV cache with the ragged paged attention kernel; the page pool is reported apart);
 - `actor`: `update.actor_step` (clipped PPO + reference KL, AdamW on the fp32 master params);
 - `critic`: `update.critic_step` (TAC or the standard head);
 - `score`: `rollout.score_rollout` on the whole rollout batch (behaviour and reference policies,
@@ -33,7 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from comppo_jax import sharding
 from comppo_jax.models import init_params, model_config
 from comppo_jax.models.attention import resolve_implementation
-from comppo_jax.rollout import generate, score_rollout
+from comppo_jax.models.paged_cache import resolve_paged_attention
+from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train.loop import check_batch, init_critic, run_parts
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
@@ -94,6 +96,7 @@ class Plan(NamedTuple):
     length: int  # prompt + response tokens per row
     state: dict  # bytes per chip of each piece of state
     steps: list[StepPlan]
+    page_pool: int  # bytes per chip of the rollout engine's KV page pool (in the sample step's temp)
 
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
@@ -194,9 +197,12 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     held = lambda *names: sum(bytes_of[name] for name in names)
     train_rows = minibatch(cfg.train.minibatch_size)
     prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32, sharding=batch_sharding)
+    options = engine_options(cfg.rollout)
+    options["paged_attention"] = resolve_paged_attention(options["paged_attention"], config.head_dim, platform="tpu")
     sample = jax.jit(lambda policy, prompts, prompt_mask, rng: generate(
         policy, config, prompts, prompt_mask, rng, max_new_tokens=response, temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=config.eos_token_ids or (0,)))
+        top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=config.eos_token_ids or (0,),
+        **options))
     # The actor and its optimizer, the reference and the critic stay on device all step; during
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
     # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op).
@@ -220,7 +226,13 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
         for name in steps:
             if programs[name] is not None:
                 compiled.append(_compile(name, *programs[name], log))
-    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, length, bytes_of, compiled)
+    layout = engine.make_layout(cfg.rollout.prompts_per_step, prompt_length, num_samples=cfg.rollout.samples_per_prompt,
+                                max_new_tokens=response, page_size=options["page_size"], decode_slots=options["decode_slots"],
+                                shards=sharding.batch_size_multiple(mesh))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        heads_split = mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, config.num_kv_heads) else 1
+    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, length, bytes_of, compiled,
+                engine.pool_bytes(config, layout) // heads_split)
 
 
 def _gib(value) -> str:
@@ -254,6 +266,6 @@ def format_plan(result: Plan) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
     lines = [f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
              "per row; GiB per chip",
-             f"state: {state}"]
+             f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"]
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     return "\n".join(lines)

@@ -17,6 +17,7 @@ import os
 from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
+from comppo_jax.models.paged_cache import PAGED_ATTENTION
 from comppo_jax.rollout.scoring import WINDOWS
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
@@ -155,6 +156,7 @@ def validate_config(cfg) -> None:
     problems.enum("train.master_dtype", DTYPES)
     problems.enum("data.kind", DATA_KINDS)
     problems.enum("rollout.window", WINDOWS)
+    problems.enum("rollout.paged_attention", PAGED_ATTENTION)
     problems.enum("reward.length_penalty", LENGTH_PENALTIES)
     problems.number("steps", low=1, integer=True)
     problems.number("seed", low=0, integer=True)
@@ -179,6 +181,8 @@ def validate_config(cfg) -> None:
     problems.number("rollout.max_new_tokens", low=1, integer=True)
     problems.number("rollout.temperature", low=0, low_open=True)
     problems.number("rollout.top_p", low=0, high=1, low_open=True)
+    problems.number("rollout.page_size", low=1, integer=True)
+    problems.number("rollout.decode_slots", low=0, integer=True)
     problems.number("critic.fused_layers", low=1, integer=True)
     problems.number("critic.bottleneck", low=1, integer=True)
     problems.number("critic.top_k", low=1, integer=True)

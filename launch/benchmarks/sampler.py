@@ -1,15 +1,31 @@
-"""Decode throughput of our KV-cache sampler against transformers' `generate` (torch CPU).
+"""The rollout engine against the dense reference sampler, tunix's vanilla sampler and transformers.
 
-The same random tiny model (`configs/tiny.py` architecture) on both sides, the same batch of
-random prompts, greedy decoding of exactly `length` new tokens (no EOS), KV cache on both. Our
-side is the jitted `generate` (prefill + `lax.while_loop` decode); theirs is
-`model.generate(do_sample=False, use_cache=True)`. Tokens/s counts generated tokens; the
-agreement column is the fraction of generated tokens equal on both sides (fp32 greedy).
+Every table is measured side by side in one run; jitted programs are compiled before timing.
+
+1. tiny: `configs/tiny.py` random weights, `batch` rows x 32-token prompts, `length // 64` new
+   tokens (at least 8), greedy: our `generate` vs transformers' `generate` (torch CPU).
+2. plain decode: a decode-heavy random Qwen3 (2 layers, hidden 512, 8 query / 2 kv heads of 64,
+   vocab 16384), `batch` rows x 128-token prompts, every row to 256 and to min(2048, length) new
+   tokens: our engine, the dense reference, tunix (`--tunix_python`, its own venv), transformers.
+3. uniform: the same model, every row to `length` new tokens: engine vs dense, per-step time
+   beside the memory roofline (weight + live KV bytes per step / copy bandwidth measured here).
+4. long-tailed: `batch` prompts x 4 samples, `batch` decode slots (4x more rows than slots),
+   lengths up to `length // 2` (most rows stop early, one prompt reaches the limit): engine vs
+   dense, time and compiled memory (page pool or dense cache, plus activations).
+
+The decode-heavy model is a counter: its embeddings are random unit directions and its head maps
+each token's direction to the next token id, so greedy (and sampled) decoding emits t+1 after t
+whatever the random layers add. Every engine then emits the same tokens, and a row stops exactly
+when it reaches the EOS id: the stopping each workload imposes is the same for every engine.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,40 +33,242 @@ import numpy as np
 
 from benchmarks.forward import tiny_hf_model_and_params
 from benchmarks.timing import interleaved_medians, print_table
+from comppo_jax.models import ModelConfig, init_params, to_hf
 from comppo_jax.rollout import generate
+from comppo_jax.rollout.dense import generate_dense
 
-PROMPT_LENGTH = 32
+TINY_PROMPT = 32
+PROMPT = 128
+SAMPLES = 4  # long-tailed rows per prompt
+EOS = 0
+COUNTER = ModelConfig(architecture="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
+                      num_kv_heads=2, head_dim=64, tie_word_embeddings=False, eos_token_ids=(EOS,), pad_token_id=EOS)
 
 
-def run(batch: int = 16, length: int = 128, repeats: int = 3) -> list[dict]:
+def counter_params(config: ModelConfig = COUNTER, seed: int = 0, sharpness: float = 40.0) -> dict:
+    """Random layers; unit-RMS random embeddings e_t and a head with column t+1 = sharpness * e_t / D."""
+    params = init_params(config, jax.random.PRNGKey(seed))
+    embed = np.random.default_rng(seed).normal(size=(config.vocab_size, config.hidden_size)).astype(np.float32)
+    embed /= np.sqrt((embed**2).mean(axis=1, keepdims=True))
+    params["embed"] = jnp.asarray(embed)
+    params["lm_head"] = jnp.asarray(np.roll(embed.T, 1, axis=1) * (sharpness / config.hidden_size))
+    return params
+
+
+def counter_prompts(rows: int, lengths, seed: int = 0) -> np.ndarray:
+    """Prompts [rows, PROMPT] whose last token is EOS - length, so the counter emits EOS as token `length`."""
+    prompts = np.random.default_rng(seed).integers(1, COUNTER.vocab_size, (rows, PROMPT)).astype(np.int32)
+    prompts[:, -1] = (EOS - np.asarray(lengths)) % COUNTER.vocab_size
+    return prompts
+
+
+def copy_bandwidth(megabytes: int = 256) -> float:
+    """Bytes per second of a jitted array copy (read + write)."""
+    x = jnp.ones((megabytes << 18,), jnp.float32)
+    copy = jax.jit(lambda x: x * 1.0001)
+    seconds = interleaved_medians({"copy": lambda: copy(x).block_until_ready()}, 5)["copy"]
+    return 2 * x.nbytes / seconds
+
+
+def weight_bytes(params) -> int:
+    """Bytes read per decode step: every matrix but the embedding table (one row per token)."""
+    return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params) if "embed" not in jax.tree_util.keystr(path))
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+
+
+def slot_schedule(lengths, slots: int) -> tuple[int, float]:
+    """(decode iterations, mean live tokens per iteration) when rows in order take the first free
+    of `slots` slots and hold it for their length (the engine's schedule)."""
+    free_at = np.zeros(slots, np.int64)
+    live = {}
+    for length in lengths:
+        slot = int(np.argmin(free_at))
+        for step in range(free_at[slot], free_at[slot] + length):
+            live[step] = live.get(step, 0) + PROMPT + step - free_at[slot]
+        free_at[slot] += length
+    return int(free_at.max()), float(np.mean(list(live.values())))
+
+
+def _compiled(fn, *args, **kwargs):
+    return jax.jit(lambda *a: fn(*a, **kwargs)).lower(*args).compile()
+
+
+def _time_calls(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls of an already compiled `fn` (each blocks on its result)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+class TunixWorker:
+    """tunix's vanilla sampler in its own venv (launch/benchmarks/tunix_worker.py), over pipes."""
+
+    def __init__(self, python: str, model_dir: str):
+        worker = os.path.join(os.path.dirname(__file__), "tunix_worker.py")
+        self.process = subprocess.Popen([python, worker, model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the tunix worker exited with code {self.process.wait()} (its stderr is above)")
+        return json.loads(line)
+
+    def generate(self, prompts: np.ndarray, max_new_tokens: int) -> tuple[float, np.ndarray]:
+        self.process.stdin.write(json.dumps({"prompts": prompts.tolist(), "max_new_tokens": max_new_tokens}) + "\n")
+        self.process.stdin.flush()
+        reply = self._read()
+        return reply["seconds"], np.asarray(reply["tokens"])
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def tiny_table(batch: int, length: int, repeats: int) -> None:
     import torch
 
     hf_model, config, params = tiny_hf_model_and_params()
-    prompts = np.random.default_rng(0).integers(3, config.vocab_size, (batch, PROMPT_LENGTH)).astype(np.int32)
-    prompt_mask = np.ones_like(prompts, bool)
+    prompts = np.random.default_rng(0).integers(3, config.vocab_size, (batch, TINY_PROMPT)).astype(np.int32)
     torch_prompts = torch.from_numpy(prompts.astype(np.int64))
-
-    def ours():
-        out = generate(params, config, jnp.asarray(prompts), jnp.asarray(prompt_mask), jax.random.PRNGKey(0),
-                       max_new_tokens=length, temperature=0.0, eos_token_ids=())
-        return np.asarray(out.response_tokens)
+    steps = max(8, length // 64)
+    args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
+    ours = _compiled(lambda p, t, m, r: generate(p, config, t, m, r, max_new_tokens=steps, temperature=0.0, eos_token_ids=()), *args)
 
     def theirs():
         with torch.no_grad():
             out = hf_model.generate(torch_prompts, attention_mask=torch.ones_like(torch_prompts), do_sample=False,
-                                    max_new_tokens=length, min_new_tokens=length, use_cache=True, pad_token_id=0)
-        return out[:, PROMPT_LENGTH:].numpy()
+                                    max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=0)
+        return out[:, TINY_PROMPT:].numpy()
 
-    agreement = float((ours() == theirs()).mean())
-    names = {"comppo_jax generate (jit, KV cache)": ours, f"transformers {__import__('transformers').__version__} generate (torch CPU)": theirs}
+    agreement = float((np.asarray(ours(*args).response_tokens) == theirs()).mean())
+    names = {"comppo_jax generate": lambda: ours(*args).response_tokens.block_until_ready(),
+             f"transformers {__import__('transformers').__version__} generate (torch CPU)": theirs}
     medians = interleaved_medians(names, repeats)
     reference = medians[list(names)[1]]
-    rows = [{
-        "implementation": name, "ms": f"{seconds * 1e3:.1f}", "new tokens/s": f"{batch * length / seconds:,.0f}",
-        "speed vs transformers": f"{reference / seconds:.2f}x",
-    } for name, seconds in medians.items()]
-    print(f"sampler: configs/tiny.py, batch {batch}, prompt {PROMPT_LENGTH}, {length} new tokens greedy; token agreement "
-          f"{agreement:.3f}; median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"{os.cpu_count()} CPU cores")
-    print_table(rows, ["implementation", "ms", "new tokens/s", "speed vs transformers"])
-    return rows
+    print(f"tiny: configs/tiny.py, batch {batch}, prompt {TINY_PROMPT}, {steps} new tokens greedy; token agreement {agreement:.3f}")
+    print_table([{"implementation": name, "ms": f"{s * 1e3:.1f}", "new tokens/s": f"{batch * steps / s:,.0f}",
+                  "speed vs transformers": f"{reference / s:.2f}x"} for name, s in medians.items()],
+                ["implementation", "ms", "new tokens/s", "speed vs transformers"])
+
+
+def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tunix_python: str | None) -> None:
+    """Every row to each of `lengths` new tokens, on every engine; ratios against our engine."""
+    import torch
+    import transformers
+
+    rows = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        to_hf(COUNTER, params, model_dir)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tunix = TunixWorker(tunix_python, model_dir) if tunix_python else None
+        try:
+            for steps in lengths:
+                prompts = counter_prompts(batch, [steps + 1] * batch)  # EOS never reached
+                args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
+                kwargs = dict(max_new_tokens=steps, temperature=0.0, eos_token_ids=())
+                ours = _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, **kwargs), *args)
+                dense = _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args)
+                expected = np.asarray(ours(*args).response_tokens)
+                torch_prompts = torch.from_numpy(prompts.astype(np.int64))
+
+                def hf():
+                    with torch.no_grad():
+                        out = hf_model.generate(torch_prompts, attention_mask=torch.ones_like(torch_prompts), do_sample=False,
+                                                max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=EOS)
+                    return out[:, PROMPT:].numpy()
+
+                candidates = {"comppo_jax engine": lambda: ours(*args).response_tokens.block_until_ready(),
+                              "dense reference": lambda: dense(*args).response_tokens.block_until_ready(), "transformers": hf}
+                agree = {"dense reference": np.asarray(dense(*args).response_tokens), "transformers": hf()}
+                medians = {name: _time_calls(fn, repeats) for name, fn in candidates.items()}
+                if tunix is not None:
+                    tunix.generate(prompts, steps)  # compiles
+                    samples = [tunix.generate(prompts, steps) for _ in range(repeats)]
+                    medians["tunix vanilla sampler"] = float(np.median([s for s, _ in samples]))
+                    agree["tunix vanilla sampler"] = samples[0][1]
+                for name, seconds in medians.items():
+                    same = 1.0 if name == "comppo_jax engine" else float((agree[name] == expected).mean())
+                    rows.append({"new tokens": steps, "implementation": name, "ms/step": f"{seconds / steps * 1e3:.2f}",
+                                 "token agreement": f"{same:.3f}",
+                                 "engine speed-up": f"{seconds / medians['comppo_jax engine']:.2f}x"})
+        finally:
+            if tunix is not None:
+                tunix.close()
+    versions = f"transformers {transformers.__version__}" + (f", tunix {tunix.ready['tunix']} (jax {tunix.ready['jax']})" if tunix else "")
+    print(f"\nplain decode: decode-heavy counter model, {batch} rows x {PROMPT}-token prompts, every row to N new tokens, "
+          f"greedy; {versions}" + ("" if tunix_python else "; tunix skipped (pass --tunix_python=<its venv's python>)"))
+    print_table(rows, ["new tokens", "implementation", "ms/step", "token agreement", "engine speed-up"])
+
+
+def uniform_table(params, batch: int, length: int, bandwidth: float) -> None:
+    prompts = counter_prompts(batch, [length + 1] * batch)
+    args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
+    kwargs = dict(max_new_tokens=length, temperature=0.0, eos_token_ids=())
+    engines = {"comppo_jax engine": _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, **kwargs), *args),
+               "dense reference": _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args)}
+    seconds = {name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()}
+    per_token = kv_bytes_per_token(COUNTER)
+    live = {"comppo_jax engine": batch * (PROMPT + length / 2), "dense reference": batch * (PROMPT + length)}  # KV tokens read per step
+    rows = []
+    for name, s in seconds.items():
+        roofline = (weight_bytes(params) + live[name] * per_token) / bandwidth
+        rows.append({"implementation": name, "s": f"{s:.1f}", "ms/step": f"{s / length * 1e3:.2f}",
+                     "roofline ms/step": f"{roofline * 1e3:.2f}", "x roofline": f"{s / length / roofline:.2f}",
+                     "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"})
+    print(f"\nuniform: {batch} rows x {PROMPT}-token prompts, every row to {length} new tokens; roofline = (weights "
+          f"{weight_bytes(params) / 2**20:.0f} MiB + live KV) / copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print_table(rows, ["implementation", "s", "ms/step", "roofline ms/step", "x roofline", "engine speed-up"])
+
+
+def long_tailed_lengths(prompts: int, longest: int) -> np.ndarray:
+    """Per-prompt lengths: 10/16 at longest/16, 3/16 at longest/8, 2/16 at longest/2, the rest at longest."""
+    fractions = np.asarray([1 / 16] * 10 + [1 / 8] * 3 + [1 / 2] * 2 + [1])
+    return np.maximum(1, (fractions[np.arange(prompts) * len(fractions) // prompts] * longest).astype(int))
+
+
+def long_tailed_table(params, batch: int, longest: int, bandwidth: float) -> None:
+    lengths = long_tailed_lengths(batch, longest)
+    prompts = counter_prompts(batch, lengths)
+    args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
+    kwargs = dict(max_new_tokens=longest, temperature=1.0, num_samples=SAMPLES)
+    engines = {
+        "comppo_jax engine": _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, decode_slots=batch, **kwargs), *args),
+        "dense reference": _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args),
+    }
+    outputs = {name: fn(*args) for name, fn in engines.items()}
+    row_lengths = np.repeat(lengths, SAMPLES)
+    for name, out in outputs.items():
+        np.testing.assert_array_equal(np.asarray(out.response_mask).sum(axis=1), row_lengths, err_msg=name)
+    seconds = {name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()}
+    memory = {name: fn.memory_analysis().temp_size_in_bytes for name, fn in engines.items()}
+    iterations, live = slot_schedule(row_lengths, batch)
+    schedule = {"comppo_jax engine": (iterations, live), "dense reference": (longest, batch * SAMPLES * (PROMPT + longest))}
+    rows = []
+    for name, s in seconds.items():
+        steps, live_tokens = schedule[name]
+        roofline = (weight_bytes(params) + live_tokens * kv_bytes_per_token(COUNTER)) / bandwidth
+        rows.append({"implementation": name, "s": f"{s:.1f}", "steps": steps, "ms/step": f"{s / steps * 1e3:.2f}",
+                     "x roofline": f"{s / steps / roofline:.2f}", "memory MiB": f"{memory[name] / 2**20:.0f}",
+                     "memory vs dense": f"{memory[name] / memory['dense reference']:.2f}",
+                     "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"})
+    print(f"\nlong-tailed: {batch} prompts x {SAMPLES} samples = {batch * SAMPLES} rows, {batch} decode slots, lengths up to "
+          f"{longest} (mean {row_lengths.mean():.0f}), sampled at temperature 1; memory = compiled temporaries (cache or page pool "
+          f"+ activations)")
+    print_table(rows, ["implementation", "s", "steps", "ms/step", "x roofline", "memory MiB", "memory vs dense", "engine speed-up"])
+
+
+def run(batch: int = 16, length: int = 8192, repeats: int = 3, tunix_python: str | None = None) -> None:
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    tiny_table(batch, length, repeats)
+    bandwidth = copy_bandwidth()
+    params = counter_params()
+    plain_decode_table(params, batch, sorted({min(256, length), min(2048, length)}), repeats, tunix_python)
+    uniform_table(params, batch, length, bandwidth)
+    long_tailed_table(params, batch, max(1, length // 2), bandwidth)

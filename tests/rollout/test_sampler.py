@@ -11,7 +11,7 @@ from comppo_jax.credit import gate_range
 from comppo_jax.models import ModelConfig, forward, init_params
 from comppo_jax.models.kv_cache import decode_step, prefill
 from comppo_jax.rollout import generate
-from comppo_jax.rollout.sampler import left_align
+from comppo_jax.rollout.dense import left_align
 from comppo_jax.rollout.scoring import gather_response, score_rollout
 
 CONFIG = ModelConfig(

@@ -1,4 +1,9 @@
-"""The sampler runs on params sharded over a device mesh (4 CPU devices, one jit, no host loop)."""
+"""`generate` on sharded params and a mesh equals the unsharded run (8 fake CPU devices, one jit).
+
+Under the run's mesh (data 2 x fsdp 2 x tensor 2) the engine splits the prompts over 4 shards,
+each with its own slots and page pool, and kv heads over `tensor`; the Pallas kernel path runs per
+shard (`sharding.per_shard`). Row r's tokens depend only on (rng, r), so they must match exactly.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +14,58 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
+    import re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from comppo_jax import sharding
     from comppo_jax.models import ModelConfig, init_params
     from comppo_jax.rollout import generate
 
-    assert len(jax.devices()) == 4
+    assert len(jax.devices()) == 8
     config = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(), pad_token_id=0)
+                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(6, 7, 8, 9), pad_token_id=0)
     params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
-    mesh = Mesh(np.array(jax.devices()), ("model",))
-    # Megatron-style: shard every matrix's output (or vocab) dimension over the mesh.
-    def spec(path, x):
-        return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), "model") if x.ndim >= 2 else P())
-    sharded = jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(x, spec(p, x)), params)
-    prompts = jnp.asarray([[5, 6, 7, 8], [9, 10, 11, 12]]); mask = jnp.ones((2, 4), bool)
+    rng = np.random.default_rng(0)
+    prompts = jnp.asarray(rng.integers(10, 64, (6, 7)), jnp.int32)  # 6 prompts: the last of 4 shards is padded
+    mask = jnp.asarray(rng.random((6, 7)) > 0.3).at[:, 3].set(True)
+
+    def same(a, b):
+        for field in a._fields:
+            np.testing.assert_allclose(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), atol=1e-5, err_msg=field)
+
+    # The run's mesh: params by the sharding rules, the engine split over data x fsdp.
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = sharding.put(params, sharding.tree_shardings(mesh, params))
+    for backend, slots in [("xla", None), ("xla", 5), ("gpu_interpret", 3)]:
+        kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, num_samples=2, page_size=4, decode_slots=slots,
+                      paged_attention=backend)
+        alone = generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
+        with jax.set_mesh(mesh):
+            split = generate(sharded, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
+            compiled = generate.lower(sharded, config, prompts, mask, jax.random.PRNGKey(1), **kwargs).compile().as_text()
+        same(alone, split)
+        lengths = np.asarray(alone.response_mask).sum(axis=1)
+        assert lengths.min() < 10 <= lengths.max(), lengths  # EOS ended some rows early
+        # No device gathers another shard's pages: every all-gather is smaller than one shard's
+        # smallest pool (decode_slots=3: 1 slot per shard, 1 + 2 x 2 + 4 pages of 4 tokens per layer).
+        pool_elements = 2 * (1 + 2 * 2 + 4) * 4 * (2 * 2) * 8  # layers x pages x page_size x (k, v) kv heads x hd
+        gathered = [int(np.prod([int(d) for d in re.findall(r"\\d+", shape)] or [1]))
+                    for shape in re.findall(r"= [a-z0-9]+\\[([0-9,]*)\\][^ ]* all-gather\\(", compiled)]
+        assert max(gathered) < pool_elements, (max(gathered), pool_elements)
+        print(backend, slots, "ok")
+
+    # Megatron-style sharded params with no context mesh: one shard, XLA partitions the matmuls.
+    model_mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    megatron = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(model_mesh, P(*([None] * (x.ndim - 1)), "model") if x.ndim >= 2 else P())), params)
     kwargs = dict(max_new_tokens=6, temperature=1.0, top_p=0.9, num_samples=2)
-    a = generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
-    b = generate(sharded, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-5)
-    print("sharded ok", sharded["layers"]["q_proj"].sharding.spec)
+    same(generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs), generate(megatron, config, prompts, mask, jax.random.PRNGKey(1), **kwargs))
+    print("sharded ok")
     """
 )
 
 
-def test_generate_with_sharded_params_matches_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+def test_generate_on_a_mesh_matches_unsharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharded ok" in result.stdout

@@ -1,0 +1,232 @@
+"""Paged KV cache: one pool of fixed-size pages for every layer and sequence, read through page tables.
+
+A sequence's page table [max_pages] lists its logical pages in order: token i lives on page
+`table[i // page_size]` at offset `i % page_size`, and its length says how many tokens are filled.
+Layer l's logical page p is physical page `l * pages_per_layer + p`, so one table serves every
+layer and no layer is ever sliced out of the pool (a slice would copy it at each step).
+
+Pool layouts (`LAYOUTS`, per backend), K and V apart unless said otherwise:
+- "pages_first" (XLA path): [num_layers * pages, Hkv, page_size, hd]; gathered pages come out
+  [S, n, Hkv, page_size, hd], batch dims leading, so the matmuls read them where they lie;
+- "combined" (TPU kernel): one array [num_layers * pages, page_size, 2 * Hkv, hd], keys at even
+  and values at odd kv-head slots, as `jax.experimental.pallas.ops.tpu.ragged_paged_attention`
+  reads it;
+- "heads_first" (GPU kernel): [Hkv, num_layers * pages, page_size, hd], as
+  `jax.experimental.pallas.ops.gpu.paged_attention` reads it.
+
+Decode attention (one query per sequence) reads only the filled pages:
+- "xla": gathers the first `num_pages` pages of every table (the engine picks the smallest
+  power of two covering the longest live sequence, so a step costs what the lengths need, not
+  what `max_new_tokens` allows) and masks past each length; any platform, CPU's path;
+- "tpu" / "tpu_interpret": the TPU ragged paged attention kernel, compiled or interpreted;
+- "gpu" / "gpu_interpret": the Pallas GPU paged attention kernel, compiled (Triton) or interpreted;
+- "auto": tpu on TPU (head_dim a multiple of 128, else xla), gpu on GPU, xla otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax.sharding import PartitionSpec as P
+
+from comppo_jax.sharding import BATCH, heads_axis, per_shard
+from pallas_kernels.common import MASK_VALUE
+
+PAGED_ATTENTION = ("auto", "xla", "tpu", "tpu_interpret", "gpu", "gpu_interpret")
+LAYOUTS = {"xla": "pages_first", "tpu": "combined", "tpu_interpret": "combined", "gpu": "heads_first",
+           "gpu_interpret": "heads_first"}
+PAGE_AXIS = {"pages_first": 0, "combined": 0, "heads_first": 1}  # the (layer, page) axis of each array
+KV_BLOCK_BYTES = 4 << 20  # the TPU kernel's double-buffered key/value block in VMEM
+
+
+def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = None) -> str:
+    """The concrete paged-attention backend "auto" stands for on `platform` (default: JAX's).
+
+    The TPU kernel lays a head's features along the 128 lanes, so it needs head_dim % 128 == 0;
+    "auto" takes the XLA path for other head sizes (small test models).
+    """
+    if backend not in PAGED_ATTENTION:
+        raise ValueError(f"paged attention backend {backend!r} is not available; expected one of {PAGED_ATTENTION}")
+    if backend.startswith("tpu") and head_dim % 128:
+        raise ValueError(f"paged attention backend {backend!r} needs head_dim % 128 == 0 (the TPU kernel's lanes), "
+                         f"got head_dim={head_dim}; use 'xla' or 'auto'")
+    if backend != "auto":
+        return backend
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "tpu" if head_dim % 128 == 0 else "xla"
+    return "gpu" if platform in ("gpu", "cuda") else "xla"
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays"],
+                   meta_fields=["layout", "pages_per_layer", "page_size"])
+@dataclasses.dataclass(frozen=True)
+class PagePool:
+    """The pool's arrays ((k, v), or (kv,) combined) in `layout`; the sizes are static."""
+
+    arrays: tuple
+    layout: str
+    pages_per_layer: int
+    page_size: int
+
+    def with_arrays(self, *arrays) -> "PagePool":
+        return dataclasses.replace(self, arrays=arrays)
+
+    @property
+    def page_axis(self) -> int:
+        return PAGE_AXIS[self.layout]
+
+
+def empty_pool(num_layers: int, pages_per_layer: int, page_size: int, num_kv_heads: int, head_dim: int, dtype,
+               backend: str) -> PagePool:
+    total, layout = num_layers * pages_per_layer, LAYOUTS[backend]
+    shape = {"pages_first": (total, num_kv_heads, page_size, head_dim), "heads_first": (num_kv_heads, total, page_size, head_dim),
+             "combined": (total, page_size, 2 * num_kv_heads, head_dim)}[layout]
+    return PagePool(tuple(jnp.zeros(shape, dtype) for _ in range(1 if layout == "combined" else 2)), layout, pages_per_layer,
+                    page_size)
+
+
+def _as_layout(layout: str, k, v) -> tuple:
+    """Per-token rows k, v [..., Hkv, hd] -> what one token occupies in each pool array."""
+    if layout == "combined":
+        return (jnp.stack([k, v], axis=-2).reshape(k.shape[:-2] + (-1, k.shape[-1])),)  # k/v interleaved
+    return k, v
+
+
+def write_tokens(pool: PagePool, layer, pages, offsets, k, v) -> PagePool:
+    """Writes one token per row: k, v [S, Hkv, hd] at logical `pages` [S], `offsets` [S] of `layer`."""
+    physical = layer * pool.pages_per_layer + pages
+    values = _as_layout(pool.layout, k, v)
+    if pool.layout == "combined":
+        index = lambda a: a.at[physical, offsets]
+    elif pool.layout == "pages_first":
+        index = lambda a: a.at[physical, :, offsets]
+    else:
+        index = lambda a: a.at[:, physical, offsets]
+        values = tuple(jnp.swapaxes(x, 0, 1) for x in values)  # [Hkv, S, hd]
+    return pool.with_arrays(*(index(a).set(x.astype(a.dtype)) for a, x in zip(pool.arrays, values)))
+
+
+def write_pages(pool: PagePool, first_page: int, k, v) -> PagePool:
+    """Writes whole pages for every layer: k, v [N, n, page_size, Hkv, hd] to logical pages
+    [first_page, first_page + n) (a static range: the prompts' pages)."""
+    num_layers, count = k.shape[:2]
+    physical = (jnp.arange(num_layers)[:, None] * pool.pages_per_layer + first_page + jnp.arange(count)[None]).reshape(-1)
+    values = _as_layout(pool.layout, *(x.reshape((num_layers * count,) + x.shape[2:]) for x in (k, v)))  # [N * n, page, ...]
+    if pool.layout == "pages_first":
+        values = tuple(jnp.swapaxes(x, 1, 2) for x in values)  # [N * n, Hkv, page, hd]
+    elif pool.layout == "heads_first":
+        values = tuple(jnp.moveaxis(x, 2, 0) for x in values)  # [Hkv, N * n, page, hd]
+    at = lambda a: a.at[physical] if pool.page_axis == 0 else a.at[:, physical]
+    return pool.with_arrays(*(at(a).set(x.astype(a.dtype)) for a, x in zip(pool.arrays, values)))
+
+
+def copy_pages(pool: PagePool, source, destination) -> PagePool:
+    """Copies logical pages `source` [S] to `destination` [S] in every layer (copy-on-write)."""
+    layers = pool.arrays[0].shape[pool.page_axis] // pool.pages_per_layer
+    offsets = jnp.arange(layers)[:, None] * pool.pages_per_layer
+    src, dst = (offsets + source[None]).reshape(-1), (offsets + destination[None]).reshape(-1)
+    if pool.page_axis == 0:
+        return pool.with_arrays(*(a.at[dst].set(a[src]) for a in pool.arrays))
+    return pool.with_arrays(*(a.at[:, dst].set(a[:, src]) for a in pool.arrays))
+
+
+def num_kv_heads(pool: PagePool) -> int:
+    shape = pool.arrays[0].shape
+    return {"pages_first": shape[-3], "heads_first": shape[-4], "combined": shape[-2] // 2}[pool.layout]
+
+
+def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages: int | None = None,
+                     sm_scale: float | None = None):
+    """One query per sequence over its filled pages: q [S, Hq, hd] -> [S, Hq, hd].
+
+    tables [S, max_pages] int32 logical pages; lengths [S] int32 tokens to attend (>= 1, the
+    current token's key already written). `num_pages` (XLA path) bounds the pages read per row.
+    """
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    physical = tables + layer * pool.pages_per_layer
+    if backend == "xla":
+        return _xla_decode_attention(q, *pool.arrays, physical[:, :num_pages], lengths, scale)
+    if backend in ("tpu", "tpu_interpret"):
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+        rows = q.shape[0]
+        # Block sizes from a VMEM budget (the kernel's fallback, 128 pages, can exceed v5e's 16 MiB scoped VMEM).
+        kv = pool.arrays[0]
+        page_bytes = kv[0].size * kv.dtype.itemsize
+        kv_pages_per_block = max(1, min(physical.shape[1], KV_BLOCK_BYTES // (2 * page_bytes)))
+        attend = functools.partial(rpa.ragged_paged_attention, sm_scale=scale, num_kv_pages_per_block=kv_pages_per_block,
+                                   num_queries_per_block=min(rows, 32))
+        if backend == "tpu_interpret":
+            attend = _interpret(attend)
+        return attend(q, pool.arrays[0], lengths, physical, jnp.arange(rows + 1, dtype=jnp.int32),
+                      jnp.full((1,), rows, jnp.int32))
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    # The kernel splits each table into k_splits partitions of whole compute blocks.
+    k_splits = _largest_divisor(physical.shape[1], 16)
+    k_pool, v_pool = pool.arrays
+    return gpu_paged.paged_attention(q * jnp.asarray(scale, q.dtype), k_pool, v_pool, physical, lengths, k_splits=k_splits,
+                                     pages_per_compute_block=_largest_divisor(physical.shape[1] // k_splits, 8),
+                                     interpret=backend == "gpu_interpret")
+
+
+def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages: int | None = None):
+    """`decode_attention` for shard-stacked inputs: q [D, S, Hq, hd], pool arrays [D, ...], tables
+    [D, S, W], lengths [D, S]; shard d's rows read shard d's pool. Under a mesh each device runs its
+    own shards (`sharding.per_shard`): D over the batch axes, heads over `tensor` where it divides them."""
+    heads = heads_axis(q.shape[2], num_kv_heads(pool))
+    pool_spec = {"pages_first": P(BATCH, None, heads, None, None), "combined": P(BATCH, None, None, heads, None),
+                 "heads_first": P(BATCH, heads, None, None, None)}[pool.layout]
+    rows = P(BATCH, None, heads, None)
+
+    def local(q, arrays, layer, tables, lengths):
+        def one(q, arrays, tables, lengths):
+            return decode_attention(q, pool.with_arrays(*arrays), layer, tables, lengths,
+                                    backend=backend, num_pages=num_pages)
+
+        if backend == "xla":
+            return jax.vmap(one)(q, arrays, tables, lengths)
+        # A Pallas kernel per local shard (usually one per device).
+        return jnp.stack([one(q[d], tuple(a[d] for a in arrays), tables[d], lengths[d]) for d in range(q.shape[0])])
+
+    specs = (rows, (pool_spec,) * len(pool.arrays), P(), P(BATCH), P(BATCH))
+    return per_shard(local, in_specs=specs, out_specs=rows)(q, pool.arrays, layer, tables, lengths)
+
+
+def _interpret(attend):
+    """The TPU kernel under Pallas' TPU interpreter (CPU tests)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    def run(*args):
+        with pltpu.force_tpu_interpret_mode():
+            return attend(*args)
+
+    return run
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
+def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, scale):
+    """Pages-first pages gather to [S, n, Hkv, page_size, hd], so each (row, page, kv head) is one
+    batch entry of both matmuls and nothing is transposed; the softmax spans all n pages."""
+    rows, num_heads, head_dim = q.shape
+    num_pages, num_kv, page_size = physical.shape[1], k_pool.shape[1], k_pool.shape[2]
+    k, v = k_pool[physical], v_pool[physical]  # [S, n, Hkv, page, hd]
+    groups = num_heads // num_kv
+    grouped = jnp.broadcast_to(q.reshape(rows, 1, num_kv, groups, head_dim), (rows, num_pages, num_kv, groups, head_dim))
+    logits = jnp.einsum("snhgd,snhpd->snhgp", grouped, k, preferred_element_type=jnp.float32) * scale
+    position = (jnp.arange(num_pages)[:, None] * page_size + jnp.arange(page_size)[None])  # [n, page]
+    visible = position[None] < lengths[:, None, None]  # [S, n, page]
+    logits = jnp.where(visible[:, :, None, None], logits, MASK_VALUE)
+    peak = logits.max(axis=(1, 4), keepdims=True)
+    weights = jnp.exp(logits - peak)
+    total = weights.sum(axis=(1, 4))  # [S, Hkv, G]
+    out = jnp.einsum("snhgp,snhpd->snhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32).sum(axis=1)
+    return (out / total[..., None]).reshape(rows, num_heads, head_dim).astype(q.dtype)

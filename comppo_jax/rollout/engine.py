@@ -1,0 +1,353 @@
+"""The rollout engine behind `generate`: paged KV cache, one prefill per prompt, continuous batching.
+
+1. Prefill: each prompt runs once, not once per sample. Its keys and values fill the prompt's
+   own pages, read-only from then on, and the logits at its last token seed all its samples.
+2. Admission: a free decode slot takes the next waiting row (rows in order; a prompt's
+   `num_samples` rows are consecutive). The row shares its prompt's full pages; a partly filled
+   last prompt page is copied to a fresh page first (copy-on-write).
+3. Decode step: every live slot samples a token with the row's own key
+   `fold_in(fold_in(rng, row), t)`, so a row's tokens never depend on the slot or step it ran in.
+   Unless the row just ended, the token's keys and values go to the row's pages (a fresh page at
+   each page boundary) and its next logits are computed. An ended row hands its private pages
+   back to the free stack and its slot to the next waiting row.
+Rows end at their first EOS (kept) or at `max_new_tokens`; the loop ends when every row has.
+
+Shards: under a mesh, the prompts are split into `shards` = data x fsdp contiguous blocks, each
+with its own slots, page pool and free stack (every engine array has a leading shard axis, split
+over the batch axes; kv heads over `tensor`), so no page is ever read across devices. The
+per-shard steps are written for one shard and `vmap`ped; the loop and the XLA path's page bucket
+are global. The pool holds each shard's prompt pages plus, per slot, the most pages a row can
+need, so a page is always free at a page boundary; `decode_slots` < rows is what bounds memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from comppo_jax import sharding
+from comppo_jax.models import paged_cache
+from comppo_jax.models.attention import training_attention
+from comppo_jax.models.config import ModelConfig
+from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq
+
+TRASH_PAGE = 0  # idle slots write here; nothing reads it
+
+
+class Layout(NamedTuple):
+    """Static sizes of one engine call; per shard unless said otherwise."""
+
+    rows: int  # R, all shards, without padding
+    num_prompts: int  # B, all shards
+    shards: int  # D
+    shard_rows: int  # ceil(R / D): shard d decodes rows [d * shard_rows, (d + 1) * shard_rows)
+    prompts: int  # prompts a shard prefills: those of its rows
+    samples: int  # rows per prompt
+    slots: int  # decode slots per shard
+    prompt_width: int  # P, padded prompt length
+    max_new_tokens: int  # T
+    page_size: int
+    prompt_pages: int  # pages per prompt, ceil(P / page_size)
+    table_width: int  # pages a row can span, ceil((P + T) / page_size)
+    private_pages: int  # pages a row can own, ceil(T / page_size) + 1
+
+    @property
+    def pages_per_layer(self) -> int:
+        return 1 + self.prompts * self.prompt_pages + self.slots * self.private_pages
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Pages read per row by the XLA path: powers of two below the table width, then it."""
+        return tuple(2**i for i in range(math.ceil(math.log2(self.table_width))) if 2**i < self.table_width) + (self.table_width,)
+
+    def first_prompts(self) -> np.ndarray:
+        """[D] the first prompt of each shard's rows (rows past R, padding, repeat the last prompt)."""
+        return np.minimum(np.arange(self.shards) * self.shard_rows // self.samples, self.num_prompts - 1)
+
+    def shard_prompts(self) -> np.ndarray:
+        """[D, prompts] the prompts each shard prefills (indices into the batch; the last repeats)."""
+        return np.minimum(self.first_prompts()[:, None] + np.arange(self.prompts)[None], self.num_prompts - 1)
+
+
+def make_layout(num_prompts, prompt_width, *, num_samples, max_new_tokens, page_size, decode_slots, shards=1) -> Layout:
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if decode_slots is not None and decode_slots < 1:
+        raise ValueError(f"decode_slots must be >= 1 (or None for one per row), got {decode_slots}")
+    rows = num_prompts * num_samples
+    shard_rows = -(-rows // shards)
+    first_rows = np.arange(shards) * shard_rows
+    last_rows = np.minimum(first_rows + shard_rows, rows) - 1
+    prompts = int(np.max(np.maximum(last_rows // num_samples - first_rows // num_samples, 0))) + 1
+    slots = shard_rows if decode_slots is None else min(-(-decode_slots // shards), shard_rows)
+    return Layout(rows, num_prompts, shards, shard_rows, prompts, num_samples, slots, prompt_width, max_new_tokens, page_size,
+                  -(-prompt_width // page_size), -(-(prompt_width + max_new_tokens) // page_size),
+                  -(-max_new_tokens // page_size) + 1)
+
+
+def pool_bytes(config: ModelConfig, layout: Layout) -> int:
+    """Bytes of one shard's page pool (all layers, keys and values)."""
+    per_page = layout.page_size * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    return config.num_layers * layout.pages_per_layer * per_page
+
+
+class _State(NamedTuple):
+    """One shard's engine state (the engine stacks shards on a leading axis)."""
+
+    row: jax.Array  # [S] local row decoded in each slot, -1 when free
+    step: jax.Array  # [S] tokens generated so far
+    length: jax.Array  # [S] tokens in the slot's cache
+    pages: jax.Array  # [S] table entries in use
+    shared: jax.Array  # [S] leading entries that are the prompt's (never freed)
+    tables: jax.Array  # [S, table_width] logical pages
+    logits: jax.Array  # [S, V] float32, logits of the slot's next token
+    pool: paged_cache.PagePool
+    free_pages: jax.Array  # [F] stack of free logical pages; the first free_count are valid
+    free_count: jax.Array
+    next_row: jax.Array  # first local row not yet admitted
+    rows_done: jax.Array
+    response: jax.Array  # [R_shard, T] int32
+    log_probs: jax.Array  # [R_shard, T] float32
+    response_length: jax.Array  # [R_shard] int32
+
+
+def top_p_filter(logits, top_p: float):
+    """Masks (to -inf) the tokens outside the smallest set whose probability reaches top_p.
+
+    The most likely token always stays, so a tiny top_p is greedy.
+    """
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    kept = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_token(rng, logits, temperature: float, top_p: float):
+    """A token per row [B] from logits [B, V]: greedy when temperature == 0, else nucleus sampling."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / temperature
+    if top_p < 1.0:
+        scaled = top_p_filter(scaled, top_p)
+    return jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+
+
+def right_align_prompts(tokens, mask, pad_token_id):
+    """Moves each row's real tokens to the front (stable), whatever its padding side."""
+    order = jnp.argsort(~mask, axis=1, stable=True)
+    aligned_mask = jnp.take_along_axis(mask, order, 1)
+    return jnp.where(aligned_mask, jnp.take_along_axis(tokens, order, 1), pad_token_id), aligned_mask
+
+
+def prefill_prompts(params, config: ModelConfig, tokens, mask, layout: Layout):
+    """Runs each shard's right-padded prompts, tokens [D * prompts, P], once. Returns (logits at
+    each one's last token [D, prompts, V], its keys and values as pages [D, N, prompts *
+    prompt_pages, page_size, Hkv, hd] each)."""
+    dtype = jnp.dtype(config.dtype)
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+    def layer_step(x, layer):
+        attention = lambda q, k, v: (training_attention(q, k, v, mask, implementation=config.attention), (k, v))
+        return _decoder_layer(layer, x, positions, config, inv_freq, attention)
+
+    x, (keys, values) = jax.lax.scan(layer_step, params["embed"].astype(dtype)[tokens], params["layers"])
+    padded = layout.prompt_pages * layout.page_size
+
+    def as_pages(a):  # [N, D * B, P, Hkv, hd] -> [D, N, B * prompt_pages, page_size, Hkv, hd]
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, padded - a.shape[2]), (0, 0), (0, 0)))
+        a = a.reshape(a.shape[0], layout.shards, layout.prompts * layout.prompt_pages, layout.page_size, *a.shape[3:])
+        return jnp.swapaxes(a, 0, 1)
+
+    last = jnp.maximum(mask.sum(axis=1) - 1, 0)
+    final = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [D * B, 1, D_model]
+    logits = lm_logits(params, config, rms_norm(final, params["final_norm"], config.rms_norm_eps))[:, 0]
+    return logits.reshape(layout.shards, layout.prompts, -1), as_pages(keys), as_pages(values)
+
+
+# --- one shard's steps (vmapped over shards) -------------------------------------------------
+
+
+def _take_pages(state: _State, wanted):
+    """Pops one free page for each True in `wanted` [S]; returns (pages [S], state)."""
+    rank = jnp.cumsum(wanted) - 1
+    pages = state.free_pages[jnp.clip(state.free_count - 1 - rank, 0)]
+    return jnp.where(wanted, pages, TRASH_PAGE), state._replace(free_count=state.free_count - wanted.sum())
+
+
+def _return_pages(state: _State, ending) -> _State:
+    """Pushes the private pages (table entries shared..pages) of the `ending` slots back on the stack."""
+    entry = jnp.arange(state.tables.shape[1])[None]
+    private = (ending[:, None] & (entry >= state.shared[:, None]) & (entry < state.pages[:, None])).reshape(-1)
+    where = jnp.where(private, state.free_count + jnp.cumsum(private) - 1, state.free_pages.shape[0])  # out of range: dropped
+    return state._replace(free_pages=state.free_pages.at[where].set(state.tables.reshape(-1), mode="drop"),
+                          free_count=state.free_count + private.sum())
+
+
+def _initial_state(pool, layout: Layout, vocab_size: int, pad: int) -> _State:
+    slots, first_private = layout.slots, 1 + layout.prompts * layout.prompt_pages
+    zeros = jnp.zeros((slots,), jnp.int32)
+    return _State(
+        row=zeros - 1, step=zeros, length=zeros, pages=zeros, shared=zeros,
+        tables=jnp.full((slots, layout.table_width), TRASH_PAGE, jnp.int32),
+        logits=jnp.zeros((slots, vocab_size), jnp.float32), pool=pool,
+        free_pages=jnp.arange(layout.pages_per_layer - 1, first_private - 1, -1, dtype=jnp.int32),
+        free_count=jnp.int32(layout.pages_per_layer - first_private), next_row=jnp.int32(0), rows_done=jnp.int32(0),
+        response=jnp.full((layout.shard_rows, layout.max_new_tokens), pad, jnp.int32),
+        log_probs=jnp.zeros((layout.shard_rows, layout.max_new_tokens), jnp.float32),
+        response_length=jnp.zeros((layout.shard_rows,), jnp.int32),
+    )
+
+
+def _admit(state: _State, shard, first_prompt, layout: Layout, prompt_lengths, prompt_logits) -> _State:
+    """Free slots take the next waiting rows; a partly filled last prompt page is copied to a private page."""
+    free = state.row < 0
+    row = state.next_row + jnp.cumsum(free) - 1
+    admit = free & (row < layout.shard_rows)
+    global_prompt = jnp.minimum((shard * layout.shard_rows + row) // layout.samples, layout.num_prompts - 1)
+    prompt = jnp.where(admit, global_prompt - first_prompt, 0)
+    length = prompt_lengths[prompt]
+    shared = length // layout.page_size
+    first_prompt_page = 1 + prompt * layout.prompt_pages
+    entry = jnp.arange(layout.table_width)[None]
+    prompt_table = jnp.where(entry < shared[:, None], first_prompt_page[:, None] + entry, TRASH_PAGE)
+    copied = admit & (length % layout.page_size != 0)
+    page, state = _take_pages(state, copied)
+    pool = paged_cache.copy_pages(state.pool, jnp.where(copied, first_prompt_page + shared, TRASH_PAGE), page)
+    prompt_table = jnp.where(copied[:, None] & (entry == shared[:, None]), page[:, None], prompt_table)
+    pick = lambda new, old: jnp.where(admit.reshape(admit.shape + (1,) * (old.ndim - 1)), new, old)
+    return state._replace(
+        row=pick(row, state.row), step=pick(0, state.step), length=pick(length, state.length),
+        pages=pick(shared + copied, state.pages), shared=pick(shared, state.shared),
+        tables=pick(prompt_table, state.tables), logits=pick(prompt_logits[prompt], state.logits), pool=pool,
+        next_row=state.next_row + admit.sum(),
+    )
+
+
+def _sample_and_allocate(state: _State, shard, layout: Layout, rng, eos, temperature, top_p):
+    """Samples each live slot's token, records it, and gives a fresh page to rows starting one.
+    Returns (state, tokens [S], the page each token's keys and values go to [S], feeds [S], ends [S])."""
+    live = state.row >= 0
+    global_row = shard * layout.shard_rows + jnp.maximum(state.row, 0)
+    keys = jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(global_row, state.step)
+    tokens = jax.vmap(lambda key, logits: sample_token(key, logits[None], temperature, top_p)[0])(keys, state.logits)
+    log_prob_temperature = temperature if temperature > 0 else 1.0  # greedy reports the policy's own log-probs
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(state.logits / log_prob_temperature), tokens[:, None], 1)[:, 0]
+    ends = live & (jnp.isin(tokens, eos) | (state.step + 1 >= layout.max_new_tokens))
+    feeds = live & ~ends
+    record, ended = jnp.where(live, state.row, layout.shard_rows), jnp.where(ends, state.row, layout.shard_rows)  # off the end: dropped
+    state = state._replace(response=state.response.at[record, state.step].set(tokens, mode="drop"),
+                           log_probs=state.log_probs.at[record, state.step].set(log_probs, mode="drop"),
+                           response_length=state.response_length.at[ended].set(state.step + 1, mode="drop"))
+    needs_page = feeds & (state.length == state.pages * layout.page_size)
+    page, state = _take_pages(state, needs_page)
+    slot = jnp.arange(layout.slots)
+    tables = state.tables.at[slot, jnp.where(needs_page, state.pages, layout.table_width)].set(page, mode="drop")
+    entry = jnp.minimum(state.length // layout.page_size, layout.table_width - 1)
+    write_page = jnp.where(feeds, tables[slot, entry], TRASH_PAGE)
+    return state._replace(tables=tables, pages=state.pages + needs_page), tokens, write_page, feeds, ends
+
+
+def _finish_step(state: _State, pool, logits, feeds, ends) -> _State:
+    state = _return_pages(state._replace(pool=pool), ends)
+    return state._replace(
+        row=jnp.where(ends, -1, state.row), step=state.step + (state.row >= 0), length=state.length + feeds,
+        logits=jnp.where(feeds[:, None], logits, state.logits), rows_done=state.rows_done + ends.sum(),
+    )
+
+
+# --- all shards at once ----------------------------------------------------------------------
+
+
+def layer_weights(params, unrolled: bool):
+    """The decoder layers as `decode_layers` takes them: stacked [N, ...] (scanned), or a tuple of
+    per-layer dicts (unrolled). On CPU a scanned layer's weights are copied out of the stack at
+    every step (its matmuls need them contiguous): split once before decoding, they are read in place."""
+    stacked = params["layers"]
+    if not unrolled:
+        return stacked
+    return tuple(jax.tree.map(lambda w: w[i], stacked) for i in range(jax.tree.leaves(stacked)[0].shape[0]))
+
+
+def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, bucket=None,
+                  buckets: tuple[int, ...] = ()):
+    """Feeds one token per slot, tokens [D, S] at positions `length` [D, S], its keys and values
+    going to `write_page` [D, S]; attends over each slot's pages `tables` [D, S, W] in its shard's
+    pool. `layers` comes from `layer_weights`. The XLA path reads the first `buckets[bucket]` pages
+    of every table (`bucket` traced); the kernels read each row's own. Returns (next logits
+    [D, S, V], pool)."""
+    dtype = jnp.dtype(config.dtype)
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    shards, slots = tokens.shape
+    offset = length % pool.page_size
+    per_shard = lambda a: a.reshape((shards, slots) + a.shape[1:])
+
+    def layer_step(carry, scanned):
+        x, pool = carry
+        layer, index = scanned
+
+        def attention(q, k, v):
+            write = lambda pool, *rows: paged_cache.write_tokens(pool, index, *rows)
+            pool_now = jax.vmap(write)(pool, write_page, offset, per_shard(k[:, 0]), per_shard(v[:, 0]))
+            attend = lambda q, pool, num_pages=None: paged_cache.sharded_decode_attention(
+                q, pool, index, tables, length + 1, backend=backend, num_pages=num_pages)
+            if backend == "xla":  # the pool goes in read-only, so the branch needs no copy of it
+                out = jax.lax.switch(bucket, [lambda q, pool, n=n: attend(q, pool, n) for n in buckets], per_shard(q[:, 0]), pool_now)
+            else:
+                out = attend(per_shard(q[:, 0]), pool_now)
+            return out.reshape(q.shape), pool_now
+
+        return _decoder_layer(layer, x, length.reshape(-1, 1), config, inv_freq, attention), None
+
+    x = params["embed"].astype(dtype)[tokens.reshape(-1)][:, None]
+    if isinstance(layers, tuple):
+        for index, layer in enumerate(layers):
+            (x, pool), _ = layer_step((x, pool), (layer, index))
+    else:
+        (x, pool), _ = jax.lax.scan(layer_step, (x, pool), (layers, jnp.arange(config.num_layers)))
+    logits = lm_logits(params, config, rms_norm(x, params["final_norm"], config.rms_norm_eps))[:, 0]
+    return per_shard(logits), pool
+
+
+def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, num_samples: int, max_new_tokens: int,
+               page_size: int, decode_slots: int | None, temperature: float, top_p: float, eos, pad: int, backend: str):
+    """Generates every row. Returns (right-padded prompts [B, P], their lengths [B], response [R, T],
+    log-probs [R, T], response lengths [R]). Traced inside `generate`'s jit."""
+    num_prompts, prompt_width = prompt_tokens.shape
+    layout = make_layout(num_prompts, prompt_width, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                         page_size=page_size, decode_slots=decode_slots, shards=sharding.context_batch_shards())
+    tokens, mask = right_align_prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), pad)
+    shard_prompts = layout.shard_prompts().reshape(-1)
+    prompt_logits, keys, values = prefill_prompts(params, config, tokens[shard_prompts], mask[shard_prompts], layout)
+    prompt_lengths = mask.sum(axis=1).astype(jnp.int32)[shard_prompts].reshape(layout.shards, layout.prompts)
+    def shard_init(keys, values):
+        pool = paged_cache.empty_pool(config.num_layers, layout.pages_per_layer, page_size, config.num_kv_heads,
+                                      config.head_dim, jnp.dtype(config.dtype), backend)
+        return _initial_state(paged_cache.write_pages(pool, 1, keys, values), layout, prompt_logits.shape[-1], pad)
+
+    state = jax.vmap(shard_init)(keys, values)
+    layers = layer_weights(params, unrolled=jax.default_backend() == "cpu")
+    shard_ids, first_prompts = jnp.arange(layout.shards), jnp.asarray(layout.first_prompts())
+
+    def body(state):
+        waiting = jnp.any((state.row < 0) & (state.next_row < layout.shard_rows)[:, None])
+        admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))
+        state = jax.lax.cond(waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state)
+        state, tokens, write_page, feeds, ends = jax.vmap(
+            lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p))(state, shard_ids)
+        # The XLA path reads only the pages the longest live row needs, rounded up to a power of two.
+        needed = jnp.max(jnp.where(feeds, state.length // page_size + 1, 1))
+        bucket = jnp.searchsorted(jnp.asarray(layout.buckets), needed)
+        logits, pool = decode_layers(params, layers, config, tokens, state.pool, state.tables, state.length, write_page,
+                                     backend, bucket, layout.buckets)
+        return jax.vmap(_finish_step)(state, pool, logits, feeds, ends)
+
+    state = jax.lax.while_loop(lambda s: jnp.sum(s.rows_done) < layout.shards * layout.shard_rows, body, state)
+    rows = layout.rows
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])[:rows]
+    return tokens, mask.sum(axis=1).astype(jnp.int32), flat(state.response), flat(state.log_probs), flat(state.response_length)
