@@ -121,6 +121,20 @@ def per_shard(fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def constrain(tree: Any, specs: Any) -> Any:
+    """`with_sharding_constraint` under the context mesh; the tree itself without one."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, specs)
+
+
+def context_platform() -> str:
+    """The platform being compiled for: the context mesh's devices' (a TPU plan traced on a CPU
+    host says "tpu"), else JAX's default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def context_batch_shards() -> int:
     """How many ways the context mesh splits the batch (data x fsdp); 1 without a mesh."""
     shape = jax.sharding.get_abstract_mesh().shape

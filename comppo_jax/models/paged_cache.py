@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from comppo_jax.sharding import BATCH, heads_axis, per_shard
+from comppo_jax.sharding import BATCH, context_platform, heads_axis, per_shard
 from pallas_kernels.common import MASK_VALUE
 
 PAGED_ATTENTION = ("auto", "xla", "tpu", "tpu_interpret", "gpu", "gpu_interpret")
@@ -44,7 +44,8 @@ KV_BLOCK_BYTES = 4 << 20  # the TPU kernel's double-buffered key/value block in 
 
 
 def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = None) -> str:
-    """The concrete paged-attention backend "auto" stands for on `platform` (default: JAX's).
+    """The concrete paged-attention backend "auto" stands for on `platform` (default: the one
+    being compiled for, `sharding.context_platform`).
 
     The TPU kernel lays a head's features along the 128 lanes, so it needs head_dim % 128 == 0;
     "auto" takes the XLA path for other head sizes (small test models).
@@ -56,7 +57,7 @@ def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = 
                          f"got head_dim={head_dim}; use 'xla' or 'auto'")
     if backend != "auto":
         return backend
-    platform = platform or jax.default_backend()
+    platform = platform or context_platform()
     if platform == "tpu":
         return "tpu" if head_dim % 128 == 0 else "xla"
     return "gpu" if platform in ("gpu", "cuda") else "xla"
@@ -113,26 +114,38 @@ def write_tokens(pool: PagePool, layer, pages, offsets, k, v) -> PagePool:
 
 def write_pages(pool: PagePool, first_page: int, k, v) -> PagePool:
     """Writes whole pages for every layer: k, v [N, n, page_size, Hkv, hd] to logical pages
-    [first_page, first_page + n) (a static range: the prompts' pages)."""
-    num_layers, count = k.shape[:2]
-    physical = (jnp.arange(num_layers)[:, None] * pool.pages_per_layer + first_page + jnp.arange(count)[None]).reshape(-1)
-    values = _as_layout(pool.layout, *(x.reshape((num_layers * count,) + x.shape[2:]) for x in (k, v)))  # [N * n, page, ...]
-    if pool.layout == "pages_first":
-        values = tuple(jnp.swapaxes(x, 1, 2) for x in values)  # [N * n, Hkv, page, hd]
-    elif pool.layout == "heads_first":
-        values = tuple(jnp.moveaxis(x, 2, 0) for x in values)  # [Hkv, N * n, page, hd]
-    at = lambda a: a.at[physical] if pool.page_axis == 0 else a.at[:, physical]
-    return pool.with_arrays(*(at(a).set(x.astype(a.dtype)) for a, x in zip(pool.arrays, values)))
+    [first_page, first_page + n) (a static range: the prompts' pages). Token by token, with the
+    decode steps' own scatter, so the pool keeps one layout (the TPU kernel's) from the start."""
+    count, page_size = k.shape[1], k.shape[2]
+    pages = jnp.repeat(first_page + jnp.arange(count), page_size)
+    offsets = jnp.tile(jnp.arange(page_size), count)
+    tokens = lambda x: x.reshape((count * page_size,) + x.shape[2:])
+    for layer in range(k.shape[0]):
+        pool = write_tokens(pool, layer, pages, offsets, tokens(k[layer]), tokens(v[layer]))
+    return pool
 
 
 def copy_pages(pool: PagePool, source, destination) -> PagePool:
-    """Copies logical pages `source` [S] to `destination` [S] in every layer (copy-on-write)."""
+    """Copies logical pages `source` [S] to `destination` [S] in every layer (copy-on-write), one
+    page at a time in place (a gather of pages can make XLA re-lay out the whole pool)."""
     layers = pool.arrays[0].shape[pool.page_axis] // pool.pages_per_layer
     offsets = jnp.arange(layers)[:, None] * pool.pages_per_layer
     src, dst = (offsets + source[None]).reshape(-1), (offsets + destination[None]).reshape(-1)
-    if pool.page_axis == 0:
-        return pool.with_arrays(*(a.at[dst].set(a[src]) for a in pool.arrays))
-    return pool.with_arrays(*(a.at[:, dst].set(a[:, src]) for a in pool.arrays))
+
+    def copy_one(i, arrays):
+        page = lambda a: jax.lax.dynamic_slice_in_dim(a, src[i], 1, pool.page_axis)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, page(a), dst[i], pool.page_axis) for a in arrays)
+
+    return pool.with_arrays(*jax.lax.fori_loop(0, src.shape[0], copy_one, pool.arrays))
+
+
+def pool_specs(pool: PagePool, num_heads: int) -> tuple:
+    """PartitionSpecs of shard-stacked pool arrays [D, ...]: D over the batch axes, kv heads over
+    `tensor` when it divides both head counts (as the query heads are split)."""
+    heads = heads_axis(num_heads, num_kv_heads(pool))
+    spec = {"pages_first": P(BATCH, None, heads, None, None), "combined": P(BATCH, None, None, heads, None),
+            "heads_first": P(BATCH, heads, None, None, None)}[pool.layout]
+    return (spec,) * len(pool.arrays)
 
 
 def num_kv_heads(pool: PagePool) -> int:
@@ -179,10 +192,7 @@ def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backe
     """`decode_attention` for shard-stacked inputs: q [D, S, Hq, hd], pool arrays [D, ...], tables
     [D, S, W], lengths [D, S]; shard d's rows read shard d's pool. Under a mesh each device runs its
     own shards (`sharding.per_shard`): D over the batch axes, heads over `tensor` where it divides them."""
-    heads = heads_axis(q.shape[2], num_kv_heads(pool))
-    pool_spec = {"pages_first": P(BATCH, None, heads, None, None), "combined": P(BATCH, None, None, heads, None),
-                 "heads_first": P(BATCH, heads, None, None, None)}[pool.layout]
-    rows = P(BATCH, None, heads, None)
+    rows = P(BATCH, None, heads_axis(q.shape[2], num_kv_heads(pool)), None)
 
     def local(q, arrays, layer, tables, lengths):
         def one(q, arrays, tables, lengths):
@@ -194,7 +204,7 @@ def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backe
         # A Pallas kernel per local shard (usually one per device).
         return jnp.stack([one(q[d], tuple(a[d] for a in arrays), tables[d], lengths[d]) for d in range(q.shape[0])])
 
-    specs = (rows, (pool_spec,) * len(pool.arrays), P(), P(BATCH), P(BATCH))
+    specs = (rows, pool_specs(pool, q.shape[2]), P(), P(BATCH), P(BATCH))
     return per_shard(local, in_specs=specs, out_specs=rows)(q, pool.arrays, layer, tables, lengths)
 
 

@@ -138,9 +138,13 @@ def _project(x, weight):
 def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     batch, length, _ = x.shape
     hd = config.head_dim
-    q = _project(x, layer["q_proj"]).reshape(batch, length, config.num_heads, hd)
-    k = _project(x, layer["k_proj"]).reshape(batch, length, config.num_kv_heads, hd)
-    v = _project(x, layer["v_proj"]).reshape(batch, length, config.num_kv_heads, hd)
+    if "qkv_proj" in layer:  # one matmul: the rollout engine's per-layer decode weights (engine.layer_weights)
+        q, k, v = jnp.split(_project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1)
+    else:
+        q, k, v = (_project(x, layer[name]) for name in ("q_proj", "k_proj", "v_proj"))
+    q = q.reshape(batch, length, config.num_heads, hd)
+    k = k.reshape(batch, length, config.num_kv_heads, hd)
+    v = v.reshape(batch, length, config.num_kv_heads, hd)
     if config.qk_norm:
         q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)

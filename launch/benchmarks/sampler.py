@@ -6,9 +6,12 @@ Every table is measured side by side in one run; jitted programs are compiled be
    tokens (at least 8), greedy: our `generate` vs transformers' `generate` (torch CPU).
 2. plain decode: a decode-heavy random Qwen3 (2 layers, hidden 512, 8 query / 2 kv heads of 64,
    vocab 16384), `batch` rows x 128-token prompts, every row to 256 and to min(2048, length) new
-   tokens: our engine, the dense reference, tunix (`--tunix_python`, its own venv), transformers.
+   tokens: our engine, the dense reference, tunix (`--tunix_python`, its own venv), and
+   transformers (at 256 only: it runs at ~0.1 s a step here).
 3. uniform: the same model, every row to `length` new tokens: engine vs dense, per-step time
-   beside the memory roofline (weight + live KV bytes per step / copy bandwidth measured here).
+   beside two lower bounds measured here: memory (weight + live KV bytes per step over the read
+   bandwidth of a streaming sum; a copy is printed too) and compute (the step's flops over the
+   rate of a decode-shaped matmul). On this CPU, 16 rows of decode are compute-bound.
 4. long-tailed: `batch` prompts x 4 samples, `batch` decode slots (4x more rows than slots),
    lengths up to `length // 2` (most rows stop early, one prompt reaches the limit): engine vs
    dense, time and compiled memory (page pool or dense cache, plus activations).
@@ -26,6 +29,7 @@ import os
 import subprocess
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +45,7 @@ TINY_PROMPT = 32
 PROMPT = 128
 SAMPLES = 4  # long-tailed rows per prompt
 EOS = 0
+TRANSFORMERS_STEPS = 256  # transformers runs at ~0.1 s a step here: timed at the short length only
 COUNTER = ModelConfig(architecture="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
                       num_kv_heads=2, head_dim=64, tie_word_embeddings=False, eos_token_ids=(EOS,), pad_token_id=EOS)
 
@@ -62,17 +67,44 @@ def counter_prompts(rows: int, lengths, seed: int = 0) -> np.ndarray:
     return prompts
 
 
-def copy_bandwidth(megabytes: int = 256) -> float:
-    """Bytes per second of a jitted array copy (read + write)."""
+class Machine(NamedTuple):
+    """This machine's limits, measured in the same run as the samplers."""
+
+    copy_bandwidth: float  # bytes/s of a jitted array copy (read + write)
+    read_bandwidth: float  # bytes/s of a jitted sum (read only, what a decode step mostly does)
+    matmul_flops: float  # flop/s of the decode-shaped matmul [rows, D] x [D, V]
+
+
+def measure_machine(rows: int, megabytes: int = 256) -> Machine:
     x = jnp.ones((megabytes << 18,), jnp.float32)
-    copy = jax.jit(lambda x: x * 1.0001)
-    seconds = interleaved_medians({"copy": lambda: copy(x).block_until_ready()}, 5)["copy"]
-    return 2 * x.nbytes / seconds
+    copy, total = jax.jit(lambda x: x * 1.0001), jax.jit(jnp.sum)
+    lhs = jnp.ones((rows, COUNTER.hidden_size), jnp.float32)
+    rhs = jnp.ones((COUNTER.hidden_size, COUNTER.vocab_size), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    seconds = interleaved_medians({"copy": lambda: copy(x).block_until_ready(), "sum": lambda: total(x).block_until_ready(),
+                                   "matmul": lambda: matmul(lhs, rhs).block_until_ready()}, 5)
+    return Machine(2 * x.nbytes / seconds["copy"], x.nbytes / seconds["sum"], 2 * lhs.size * rhs.shape[1] / seconds["matmul"])
 
 
 def weight_bytes(params) -> int:
     """Bytes read per decode step: every matrix but the embedding table (one row per token)."""
     return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params) if "embed" not in jax.tree_util.keystr(path))
+
+
+def step_bounds(params, rows: int, live_tokens: float, machine: Machine) -> tuple[float, float]:
+    """(memory, compute) lower bounds on one decode step's seconds: weights + live KV over the read
+    bandwidth; 2 flop per weight per row plus attention's 4 flop per query head dim per live token
+    over the matmul rate."""
+    memory = (weight_bytes(params) + live_tokens * kv_bytes_per_token(COUNTER)) / machine.read_bandwidth
+    weights = weight_bytes(params) // jnp.dtype(COUNTER.dtype).itemsize
+    attention = 4 * COUNTER.num_layers * COUNTER.num_heads * COUNTER.head_dim * live_tokens
+    return memory, (2 * rows * weights + attention) / machine.matmul_flops
+
+
+def bound_columns(seconds_per_step: float, bounds: tuple[float, float]) -> dict:
+    memory, compute = bounds
+    return {"memory bound ms": f"{memory * 1e3:.2f}", "compute bound ms": f"{compute * 1e3:.2f}",
+            "x bound": f"{seconds_per_step / max(memory, compute):.2f}"}
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
@@ -185,8 +217,10 @@ def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tun
                     return out[:, PROMPT:].numpy()
 
                 candidates = {"comppo_jax engine": lambda: ours(*args).response_tokens.block_until_ready(),
-                              "dense reference": lambda: dense(*args).response_tokens.block_until_ready(), "transformers": hf}
-                agree = {"dense reference": np.asarray(dense(*args).response_tokens), "transformers": hf()}
+                              "dense reference": lambda: dense(*args).response_tokens.block_until_ready()}
+                agree = {"dense reference": np.asarray(dense(*args).response_tokens)}
+                if steps <= TRANSFORMERS_STEPS:
+                    candidates["transformers"], agree["transformers"] = hf, hf()
                 medians = {name: _time_calls(fn, repeats) for name, fn in candidates.items()}
                 if tunix is not None:
                     tunix.generate(prompts, steps)  # compiles
@@ -207,24 +241,21 @@ def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tun
     print_table(rows, ["new tokens", "implementation", "ms/step", "token agreement", "engine speed-up"])
 
 
-def uniform_table(params, batch: int, length: int, bandwidth: float) -> None:
+def uniform_table(params, batch: int, length: int, machine: Machine) -> None:
     prompts = counter_prompts(batch, [length + 1] * batch)
     args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
     kwargs = dict(max_new_tokens=length, temperature=0.0, eos_token_ids=())
     engines = {"comppo_jax engine": _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, **kwargs), *args),
                "dense reference": _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args)}
     seconds = {name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()}
-    per_token = kv_bytes_per_token(COUNTER)
     live = {"comppo_jax engine": batch * (PROMPT + length / 2), "dense reference": batch * (PROMPT + length)}  # KV tokens read per step
-    rows = []
-    for name, s in seconds.items():
-        roofline = (weight_bytes(params) + live[name] * per_token) / bandwidth
-        rows.append({"implementation": name, "s": f"{s:.1f}", "ms/step": f"{s / length * 1e3:.2f}",
-                     "roofline ms/step": f"{roofline * 1e3:.2f}", "x roofline": f"{s / length / roofline:.2f}",
-                     "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"})
-    print(f"\nuniform: {batch} rows x {PROMPT}-token prompts, every row to {length} new tokens; roofline = (weights "
-          f"{weight_bytes(params) / 2**20:.0f} MiB + live KV) / copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print_table(rows, ["implementation", "s", "ms/step", "roofline ms/step", "x roofline", "engine speed-up"])
+    rows = [{"implementation": name, "s": f"{s:.1f}", "ms/step": f"{s / length * 1e3:.2f}",
+             **bound_columns(s / length, step_bounds(params, batch, live[name], machine)),
+             "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"} for name, s in seconds.items()]
+    print(f"\nuniform: {batch} rows x {PROMPT}-token prompts, every row to {length} new tokens; bounds from weights "
+          f"{weight_bytes(params) / 2**20:.0f} MiB + live KV at {machine.read_bandwidth / 1e9:.1f} GB/s read (a copy runs at "
+          f"{machine.copy_bandwidth / 1e9:.1f} GB/s) and matmuls at {machine.matmul_flops / 1e9:.0f} GFLOP/s")
+    print_table(rows, ["implementation", "s", "ms/step", "memory bound ms", "compute bound ms", "x bound", "engine speed-up"])
 
 
 def long_tailed_lengths(prompts: int, longest: int) -> np.ndarray:
@@ -233,7 +264,7 @@ def long_tailed_lengths(prompts: int, longest: int) -> np.ndarray:
     return np.maximum(1, (fractions[np.arange(prompts) * len(fractions) // prompts] * longest).astype(int))
 
 
-def long_tailed_table(params, batch: int, longest: int, bandwidth: float) -> None:
+def long_tailed_table(params, batch: int, longest: int, machine: Machine) -> None:
     lengths = long_tailed_lengths(batch, longest)
     prompts = counter_prompts(batch, lengths)
     args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
@@ -249,26 +280,26 @@ def long_tailed_table(params, batch: int, longest: int, bandwidth: float) -> Non
     seconds = {name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()}
     memory = {name: fn.memory_analysis().temp_size_in_bytes for name, fn in engines.items()}
     iterations, live = slot_schedule(row_lengths, batch)
-    schedule = {"comppo_jax engine": (iterations, live), "dense reference": (longest, batch * SAMPLES * (PROMPT + longest))}
+    schedule = {"comppo_jax engine": (iterations, batch, live),
+                "dense reference": (longest, batch * SAMPLES, batch * SAMPLES * (PROMPT + longest))}
     rows = []
     for name, s in seconds.items():
-        steps, live_tokens = schedule[name]
-        roofline = (weight_bytes(params) + live_tokens * kv_bytes_per_token(COUNTER)) / bandwidth
+        steps, step_rows, live_tokens = schedule[name]
         rows.append({"implementation": name, "s": f"{s:.1f}", "steps": steps, "ms/step": f"{s / steps * 1e3:.2f}",
-                     "x roofline": f"{s / steps / roofline:.2f}", "memory MiB": f"{memory[name] / 2**20:.0f}",
-                     "memory vs dense": f"{memory[name] / memory['dense reference']:.2f}",
+                     **bound_columns(s / steps, step_bounds(params, step_rows, live_tokens, machine)),
+                     "memory MiB": f"{memory[name] / 2**20:.0f}", "memory vs dense": f"{memory[name] / memory['dense reference']:.2f}",
                      "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"})
     print(f"\nlong-tailed: {batch} prompts x {SAMPLES} samples = {batch * SAMPLES} rows, {batch} decode slots, lengths up to "
           f"{longest} (mean {row_lengths.mean():.0f}), sampled at temperature 1; memory = compiled temporaries (cache or page pool "
           f"+ activations)")
-    print_table(rows, ["implementation", "s", "steps", "ms/step", "x roofline", "memory MiB", "memory vs dense", "engine speed-up"])
+    print_table(rows, ["implementation", "s", "steps", "ms/step", "memory bound ms", "compute bound ms", "x bound", "memory MiB",
+                       "memory vs dense", "engine speed-up"])
 
 
 def run(batch: int = 16, length: int = 8192, repeats: int = 3, tunix_python: str | None = None) -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
     tiny_table(batch, length, repeats)
-    bandwidth = copy_bandwidth()
     params = counter_params()
     plain_decode_table(params, batch, sorted({min(256, length), min(2048, length)}), repeats, tunix_python)
-    uniform_table(params, batch, length, bandwidth)
-    long_tailed_table(params, batch, max(1, length // 2), bandwidth)
+    uniform_table(params, batch, length, measure_machine(batch))
+    long_tailed_table(params, batch, max(1, length // 2), measure_machine(batch))

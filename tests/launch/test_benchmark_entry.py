@@ -54,12 +54,18 @@ def test_critic_suite_prints_stages_against_the_policy_forward():
     assert {row[0] for row in rows} == {"tiny", "qwen3-0.6b-like"}
 
 
-def test_sampler_suite_prints_throughput_against_transformers():
+def test_sampler_suite_prints_each_workload_against_the_other_samplers():
     result = benchmark("sampler", "--batch=2", "--length=8", "--repeats=1")
     assert result.returncode == 0, result.stderr
-    assert "token agreement 1.000" in result.stdout  # fp32 greedy: both sides emit the same tokens
-    rows = result.stdout.splitlines()[2:]
-    assert len(rows) == 2 and all(row.endswith("x") for row in rows)
+    sections = {block.splitlines()[0].split(":")[0]: block.splitlines()[1:] for block in result.stdout.split("\n\n")}
+    assert "token agreement 1.000" in result.stdout  # fp32 greedy: transformers emits the same tokens
+    tiny = sections[next(name for name in sections if name.startswith("jax"))]
+    assert tiny[0].startswith("tiny") and len(tiny) == 4 and all(row.endswith("x") for row in tiny[2:])
+    plain = sections["plain decode"][1:]
+    assert [row.split()[1] for row in plain] == ["comppo_jax", "dense", "transformers"]  # tunix needs --tunix_python
+    assert all(row.split()[-2] == "1.000" for row in plain)  # the counter model: every sampler emits the same tokens
+    assert [row.split()[0] for row in sections["uniform"][1:]] == ["comppo_jax", "dense"]
+    assert [row.split()[0] for row in sections["long-tailed"][1:]] == ["comppo_jax", "dense"]
 
 
 def test_host_suite_times_decoding_and_verification():
