@@ -260,7 +260,13 @@ def test_grpo_matches_group_formula(group_size, rewards, lengths):
     mask = np.arange(6)[None] < np.asarray(lengths)[:, None]
     got = np.asarray(grpo_advantages(rewards, group_size, mask))
     want = oracle.grpo(rewards, group_size)[:, None] * mask
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # float32 loses eps * |r| when it subtracts the group mean, and dividing by the std magnifies
+    # that: nearly tied groups (1.0 vs 0.999) are exact only up to eps * max|r| / std.
+    groups = rewards.astype(np.float64).reshape(-1, group_size)
+    spread = groups.std(axis=1, ddof=1) if group_size > 1 else np.zeros(len(groups))
+    conditioning = np.abs(groups).max(axis=1) / (spread + 1e-6)
+    tolerance = 1e-5 + 10 * np.finfo(np.float32).eps * np.repeat(conditioning, group_size)[:, None]
+    assert (np.abs(got - want) <= tolerance).all(), (got, want)
 
 
 def test_grpo_tied_groups_get_zero_and_bad_group_size_is_refused():
