@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.kv_cache import decode_step, prefill
-from comppo_jax.rollout.sampler import Generation, sample_token
+from comppo_jax.rollout.engine import right_align_prompts, sample_token
+from comppo_jax.rollout.sampler import Generation, assemble, check_and_default
 
 
 def left_align(tokens, mask, pad_token_id):
@@ -57,11 +58,8 @@ def generate_dense(
     which is what a teacher-forced scoring pass at the same temperature recomputes (greedy
     decoding reports temperature-1 log-probs).
     """
-    if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
-        raise ValueError(f"prompt_tokens and prompt_mask must both be [B, P], got {prompt_tokens.shape} and {prompt_mask.shape}")
+    eos, pad = check_and_default(config, prompt_tokens, prompt_mask, eos_token_ids, pad_token_id)
     log_prob_temperature = temperature if temperature > 0 else 1.0  # greedy reports the policy's own log-probs
-    eos = jnp.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids, jnp.int32)
-    pad = (config.pad_token_id or 0) if pad_token_id is None else pad_token_id
     tokens = jnp.repeat(prompt_tokens.astype(jnp.int32), num_samples, axis=0)
     mask = jnp.repeat(prompt_mask.astype(bool), num_samples, axis=0)
     tokens, mask = left_align(tokens, mask, pad)
@@ -93,15 +91,5 @@ def generate_dense(
     is_eos = jnp.isin(response, eos)
     first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, max_new_tokens)
     response_mask = jnp.arange(max_new_tokens)[None] < first_eos[:, None]
-    response = jnp.where(response_mask, response, pad)
-
-    # Left-aligned prompt + response -> prompt + response + right padding.
-    prompt_lengths = mask.sum(axis=1).astype(jnp.int32)
-    combined = jnp.concatenate([tokens, response], axis=1)
-    combined_mask = jnp.concatenate([mask, response_mask], axis=1)
-    source = jnp.arange(prompt_slots + max_new_tokens)[None] + (prompt_slots - prompt_lengths)[:, None]
-    inside = source < prompt_slots + max_new_tokens
-    source = jnp.minimum(source, prompt_slots + max_new_tokens - 1)
-    out_mask = inside & jnp.take_along_axis(combined_mask, source, 1)
-    out_tokens = jnp.where(out_mask, jnp.take_along_axis(combined, source, 1), pad)
-    return Generation(out_tokens, out_mask, prompt_lengths, response, response_mask, jnp.where(response_mask, log_probs, 0.0))
+    prompts, prompt_mask = right_align_prompts(tokens, mask, pad)
+    return assemble(prompts, prompt_mask.sum(axis=1).astype(jnp.int32), response, response_mask, log_probs, pad)

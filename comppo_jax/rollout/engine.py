@@ -41,7 +41,6 @@ TRASH_PAGE = 0  # idle slots write here; nothing reads it
 class Layout(NamedTuple):
     """Static sizes of one engine call; per shard unless said otherwise."""
 
-    rows: int  # R, all shards, without padding
     num_prompts: int  # B, all shards
     shards: int  # D
     shard_rows: int  # ceil(R / D): shard d decodes rows [d * shard_rows, (d + 1) * shard_rows)
@@ -54,6 +53,11 @@ class Layout(NamedTuple):
     prompt_pages: int  # pages per prompt, ceil(P / page_size)
     table_width: int  # pages a row can span, ceil((P + T) / page_size)
     private_pages: int  # pages a row can own, ceil(T / page_size) + 1
+
+    @property
+    def rows(self) -> int:
+        """R, all shards, without padding."""
+        return self.num_prompts * self.samples
 
     @property
     def pages_per_layer(self) -> int:
@@ -84,7 +88,7 @@ def make_layout(num_prompts, prompt_width, *, num_samples, max_new_tokens, page_
     last_rows = np.minimum(first_rows + shard_rows, rows) - 1
     prompts = int(np.max(np.maximum(last_rows // num_samples - first_rows // num_samples, 0))) + 1
     slots = shard_rows if decode_slots is None else min(-(-decode_slots // shards), shard_rows)
-    return Layout(rows, num_prompts, shards, shard_rows, prompts, num_samples, slots, prompt_width, max_new_tokens, page_size,
+    return Layout(num_prompts, shards, shard_rows, prompts, num_samples, slots, prompt_width, max_new_tokens, page_size,
                   -(-prompt_width // page_size), -(-(prompt_width + max_new_tokens) // page_size),
                   -(-max_new_tokens // page_size) + 1)
 

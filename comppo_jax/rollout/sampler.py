@@ -39,6 +39,32 @@ def engine_options(rollout) -> dict:
                 paged_attention=rollout.get("paged_attention", "auto"))
 
 
+def check_and_default(config: ModelConfig, prompt_tokens, prompt_mask, eos_token_ids, pad_token_id):
+    """Validates prompt_tokens / prompt_mask [B, P]; returns (EOS ids array, pad id) with the config's defaults."""
+    if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
+        raise ValueError(f"prompt_tokens and prompt_mask must both be [B, P], got {prompt_tokens.shape} and {prompt_mask.shape}")
+    eos = jnp.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids, jnp.int32)
+    pad = (config.pad_token_id or 0) if pad_token_id is None else pad_token_id
+    return eos, pad
+
+
+def assemble(prompts, prompt_lengths, response, response_mask, log_probs, pad: int) -> Generation:
+    """Rows as DESIGN.md lays them out, from right-padded prompts [R, P] (real tokens first), their
+    lengths [R] and the response [R, T] with its mask: prompt + response + right padding."""
+    prompt_width, max_new_tokens = prompts.shape[1], response.shape[1]
+    response = jnp.where(response_mask, response, pad)
+    width = prompt_width + max_new_tokens
+    position = jnp.arange(width)[None]
+    source = jnp.where(position < prompt_lengths[:, None], position, prompt_width + position - prompt_lengths[:, None])
+    combined = jnp.concatenate([prompts, response], axis=1)
+    combined_mask = jnp.concatenate([jnp.arange(prompt_width)[None] < prompt_lengths[:, None], response_mask], axis=1)
+    inside = source < width
+    source = jnp.minimum(source, width - 1)
+    out_mask = inside & jnp.take_along_axis(combined_mask, source, 1)
+    out_tokens = jnp.where(out_mask, jnp.take_along_axis(combined, source, 1), pad)
+    return Generation(out_tokens, out_mask, prompt_lengths, response, response_mask, jnp.where(response_mask, log_probs, 0.0))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "max_new_tokens", "temperature", "top_p", "num_samples", "eos_token_ids", "pad_token_id",
@@ -72,28 +98,14 @@ def generate(
     default all), `page_size` and `paged_attention` (see `comppo_jax.models.paged_cache`) change
     speed and memory, not results.
     """
-    if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
-        raise ValueError(f"prompt_tokens and prompt_mask must both be [B, P], got {prompt_tokens.shape} and {prompt_mask.shape}")
+    eos, pad = check_and_default(config, prompt_tokens, prompt_mask, eos_token_ids, pad_token_id)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = jnp.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids, jnp.int32)
-    pad = (config.pad_token_id or 0) if pad_token_id is None else pad_token_id
     prompts, prompt_lengths, response, log_probs, response_length = run_engine(
         params, config, prompt_tokens, prompt_mask, rng, num_samples=num_samples, max_new_tokens=max_new_tokens,
         page_size=page_size, decode_slots=decode_slots, temperature=temperature, top_p=top_p, eos=eos, pad=pad,
         backend=resolve_paged_attention(paged_attention, config.head_dim))
 
-    prompt_lengths = jnp.repeat(prompt_lengths, num_samples)
-    prompts = jnp.repeat(prompts, num_samples, axis=0)
     response_mask = jnp.arange(max_new_tokens)[None] < response_length[:, None]
-    # prompt (its first P_b slots) + response, then right padding.
-    width = prompts.shape[1] + max_new_tokens
-    position = jnp.arange(width)[None]
-    source = jnp.where(position < prompt_lengths[:, None], position, prompts.shape[1] + position - prompt_lengths[:, None])
-    combined = jnp.concatenate([prompts, response], axis=1)
-    combined_mask = jnp.concatenate([jnp.arange(prompts.shape[1])[None] < prompt_lengths[:, None], response_mask], axis=1)
-    inside = source < width
-    source = jnp.minimum(source, width - 1)
-    out_mask = inside & jnp.take_along_axis(combined_mask, source, 1)
-    out_tokens = jnp.where(out_mask, jnp.take_along_axis(combined, source, 1), pad)
-    return Generation(out_tokens, out_mask, prompt_lengths, response, response_mask, jnp.where(response_mask, log_probs, 0.0))
+    return assemble(jnp.repeat(prompts, num_samples, axis=0), jnp.repeat(prompt_lengths, num_samples), response, response_mask,
+                    log_probs, pad)

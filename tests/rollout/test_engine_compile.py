@@ -8,7 +8,6 @@ Qwen3-4B's layer dims (two layers, which is enough to compile the scanned layer)
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,20 +33,21 @@ def decode_step_inputs(backend):
                                                                 config.num_kv_heads, config.head_dim, dtype, backend))
     pool = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1,) + a.shape, a.dtype), pool)  # one shard
     rows = lambda *shape: jax.ShapeDtypeStruct((1, SLOTS) + shape, jnp.int32)
-    step = functools.partial(engine.decode_layers, config=config, backend=backend)
-    return config, step, (params, rows(), pool, rows(table_width), rows(), rows())
+
+    def step(params, tokens, pool, tables, length, write_page):  # the stacked (scanned) layers, as on an accelerator
+        return engine.decode_layers(params, engine.layer_weights(params, unrolled=False), config, tokens, pool, tables, length,
+                                    write_page, backend)
+
+    return step, (params, rows(), pool, rows(table_width), rows(), rows())
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v5p"])
 def test_tpu_decode_step_compiles_at_qwen3_4b_dims_with_a_16k_context(chip):
-    config, step, inputs = decode_step_inputs("tpu")
+    step, inputs = decode_step_inputs("tpu")
     mesh = jax.sharding.Mesh(np.array(tpu_devices(chip)[:1]).reshape(1, 1, 1), sharding.AXES)  # one chip, the run's axes
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    f = lambda params, tokens, pool, tables, length, write_page: step(params, engine.layer_weights(params, unrolled=False),
-                                                                      tokens=tokens, pool=pool, tables=tables, length=length,
-                                                                      write_page=write_page)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = jax.jit(f, in_shardings=replicated, out_shardings=replicated, donate_argnums=2).trace(*inputs).lower().compile()
+        compiled = jax.jit(step, in_shardings=replicated, out_shardings=replicated, donate_argnums=2).trace(*inputs).lower().compile()
     assert "ragged_paged_attention" in compiled.as_text()
     pool_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in inputs[2].arrays)
     # The pool is updated in place: the step needs no second copy of it.
@@ -55,11 +55,8 @@ def test_tpu_decode_step_compiles_at_qwen3_4b_dims_with_a_16k_context(chip):
 
 
 def test_gpu_decode_step_lowers_for_cuda():
-    config, step, inputs = decode_step_inputs("gpu")
+    step, inputs = decode_step_inputs("gpu")
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
-    f = lambda params, tokens, pool, tables, length, write_page: step(params, engine.layer_weights(params, unrolled=False),
-                                                                      tokens=tokens, pool=pool, tables=tables, length=length,
-                                                                      write_page=write_page)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 1, 1), sharding.AXES, abstract_device=h100)):
-        text = jax.jit(f).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(step).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "paged_attention" in text
