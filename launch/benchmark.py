@@ -23,13 +23,15 @@ _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
 _TUNIX = flags.DEFINE_string("tunix_python", None, "sampler suite: the python of a venv with google-tunix, to time its sampler.")
+_TABLES = flags.DEFINE_string("tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed.")
 
 
 def main(argv):
     if len(argv) != 2 or argv[1] not in SUITES:
         raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
     suite = importlib.import_module(f"benchmarks.{argv[1]}")
-    overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value}
+    overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value,
+                 "tables": _TABLES.value}
     suite.run(**{name: value for name, value in overrides.items() if value is not None})
 
 

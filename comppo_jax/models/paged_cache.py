@@ -6,18 +6,18 @@ Layer l's logical page p is physical page `l * pages_per_layer + p`, so one tabl
 layer and no layer is ever sliced out of the pool (a slice would copy it at each step).
 
 Pool layouts (`LAYOUTS`, per backend), K and V apart unless said otherwise:
-- "pages_first" (XLA path): [num_layers * pages, Hkv, page_size, hd]; gathered pages come out
-  [S, n, Hkv, page_size, hd], batch dims leading, so the matmuls read them where they lie;
+- "heads_first" (XLA path and GPU kernel): [Hkv, num_layers * pages, page_size, hd], as
+  `jax.experimental.pallas.ops.gpu.paged_attention` reads it; gathered pages come out
+  [Hkv, S, n, page_size, hd], i.e. each (kv head, row)'s keys contiguous for one matmul;
 - "combined" (TPU kernel): one array [num_layers * pages, page_size, 2 * Hkv, hd], keys at even
   and values at odd kv-head slots, as `jax.experimental.pallas.ops.tpu.ragged_paged_attention`
-  reads it;
-- "heads_first" (GPU kernel): [Hkv, num_layers * pages, page_size, hd], as
-  `jax.experimental.pallas.ops.gpu.paged_attention` reads it.
+  reads it.
 
 Decode attention (one query per sequence) reads only the filled pages:
-- "xla": gathers the first `num_pages` pages of every table (the engine picks the smallest
-  power of two covering the longest live sequence, so a step costs what the lengths need, not
-  what `max_new_tokens` allows) and masks past each length; any platform, CPU's path;
+- "xla": reads the first `num_pages` pages of every table (the engine passes, traced, what the
+  longest live sequence needs, so a step costs what the lengths need, not what `max_new_tokens`
+  allows) in chunks of `XLA_CHUNK_TOKENS`, with an online softmax across chunks, and masks past
+  each length; any platform, CPU's path;
 - "tpu" / "tpu_interpret": the TPU ragged paged attention kernel, compiled or interpreted;
 - "gpu" / "gpu_interpret": the Pallas GPU paged attention kernel, compiled (Triton) or interpreted;
 - "auto": tpu on TPU (head_dim a multiple of 128, else xla), gpu on GPU, xla otherwise.
@@ -37,10 +37,14 @@ from comppo_jax.sharding import BATCH, context_platform, heads_axis, per_shard
 from pallas_kernels.common import MASK_VALUE
 
 PAGED_ATTENTION = ("auto", "xla", "tpu", "tpu_interpret", "gpu", "gpu_interpret")
-LAYOUTS = {"xla": "pages_first", "tpu": "combined", "tpu_interpret": "combined", "gpu": "heads_first",
+LAYOUTS = {"xla": "heads_first", "tpu": "combined", "tpu_interpret": "combined", "gpu": "heads_first",
            "gpu_interpret": "heads_first"}
-PAGE_AXIS = {"pages_first": 0, "combined": 0, "heads_first": 1}  # the (layer, page) axis of each array
+PAGE_AXIS = {"combined": 0, "heads_first": 1}  # the (layer, page) axis of each array
 KV_BLOCK_BYTES = 4 << 20  # the TPU kernel's double-buffered key/value block in VMEM
+# Tokens per XLA-path chunk: a chunk's gathered keys and values (a few MiB at 16 rows) stay in
+# cache between the gather and the two matmuls; gathering every page at once writes a fresh
+# buffer of the whole live cache per layer, which took half the attention's time on CPU.
+XLA_CHUNK_TOKENS = 256
 
 
 def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = None) -> str:
@@ -85,7 +89,7 @@ class PagePool:
 def empty_pool(num_layers: int, pages_per_layer: int, page_size: int, num_kv_heads: int, head_dim: int, dtype,
                backend: str) -> PagePool:
     total, layout = num_layers * pages_per_layer, LAYOUTS[backend]
-    shape = {"pages_first": (total, num_kv_heads, page_size, head_dim), "heads_first": (num_kv_heads, total, page_size, head_dim),
+    shape = {"heads_first": (num_kv_heads, total, page_size, head_dim),
              "combined": (total, page_size, 2 * num_kv_heads, head_dim)}[layout]
     return PagePool(tuple(jnp.zeros(shape, dtype) for _ in range(1 if layout == "combined" else 2)), layout, pages_per_layer,
                     page_size)
@@ -104,8 +108,6 @@ def write_tokens(pool: PagePool, layer, pages, offsets, k, v) -> PagePool:
     values = _as_layout(pool.layout, k, v)
     if pool.layout == "combined":
         index = lambda a: a.at[physical, offsets]
-    elif pool.layout == "pages_first":
-        index = lambda a: a.at[physical, :, offsets]
     else:
         index = lambda a: a.at[:, physical, offsets]
         values = tuple(jnp.swapaxes(x, 0, 1) for x in values)  # [Hkv, S, hd]
@@ -143,27 +145,29 @@ def pool_specs(pool: PagePool, num_heads: int) -> tuple:
     """PartitionSpecs of shard-stacked pool arrays [D, ...]: D over the batch axes, kv heads over
     `tensor` when it divides both head counts (as the query heads are split)."""
     heads = heads_axis(num_heads, num_kv_heads(pool))
-    spec = {"pages_first": P(BATCH, None, heads, None, None), "combined": P(BATCH, None, None, heads, None),
+    spec = {"combined": P(BATCH, None, None, heads, None),
             "heads_first": P(BATCH, heads, None, None, None)}[pool.layout]
     return (spec,) * len(pool.arrays)
 
 
 def num_kv_heads(pool: PagePool) -> int:
     shape = pool.arrays[0].shape
-    return {"pages_first": shape[-3], "heads_first": shape[-4], "combined": shape[-2] // 2}[pool.layout]
+    return {"heads_first": shape[-4], "combined": shape[-2] // 2}[pool.layout]
 
 
-def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages: int | None = None,
+def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None,
                      sm_scale: float | None = None):
     """One query per sequence over its filled pages: q [S, Hq, hd] -> [S, Hq, hd].
 
     tables [S, max_pages] int32 logical pages; lengths [S] int32 tokens to attend (>= 1, the
-    current token's key already written). `num_pages` (XLA path) bounds the pages read per row.
+    current token's key already written). `num_pages` (XLA path; may be traced) bounds the pages
+    read per row, default the whole table.
     """
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     physical = tables + layer * pool.pages_per_layer
     if backend == "xla":
-        return _xla_decode_attention(q, *pool.arrays, physical[:, :num_pages], lengths, scale)
+        return _xla_decode_attention(q, *pool.arrays, physical, lengths, tables.shape[1] if num_pages is None else num_pages,
+                                     scale)
     if backend in ("tpu", "tpu_interpret"):
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
@@ -188,13 +192,15 @@ def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str,
                                      interpret=backend == "gpu_interpret")
 
 
-def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages: int | None = None):
+def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None):
     """`decode_attention` for shard-stacked inputs: q [D, S, Hq, hd], pool arrays [D, ...], tables
     [D, S, W], lengths [D, S]; shard d's rows read shard d's pool. Under a mesh each device runs its
     own shards (`sharding.per_shard`): D over the batch axes, heads over `tensor` where it divides them."""
     rows = P(BATCH, None, heads_axis(q.shape[2], num_kv_heads(pool)), None)
 
-    def local(q, arrays, layer, tables, lengths):
+    num_pages = tables.shape[-1] if num_pages is None else num_pages
+
+    def local(q, arrays, layer, tables, lengths, num_pages):
         def one(q, arrays, tables, lengths):
             return decode_attention(q, pool.with_arrays(*arrays), layer, tables, lengths,
                                     backend=backend, num_pages=num_pages)
@@ -204,8 +210,8 @@ def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backe
         # A Pallas kernel per local shard (usually one per device).
         return jnp.stack([one(q[d], tuple(a[d] for a in arrays), tables[d], lengths[d]) for d in range(q.shape[0])])
 
-    specs = (rows, pool_specs(pool, q.shape[2]), P(), P(BATCH), P(BATCH))
-    return per_shard(local, in_specs=specs, out_specs=rows)(q, pool.arrays, layer, tables, lengths)
+    specs = (rows, pool_specs(pool, q.shape[2]), P(), P(BATCH), P(BATCH), P())
+    return per_shard(local, in_specs=specs, out_specs=rows)(q, pool.arrays, layer, tables, lengths, num_pages)
 
 
 def _interpret(attend):
@@ -223,20 +229,38 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
-def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, scale):
-    """Pages-first pages gather to [S, n, Hkv, page_size, hd], so each (row, page, kv head) is one
-    batch entry of both matmuls and nothing is transposed; the softmax spans all n pages."""
+def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, num_pages, scale):
+    """Heads-first pages, `chunk` at a time: each chunk gathers to [Hkv, S, chunk * page_size, hd],
+    so each (kv head, row) is one batch entry of both matmuls and nothing is transposed; an online
+    softmax (running peak, total and output) combines the ceil(num_pages / chunk) chunks."""
     rows, num_heads, head_dim = q.shape
-    num_pages, num_kv, page_size = physical.shape[1], k_pool.shape[1], k_pool.shape[2]
-    k, v = k_pool[physical], v_pool[physical]  # [S, n, Hkv, page, hd]
+    num_kv, page_size = k_pool.shape[0], k_pool.shape[2]
     groups = num_heads // num_kv
-    grouped = jnp.broadcast_to(q.reshape(rows, 1, num_kv, groups, head_dim), (rows, num_pages, num_kv, groups, head_dim))
-    logits = jnp.einsum("snhgd,snhpd->snhgp", grouped, k, preferred_element_type=jnp.float32) * scale
-    position = (jnp.arange(num_pages)[:, None] * page_size + jnp.arange(page_size)[None])  # [n, page]
-    visible = position[None] < lengths[:, None, None]  # [S, n, page]
-    logits = jnp.where(visible[:, :, None, None], logits, MASK_VALUE)
-    peak = logits.max(axis=(1, 4), keepdims=True)
-    weights = jnp.exp(logits - peak)
-    total = weights.sum(axis=(1, 4))  # [S, Hkv, G]
-    out = jnp.einsum("snhgp,snhpd->snhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32).sum(axis=1)
-    return (out / total[..., None]).reshape(rows, num_heads, head_dim).astype(q.dtype)
+    chunk = max(1, min(XLA_CHUNK_TOKENS // page_size, physical.shape[1]))
+    chunks = -(-physical.shape[1] // chunk)
+    physical = jnp.pad(physical, ((0, 0), (0, chunks * chunk - physical.shape[1])))  # padding is masked
+    query = jnp.swapaxes(q.reshape(rows, num_kv, groups, head_dim), 0, 1)  # [Hkv, S, G, hd]
+    span = chunk * page_size
+
+    def attend_chunk(i):
+        """(peak [Hkv, S, G], total, unnormalized output [Hkv, S, G, hd]) of chunk i alone."""
+        pages = jax.lax.dynamic_slice_in_dim(physical, i * chunk, chunk, axis=1)
+        k, v = (pool[:, pages].reshape(num_kv, rows, span, head_dim) for pool in (k_pool, v_pool))
+        logits = jnp.einsum("hstd,hsgd->hstg", k, query, preferred_element_type=jnp.float32) * scale
+        visible = i * span + jnp.arange(span)[None] < lengths[:, None]  # [S, span]
+        logits = jnp.where(visible[None, :, :, None], logits, MASK_VALUE)
+        peak = logits.max(axis=2)
+        weights = jnp.exp(logits - peak[:, :, None])
+        out = jnp.einsum("hstg,hstd->hsgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return peak, weights.sum(axis=2), out
+
+    def add_chunk(i, carry):
+        # A chunk past a row's length has peak MASK_VALUE, so its weight below is 0.
+        (peak, total, out), (chunk_peak, chunk_total, chunk_out) = carry, attend_chunk(i)
+        new_peak = jnp.maximum(peak, chunk_peak)
+        old, new = jnp.exp(peak - new_peak), jnp.exp(chunk_peak - new_peak)
+        return new_peak, total * old + chunk_total * new, out * old[..., None] + chunk_out * new[..., None]
+
+    # Every row sees position 0, so chunk 0 always has a real peak.
+    _, total, out = jax.lax.fori_loop(1, -(-num_pages // chunk), add_chunk, attend_chunk(0)) if chunks > 1 else attend_chunk(0)
+    return jnp.swapaxes(out / total[..., None], 0, 1).reshape(rows, num_heads, head_dim).astype(q.dtype)

@@ -15,14 +15,13 @@ Rows end at their first EOS (kept) or at `max_new_tokens`; the loop ends when ev
 Shards: under a mesh, the prompts are split into `shards` = data x fsdp contiguous blocks, each
 with its own slots, page pool and free stack (every engine array has a leading shard axis, split
 over the batch axes; kv heads over `tensor`), so no page is ever read across devices. The
-per-shard steps are written for one shard and `vmap`ped; the loop and the XLA path's page bucket
+per-shard steps are written for one shard and `vmap`ped; the loop and the XLA path's page count
 are global. The pool holds each shard's prompt pages plus, per slot, the most pages a row can
 need, so a page is always free at a page boundary; `decode_slots` < rows is what bounds memory.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -62,11 +61,6 @@ class Layout(NamedTuple):
     @property
     def pages_per_layer(self) -> int:
         return 1 + self.prompts * self.prompt_pages + self.slots * self.private_pages
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """Pages read per row by the XLA path: powers of two below the table width, then it."""
-        return tuple(2**i for i in range(math.ceil(math.log2(self.table_width))) if 2**i < self.table_width) + (self.table_width,)
 
     def first_prompts(self) -> np.ndarray:
         """[D] the first prompt of each shard's rows (rows past R, padding, repeat the last prompt)."""
@@ -293,12 +287,11 @@ def layer_weights(params, unrolled: bool):
     return tuple(layer(i) for i in range(stacked["q_proj"].shape[0]))
 
 
-def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, bucket=None,
-                  buckets: tuple[int, ...] = ()):
+def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, num_pages=None):
     """Feeds one token per slot, tokens [D, S] at positions `length` [D, S], its keys and values
     going to `write_page` [D, S]; attends over each slot's pages `tables` [D, S, W] in its shard's
-    pool. `layers` comes from `layer_weights`. The XLA path reads the first `buckets[bucket]` pages
-    of every table (`bucket` traced); the kernels read each row's own. Returns (next logits
+    pool. `layers` comes from `layer_weights`. The XLA path reads the first `num_pages` (traced)
+    pages of every table; the kernels read each row's own. Returns (next logits
     [D, S, V], pool)."""
     dtype = jnp.dtype(config.dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config))
@@ -313,12 +306,8 @@ def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, len
         def attention(q, k, v):
             write = lambda pool, *rows: paged_cache.write_tokens(pool, index, *rows)
             pool_now = jax.vmap(write)(pool, write_page, offset, per_shard(k[:, 0]), per_shard(v[:, 0]))
-            attend = lambda q, pool, num_pages=None: paged_cache.sharded_decode_attention(
-                q, pool, index, tables, length + 1, backend=backend, num_pages=num_pages)
-            if backend == "xla":  # the pool goes in read-only, so the branch needs no copy of it
-                out = jax.lax.switch(bucket, [lambda q, pool, n=n: attend(q, pool, n) for n in buckets], per_shard(q[:, 0]), pool_now)
-            else:
-                out = attend(per_shard(q[:, 0]), pool_now)
+            out = paged_cache.sharded_decode_attention(per_shard(q[:, 0]), pool_now, index, tables, length + 1,
+                                                       backend=backend, num_pages=num_pages)
             return out.reshape(q.shape), pool_now
 
         return _decoder_layer(layer, x, length.reshape(-1, 1), config, inv_freq, attention), None
@@ -362,11 +351,10 @@ def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, 
         state = jax.lax.cond(waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state)
         state, tokens, write_page, feeds, ends = jax.vmap(
             lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p))(state, shard_ids)
-        # The XLA path reads only the pages the longest live row needs, rounded up to a power of two.
+        # The XLA path reads only the pages the longest live row needs.
         needed = jnp.max(jnp.where(feeds, state.length // page_size + 1, 1))
-        bucket = jnp.searchsorted(jnp.asarray(layout.buckets), needed)
         logits, pool = decode_layers(params, layers, config, tokens, state.pool, state.tables, state.length, write_page,
-                                     backend, bucket, layout.buckets)
+                                     backend, needed)
         return place_pool(jax.vmap(_finish_step)(state, pool, logits, feeds, ends))
 
     state = jax.lax.while_loop(lambda s: jnp.sum(s.rows_done) < layout.shards * layout.shard_rows, body, state)

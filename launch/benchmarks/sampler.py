@@ -296,10 +296,21 @@ def long_tailed_table(params, batch: int, longest: int, machine: Machine) -> Non
                        "memory vs dense", "engine speed-up"])
 
 
-def run(batch: int = 16, length: int = 8192, repeats: int = 3, tunix_python: str | None = None) -> None:
+TABLES = ("tiny", "plain", "uniform", "long_tailed")
+
+
+def run(batch: int = 16, length: int = 8192, repeats: int = 3, tunix_python: str | None = None, tables: str = ",".join(TABLES)) -> None:
+    chosen = tables.split(",")
+    unknown = sorted(set(chosen) - set(TABLES))
+    if unknown:
+        raise ValueError(f"unknown sampler tables {unknown}; expected a comma-separated subset of {TABLES}")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
-    tiny_table(batch, length, repeats)
+    if "tiny" in chosen:
+        tiny_table(batch, length, repeats)
     params = counter_params()
-    plain_decode_table(params, batch, sorted({min(256, length), min(2048, length)}), repeats, tunix_python)
-    uniform_table(params, batch, length, measure_machine(batch))
-    long_tailed_table(params, batch, max(1, length // 2), measure_machine(batch))
+    if "plain" in chosen:
+        plain_decode_table(params, batch, sorted({min(256, length), min(2048, length)}), repeats, tunix_python)
+    if "uniform" in chosen:
+        uniform_table(params, batch, length, measure_machine(batch))
+    if "long_tailed" in chosen:
+        long_tailed_table(params, batch, max(1, length // 2), measure_machine(batch))

@@ -57,7 +57,11 @@ def cluster(script_flags, *, signal_after_rows=None, signum=None, metrics=None, 
                     process.send_signal(signum)
                 break
             time.sleep(0.05)
-    output, _ = process.communicate(timeout=600)
+    try:
+        output, _ = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # a hung run must not outlive the test
+        raise
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
