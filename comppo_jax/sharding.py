@@ -147,6 +147,17 @@ def heads_axis(*head_counts: int) -> str | None:
     return "tensor" if all(count % tensor == 0 for count in head_counts) else None
 
 
+def kv_head_repeat(num_heads: int, num_kv_heads: int) -> int:
+    """How many copies of each kv head a head-split KV cache keeps: tensor / num_kv_heads where the
+    context mesh's tensor axis is a larger multiple of the kv head count and divides the query
+    heads (16 devices, 8 kv heads: each device keeps the one kv head its query heads read, instead
+    of every device holding all of them), else 1."""
+    tensor = jax.sharding.get_abstract_mesh().shape.get("tensor", 1)
+    if tensor > num_kv_heads and tensor % num_kv_heads == 0 and num_heads % tensor == 0:
+        return tensor // num_kv_heads
+    return 1
+
+
 def batch_sharding(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
     """Splits `batch_axis` over (data, fsdp); the other dims are replicated."""
     return NamedSharding(mesh, P(*([None] * batch_axis), BATCH))

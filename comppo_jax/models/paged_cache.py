@@ -5,6 +5,9 @@ A sequence's page table [max_pages] lists its logical pages in order: token i li
 Layer l's logical page p is physical page `l * pages_per_layer + p`, so one table serves every
 layer and no layer is ever sliced out of the pool (a slice would copy it at each step).
 
+Where a mesh's tensor axis is a larger multiple of the kv head count, the pool keeps each kv head
+`sharding.kv_head_repeat` times so that the heads still split over `tensor` (`fit_heads`).
+
 Pool layouts (`LAYOUTS`, per backend), K and V apart unless said otherwise:
 - "heads_first" (XLA path and GPU kernel): [Hkv, num_layers * pages, page_size, hd], as
   `jax.experimental.pallas.ops.gpu.paged_attention` reads it; gathered pages come out
@@ -102,10 +105,19 @@ def _as_layout(layout: str, k, v) -> tuple:
     return k, v
 
 
+def fit_heads(pool: PagePool, x):
+    """Keys or values x [..., Hkv, hd] with each head repeated to the pool's kv heads: a pool split
+    over more devices than there are kv heads keeps each head `sharding.kv_head_repeat` times."""
+    repeat, remainder = divmod(num_kv_heads(pool), x.shape[-2])
+    if remainder:
+        raise ValueError(f"the page pool has {num_kv_heads(pool)} kv heads, not a multiple of the {x.shape[-2]} written")
+    return x if repeat == 1 else jnp.repeat(x, repeat, axis=-2)
+
+
 def write_tokens(pool: PagePool, layer, pages, offsets, k, v) -> PagePool:
     """Writes one token per row: k, v [S, Hkv, hd] at logical `pages` [S], `offsets` [S] of `layer`."""
     physical = layer * pool.pages_per_layer + pages
-    values = _as_layout(pool.layout, k, v)
+    values = _as_layout(pool.layout, fit_heads(pool, k), fit_heads(pool, v))
     if pool.layout == "combined":
         index = lambda a: a.at[physical, offsets]
     else:

@@ -14,7 +14,8 @@ Rows end at their first EOS (kept) or at `max_new_tokens`; the loop ends when ev
 
 Shards: under a mesh, the prompts are split into `shards` = data x fsdp contiguous blocks, each
 with its own slots, page pool and free stack (every engine array has a leading shard axis, split
-over the batch axes; kv heads over `tensor`), so no page is ever read across devices. The
+over the batch axes; kv heads over `tensor`, each repeated `sharding.kv_head_repeat` times where
+`tensor` exceeds them), so no page is ever read across devices. The
 per-shard steps are written for one shard and `vmap`ped; the loop and the XLA path's page count
 are global. The pool holds each shard's prompt pages plus, per slot, the most pages a row can
 need, so a page is always free at a page boundary; `decode_slots` < rows is what bounds memory.
@@ -87,9 +88,14 @@ def make_layout(num_prompts, prompt_width, *, num_samples, max_new_tokens, page_
                   -(-max_new_tokens // page_size) + 1)
 
 
+def pool_kv_heads(config: ModelConfig) -> int:
+    """The kv heads the page pool keeps under the context mesh (`sharding.kv_head_repeat`)."""
+    return config.num_kv_heads * sharding.kv_head_repeat(config.num_heads, config.num_kv_heads)
+
+
 def pool_bytes(config: ModelConfig, layout: Layout) -> int:
-    """Bytes of one shard's page pool (all layers, keys and values)."""
-    per_page = layout.page_size * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    """Bytes of one shard's page pool (all layers, keys and values) under the context mesh."""
+    per_page = layout.page_size * 2 * pool_kv_heads(config) * config.head_dim * jnp.dtype(config.dtype).itemsize
     return config.num_layers * layout.pages_per_layer * per_page
 
 
@@ -334,7 +340,7 @@ def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, 
     prompt_logits, keys, values = prefill_prompts(params, config, tokens[shard_prompts], mask[shard_prompts], layout)
     prompt_lengths = mask.sum(axis=1).astype(jnp.int32)[shard_prompts].reshape(layout.shards, layout.prompts)
     def shard_init(keys, values):
-        pool = paged_cache.empty_pool(config.num_layers, layout.pages_per_layer, page_size, config.num_kv_heads,
+        pool = paged_cache.empty_pool(config.num_layers, layout.pages_per_layer, page_size, pool_kv_heads(config),
                                       config.head_dim, jnp.dtype(config.dtype), backend)
         return _initial_state(paged_cache.write_pages(pool, 1, keys, values), layout, prompt_logits.shape[-1], pad)
 

@@ -230,9 +230,10 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
                                 max_new_tokens=response, page_size=options["page_size"], decode_slots=options["decode_slots"],
                                 shards=sharding.batch_size_multiple(mesh))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        heads_split = mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, config.num_kv_heads) else 1
+        heads_split = mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
+        pool_bytes = engine.pool_bytes(config, layout) // heads_split
     return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, length, bytes_of, compiled,
-                engine.pool_bytes(config, layout) // heads_split)
+                pool_bytes)
 
 
 def _gib(value) -> str:

@@ -1,8 +1,8 @@
 """`generate` on sharded params and a mesh equals the unsharded run (8 fake CPU devices, one jit).
 
 Under the run's mesh (data 2 x fsdp 2 x tensor 2) the engine splits the prompts over 4 shards,
-each with its own slots and page pool, and kv heads over `tensor`; the Pallas kernel path runs per
-shard (`sharding.per_shard`). Row r's tokens depend only on (rng, r), so they must match exactly.
+each with its own slots and page pool, and kv heads over `tensor` (repeated where `tensor` exceeds
+them); the Pallas kernel path runs per shard (`sharding.per_shard`). Row r's tokens depend only on (rng, r), so they must match exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from comppo_jax import sharding
     from comppo_jax.models import ModelConfig, init_params
-    from comppo_jax.rollout import generate
+    from comppo_jax.rollout import engine, generate
 
     assert len(jax.devices()) == 8
     config = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -54,6 +54,21 @@ SCRIPT = textwrap.dedent(
         assert max(gathered) < pool_elements, (max(gathered), pool_elements)
         print(backend, slots, "ok")
 
+    # tensor 4 > 2 kv heads: the pool keeps each kv head twice, so each device holds one head of
+    # its shard's pages (a replicated pool would hold both: twice the bytes, plus its copies).
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, num_samples=2, page_size=4, paged_attention="xla")
+    with jax.set_mesh(mesh):
+        assert engine.pool_kv_heads(config) == 4
+        split = generate(sharding.put(params, sharding.tree_shardings(mesh, params)), config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
+        long = dict(kwargs, max_new_tokens=4096)  # the pool dominates the program's temporaries
+        temp = generate.lower(params, config, prompts, mask, jax.random.PRNGKey(1), **long).compile().memory_analysis().temp_size_in_bytes
+        device_pool = engine.pool_bytes(config, engine.make_layout(6, 7, num_samples=2, max_new_tokens=4096, page_size=4,
+                                                                   decode_slots=None, shards=2)) / 4
+    same(generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs), split)
+    assert temp < 2 * device_pool, (temp, device_pool)
+    print("repeated kv heads ok")
+
     # Megatron-style sharded params with no context mesh: one shard, XLA partitions the matmuls.
     model_mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
     megatron = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(model_mesh, P(*([None] * (x.ndim - 1)), "model") if x.ndim >= 2 else P())), params)
@@ -68,4 +83,4 @@ def test_generate_on_a_mesh_matches_unsharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "sharded ok" in result.stdout
+    assert "repeated kv heads ok" in result.stdout and "sharded ok" in result.stdout
