@@ -225,7 +225,7 @@ LONGEST_FILES = ("launch/test_local_cluster.py", "eval/test_experiment.py", "tra
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first, then other files with slow tests, then the rest: the two xdist
+    """The longest files first, then other files with slow tests, then the rest: the xdist
     workers (which take files in this order: setup.cfg passes --no-loadscope-reorder) start the
     long files early and finish on short ones, instead of one worker running a long file alone at
     the end."""

@@ -270,7 +270,7 @@ def _finish_step(state: _State, pool, logits, feeds, ends) -> _State:
     state = _return_pages(state._replace(pool=pool), ends)
     return state._replace(
         row=jnp.where(ends, -1, state.row), step=state.step + (state.row >= 0), length=state.length + feeds,
-        logits=jnp.where(feeds[:, None], logits, state.logits), rows_done=state.rows_done + ends.sum(),
+        logits=logits, rows_done=state.rows_done + ends.sum(),  # a slot that did not feed is idle: admission sets its logits
     )
 
 
