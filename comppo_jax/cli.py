@@ -7,12 +7,19 @@ logs (tracebacks from its background save threads) are held back too: every fail
 reaches `main` as an exception (comppo_jax.train.checkpoint raises a failed save at the next step
 boundary), so it is printed in that one line. `--verbosity=1` (or any explicit `--verbosity`)
 shows everything, as plain absl would.
+
+A process of a multi-process run (`jax.distributed`) that fails exits at once, without
+`jax.distributed`'s shutdown barrier: there it would wait up to 5 minutes for peers that are
+themselves stuck in a collective waiting for it, and a launcher (or `launch/local_cluster.py`)
+only stops the others once one has exited.
 """
 
 from __future__ import annotations
 
 import logging as std_logging
+import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 
@@ -43,8 +50,90 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
-def run(main) -> None:
-    """Runs the absl `main(argv)` with the defaults above."""
+def _exit_failed() -> None:
+    """Exit status 1; in a multi-process run without the shutdown barrier (see the module docstring).
+    The run's `with` blocks have closed by now (verifier workers, a pending checkpoint save)."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(1)
+
+
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
+    """The entry point's docstring, its flags and, for each ml_collections config flag, every field of
+    the config it loads (`--config=...` in `argv`, else the default) with its value and description
+    (`field_help[flag name]`, else the training config's, comppo_jax.train.paper.FIELD_HELP)."""
+    from comppo_jax.train.paper import FIELD_HELP
+
+    main_module = sys.modules["__main__"]
+    print((main_module.__doc__ or "").strip() + "\n")
+    print(flags.FLAGS.module_help(argv[0]))
+    for flag in flags.FLAGS.get_flags_for_module(argv[0]):
+        if not type(flag).__module__.startswith("ml_collections.config_flags"):
+            continue
+        named = [arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith(f"--{flag.name}=")]
+        if named:
+            flag.parse(named[-1])  # loads that config file
+        config = flag.value
+        if config is None:
+            print(f"\n--{flag.name}: pass one (e.g. --{flag.name}=<file>:<name>) with --help to list its fields")
+            continue
+        source = getattr(flag, "config_filename", "") or "the entry point"
+        print(f"\n--{flag.name} fields (from {source}); override any as --{flag.name}.<section>.<field>=value:")
+        for section, fields in _config_rows(config, field_help.get(flag.name, FIELD_HELP)).items():
+            print(f"\n[{section or 'top level'}]")
+            entries = [(f"--{flag.name}.{name}={value}", description) for name, value, description in fields]
+            width = min(max(len(entry) for entry, _ in entries), 56)
+            for entry, description in entries:
+                if len(entry) > width:  # a long value: its description goes on the next line
+                    print(f"  {entry}" + (f"\n  {'':<{width}}  {description}" if description else ""))
+                else:
+                    print(f"  {entry:<{width}}  {description}".rstrip())
+
+
+def _config_rows(config, descriptions: dict, prefix: str = "") -> dict[str, list[tuple[str, str, str]]]:
+    """{section: [(dotted name, value, description)]}; a field with a description is one row even if it holds a dict."""
+    rows: dict[str, list] = {}
+    for name, value in config.items():
+        path = prefix + name
+        if hasattr(value, "items") and path not in descriptions:
+            for section, fields in _config_rows(value, descriptions, path + ".").items():
+                rows.setdefault(section, []).extend(fields)
+        else:
+            shown = value.to_dict() if hasattr(value, "to_dict") else value
+            rows.setdefault(prefix.split(".")[0], []).append((path, repr(shown) if isinstance(shown, str) else str(shown), descriptions.get(path, "")))
+    return rows
+
+
+def select_cpu_without_accelerator() -> None:
+    """JAX_PLATFORMS=cpu when it is unset and no TPU or GPU is attached. Otherwise JAX would start the
+    TPU plugin (libtpu, which the `tpu` extra installs for ahead-of-time TPU compiles) and libtpu
+    logs E-level errors about TPU worker hostnames before falling back to the CPU. TPU chips are
+    found as JAX finds them (PCI vendor and device ids), GPUs by their device files."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    from jax._src import hardware_utils  # JAX's own TPU detection; imports no backend
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0 and not hardware_utils.has_visible_nvidia_gpu() and (
+            hardware_utils.num_available_amd_gpus(stop_at=1) == 0):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+
+
+def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
+    """Runs the absl `main(argv)` with the defaults above; `--help` prints `print_help` and exits 0.
+    On a machine without an accelerator JAX runs on the CPU without trying the TPU plugin
+    (`select_cpu_without_accelerator`)."""
+    select_cpu_without_accelerator()
+    if any(arg in HELP_FLAGS for arg in sys.argv[1:]):
+        print_help(sys.argv, field_help or {})
+        sys.exit(0)
 
     def guarded(argv):
         verbose = flags.FLAGS["verbosity"].present
@@ -54,10 +143,11 @@ def run(main) -> None:
             sys.unraisablehook = _hide_closed_loop_callbacks(sys.unraisablehook)
         try:
             return main(argv)
-        except Exception as error:  # noqa: BLE001 -- reported in one line, or re-raised with --verbosity
+        except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
             if verbose:
-                raise
-            print(f"error: {_one_line(error)}\n(--verbosity=1 shows the traceback)", file=sys.stderr, flush=True)
-            sys.exit(1)
+                traceback.print_exc()
+            else:
+                print(f"error: {_one_line(error)}\n(--verbosity=1 shows the traceback)", file=sys.stderr, flush=True)
+            _exit_failed()
 
     app.run(guarded)

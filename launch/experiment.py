@@ -74,4 +74,6 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("experiment")
-    cli.run(main)
+    from comppo_jax.eval.experiment import FIELD_HELP
+
+    cli.run(main, field_help={"experiment": FIELD_HELP})

@@ -11,6 +11,11 @@ devices and collectives run over gloo, as a multi-host TPU slice runs them over 
 output is streamed with a `[p<i>]` prefix. SIGTERM / SIGINT are forwarded to every process (a
 preemption of the whole slice); the exit status is the first non-zero one, else 0. If one process
 dies, the others are stopped after `--grace_s` seconds (they would wait on it forever).
+
+A collective that waits longer than `--collective_timeout_s` fails with gloo's "Timed out waiting"
+error instead of waiting for XLA's default 30 minutes: rarely, two processes' devices enter
+different all-reduces and wait on each other (XLA:CPU over gloo; TPU collectives do not go through
+gloo), and the run should then end as any crash does, to be resumed from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ _PROCESSES = flags.DEFINE_integer("processes", 2, "How many jax.distributed proc
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "Fake CPU devices per process.")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1 (0: a free one).")
 _GRACE = flags.DEFINE_float("grace_s", 30.0, "Seconds the others get to finish after one process fails.")
+_COLLECTIVE_TIMEOUT = flags.DEFINE_integer("collective_timeout_s", 300, "Seconds a gloo collective waits for its peers before it fails.")
 
 
 def free_port() -> int:
@@ -45,9 +51,10 @@ def process_command(command: list[str], process_id: int, processes: int, port: i
             f"--config.mesh.num_processes={processes}", f"--config.mesh.process_id={process_id}"]
 
 
-def process_env(devices: int) -> dict:
+def process_env(devices: int, collective_timeout_s: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    ours = f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_timeout_seconds={collective_timeout_s}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ours}".strip()
     return env
 
 
@@ -62,7 +69,7 @@ def main(argv):
     if not command:
         raise ValueError("no command: pass the entry point after --, e.g. -- launch/train.py --config=configs/tiny.py")
     port = _PORT.value or free_port()
-    env = process_env(_DEVICES.value)
+    env = process_env(_DEVICES.value, _COLLECTIVE_TIMEOUT.value)
     processes = [subprocess.Popen(process_command(command, i, _PROCESSES.value, port), env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, bufsize=1) for i in range(_PROCESSES.value)]
     streams = [threading.Thread(target=_stream, args=(p, f"[p{i}] "), daemon=True) for i, p in enumerate(processes)]

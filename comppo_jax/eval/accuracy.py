@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import tqdm
 
 from comppo_jax.data.rewards import Verdict, VerifierPool, extract_answer
 from comppo_jax.data.tokenizers import pad_batch
@@ -39,10 +40,12 @@ def generated_answers(params, config: ModelConfig, tokenizer, problems, *, max_n
     return [extract_answer(text) for text in decode_responses(tokenizer, generation)]
 
 
-def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64) -> float:
-    """Fraction of `problems` whose greedy response's answer verifies against the gold."""
+def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64,
+                    progress: str = "") -> float:
+    """Fraction of `problems` whose greedy response's answer verifies against the gold; `progress`:
+    the description of a transient bar over the batches ("" for none)."""
     correct = 0
-    for start in range(0, len(problems), batch_size):
+    for start in tqdm.trange(0, len(problems), batch_size, desc=progress, leave=False, disable=not progress):
         chunk = problems[start : start + batch_size]
         correct += count_correct(chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens), pool)
     return correct / max(len(problems), 1)

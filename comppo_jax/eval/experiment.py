@@ -33,6 +33,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -42,6 +43,22 @@ KINDS = ("main", "factorial", "controls", "stress", "group")
 SUMMARY_FILE = "summary.json"
 HELD_OUT_FILE = "held_out.json"  # written by launch/eval.py --held_out_problems
 _REFERENCE = re.compile(r"\{(mean_gate|gate_profile):([A-Za-z0-9_]+)\}")
+# One line per experiment config field (launch/experiment.py --help).
+FIELD_HELP = {
+    "name": "the report's folder under --root",
+    "kind": "which report: " + " | ".join(KINDS),
+    "base_config": "the launch/train.py config every run starts from",
+    "overrides": "key=value for every run, on top of the arms' (e.g. model.path=..., data.path=...)",
+    "seeds": "the seeds every arm runs",
+    "arms": "(name, overrides) per arm",
+    "grids": "(arm, (\"key=v1,v2\", ...)) per arm: screened at screen_seed, or every cell an arm",
+    "screen_seed": "the seed grid cells are screened at (None: every cell is an arm)",
+    "last": "Last-N endpoint: the mean of the final N dev evaluations",
+    "target": "dev accuracy whose first crossing is reported as step-to-target (None: not reported)",
+    "max_drop": "stability rule (section 6.5): the peak-to-final dev-accuracy drop stays below this",
+    "run_below": "stability rule: no this many consecutive post-peak evaluations below the warm-start accuracy",
+    "held_out_problems": "dev prompts for the final-checkpoint gate / critic diagnostics (0: none)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +185,36 @@ def load_result(run: Run, root: str) -> RunResult | None:
                      np.array([r["dev_accuracy"] for r in rows], float), held_out)
 
 
+PROGRESS_EVERY_S = 20.0
+
+
+def run_progress(directory: str, command: list[str]) -> str:
+    """Where a run's command is, from what it has written: its newest metrics row, else its first phase."""
+    if os.path.basename(command[1]) != "train.py":
+        return "held-out diagnostics"
+    path = os.path.join(directory, METRICS_FILE)
+    rows = read_metrics(path) if os.path.exists(path) else []
+    if not rows:
+        return "warm start, first evaluation or compiling"
+    accuracy = [r["dev_accuracy"] for r in rows if "dev_accuracy" in r]
+    return f"step {rows[-1]['step']}" + (f", dev accuracy {accuracy[-1]:.3f}" if accuracy else "")
+
+
+def run_reporting(command: list[str], out, progress, log) -> int:
+    """Runs `command` (output to `out`), logging `progress()` every PROGRESS_EVERY_S seconds; its exit code."""
+    started = time.time()
+    with subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT) as process:
+        try:
+            while True:
+                try:
+                    return process.wait(timeout=PROGRESS_EVERY_S)
+                except subprocess.TimeoutExpired:
+                    log(f"  {progress()} ({time.time() - started:.0f} s)")
+        except BaseException:  # e.g. Ctrl-C: the run stops with the runner (it resumes from its checkpoint)
+            process.kill()
+            raise
+
+
 def execute(runs: list[Run], root: str, *, jobs: int, held_out_problems: int, train: bool, log) -> tuple[dict[Run, RunResult], dict[Run, str]]:
     """Trains what has not finished and computes missing held-out diagnostics (`jobs` runs at a
     time, each a launch/train.py then a launch/eval.py subprocess logging to <run>/train.log);
@@ -194,7 +241,7 @@ def execute(runs: list[Run], root: str, *, jobs: int, held_out_problems: int, tr
             for command in commands:
                 out.write("$ " + shlex.join(command) + "\n")
                 out.flush()
-                code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+                code = run_reporting(command, out, lambda: f"{run.arm} seed {run.seed}: {run_progress(directory, command)}", log)
                 if code:
                     return f"{os.path.basename(command[1])} exit code {code}; see {directory}/train.log"
         return None

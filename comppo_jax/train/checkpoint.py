@@ -2,7 +2,7 @@
 content digests verified on restore.
 
 A checkpoint is two items: `state` (arrays: actor and critic params, both optimizer states,
-the base rng key) and `meta` (JSON: next step, prompt-iterator position, controller state,
+the base rng key) and `meta` (JSON: the step, prompt-iterator position, controller state,
 warm-start accuracy, and `digests`: one content digest per state leaf). The frozen reference
 policy is saved once, beside the steps, when it is not the loaded checkpoint (the tiny default's
 warm-started policy), with its digests in reference_digests.json; otherwise it is reloaded from
@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import logging as std_logging
 import os
 import shutil
 import time
@@ -133,6 +134,12 @@ class _KeepSteps(preservation_policy.PreservationPolicy):
         return [info.step in self.steps for info in checkpoints]
 
 
+def _expected_metricless_save(record: std_logging.LogRecord) -> bool:
+    """Drops Orbax's warning for a save without metrics: only the steps that evaluate carry the dev
+    accuracy that ranks the best checkpoints, so the others have none by design."""
+    return record.getMessage() != "Requested `tracked_metric`; did not provide metrics."
+
+
 class RunCheckpoints:
     """Checkpoints under `directory`/checkpoints (and the reference under `directory`/reference)."""
 
@@ -146,6 +153,7 @@ class RunCheckpoints:
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
+        std_logging.getLogger("absl").addFilter(_expected_metricless_save)
         dev_accuracy = lambda metrics: metrics["dev_accuracy"]
         policy = preservation_policy.AnyPreservationPolicy([
             preservation_policy.LatestN(n=self.keep_last),
@@ -168,7 +176,7 @@ class RunCheckpoints:
         return self.manager.best_step()
 
     def save(self, step: int, state: Any, meta: dict, dev_accuracy: float | None = None) -> None:
-        """Starts an async save of `state` and `meta` as checkpoint `step` (the next step to run).
+        """Starts an async save of `state` (after step `step`) and `meta` as checkpoint `step`.
 
         The previous save is confirmed first (`confirm_saves`); a non-finite state is refused."""
         self.confirm_saves(wait=True)

@@ -115,6 +115,29 @@ class ControllerConfig:
             raise ValueError(f"config.controller.entropy_baseline_steps={self.entropy_baseline_steps}; expected >= 1")
 
 
+# One line per `controller` config field (launch/train.py --help); levels are warning / strong / hard-stop.
+FIELD_HELP = {
+    "thresholds": "calibrated (the entropy and KL-loss rules restated, comppo_jax.train.controller) | paper_literal",
+    "entropy_reference": "baseline (entropy thresholds are fractions of the run's baseline) | absolute (nats)",
+    "entropy_below": "entropy EMA below these per level (None: the thresholds option's)",
+    "entropy_drop_at_least": "entropy drop over the 8-step window per level (None: the thresholds option's)",
+    "kl_loss_at_least": "KL-loss EMA at least these per level (None: the thresholds option's)",
+    "clip_fraction_at_least": "PPO clip-fraction EMA at least these per level",
+    "ppo_kl_at_least": "PPO KL EMA at least these per level",
+    "grad_norm_at_least": "actor grad-norm EMA at least these per level",
+    "dev_drop_at_least": "dev-accuracy drop from the running best at least these per level",
+    "response_clip_ratio_at_least": "fraction of responses reaching max_new_tokens at least these per level",
+    "entropy_baseline_steps": "actor steps averaged into the baseline entropy",
+    "ema": "EMA weight of clip fraction, PPO KL, KL loss and grad norm",
+    "entropy_ema": "EMA weight of entropy",
+    "escalate_after": "consecutive steps above the current phase before moving up",
+    "deescalate_after": "consecutive clear steps before moving down one phase",
+    "phase0_drift": "none (stable knobs stay) | warning (steps warm_in_steps drift them to the warning knobs)",
+    "warm_in_steps": "the (first, last) step of phase0_drift's interpolation",
+    "enabled": "False: the phase never changes",
+}
+
+
 def config_section() -> config_dict.ConfigDict:
     """The config's `controller` section: `thresholds` and every ControllerConfig field, those the
     option sets as typed placeholders (None: the option's value), so each is one flag away."""

@@ -132,26 +132,27 @@ def run_parts(cfg, model_config) -> RunParts:
                     critic_from_config(cfg.critic) if recipe.critic == "tac" else None, position_schedule)
 
 
-def critic_warmup(cfg, parts: RunParts) -> int:
+def critic_warmup(cfg, recipe: Recipe) -> int:
     """Critic-only steps at the start of the run (none without a critic)."""
-    return cfg.train.critic_warmup_steps if parts.recipe.critic != "none" else 0
+    return cfg.train.critic_warmup_steps if recipe.critic != "none" else 0
 
 
-def total_steps(cfg, parts: RunParts) -> int:
+def total_steps(cfg, recipe: Recipe) -> int:
     """The run's loop steps: `steps` actor updates after the critic warm-up, or, with
     train.critic_warmup_counts_toward_steps (the paper's literal reading), `steps` in all."""
-    return cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + critic_warmup(cfg, parts)
+    return cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + critic_warmup(cfg, recipe)
 
 
-def prepended_warmup(cfg, parts: RunParts) -> int:
+def prepended_warmup(cfg, recipe: Recipe) -> int:
     """Warm-up steps added on top of `steps`: the reward schedule, the knobs' drift and the dev
     evaluations count from the first actor update after them, as in a run without a critic."""
-    return total_steps(cfg, parts) - cfg.steps
+    return total_steps(cfg, recipe) - cfg.steps
 
 
-def schedule_step(cfg, parts: RunParts, step: int) -> int:
-    """The step the reward schedule and the knobs' drift read at loop step `step`."""
-    return max(step - prepended_warmup(cfg, parts), 0)
+def schedule_step(cfg, recipe: Recipe, step: int) -> int:
+    """What the reward schedule and the knobs' drift read at step `step` (1-based): the steps
+    after the prepended critic warm-up that came before it."""
+    return max(step - 1 - prepended_warmup(cfg, recipe), 0)
 
 
 def init_critic(parts: RunParts, model_config, rng):
@@ -237,11 +238,40 @@ def restore_for_resume(cfg, checkpoints: RunCheckpoints, state):
         raise CheckpointError(f"{error}; pass --config.resume_step=-1 to resume from the newest checkpoint that verifies") from error
 
 
-def stopped(cfg, checkpoints: RunCheckpoints, writer: MetricsWriter, next_step: int) -> dict:
-    """Finishes a run stopped by a signal: the checkpoint of `next_step` is confirmed written."""
+def stopped(cfg, checkpoints: RunCheckpoints, writer: MetricsWriter, step: int) -> dict:
+    """Finishes a run stopped by a signal after `step`: its checkpoint is confirmed written."""
     checkpoints.close()  # waits for the save and raises if it failed
     writer.close()
-    return {"stopped_at_step": next_step, "checkpoint": os.path.join(checkpoints.steps_directory, str(next_step))}
+    return {"stopped_at_step": step, "checkpoint": os.path.join(checkpoints.steps_directory, str(step))}
+
+
+def completed_summary(cfg, checkpoints: RunCheckpoints, last_step: int, main_process: bool) -> dict | None:
+    """The stored summary of a finished run (its newest checkpoint is its last step and summary.json
+    exists), said in one line; None when there is something left to run."""
+    latest = checkpoints.latest_step()
+    if latest is not None and latest > last_step:
+        raise ConfigError(f"{cfg.output_dir} has checkpoint {latest}, past this config's last step {last_step}: raise config.steps "
+                          "to continue it, or choose another --config.output_dir")
+    path = os.path.join(cfg.output_dir, "summary.json")
+    if latest != last_step or not os.path.exists(path):
+        return None
+    if main_process:
+        print(f"run already complete at step {last_step}: nothing to do ({path})", flush=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def first_call_notices(enabled: bool):
+    """compiling(what): says "compiling <what>..." the first time each program is called (the first
+    step compiles them all, for up to minutes at scale; later calls reuse them)."""
+    said = set()
+
+    def compiling(what: str) -> None:
+        if enabled and what not in said:
+            said.add(what)
+            tqdm.tqdm.write(f"compiling {what}...")
+
+    return compiling
 
 
 def train(cfg) -> dict:
@@ -254,25 +284,30 @@ def train(cfg) -> dict:
     control_config = controller.controller_config(cfg.controller)
     schedule = controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)
     main_process = jax.process_index() == 0  # the one that writes metrics, summary and plots
+    show_progress = cfg.progress and main_process
     os.makedirs(cfg.output_dir, exist_ok=True)
     checkpoints = RunCheckpoints(cfg.output_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best)
     if not cfg.resume and checkpoints.latest_step() is not None:
         raise FileExistsError(f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
                               "pass --config.resume=True to continue that run, or choose another --config.output_dir")
+    last_step = total_steps(cfg, make_recipe(cfg.method, cfg.gate, cfg.critic.kind))
+    if cfg.resume and (summary := completed_summary(cfg, checkpoints, last_step, main_process)) is not None:
+        return summary
     rng = jax.random.PRNGKey(cfg.seed)
     policy_rng, critic_rng, rng = jax.random.split(rng, 3)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer
     train_problems, dev_problems = load_encodable_problems(cfg, tokenizer)
     model_config, actor = load_policy(cfg.model, policy_rng)
     # gate_profile: per-bin sums of the rollouts' own kappa over t/T (the position-only control's fit).
-    meta = {"next_step": 0, "prompts": [0, 0], "controller": controller.initial_state(), "skipped_updates": SkippedUpdates(0).state(),
+    # step: the last step done, the number of the checkpoint that holds this meta.
+    meta = {"step": 0, "prompts": [0, 0], "controller": controller.initial_state(), "skipped_updates": SkippedUpdates(0).state(),
             "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS}}
     if cfg.warm_start.steps and cfg.resume:
         reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: actor))
     elif cfg.warm_start.steps:
         run_warm_start = lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
                                             batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
-                                            seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise)
+                                            seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise, progress=show_progress)
         actor, warm_start_loss = cached_warm_start(cfg.warm_start.cache_dir, warm_start_key(cfg), actor, run_warm_start)
         meta["warm_start_loss"] = float(warm_start_loss)
         reference = actor
@@ -289,6 +324,8 @@ def train(cfg) -> dict:
     state = sharding.put(state, sharding.tree_shardings(mesh, state))
     if cfg.resume:  # into the mesh's shardings: every process reads its own shards
         state, meta = restore_for_resume(cfg, checkpoints, state)
+        if main_process:
+            print(f"resuming from step {meta['step']} of {last_step} ({checkpoints.steps_directory}/{meta['step']})", flush=True)
     reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
     if cfg.warm_start.steps and not cfg.resume:  # saved once it is a global array (every process writes its shards)
         checkpoints.save_reference(reference)
@@ -297,14 +334,14 @@ def train(cfg) -> dict:
                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     control_state = meta["controller"]
-    warmup, last_step = critic_warmup(cfg, parts), total_steps(cfg, parts)
-    prepended = prepended_warmup(cfg, parts)
+    warmup, prepended = critic_warmup(cfg, parts.recipe), prepended_warmup(cfg, parts.recipe)
     prompts = PromptIterator(len(train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=meta["prompts"])
     group = cfg.rollout.samples_per_prompt
     eos = (tokenizer.eos_token_id,)
+    compiling = first_call_notices(show_progress)
     evaluate = lambda params, pool: greedy_accuracy(cast_params(params, model_config.dtype), model_config, tokenizer, dev_problems,
-                                                    pool, max_new_tokens=cfg.rollout.max_new_tokens)
-    writer = MetricsWriter(cfg.output_dir, start_step=meta["next_step"], tensorboard=cfg.tensorboard, enabled=main_process)
+                                                    pool, max_new_tokens=cfg.rollout.max_new_tokens, progress="dev eval" * show_progress)
+    writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
     skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
 
     # The mesh is the trace-time context of every sharded call, so Pallas kernels run per shard.
@@ -312,24 +349,28 @@ def train(cfg) -> dict:
           StopSignals() as stop,
           checkpoints.completed_on_error()):
         if "warm_start_dev_accuracy" not in meta:
+            compiling("the dev evaluation")
             meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
-        progress = tqdm.trange(meta["next_step"], last_step, desc=cfg.method, disable=not (cfg.progress and main_process))
+        # Steps count from 1 (comppo_jax.train.outputs): checkpoint N holds the state after step N.
+        progress = tqdm.trange(meta["step"] + 1, last_step + 1, desc=cfg.method, disable=not show_progress)
         for step in progress:
             checkpoints.confirm_saves()  # a failed async save stops the run here, in one line naming it
             started = time.time()
-            scheduled = schedule_step(cfg, parts, step)
+            scheduled = schedule_step(cfg, parts.recipe, step)
             knobs = controller.knobs(control_state, scheduled, control_config)
-            step_rng = jax.random.fold_in(state["rng"], step + 1)
+            step_rng = jax.random.fold_in(state["rng"], step)
             actor, critic = state["actor"], state["critic"]
             policy = cast_params(actor, model_config.dtype)
 
             # 1. sample
             chosen = [train_problems[i] for i in prompts.next()]
             prompt_tokens, prompt_mask = encode_prompts(tokenizer, chosen)
+            compiling("the sampler")
             generation = generate(policy, model_config, prompt_tokens, prompt_mask, step_rng, max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
             # 2-4. score, reward, credit
+            compiling("the scoring pass and credit")
             scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
                                       [p.answer for p in chosen for _ in range(group)], schedule.at(scheduled),
                                       jax.random.fold_in(step_rng, 1), batch_shardings)
@@ -344,19 +385,22 @@ def train(cfg) -> dict:
                                kl_coef=kl_coef * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
             critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
                                 grad_clip=knobs["critic_grad_clip"])
-            update_actor = step >= warmup
+            update_actor = step > warmup
             update_metrics = []
             rows = len(lengths)
             # A non-finite reward, value, advantage or return skips the whole update.
             nonfinite = nonfinite_credit(scored.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
-                order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
+                # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
+                order = np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
                 for start in range(0, rows, cfg.train.minibatch_size):
                     minibatch = sharding.put(take_rows(batch, order[start : start + cfg.train.minibatch_size]), batch_shardings)
                     out = {}
                     if update_actor:
+                        compiling("the actor update")
                         state["actor"], state["actor_opt"], out = steps.actor(state["actor"], state["actor_opt"], minibatch, actor_hyper)
                     if critic is not None:
+                        compiling("the critic update")
                         state["critic"], state["critic_opt"], critic_out = steps.critic(state["critic"], state["critic_opt"], minibatch,
                                                                                         critic_hyper)
                         out = {**out, **critic_out}
@@ -381,8 +425,8 @@ def train(cfg) -> dict:
             if critic is not None:
                 metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), scored.reward_tokens, host(scored.kappa),
                                                   host_mask))
-            metrics["actor_updates"] = max(0, step + 1 - warmup)
-            evaluated = cfg.train.eval_every and step >= prepended and (step + 1 - prepended) % cfg.train.eval_every == 0
+            metrics["actor_updates"] = max(0, step - warmup)
+            evaluated = cfg.train.eval_every and step > prepended and (step - prepended) % cfg.train.eval_every == 0
             if evaluated:
                 metrics["dev_accuracy"] = evaluate(state["actor"], pool)
             if update_actor and not nonfinite:
@@ -396,12 +440,12 @@ def train(cfg) -> dict:
             skipped.stop_if_exhausted(step, nonfinite)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                                  gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
-            stopping = stop.requested() and step + 1 < last_step  # every process reads it at the same step
-            if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == last_step or stopping:
-                meta.update(next_step=step + 1, prompts=prompts.position, controller=control_state, skipped_updates=skipped.state())
-                checkpoints.save(step + 1, state, meta, metrics.get("dev_accuracy"))
+            stopping = stop.requested() and step < last_step  # every process reads it at the same step
+            if step % cfg.checkpoint.every == 0 or step == last_step or stopping:
+                meta.update(step=step, prompts=prompts.position, controller=control_state, skipped_updates=skipped.state())
+                checkpoints.save(step, state, meta, metrics.get("dev_accuracy"))
             if stopping:
-                return stopped(cfg, checkpoints, writer, step + 1)
+                return stopped(cfg, checkpoints, writer, step)
 
         final_accuracy = evaluate(state["actor"], pool)
     checkpoints.wait()
@@ -423,5 +467,6 @@ def train(cfg) -> dict:
         json.dump(summary, f, indent=2)
     if cfg.plot:
         plot_run(os.path.join(cfg.output_dir, METRICS_FILE), os.path.join(cfg.output_dir, "curves.png"),
-                 title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}")
+                 title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
+                 warm_start_accuracy=meta["warm_start_dev_accuracy"])
     return summary

@@ -1,8 +1,10 @@
 """What a run writes: metrics per step to JSONL and TensorBoard, and a PNG at the end.
 
 `metrics.jsonl` has one JSON object per step (numbers, the phase name and one sampled
-response); TensorBoard event files under `tensorboard/` get every numeric metric. On resume,
-rows at or after the restored step are dropped first, so the file reads as one straight run.
+response); TensorBoard event files under `tensorboard/` get every numeric metric. Steps count
+from 1: row `step` N describes the run's N-th step, the state after it is checkpoint N, and step 0
+is the warm-started policy before any RL step. On resume from checkpoint N, rows after step N are
+dropped first, so the file reads as one straight run.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends step metrics to `output_dir`/metrics.jsonl and TensorBoard; keeps rows before `start_step`.
-    Disabled (`enabled=False`) it writes nothing: a multi-process run's other processes."""
+    """Appends step metrics to `output_dir`/metrics.jsonl and TensorBoard; keeps the rows of steps
+    1..`resumed_step` (the checkpoint the run resumed from; 0: a new run). Disabled
+    (`enabled=False`) it writes nothing: a multi-process run's other processes."""
 
-    def __init__(self, output_dir: str, start_step: int = 0, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, output_dir: str, resumed_step: int = 0, tensorboard: bool = True, enabled: bool = True):
         self.file = self.tensorboard = None
         if not enabled:
             return
         self.path = os.path.join(output_dir, METRICS_FILE)
-        kept = [row for row in read_metrics(self.path) if row["step"] < start_step] if start_step and os.path.exists(self.path) else []
+        kept = [row for row in read_metrics(self.path) if row["step"] <= resumed_step] if resumed_step and os.path.exists(self.path) else []
         self.file = open(self.path, "w")
         for row in kept:
             self.file.write(json.dumps(row) + "\n")
@@ -38,7 +41,7 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
 
-            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step or None)
+            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
 
     def write(self, metrics: dict) -> None:
         if self.file is None:
@@ -58,29 +61,33 @@ class MetricsWriter:
             self.tensorboard.close()
 
 
-PANELS = (
-    ("reward", ("reward/mean",)),
-    ("dev accuracy (greedy)", ("dev_accuracy",)),
-    ("KL to reference / PPO clip fraction", ("kl_loss", "clip_fraction")),
-    ("entropy", ("entropy",)),
-    ("gate kappa by position", ("gate/first_third", "gate/middle_third", "gate/last_third")),
-    ("gate kappa: correct vs incorrect", ("gate/correct", "gate/incorrect")),
-    ("critic", ("critic/explained_variance", "critic/td_spearman", "critic/value_mae")),
-    ("grad norm", ("grad_norm", "critic_grad_norm")),
+PANELS = (  # (title, y-axis label, metrics)
+    ("reward", "mean reward", ("reward/mean",)),
+    ("dev accuracy (greedy)", "fraction correct", ("dev_accuracy",)),
+    ("KL to reference / PPO clip fraction", "k3 KL / fraction", ("kl_loss", "clip_fraction")),
+    ("entropy", "nats per token", ("entropy",)),
+    ("gate kappa by position", "mean kappa", ("gate/first_third", "gate/middle_third", "gate/last_third")),
+    ("gate kappa: correct vs incorrect", "mean kappa", ("gate/correct", "gate/incorrect")),
+    ("critic", "EV / Spearman / MAE", ("critic/explained_variance", "critic/td_spearman", "critic/value_mae")),
+    ("grad norm", "global L2 norm", ("grad_norm", "critic_grad_norm")),
 )
 
 
-def plot_run(metrics_path: str, png_path: str, title: str = "") -> None:
-    """Learning curves and gate statistics of a run's metrics.jsonl as one PNG."""
+def plot_run(metrics_path: str, png_path: str, title: str = "", warm_start_accuracy: float | None = None) -> None:
+    """Learning curves and gate statistics of a run's metrics.jsonl as one PNG; the dev-accuracy
+    panel starts at step 0 with `warm_start_accuracy` (the policy before any RL step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
+    if warm_start_accuracy is not None:
+        rows = [{"step": 0, "dev_accuracy": warm_start_accuracy}, *rows]
     columns = 4
-    figure, axes = plt.subplots(math.ceil(len(PANELS) / columns), columns, figsize=(4 * columns, 3 * math.ceil(len(PANELS) / columns)))
-    for axis, (panel, names) in zip(np.ravel(axes), PANELS):
+    figure, axes = plt.subplots(math.ceil(len(PANELS) / columns), columns, figsize=(4 * columns, 3.6 * math.ceil(len(PANELS) / columns)),
+                                layout="constrained")
+    for axis, (panel, unit, names) in zip(np.ravel(axes), PANELS):
         for name in names:
             points = [(row["step"], row[name]) for row in rows if isinstance(row.get(name), (int, float))]
             if points:
@@ -92,10 +99,10 @@ def plot_run(metrics_path: str, png_path: str, title: str = "") -> None:
                 steps, mean, iqr = (np.asarray(x) for x in zip(*band))
                 axis.fill_between(steps, mean - iqr / 2, mean + iqr / 2, alpha=0.2, label="mean +- IQR/2")
         axis.set_title(panel, fontsize=9)
-        axis.set_xlabel("step", fontsize=8)
-        if axis.lines:
-            axis.legend(fontsize=7)
+        axis.set_xlabel("step (0: warm start)" if panel.startswith("dev accuracy") else "step", fontsize=8)
+        axis.set_ylabel(unit, fontsize=8)
+        if axis.lines:  # below the axes, clear of the curves
+            axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     figure.suptitle(title)
-    figure.tight_layout()
     figure.savefig(png_path, dpi=100)
     plt.close(figure)

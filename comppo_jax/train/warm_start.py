@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tqdm
 
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
@@ -58,14 +59,19 @@ def supervised_step(params, opt_state, batch, *, config: ModelConfig, tx):
 
 
 def warm_start(params, config: ModelConfig, tokenizer, problems, *, steps: int, batch_size: int, learning_rate: float, seed: int,
-               answer_noise: float = 0.0):
-    """`steps` AdamW steps of supervised learning on `problems`' solutions; returns (params, last loss)."""
+               answer_noise: float = 0.0, progress: bool = False):
+    """`steps` AdamW steps of supervised learning on `problems`' solutions; returns (params, last loss).
+    `progress`: a bar with the loss (read every 20 steps, so dispatch stays ahead of the device)."""
     tx = optax.adamw(learning_rate, b1=0.9, b2=0.999, weight_decay=0.0)
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
     loss = float("nan")
-    for _ in range(steps):
+    bar = tqdm.trange(steps, desc="warm start", disable=not progress)
+    for step in bar:
         params, opt_state, loss = supervised_step(params, opt_state, supervised_batch(tokenizer, problems, rng, batch_size, answer_noise), config=config, tx=tx)
+        if step % 20 == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+    bar.close()
     return params, float(loss)
 
 

@@ -75,15 +75,36 @@ class Machine(NamedTuple):
     matmul_flops: float  # flop/s of the decode-shaped matmul [rows, D] x [D, V]
 
 
+def head_matmul(rows: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """The decode-shaped `[rows, D] x [D, V]` matmul whose rate bounds the samplers: (lhs, rhs, flop)."""
+    lhs = np.ones((rows, COUNTER.hidden_size), np.float32)
+    rhs = np.ones((COUNTER.hidden_size, COUNTER.vocab_size), np.float32)
+    return lhs, rhs, 2 * lhs.size * rhs.shape[1]
+
+
 def measure_machine(rows: int, megabytes: int = 256) -> Machine:
     x = jnp.ones((megabytes << 18,), jnp.float32)
     copy, total = jax.jit(lambda x: x * 1.0001), jax.jit(jnp.sum)
-    lhs = jnp.ones((rows, COUNTER.hidden_size), jnp.float32)
-    rhs = jnp.ones((COUNTER.hidden_size, COUNTER.vocab_size), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
+    lhs, rhs, flop = head_matmul(rows)
+    lhs, rhs, matmul = jnp.asarray(lhs), jnp.asarray(rhs), jax.jit(jnp.matmul)
     seconds = interleaved_medians({"copy": lambda: copy(x).block_until_ready(), "sum": lambda: total(x).block_until_ready(),
                                    "matmul": lambda: matmul(lhs, rhs).block_until_ready()}, 5)
-    return Machine(2 * x.nbytes / seconds["copy"], x.nbytes / seconds["sum"], 2 * lhs.size * rhs.shape[1] / seconds["matmul"])
+    return Machine(2 * x.nbytes / seconds["copy"], x.nbytes / seconds["sum"], flop / seconds["matmul"])
+
+
+def matmul_floor_line(params, rows: int) -> str:
+    """The part of a plain-decode step no sampler avoids: its weight matmuls at the `head_matmul`
+    rate of XLA (the engine, tunix) and of torch (transformers), timed side by side."""
+    import torch
+
+    lhs, rhs, flop = head_matmul(rows)
+    xla_lhs, xla_rhs, matmul = jnp.asarray(lhs), jnp.asarray(rhs), jax.jit(jnp.matmul)
+    torch_lhs, torch_rhs = torch.from_numpy(lhs), torch.from_numpy(rhs)
+    seconds = interleaved_medians({"XLA": lambda: matmul(xla_lhs, xla_rhs).block_until_ready(), "torch": lambda: torch_lhs @ torch_rhs}, 5)
+    rates = {name: flop / s for name, s in seconds.items()}
+    return ("matmul floor per step: " + ", ".join(f"{name} {weight_flops(params, rows) / rate * 1e3:.2f} ms ({rate / 1e9:.0f} GFLOP/s)"
+                                                  for name, rate in rates.items())
+            + f", at the rate of a {list(lhs.shape)} x {list(rhs.shape)} matmul")
 
 
 def weight_bytes(params) -> int:
@@ -91,14 +112,18 @@ def weight_bytes(params) -> int:
     return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params) if "embed" not in jax.tree_util.keystr(path))
 
 
+def weight_flops(params, rows: int) -> int:
+    """A decode step's weight matmuls: 2 flop per weight (`weight_bytes`) per row."""
+    return 2 * rows * weight_bytes(params) // jnp.dtype(COUNTER.dtype).itemsize
+
+
 def step_bounds(params, rows: int, live_tokens: float, machine: Machine) -> tuple[float, float]:
     """(memory, compute) lower bounds on one decode step's seconds: weights + live KV over the read
     bandwidth; 2 flop per weight per row plus attention's 4 flop per query head dim per live token
     over the matmul rate."""
     memory = (weight_bytes(params) + live_tokens * kv_bytes_per_token(COUNTER)) / machine.read_bandwidth
-    weights = weight_bytes(params) // jnp.dtype(COUNTER.dtype).itemsize
     attention = 4 * COUNTER.num_layers * COUNTER.num_heads * COUNTER.head_dim * live_tokens
-    return memory, (2 * rows * weights + attention) / machine.matmul_flops
+    return memory, (weight_flops(params, rows) + attention) / machine.matmul_flops
 
 
 def bound_columns(seconds_per_step: float, bounds: tuple[float, float]) -> dict:
@@ -239,6 +264,7 @@ def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tun
     print(f"\nplain decode: decode-heavy counter model, {batch} rows x {PROMPT}-token prompts, every row to N new tokens, "
           f"greedy; {versions}" + ("" if tunix_python else "; tunix skipped (pass --tunix_python=<its venv's python>)"))
     print_table(rows, ["new tokens", "implementation", "ms/step", "token agreement", "engine speed-up"])
+    print("\n" + matmul_floor_line(params, batch))
 
 
 def uniform_table(params, batch: int, length: int, machine: Machine) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -170,3 +171,16 @@ def test_every_experiment_plans(module, name):
                 section = section[part]
     with pytest.raises(ValueError):
         module.get_config("nope")
+
+
+def test_a_running_command_reports_its_progress_every_interval(tmp_path, monkeypatch):
+    monkeypatch.setattr(ex, "PROGRESS_EVERY_S", 0.2)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3}) + "\n" + json.dumps({"step": 4, "dev_accuracy": 0.5}) + "\n")
+    command = [sys.executable, "launch/train.py"]  # only its script name is read by run_progress
+    assert ex.run_progress(str(tmp_path), command) == "step 4, dev accuracy 0.500"
+    assert ex.run_progress(str(tmp_path / "new"), command) == "warm start, first evaluation or compiling"
+    logged = []
+    with open(tmp_path / "train.log", "w") as out:
+        code = ex.run_reporting([sys.executable, "-c", "import time; time.sleep(1.5); print('done')"], out, lambda: "step 4", logged.append)
+    assert code == 0 and (tmp_path / "train.log").read_text() == "done\n"
+    assert len(logged) >= 3 and all(line.startswith("  step 4 (") for line in logged), logged

@@ -64,6 +64,8 @@ def test_sampler_suite_prints_each_workload_against_the_other_samplers():
     plain = sections["plain decode"][1:]
     assert [row.split()[1] for row in plain] == ["comppo_jax", "dense", "transformers"]  # tunix needs --tunix_python
     assert all(row.split()[-2] == "1.000" for row in plain)  # the counter model: every sampler emits the same tokens
+    floor = next(line for line in result.stdout.splitlines() if line.startswith("matmul floor per step: "))
+    assert "XLA " in floor and "torch " in floor and floor.count("GFLOP/s") == 2
     assert [row.split()[0] for row in sections["uniform"][1:]] == ["comppo_jax", "dense"]
     assert [row.split()[0] for row in sections["long-tailed"][1:]] == ["comppo_jax", "dense"]
 

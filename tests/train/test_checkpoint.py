@@ -84,7 +84,7 @@ def assert_same_checkpoint(a_dir, b_dir, step):
 
 @pytest.mark.slow
 def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_straight_run_bitwise(tmp_path):
-    # CompPO: 1 critic warm-up step, then 4 actor updates: loop steps 0..4, checkpoints 2, 4 and 5.
+    # CompPO: 1 critic warm-up step, then 4 actor updates: steps 1..5, checkpoints 2, 4 and 5.
     straight, split = tmp_path / "straight", tmp_path / "split"
     settings = dict(steps=4, checkpoint__every=2, checkpoint__keep_last=2)
     train(small_train_config(straight, **settings))
@@ -99,12 +99,14 @@ def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_stra
     assert not (split / "summary.json").exists()
     train(small_train_config(split, resume=True, **settings))
     assert_same_checkpoint(straight, split, 5)
-    assert metric_rows(straight) == metric_rows(split) and [r["step"] for r in metric_rows(split)] == [0, 1, 2, 3, 4]
+    assert metric_rows(straight) == metric_rows(split) and [r["step"] for r in metric_rows(split)] == [1, 2, 3, 4, 5]
     summary = lambda run: json.loads((run / "summary.json").read_text())
     assert summary(straight) == summary(split)
 
-    # Checkpoint 5's arrays replaced by checkpoint 4's (the files read fine, with other values): resuming
-    # detects it by the digests, falls back to 4 and redoes step 4.
+    # Checkpoint 5's arrays replaced by checkpoint 4's (the files read fine, with other values), and no
+    # summary (as if the run died right after that save): resuming detects it by the digests, falls
+    # back to 4 and redoes step 5.
+    (split / "summary.json").unlink()
     shutil.rmtree(split / "checkpoints" / "5" / "state")
     shutil.copytree(split / "checkpoints" / "4" / "state", split / "checkpoints" / "5" / "state")
     train(small_train_config(split, resume=True, **settings))
@@ -257,7 +259,18 @@ def test_a_full_disk_stops_the_run_at_the_next_step_boundary_with_the_older_chec
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows in ([0, 1, 2], [0, 1, 2, 3])  # reported at the first step boundary after the failed save ended
+    assert rows in ([1, 2, 3], [1, 2, 3, 4])  # reported at the first step boundary after the failed save ended
     # 1 is kept until 2 is confirmed by a later save: 3 never was, and nothing of it is left.
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored_state(tmp_path, 2)))
+
+
+def test_a_save_without_a_dev_accuracy_logs_no_warning(tmp_path, caplog):
+    """Steps that do not evaluate have no metric for the best-checkpoint policy, by design: Orbax's
+    warning about it would print inside the progress bar at every such save."""
+    with caplog.at_level("WARNING"):
+        checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=1)
+        checkpoints.save(1, small_state(1), {"step": 1})
+        checkpoints.save(2, small_state(2), {"step": 2}, dev_accuracy=0.5)
+        checkpoints.close()
+    assert checkpoints.best_step() == 2 and "metrics" not in caplog.text, caplog.text

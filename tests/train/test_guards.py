@@ -69,7 +69,7 @@ def restored_state(run_dir, step):
 
 @pytest.mark.slow
 def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_path, monkeypatch):
-    """Loop steps 0..4 (a critic warm-up step, then 4 actor updates): NaN rewards at step 1, then at 3 and 4."""
+    """Steps 1..5 (a critic warm-up step, then 4 actor updates): NaN rewards at step 2, then at 4 and 5."""
     calls = []
     score = loop.score_responses
 
@@ -83,13 +83,13 @@ def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_p
 
     monkeypatch.setattr(loop, "score_responses", poisoned)
     config = small_train_config(tmp_path, steps=4, checkpoint__keep_last=10, train__max_skipped_updates=2)
-    with pytest.raises(NonFiniteError, match=r"step 4: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\), "):
+    with pytest.raises(NonFiniteError, match=r"step 5: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\), "):
         loop.train(config)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["skipped_updates"] for row in rows] == [0, 1, 1, 2, 3]
     poisoned_step = "rewards (rows [0]), advantages, returns"  # named where it arose, then where it spread
     assert [row.get("nonfinite") for row in rows] == [None, poisoned_step, None, poisoned_step, poisoned_step]
-    # Checkpoint k holds the state after loop step k - 1: step 1 changed nothing, step 2 trained.
+    # Checkpoint k holds the state after step k: step 2 changed nothing, step 3 trained.
     assert_trees_equal(restored_state(tmp_path, 2), restored_state(tmp_path, 1))
     assert not np.array_equal(restored_state(tmp_path, 3)["actor"]["embed"], restored_state(tmp_path, 2)["actor"]["embed"])
     assert_trees_equal(restored_state(tmp_path, 4), restored_state(tmp_path, 3))

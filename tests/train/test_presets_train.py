@@ -51,4 +51,4 @@ def test_qwen3_preset_runs_two_steps_on_a_tiny_checkpoint_and_small_data(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-4000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [0, 1] and all("policy_loss" in s and "value_loss" in s for s in steps)
+    assert [s["step"] for s in steps] == [1, 2] and all("policy_loss" in s and "value_loss" in s for s in steps)

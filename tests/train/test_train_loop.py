@@ -18,20 +18,32 @@ from comppo_jax.train.loop import train
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,warmup_counts", [("comppo", False), ("grpo", False), ("ppo", False), ("ppo", True)])
-def test_train_runs_each_method(tmp_path, method, warmup_counts):
-    summary = train(small_train_config(tmp_path, method=method, plot=True, train__critic_warmup_counts_toward_steps=warmup_counts))
+def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
+    progress = method == "comppo"
+    summary = train(small_train_config(tmp_path, method=method, plot=True, progress=progress,
+                                       train__critic_warmup_counts_toward_steps=warmup_counts))
+    if progress:  # every long phase shows itself: warm start, evaluations, first compiles, steps
+        out, err = capsys.readouterr()
+        assert "warm start: 100%" in err and "loss=" in err and "dev eval" in err and "comppo: 100%" in err
+        assert [line for line in out.splitlines() if line.startswith("compiling ")] == [
+            "compiling the dev evaluation...", "compiling the sampler...", "compiling the scoring pass and credit...",
+            "compiling the critic update...", "compiling the actor update..."]
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == method and 0.0 <= summary["final_dev_accuracy"] <= 1.0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # The critic warm-up (1 step) comes on top of the 2 actor updates unless it counts toward them.
     warmup = 0 if method == "grpo" else 1
     total = 2 if warmup_counts else 2 + warmup
-    assert [s["step"] for s in steps] == list(range(total))
+    assert [s["step"] for s in steps] == list(range(1, total + 1))  # step N: the N-th step, checkpoint N after it
     assert summary["steps"] == total and summary["actor_updates"] == total - warmup == sum("policy_loss" in s for s in steps)
     # Evaluations (every step here) count actor updates: a prepended warm-up step is not evaluated.
     prepended = total - 2
-    assert [s["step"] for s in steps if "dev_accuracy" in s] == list(range(prepended, total))
-    assert [s["actor_updates"] for s in steps] == [max(0, i + 1 - warmup) for i in range(total)]
+    assert [s["step"] for s in steps if "dev_accuracy" in s] == list(range(prepended + 1, total + 1))
+    assert [s["actor_updates"] for s in steps] == [max(0, step - warmup) for step in range(1, total + 1)]
+    # One numbering: checkpoint N is step N's row, and the best checkpoint is the best evaluated row.
+    assert total in {int(name) for name in os.listdir(tmp_path / "checkpoints")} <= {s["step"] for s in steps}
+    best_row = next(s for s in steps if s["step"] == summary["best_checkpoint_step"])
+    assert best_row["dev_accuracy"] == max(s["dev_accuracy"] for s in steps if "dev_accuracy" in s)
     assert ("value_loss" in steps[1]) == (method != "grpo")
     assert "policy_loss" in steps[1] and ("policy_loss" in steps[0]) == (method == "grpo")  # critic warm-up
     assert {"gate/mean", "gate/iqr", "gate/first_third", "gate/last_third", "entropy", "clip_fraction", "kl_loss"} <= set(steps[1])
@@ -39,7 +51,14 @@ def test_train_runs_each_method(tmp_path, method, warmup_counts):
         assert {"critic/value_mae", "critic/clamp_saturation"} <= set(steps[1])
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
-    assert str(total) in os.listdir(tmp_path / "checkpoints")
     profile = load_position_schedule(tmp_path / "gate_profile.json")  # every rollout token's own gate, by t/T
     assert profile.token_counts.sum() == sum(s["response_length"] * 4 for s in steps)  # 2 prompts x 2 samples per step
     assert summary["mean_gate"] == pytest.approx(np.sum(profile.mean_gate * profile.token_counts) / profile.token_counts.sum())
+
+    # Resuming a finished run changes nothing and says so.
+    written = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    assert train(small_train_config(tmp_path, method=method, plot=True, resume=True,
+                                    train__critic_warmup_counts_toward_steps=warmup_counts)) == summary
+    assert capsys.readouterr().out == f"run already complete at step {total}: nothing to do ({tmp_path / 'summary.json'})\n"
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()} == written

@@ -1,0 +1,55 @@
+"""How the launch/ entry points start: --help, and a quiet CPU without an accelerator."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import CPU_ONLY_ENV, REPO, require_libtpu
+
+from comppo_jax.cli import _config_rows
+from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
+from comppo_jax.models import load_config_file
+from comppo_jax.train.paper import FIELD_HELP
+
+
+def launch(*args, env=CPU_ONLY_ENV, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("preset", ["tiny.py", "qwen3_4b.py", "llama3_8b.py"])
+def test_every_field_of_each_preset_has_a_description(preset):
+    rows = _config_rows(load_config_file(os.path.join(REPO, "configs", preset)), FIELD_HELP)
+    undescribed = [name for fields in rows.values() for name, _, description in fields if not description]
+    assert not undescribed and len(rows) == 13  # 12 sections and the top level
+
+
+def test_help_exits_0_and_lists_the_loaded_configs_fields():
+    result = launch("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Train with CompPO, GRPO or PPO")
+    assert "--config fields (from configs/qwen3_4b.py)" in result.stdout and "\n[rollout]\n" in result.stdout
+    line = next(line for line in result.stdout.splitlines() if "--config.rollout.max_new_tokens=" in line)
+    assert re.fullmatch(r"\s+--config\.rollout\.max_new_tokens=16384\s+longest response", line), line
+
+    experiment = launch("launch/experiment.py", "--experiment=configs/experiments.py:main", "--help")
+    assert experiment.returncode == 0, experiment.stderr
+    for name, description in EXPERIMENT_HELP.items():
+        assert f"--experiment.{name}=" in experiment.stdout and description in experiment.stdout
+
+
+def test_a_cpu_run_without_jax_platforms_logs_no_error_lines():
+    """With libtpu installed (the `tpu` extra) and no TPU, JAX alone would start the TPU plugin,
+    which logs E-level lines; the launchers select the CPU first."""
+    require_libtpu()
+    if importlib.util.find_spec("jax_cuda12_plugin") or os.path.exists("/dev/nvidia0"):
+        pytest.skip("a GPU is attached or its plugin installed")
+    env = {k: v for k, v in CPU_ONLY_ENV.items() if k != "JAX_PLATFORMS"}
+    result = launch("launch/score.py", "--batch_size=2", env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not [line for line in result.stderr.splitlines() if re.match(r"[EF]\d{4} ", line) or "Unable to initialize backend" in line], \
+        result.stderr[-2000:]
