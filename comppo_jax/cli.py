@@ -96,17 +96,15 @@ def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
                     print(f"  {entry:<{width}}  {description}".rstrip())
 
 
-def _config_rows(config, descriptions: dict, prefix: str = "") -> dict[str, list[tuple[str, str, str]]]:
+def _config_rows(config, descriptions: dict) -> dict[str, list[tuple[str, str, str]]]:
     """{section: [(dotted name, value, description)]}; a field with a description is one row even if it holds a dict."""
+    from comppo_jax.train.validation import config_fields
+
     rows: dict[str, list] = {}
-    for name, value in config.items():
-        path = prefix + name
-        if hasattr(value, "items") and path not in descriptions:
-            for section, fields in _config_rows(value, descriptions, path + ".").items():
-                rows.setdefault(section, []).extend(fields)
-        else:
-            shown = value.to_dict() if hasattr(value, "to_dict") else value
-            rows.setdefault(prefix.split(".")[0], []).append((path, repr(shown) if isinstance(shown, str) else str(shown), descriptions.get(path, "")))
+    for path, value in config_fields(config, whole=descriptions):
+        shown = value.to_dict() if hasattr(value, "to_dict") else value
+        section = path.split(".")[0] if "." in path else ""
+        rows.setdefault(section, []).append((path, repr(shown) if isinstance(shown, str) else str(shown), descriptions.get(path, "")))
     return rows
 
 

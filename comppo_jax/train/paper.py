@@ -67,12 +67,11 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         path=("", "local HF checkpoint directory (config.json + *.safetensors); nothing is downloaded"),
         path_required=(True, "refuse a random init of the preset's architecture when path is empty"),
         tokenizer=("", "HF tokenizer directory (\"\": the one saved with path; no path either: the character tokenizer)"),
-        arch=(config_dict.ConfigDict(arch), "the architecture, when no path is given"),
         attention=("auto", "training attention: auto | xla | chunked | splash | splash_interpret | cudnn (comppo_jax.models.attention)"),
         remat=("full", "per-layer jax.checkpoint policy: none | full | dots | dots_no_batch"),
         logits_chunk=(1024, "response tokens per chunk of the vocabulary projection (0: all at once)"),
     )
-    del FIELD_HELP["model.arch"]
+    config.model.arch = config_dict.ConfigDict(arch)  # the architecture, when no path is given
     FIELD_HELP.update({f"model.arch.{name}": text for name, text in ARCH_HELP.items()})
     config.gate_envelope = _section(
         "gate_envelope.",

@@ -27,16 +27,15 @@ CRITIC_KINDS = ("tac", "standard")
 DATA_KINDS = ("synthetic", "dapo_math")
 
 
-def _template_keys(section, prefix: str = "") -> list[str]:
-    """Dotted names of every field of a config section (model.arch is the model's own, not checked)."""
-    keys = []
+def config_fields(section, whole=(), prefix: str = ""):
+    """(dotted name, value) of every field of a config section, descending into nested sections
+    except those named in `whole`, which are one field each."""
     for name, value in section.items():
         dotted = f"{prefix}{name}"
-        if hasattr(value, "items") and dotted != "model.arch":
-            keys.extend(_template_keys(value, dotted + "."))
+        if hasattr(value, "items") and dotted not in whole:
+            yield from config_fields(value, whole, dotted + ".")
         else:
-            keys.append(dotted)
-    return keys
+            yield dotted, value
 
 
 def _lookup(cfg, dotted: str):
@@ -53,7 +52,8 @@ def missing_fields(cfg) -> list[str]:
     from comppo_jax.train.paper import paper_config  # paper -> controller; imported late to keep this module light
 
     missing = []
-    for dotted in _template_keys(paper_config(dict(cfg.model.arch) if "model" in cfg and "arch" in cfg.model else {})):
+    template = paper_config(dict(cfg.model.arch) if "model" in cfg and "arch" in cfg.model else {})
+    for dotted, _ in config_fields(template, whole={"model.arch"}):  # model.arch is the model's own, not checked
         try:
             _lookup(cfg, dotted)
         except KeyError:
