@@ -6,6 +6,7 @@
     python launch/benchmark.py critic    # TAC routing and critic fwd+bwd vs the policy forward
     python launch/benchmark.py sampler   # rollout engine vs the dense sampler, tunix and transformers
     python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
+    python launch/benchmark.py step      # a train step's programs: predicted (launch/plan.py's cost model) vs measured
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -18,12 +19,13 @@ from absl import app, flags
 
 from comppo_jax import cli
 
-SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host")
+SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
 _TUNIX = flags.DEFINE_string("tunix_python", None, "sampler suite: the python of a venv with google-tunix, to time its sampler.")
 _TABLES = flags.DEFINE_string("tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed.")
+_MODEL = flags.DEFINE_string("model", None, "step suite: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU).")
 
 
 def main(argv):
@@ -31,7 +33,7 @@ def main(argv):
         raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
     suite = importlib.import_module(f"benchmarks.{argv[1]}")
     overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value,
-                 "tables": _TABLES.value}
+                 "tables": _TABLES.value, "model": _MODEL.value}
     suite.run(**{name: value for name, value in overrides.items() if value is not None})
 
 

@@ -47,8 +47,22 @@ def _check(q, k, lse, attention_mask, window_start):
         raise ValueError(f"window_start must be [B] = ({batch},), got {window_start.shape}")
 
 
+KEY_BLOCKS_SCOPE = "window_key_blocks"
+BLOCK_Q, BLOCK_K = 128, 512
+
+
+def mean_key_blocks(length: int, window_start: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> float:
+    """Key blocks `window_topk` visits per query block, averaged over the query blocks of a row of
+    `length` tokens whose window starts at `window_start` (its loop bound is data-dependent)."""
+    block_q, block_k = min(block_q, round_up(length, 8)), min(block_k, round_up(length, 8))
+    padded = round_up(length, math.lcm(block_q, block_k))
+    first = min(window_start // block_k, padded // block_k)
+    visits = [max(0, (q * block_q + block_q - 1) // block_k + 1 - first) for q in range(padded // block_q)]
+    return sum(visits) / len(visits)
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "block_q", "block_k", "sm_scale"))
-def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=128, block_k=512, sm_scale=None):
+def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BLOCK_Q, block_k=BLOCK_K, sm_scale=None):
     """Top-K keys of I_t by native attention a_ti, with a_ti renormalized over all of I_t.
 
     q [B, L, Hq, D], k [B, L, Hkv, D] (the final layer's, after norm and RoPE); lse [B, Hq, L]
@@ -98,7 +112,8 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=12
         # Only key blocks that meet [window_start, last query of the block] can contribute.
         first_block = jnp.clip(lax.div(start, block_k), 0, padded // block_k)
         last_block = lax.div(first_query + block_q - 1, block_k) + 1
-        best, best_index, mass = lax.fori_loop(first_block, jnp.maximum(first_block, last_block), merge, init)
+        with jax.named_scope(KEY_BLOCKS_SCOPE):  # the planner's cost model counts this loop by this name
+            best, best_index, mass = lax.fori_loop(first_block, jnp.maximum(first_block, last_block), merge, init)
         valid = (best >= 0.0) & (mass[:, None] > 0.0)
         weights = jnp.where(valid, best / jnp.where(mass > 0, mass, 1.0)[:, None], 0.0)
         return jnp.where(valid, best_index, 0), weights, valid

@@ -36,6 +36,8 @@ from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq
 
 TRASH_PAGE = 0  # idle slots write here; nothing reads it
+# The planner's cost model (comppo_jax.train.cost) finds the decode loop and the admission by these names.
+DECODE_SCOPE, ADMIT_SCOPE = "decode", "admit"
 
 
 class Layout(NamedTuple):
@@ -354,7 +356,8 @@ def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, 
     def body(state):
         waiting = jnp.any((state.row < 0) & (state.next_row < layout.shard_rows)[:, None])
         admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))
-        state = jax.lax.cond(waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state)
+        with jax.named_scope(ADMIT_SCOPE):
+            state = jax.lax.cond(waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state)
         state, tokens, write_page, feeds, ends = jax.vmap(
             lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p))(state, shard_ids)
         # The XLA path reads only the pages the longest live row needs.
@@ -363,7 +366,8 @@ def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, 
                                      backend, needed)
         return place_pool(jax.vmap(_finish_step)(state, pool, logits, feeds, ends))
 
-    state = jax.lax.while_loop(lambda s: jnp.sum(s.rows_done) < layout.shards * layout.shard_rows, body, state)
+    with jax.named_scope(DECODE_SCOPE):
+        state = jax.lax.while_loop(lambda s: jnp.sum(s.rows_done) < layout.shards * layout.shard_rows, body, state)
     rows = layout.rows
     flat = lambda a: a.reshape((-1,) + a.shape[2:])[:rows]
     return tokens, mask.sum(axis=1).astype(jnp.int32), flat(state.response), flat(state.log_probs), flat(state.response_length)

@@ -32,13 +32,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from comppo_jax import sharding
+from comppo_jax.critic import routing
 from comppo_jax.models import init_params, model_config
 from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
+from comppo_jax.train import controller, cost as costs
 from comppo_jax.train.loop import check_batch, init_critic, run_parts
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
+from pallas_kernels import PLATFORM_BACKENDS
 
 GIB = 2**30
 # Per-chip HBM (GiB) and the chip configuration `get_topology_desc` needs, per TPU family.
@@ -85,6 +88,8 @@ class StepPlan(NamedTuple):
     resident: int  # state held in HBM that the step does not take
     compile_seconds: float
     error: str | None = None  # "does not fit (needs ...)" or the compiler's message
+    cost: costs.ProgramCost | None = None  # per chip, one run (comppo_jax.train.cost)
+    parts: dict | None = None  # the sampler's cost split: {"prefill": outside the decode loop, "decode": the loop}
 
 
 class Plan(NamedTuple):
@@ -97,6 +102,9 @@ class Plan(NamedTuple):
     state: dict  # bytes per chip of each piece of state
     steps: list[StepPlan]
     page_pool: int  # bytes per chip of the rollout engine's KV page pool (in the sample step's temp)
+    runs: dict  # program -> runs per train step
+    model_flops: float  # one train step's model FLOPs, all chips (`model_flops`)
+    generated_tokens: int  # response tokens per train step
 
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
@@ -116,9 +124,10 @@ def _does_not_fit(message: str) -> str:
     return "does not fit (RESOURCE_EXHAUSTED)"
 
 
-def _compile(name, jitted, args, resident, log) -> StepPlan:
+def _compile(name, jitted, args, resident, log, cost_options) -> StepPlan:
     """Compiles `jitted(*args)`. `resident`: bytes of the state held meanwhile; arguments the
-    program does not read (jit drops them) are placed all the same, so they are added to it."""
+    program does not read (jit drops them) are placed all the same, so they are added to it.
+    `cost_options`: `costs.program_cost`'s keywords for this program."""
     log(f"compiling {name} ...")
     started = time.time()
     try:
@@ -129,26 +138,38 @@ def _compile(name, jitted, args, resident, log) -> StepPlan:
             raise
         return StepPlan(name, None, None, None, None, None, None, resident, time.time() - started, _does_not_fit(message))
     seconds = time.time() - started
+    text = compiled.as_text()
+    cost = costs.program_cost(text, **cost_options)
+    parts = None
+    if name == "sample":
+        outside = costs.program_cost(text, **{**cost_options, "loop_trips": {**cost_options["loop_trips"], engine.DECODE_SCOPE: 0}})
+        parts = {"prefill": outside, "decode": cost + outside.scaled(-1)}
     stats = compiled.memory_analysis()
     arguments, temp, code = stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
     resident += max(0, tree_bytes_per_chip(args) - arguments)
     outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
     return StepPlan(name, arguments, outputs, temp, code, stats.peak_memory_in_bytes + resident,
-                    arguments + outputs + resident + temp + code, resident, seconds)
+                    arguments + outputs + resident + temp + code, resident, seconds, cost=cost, parts=parts)
 
 
-def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> Plan:
-    """Compiles `steps` of `cfg`'s train step for `topology`; see the module docstring."""
-    unknown = sorted(set(steps) - set(STEPS))
-    if unknown:
-        raise ValueError(f"unknown step(s) {unknown}; expected a subset of {STEPS}")
-    devices = topology_devices(topology)
-    mesh = sharding.make_mesh(cfg.mesh, devices)
+class TrainStepPrograms(NamedTuple):
+    """The programs of one train step as `train()` jits them, with their (sharded, abstract) arguments."""
+
+    config: object  # ModelConfig, attention resolved for the platform
+    state: dict  # name -> sharded ShapeDtypeStructs of each piece of state
+    programs: dict  # name -> (jitted, abstract args, bytes per chip held meanwhile) or None (no critic)
+    layout: engine.Layout  # the rollout engine's
+    rows: int  # rollout rows per step
+    runs: dict  # program -> runs per train step
+    model_flops: float  # one train step's, all chips (`model_flops`)
+
+
+def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> TrainStepPrograms:
+    """The sampler, scoring pass, actor and critic updates of `cfg` on `mesh`, with the kernels a
+    `platform` run picks. Trace and compile them under the mesh (`use_abstract_mesh`)."""
     check_batch(cfg, mesh)
-    family = topology.split(":")[0]
     config = model_config(cfg.model)
-    # "auto" means what a TPU run would pick, not this host's platform.
-    config = config.replace(attention=resolve_implementation(config.attention, config.dtype, platform="tpu"))
+    config = config.replace(attention=resolve_implementation(config.attention, config.dtype, platform=platform))
     parts = run_parts(cfg, config)
     key = jax.random.PRNGKey(0)
     abstract = lambda make: sharding.abstract_sharded(mesh, make)
@@ -176,7 +197,7 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
 
     score = jax.jit(lambda policy, reference, generation: score_rollout(
         policy, reference, config, generation, window=cfg.rollout.window, temperature=cfg.rollout.temperature,
-        hidden_layers=parts.hidden_layers, top_k=parts.top_k, backend="tpu", **cfg.gate_envelope.to_dict()))
+        hidden_layers=parts.hidden_layers, top_k=parts.top_k, backend=PLATFORM_BACKENDS[platform], **cfg.gate_envelope.to_dict()))
 
     def minibatch(batch):
         """The Minibatch of `batch` rows, shaped as score_and_credit builds it."""
@@ -198,7 +219,7 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     train_rows = minibatch(cfg.train.minibatch_size)
     prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32, sharding=batch_sharding)
     options = engine_options(cfg.rollout)
-    options["paged_attention"] = resolve_paged_attention(options["paged_attention"], config.head_dim, platform="tpu")
+    options["paged_attention"] = resolve_paged_attention(options["paged_attention"], config.head_dim, platform=platform)
     sample = jax.jit(lambda policy, prompts, prompt_mask, rng: generate(
         policy, config, prompts, prompt_mask, rng, max_new_tokens=response, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=config.eos_token_ids or (0,),
@@ -221,19 +242,144 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
                             dict.fromkeys(("learning_rate", "value_clip", "grad_clip"), scalar)),
             held("actor", "actor_opt", "reference", "rollout_batch")),
     }
-    compiled = []
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        for name in steps:
-            if programs[name] is not None:
-                compiled.append(_compile(name, *programs[name], log))
     layout = engine.make_layout(cfg.rollout.prompts_per_step, prompt_length, num_samples=cfg.rollout.samples_per_prompt,
                                 max_new_tokens=response, page_size=options["page_size"], decode_slots=options["decode_slots"],
                                 shards=sharding.batch_size_multiple(mesh))
+    epochs = int(controller.KNOBS["actor_epochs"][0])
+    updates = epochs * rows // cfg.train.minibatch_size
+    flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
+                        epochs=epochs, reference=cfg.train.kl_coef > 0)
+    return TrainStepPrograms(config, state, programs, layout, rows, {"sample": 1, "score": 1, "actor": updates, "critic": updates},
+                             flops)
+
+
+def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> Plan:
+    """Compiles `steps` of `cfg`'s train step for `topology`; see the module docstring."""
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        raise ValueError(f"unknown step(s) {unknown}; expected a subset of {STEPS}")
+    devices = topology_devices(topology)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    family = topology.split(":")[0]
+    # "auto" means what a TPU run would pick, not this host's platform.
+    step = train_step_programs(cfg, mesh, prompt_length=prompt_length, platform="tpu")
+    config, layout, state = step.config, step.layout, step.state
+    cost_options = cost_options_for(layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices))
+    compiled = []
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        for name in steps:
+            if step.programs[name] is not None:
+                compiled.append(_compile(name, *step.programs[name], log, cost_options))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         heads_split = mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
         pool_bytes = engine.pool_bytes(config, layout) // heads_split
-    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, length, bytes_of, compiled,
-                pool_bytes)
+    bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
+    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, layout.prompt_width +
+                layout.max_new_tokens, bytes_of, compiled, pool_bytes, step.runs, step.model_flops, step.rows * layout.max_new_tokens)
+
+
+def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) -> dict:
+    """`costs.program_cost`'s keywords for a train step's programs: every row runs to
+    `max_new_tokens`, so decoding attends to the prompt and half the response on average."""
+    steps = decode_steps(layout)
+    length = layout.prompt_width + layout.max_new_tokens
+    return dict(devices=devices, context=layout.prompt_width + layout.max_new_tokens / 2,
+                loop_trips={engine.DECODE_SCOPE: steps, routing.KEY_BLOCKS_SCOPE: routing.mean_key_blocks(length, window_start)},
+                branch_rates={engine.ADMIT_SCOPE: -(-layout.shard_rows // layout.slots) / steps})
+
+
+def decode_steps(layout: engine.Layout) -> int:
+    """Iterations of the engine's decode loop when every row runs to `max_new_tokens`: each slot
+    decodes its rows one after another, one token per iteration."""
+    return -(-layout.shard_rows // layout.slots) * layout.max_new_tokens
+
+
+def matmul_params(config) -> int:
+    """N: weights one token multiplies through (every projection and the vocabulary head; the
+    embedding lookup is free)."""
+    attention = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    return config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size) + config.hidden_size * config.vocab_size
+
+
+def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool) -> float:
+    """One train step's model FLOPs, the numerator of MFU: a forward pass costs 2N per token plus
+    causal attention 4 x layers x heads x head_dim x (mean keys, half the row) per token, a
+    forward and backward 3x that. Prefill (each prompt once) and decoding (each response token,
+    with the prompt and half the response as mean context), the scoring pass (behaviour policy and,
+    with a KL term, the reference) and the actor's `epochs` passes over the rollout. Rematerialized
+    forwards and the critic are not model FLOPs."""
+    n = matmul_params(config)
+    attention = lambda keys: 4 * config.num_layers * config.num_heads * config.head_dim * keys
+    length = prompt_length + response
+    sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (2 * n + attention(prompt_length + response / 2))
+    forward = rows * length * (2 * n + attention(length / 2))
+    return sample + (2 if reference else 1) * forward + epochs * 3 * forward
+
+
+class ProgramTime(NamedTuple):
+    program: str
+    runs: int  # per train step
+    seconds: float  # one run, roofline
+    bound: str  # "compute", "memory"
+    cost: costs.ProgramCost
+
+
+def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime]:
+    """Each compiled program's predicted time per run on `chip` (default: the topology's); the
+    sampler as its prefill and its decode loop."""
+    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    times = []
+    for step in result.steps:
+        if step.cost is None:
+            continue
+        for name, cost in ({f"{step.step} {part}": c for part, c in step.parts.items()} if step.parts else {step.step: step.cost}).items():
+            compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
+            bound = "compute" if compute >= cost.hbm_bytes / chip.hbm_bytes else "memory"
+            times.append(ProgramTime(name, result.runs[step.step], costs.roofline_seconds(cost, chip), bound, cost))
+    return times
+
+
+TIME_COLUMNS = ("program", "runs / step", "TFLOP / run", "HBM GB / run", "ICI GB / run", "bound", "s / run", "s / step", "share")
+
+
+def time_rows(result: Plan, chip: costs.Chip | None = None) -> list[list[str]]:
+    """The step-time breakdown per chip, one row per program (TIME_COLUMNS)."""
+    times = step_times(result, chip)
+    total = sum(t.seconds * t.runs for t in times)
+    return [[t.program, str(t.runs), f"{t.cost.flops / 1e12:.3g}", f"{t.cost.hbm_bytes / 1e9:.3g}", f"{t.cost.collective_bytes / 1e9:.3g}",
+             t.bound, f"{t.seconds:.3g}", f"{t.seconds * t.runs:.3g}", f"{t.seconds * t.runs / total:.0%}" if total else "-"]
+            for t in times]
+
+
+def mfu(result: Plan, seconds: float, chip: costs.Chip | None = None) -> float:
+    """Model FLOPs of one train step over what the slice's chips could do in `seconds`."""
+    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    return result.model_flops / (seconds * result.chips * chip.bf16_flops)
+
+
+class StepSummary(NamedTuple):
+    seconds: float  # predicted train step, the programs' roofline times x their runs
+    mfu: float
+    generated_tokens_per_second: float
+    uncounted: tuple  # loops counted once and kernels without a FLOP model
+
+
+def step_summary(result: Plan, chip: costs.Chip | None = None) -> StepSummary:
+    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    times = step_times(result, chip)
+    total = sum(t.seconds * t.runs for t in times)
+    uncounted = tuple(sorted({name for t in times for name in (*t.cost.unknown_loops, *t.cost.unknown_kernels)}))
+    return StepSummary(total, mfu(result, total, chip) if total else 0.0, result.generated_tokens / total if total else 0.0, uncounted)
+
+
+def format_summary(result: Plan, chip: costs.Chip | None = None) -> str:
+    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    summary = step_summary(result, chip)
+    text = (f"predicted step on {chip.name}: {summary.seconds:.3g} s, MFU {summary.mfu:.1%} ({result.model_flops / 1e15:.3g} PFLOP "
+            f"of model FLOPs), {summary.generated_tokens_per_second:.3g} generated tokens/s")
+    if summary.uncounted:
+        text += "; counted once (no trip count or FLOP model): " + ", ".join(summary.uncounted)
+    return text
 
 
 def _gib(value) -> str:
@@ -269,4 +415,8 @@ def format_plan(result: Plan) -> str:
              "per row; GiB per chip",
              f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"]
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    times = [list(TIME_COLUMNS)] + time_rows(result)
+    widths = [max(len(row[i]) for row in times) for i in range(len(TIME_COLUMNS))]
+    lines += ["step time per chip (roofline: comppo_jax.train.cost):"]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in times]
+    return "\n".join(lines + [format_summary(result)])

@@ -1,0 +1,443 @@
+"""What a compiled program costs per chip, read from its optimized HLO, and the chips' peaks.
+
+`compiled.cost_analysis()` counts a `while` body once, and every program here loops: the decoder
+layers run under `lax.scan`, the vocabulary projection in chunks, decoding in a `while_loop`. So
+`program_cost` walks `compiled.as_text()` itself, multiplying each loop body by its trip count:
+
+- FLOPs: every `dot` and `convolution` (also inside fusions), 2 x output elements x contracted
+  size, split by operand width (16 bits or less vs float32, which some chips run slower); the
+  attention kernels XLA cannot see into (splash, the concentration kernel, ragged paged
+  attention) from their operand shapes, `KERNEL_FLOPS`. Elementwise work is not counted.
+- HBM bytes: operands + outputs of every top-level instruction (a fusion reads its inputs and
+  writes its outputs once), as XLA's own analysis does; a ragged paged attention call reads the
+  pages a row of mean context length spans, not the whole pool.
+- Collective bytes each chip sends: all-gather output x (n-1)/n, reduce-scatter output x (n-1),
+  all-reduce 2 x size x (n-1)/n (a ring), all-to-all size x (n-1)/n, collective-permute size.
+
+A loop's trip count is read from its condition (`i < constant`, as `scan` and `fori_loop` with
+static bounds compile); a loop whose bound is data-dependent (decoding until every row ends)
+takes its count from `loop_trips`, keyed by the `jax.named_scope` around it. A loop that has
+neither is counted once and listed in `ProgramCost.unknown_loops`. A `cond` counts its costlier
+branch, or, named in `branch_rates`, that branch at the given rate and the other otherwise
+(decoding admits new rows on a few of its steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import NamedTuple
+
+# Per chip. TPU: Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
+# v6e); their ICI figure is bidirectional per chip (v5p's "4800 Gbps" is 600 GB/s; v4: six
+# 50 GB/s links, Jouppi et al., ISCA 2023). JAX computes float32 dots on a TPU in one bf16
+# pass at its default precision, so float32 runs at the bf16 rate. GPU: the NVIDIA H100/H200
+# SXM datasheets, dense (no sparsity); float32 dots run as TF32 at JAX's default precision;
+# NVLink 4 is 900 GB/s per GPU. `host` is the host link each direction (PCIe; H100/H200 Gen5 x16).
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    bf16_flops: float  # FLOP/s for dots with 16-bit (or narrower) operands
+    fp32_flops: float  # FLOP/s for float32 dots at JAX's default precision
+    hbm_bytes: float  # bytes/s
+    ici_bytes: float  # bytes/s each chip moves over its interconnect
+    host_bytes: float  # bytes/s host <-> chip
+
+
+CHIPS = {
+    "v4": Chip("TPU v4", 275e12, 275e12, 1200e9, 300e9, 16e9),
+    "v5e": Chip("TPU v5e", 197e12, 197e12, 819e9, 400e9, 16e9),
+    "v5p": Chip("TPU v5p", 459e12, 459e12, 2765e9, 600e9, 32e9),
+    "v6e": Chip("TPU v6e", 918e12, 918e12, 1638e9, 800e9, 32e9),
+    "h100": Chip("NVIDIA H100 SXM", 989e12, 494.5e12, 3350e9, 900e9, 64e9),
+    "h200": Chip("NVIDIA H200 SXM", 989e12, 494.5e12, 4800e9, 900e9, 64e9),
+}
+
+
+class ProgramCost(NamedTuple):
+    """One program's per-chip cost (loop trip counts applied)."""
+
+    flops_16bit: float  # dots with operands of 16 bits or less, and the attention kernels
+    flops_fp32: float  # float32 dots
+    hbm_bytes: float
+    collective_bytes: float
+    collectives: dict  # kind -> bytes
+    unknown_loops: tuple = ()  # op names of loops counted once
+    unknown_kernels: tuple = ()  # custom calls with no FLOP model (their bytes are counted)
+
+    @property
+    def flops(self) -> float:
+        return self.flops_16bit + self.flops_fp32
+
+    def __add__(self, other: ProgramCost) -> ProgramCost:
+        kinds = {k: self.collectives.get(k, 0.0) + other.collectives.get(k, 0.0) for k in {*self.collectives, *other.collectives}}
+        return ProgramCost(self.flops_16bit + other.flops_16bit, self.flops_fp32 + other.flops_fp32, self.hbm_bytes + other.hbm_bytes,
+                           self.collective_bytes + other.collective_bytes, kinds,
+                           tuple(sorted({*self.unknown_loops, *other.unknown_loops})),
+                           tuple(sorted({*self.unknown_kernels, *other.unknown_kernels})))
+
+    def scaled(self, factor: float) -> ProgramCost:
+        return ProgramCost(self.flops_16bit * factor, self.flops_fp32 * factor, self.hbm_bytes * factor,
+                           self.collective_bytes * factor, {k: v * factor for k, v in self.collectives.items()},
+                           self.unknown_loops, self.unknown_kernels)
+
+
+ZERO = ProgramCost(0.0, 0.0, 0.0, 0.0, {})
+
+
+def roofline_seconds(cost: ProgramCost, chip: Chip) -> float:
+    """max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth."""
+    compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
+    return max(compute, cost.hbm_bytes / chip.hbm_bytes) + cost.collective_bytes / chip.ici_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the HLO text.
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "after-all",
+         "partition-id", "replica-id", "iota", "copy-done", "all-gather-done", "all-reduce-done", "collective-permute-done",
+         "send-done", "recv-done", "async-done", "slice-done", "opt-barrier", "custom-call-done"}
+_SLICES = ("dynamic-slice", "slice", "gather")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class _Instruction:
+    name: str
+    type: str
+    opcode: str
+    operands: list
+    arguments: str  # the text between the opcode's parentheses (a constant's value)
+    attributes: str
+    is_root: bool
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(type_text) if dtype in _BYTES]
+
+
+def _bytes(type_text: str) -> float:
+    return sum(_BYTES[dtype] * math.prod(dims) for dtype, dims in _arrays(type_text))
+
+
+def _closing(text: str, start: int) -> int:
+    """Index just past the bracket group opening at text[start]."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    stack = []
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in pairs:
+            stack.append(pairs[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO line: {text[:200]}")
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    body = line.strip()
+    is_root = body.startswith("ROOT ")
+    if is_root:
+        body = body[5:]
+    if not body.startswith("%") or " = " not in body:
+        return None
+    name, rest = body[1:].split(" = ", 1)
+    end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
+    type_text, rest = rest[:end], rest[end:].lstrip()
+    paren = rest.index("(")
+    opcode = rest[:paren]
+    close = _closing(rest, paren)
+    operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
+    return _Instruction(name, type_text, opcode, operands, rest[paren + 1:close - 1], rest[close:], is_root)
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """{computation name: instructions} and the entry computation's name."""
+    computations, entry, current = {}, None, None
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.endswith("{"):
+            header = _HEADER.match(line)
+            if header:
+                current = computations.setdefault(header.group(1), [])
+                if line.startswith("ENTRY"):
+                    entry = header.group(1)
+                continue
+        if line == "}":
+            current = None
+        elif current is not None:
+            instruction = _parse_instruction(line)
+            if instruction:
+                current.append(instruction)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _called(attributes: str, key: str) -> list[str]:
+    """The computations an attribute names: `calls=%f` or `branch_computations={%a, %b}`."""
+    found = re.search(key + r"=(\{[^}]*\}|%?[\w.\-]+)", attributes)
+    return re.findall(r"%?([\w.\-]+)", found.group(1)) if found else []
+
+
+def _group_size(attributes: str, devices: int) -> int:
+    """Devices per replica group: `{{0,1},{2,3}}` or the iota form `[groups,size]<=[...]`."""
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", attributes)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if explicit and explicit.group(1):
+        return len(explicit.group(1).split(","))
+    return devices
+
+
+def _dot_flops(instruction: _Instruction, shapes: dict) -> float:
+    output = sum(math.prod(dims) for _, dims in _arrays(instruction.type))
+    lhs = shapes.get(instruction.operands[0])
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
+    if lhs is None or contracting is None:
+        return 0.0
+    size = math.prod(lhs[1][int(d)] for d in contracting.group(1).split(",") if d)
+    return 2.0 * output * size
+
+
+def _conv_flops(instruction: _Instruction, shapes: dict) -> float:
+    """2 x batch x output features x input features per group x the valid window positions summed
+    over every output position (XLA's count; a dot often compiles to a convolution on TPU)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+    lhs, rhs = shapes.get(instruction.operands[0]), shapes.get(instruction.operands[1])
+    if labels is None or lhs is None or rhs is None:
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    out_dims = _arrays(instruction.type)[0][1]
+    window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    fields = dict(re.findall(r"(\w+)=([\w\-x]+)", window.group(1))) if window else {}
+    spatial = [c for c in lhs_labels if c.isdigit()]
+    stride = [int(x) for x in fields["stride"].split("x")] if "stride" in fields else [1] * len(spatial)
+    pads = [tuple(int(p) for p in x.split("_")) for x in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * len(spatial)
+    dilation = [int(x) for x in fields["rhs_dilate"].split("x")] if "rhs_dilate" in fields else [1] * len(spatial)
+    positions = 1
+    for axis, label in enumerate(spatial):
+        in_size = lhs[1][lhs_labels.index(label)]
+        out_size = out_dims[out_labels.index(label)]
+        window_size = rhs[1][rhs_labels.index(label)]
+        low = pads[axis][0]
+        positions *= sum(sum(1 for k in range(window_size) if 0 <= o * stride[axis] + k * dilation[axis] - low < in_size)
+                         for o in range(out_size))
+    batch = out_dims[out_labels.index("b")]
+    return 2.0 * batch * out_dims[out_labels.index("f")] * rhs[1][rhs_labels.index("i")] * positions
+
+
+def _matmul_cost(instruction: _Instruction, shapes: dict) -> ProgramCost:
+    flops = _dot_flops(instruction, shapes) if instruction.opcode == "dot" else _conv_flops(instruction, shapes)
+    wide = any(shapes.get(o, ("",))[0] in ("f32", "f64") for o in instruction.operands[:2])
+    return ProgramCost(0.0, flops, 0.0, 0.0, {}) if wide else ProgramCost(flops, 0.0, 0.0, 0.0, {})
+
+
+def _collective_cost(instruction: _Instruction, types: dict, devices: int) -> ProgramCost:
+    """Bytes one chip sends (module docstring); an async `-start` returns (operands, results)."""
+    kind = instruction.opcode.removesuffix("-start")
+    n = _group_size(instruction.attributes, devices)
+    size = _bytes(instruction.type)
+    if instruction.opcode.endswith("-start"):
+        size = max(size - sum(_bytes(types.get(o, "")) for o in instruction.operands), size / 2)
+    sent = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
+            "all-to-all": size * (n - 1) / n, "collective-permute": size}[kind]
+    return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent})
+
+
+def _attention_flops(instruction: _Instruction, shapes: dict, context: float | None) -> float | None:
+    """FLOPs of the attention kernels XLA treats as opaque custom calls, from their shapes. Causal
+    self-attention over L keys is 2 matmuls x 2 x heads x L^2 / 2 x d forward (QK^T and PV), the
+    queries [..., heads, L, d] being the kernel's largest operand; splash's backward kernels take
+    3 (dq) and 4 (dkv) such matmuls; decode attends `context` keys per token [tokens, heads, d]."""
+    name = instruction.name
+    if name.startswith(("splash_mha", "attention_with_concentration", "flash_attention")):
+        operands = [shapes[o][1] for o in instruction.operands if o in shapes and len(shapes[o][1]) >= 3]
+        if not operands:
+            return None
+        q = max(operands, key=math.prod)
+        length, head_dim = q[-2], q[-1]
+        matmuls = 3 if "_dq" in name else 4 if "_dkv" in name else 2
+        return matmuls * 2.0 * math.prod(q[:-2]) * length * length * head_dim / 2
+    if "paged_attention" in name and context is not None:
+        return 2.0 * 2.0 * math.prod(_arrays(instruction.type)[0][1]) * context
+    return None
+
+
+def _paged_kv_bytes(instruction: _Instruction, shapes: dict, context: float) -> float:
+    """Bytes a decode attention call reads: the keys and values of `context` positions per row."""
+    out = _arrays(instruction.type)[0][1]
+    pools = [shapes[o] for o in instruction.operands if o in shapes and len(shapes[o][1]) >= 4]
+    if not pools:
+        return 0.0
+    dtype, pool = max(pools, key=lambda s: math.prod(s[1]))
+    kv_heads_x_dim = pool[-2] * pool[-1]  # [.., page, kv heads (x2 with values), head dim]
+    return out[0] * context * kv_heads_x_dim * _BYTES[dtype]
+
+
+def _moved_bytes(instruction: _Instruction, types: dict, computations: dict) -> float:
+    """HBM bytes an instruction reads and writes, as XLA's cost analysis counts them: an operand
+    a fusion only slices (a scanned layer's weights from the stacked [N, ...] array) is read as
+    its slices, and a dynamic-update-slice or scatter (alone or as a fusion's root) updates its
+    buffer in place, moving the update, not the buffer."""
+    output = _bytes(instruction.type)
+    operands = [_bytes(types.get(o, "")) for o in instruction.operands]
+    root = instruction.opcode
+    if root == "dynamic-slice":
+        return 2 * output + sum(operands[1:])
+    if root == "fusion":
+        fused = computations.get(_called(instruction.attributes, "calls")[0], [])
+        root = next((i.opcode for i in fused if i.is_root), root)
+        parameters = {i.name: int(i.arguments) for i in fused if i.opcode == "parameter" and i.arguments.isdigit()}
+        users = {}
+        for i in fused:
+            for o in i.operands:
+                if o in parameters:
+                    users.setdefault(parameters[o], []).append(i)
+        def slices(user):  # reads a slice of its first operand (also a nested fusion rooted at a slice)
+            if user.opcode == "fusion":
+                nested = {i.name: i for i in computations.get(_called(user.attributes, "calls")[0], [])}
+                top = next((i for i in nested.values() if i.is_root), None)
+                while top is not None and top.opcode in ("bitcast", "reshape", "copy") and top.operands:
+                    top = nested.get(top.operands[0])
+                return top is not None and top.opcode in _SLICES
+            return user.opcode in _SLICES
+
+        for index, used_by in users.items():
+            if index < len(operands) and all(slices(u) and u.operands[0] in parameters for u in used_by):
+                operands[index] = min(operands[index], sum(_bytes(u.type) for u in used_by))
+        # A tuple root that passes a parameter through (async collective fusions do) neither reads nor writes it.
+        top = next((i for i in fused if i.is_root), None)
+        if top is not None and top.opcode == "tuple":
+            for name in top.operands:
+                index = parameters.get(name)
+                if index is not None and index < len(operands):
+                    output -= operands[index]
+                    if all(u is top for u in users.get(index, [])):
+                        operands[index] = 0.0
+    if root in ("dynamic-update-slice", "scatter") and output in operands:
+        operands.remove(output)  # the buffer, updated in place
+        return 2 * sum(operands)
+    return output + sum(operands)
+
+
+def _scope_value(instruction: _Instruction, values: dict):
+    """values[scope] when the instruction is the `while`/`cond` directly under `jax.named_scope(scope)`."""
+    op_name = re.search(r'op_name="([^"]*)"', instruction.attributes)
+    for scope, value in values.items():
+        if op_name and re.search(rf"(^|/){re.escape(scope)}/(while|cond)$", op_name.group(1)):
+            return value
+    return None
+
+
+def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None, branch_rates: dict | None = None,
+                 context: float | None = None) -> ProgramCost:
+    """The per-chip cost of a compiled program (see the module docstring). `text`:
+    `compiled.as_text()`; `devices`: chips in the program, the group size of a collective that
+    names none; `loop_trips`: {named scope: trip count} for loops with data-dependent bounds;
+    `branch_rates`: {named scope: how often its `cond` takes the costlier branch} (else always);
+    `context`: mean keys a decode attention call reads per row."""
+    computations, entry = parse_hlo(text)
+    loop_trips, branch_rates = loop_trips or {}, branch_rates or {}
+    memo: dict[str, ProgramCost] = {}
+
+    def trip_count(instruction: _Instruction) -> int | None:
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
+        if known:
+            return int(known.group(1))
+        trips = _scope_value(instruction, loop_trips)
+        if trips is not None:
+            return trips
+        condition = computations.get(_called(instruction.attributes, "condition")[0], [])
+        constants = {i.name: int(i.arguments) for i in condition
+                     if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.arguments) and _arrays(i.type)[0][1] == ()}
+        # The induction variable is a tuple element of the loop state; a bound on anything computed
+        # from the state (decoding's count of finished rows) is data-dependent.
+        counters = {i.name for i in condition if i.opcode == "get-tuple-element"}
+        for i in condition:
+            if i.opcode == "compare" and len(i.operands) == 2:
+                direction = re.search(r"direction=(\w+)", i.attributes).group(1)
+                lhs, rhs = i.operands
+                if direction == "LT" and lhs in counters and rhs in constants:
+                    return constants[rhs]
+                if direction == "GT" and rhs in counters and lhs in constants:
+                    return constants[lhs]
+        return None
+
+    def fused(name: str) -> ProgramCost:
+        """The FLOPs and collectives inside a fusion (its bytes are its caller's operands and outputs)."""
+        total = ZERO
+        instructions = computations.get(name, [])
+        shapes = {i.name: _arrays(i.type)[0] for i in instructions if _arrays(i.type)}
+        types = {i.name: i.type for i in instructions}
+        for i in instructions:
+            if i.opcode in ("dot", "convolution"):
+                total = total + _matmul_cost(i, shapes)
+            elif i.opcode == "fusion":
+                total = total + fused(_called(i.attributes, "calls")[0])
+            elif i.opcode.removesuffix("-start") in _COLLECTIVES:
+                total = total + _collective_cost(i, types, devices)
+        return total
+
+    def walk(name: str) -> ProgramCost:
+        if name in memo:
+            return memo[name]
+        total = ZERO
+        unknown_loops, unknown_kernels = [], []
+        instructions = computations.get(name, [])
+        shapes = {i.name: _arrays(i.type)[0] for i in instructions if _arrays(i.type)}
+        types = {i.name: i.type for i in instructions}
+        for i in instructions:
+            if i.opcode == "while":
+                trips = trip_count(i)
+                if trips is None:
+                    trips = 1
+                    op_name = re.search(r'op_name="([^"]*)"', i.attributes)
+                    unknown_loops.append(op_name.group(1) if op_name else i.name)
+                body = walk(_called(i.attributes, "body")[0]) + walk(_called(i.attributes, "condition")[0])
+                total = total + body.scaled(trips)
+                continue
+            if i.opcode == "call":
+                total = total + walk(_called(i.attributes, "to_apply")[0])
+                continue
+            if i.opcode == "conditional":
+                branches = _called(i.attributes, "branch_computations") or (
+                    _called(i.attributes, "true_computation") + _called(i.attributes, "false_computation"))
+                ordered = sorted((walk(b) for b in branches), key=lambda c: (c.flops, c.hbm_bytes))
+                rate = _scope_value(i, branch_rates)
+                rate = 1.0 if rate is None else rate
+                total = total + ordered[-1].scaled(rate) + ordered[0].scaled(1 - rate)
+                continue
+            if i.opcode in _FREE or i.opcode.endswith("-done"):
+                continue
+            if 'custom_call_target="AllocateBuffer"' in i.attributes:
+                continue
+            moved = _moved_bytes(i, types, computations)
+            inner = ZERO
+            if i.opcode in ("dot", "convolution"):
+                inner = _matmul_cost(i, shapes)
+            elif i.opcode == "fusion":
+                inner = fused(_called(i.attributes, "calls")[0])
+            elif i.opcode.removesuffix("-start") in _COLLECTIVES:
+                inner = _collective_cost(i, types, devices)
+            elif i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attributes or (
+                    i.opcode == "custom-call" and "__gpu$xla.gpu.triton" in i.attributes):
+                flops = _attention_flops(i, shapes, context)
+                if flops is None:
+                    unknown_kernels.append(i.name.split(".")[0])
+                else:
+                    inner = ProgramCost(flops, 0.0, 0.0, 0.0, {})
+                if "paged_attention" in i.name and context is not None:
+                    moved = _bytes(i.type) + _paged_kv_bytes(i, shapes, context)
+            total = total + inner + ProgramCost(0.0, 0.0, moved, 0.0, {})
+        memo[name] = total._replace(unknown_loops=tuple(sorted({*total.unknown_loops, *unknown_loops})),
+                                    unknown_kernels=tuple(sorted({*total.unknown_kernels, *unknown_kernels})))
+        return memo[name]
+
+    return walk(entry)

@@ -1,0 +1,170 @@
+"""One train step's programs, predicted (comppo_jax.train.cost) and measured side by side.
+
+The programs are those `launch/plan.py` compiles for a TPU slice (`plan.train_step_programs`),
+here compiled for this machine's devices and run on real arrays: the sampler on random prompts,
+the scoring pass on its rollout, the actor and critic updates on a minibatch of it. Each is
+predicted from its own optimized HLO with the roofline of `comppo_jax.train.cost` on this
+machine's peaks: a GPU or TPU's published ones, or, on a CPU, the ones measured here (the rate
+of a square matmul in each dtype and the bandwidth of a large array copy), so the method is
+checked end to end without an accelerator. Weights are random and every row decodes to
+`max_new_tokens` (no row stops early), as the prediction assumes.
+
+Models: `tiny` (`configs/tiny.py`) and `qwen3_0.6b` (Qwen3-0.6B's shapes, bf16, full remat,
+512-token prompts + `length` - 512 new tokens, 2 prompts x 4 samples; meant for a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import interleaved_medians, print_table
+from comppo_jax import sharding
+from comppo_jax.models.loading import PRESET_DIR, load_config_file
+from comppo_jax.train import cost as costs, plan
+from comppo_jax.train.loop import take_rows
+from comppo_jax.train.update import Minibatch
+
+QWEN3_0_6B = dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                  num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                  max_position_embeddings=40960, dtype="bfloat16", bos_token_id=151643, eos_token_ids=(151645,), pad_token_id=151643)
+
+
+def step_config(model: str, length: int):
+    """(config, prompt length) of the benchmarked step."""
+    cfg = load_config_file(PRESET_DIR / "tiny.py")
+    if model == "tiny":
+        return cfg, 64
+    if model != "qwen3_0.6b":
+        raise ValueError(f"--model={model!r}: expected tiny or qwen3_0.6b")
+    cfg.model.arch.update(QWEN3_0_6B)
+    cfg.model.update(remat="full", logits_chunk=1024)
+    cfg.rollout.update(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=length - 512)
+    cfg.train.update(minibatch_size=4, master_dtype="float32")
+    return cfg, 512
+
+
+def measured_cpu(megabytes: int = 512, size: int = 1024) -> costs.Chip:
+    """This CPU's peaks as the cost model needs them, measured: square matmuls in each dtype and
+    an elementwise pass over an array several times the cache, updated in place (a fresh output
+    would time the page faults of its first touch)."""
+    state = {"x": jnp.ones((megabytes << 18,), jnp.float32)}
+    scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+
+    def stream():
+        state["x"] = scale(state["x"])
+        state["x"].block_until_ready()
+
+    operands = {dtype: (jnp.ones((size, size), dtype), jnp.ones((size, size), dtype)) for dtype in (jnp.float32, jnp.bfloat16)}
+    matmul = jax.jit(jnp.matmul)
+    seconds = interleaved_medians({"stream": stream, **{str(jnp.dtype(d)): (lambda a=a, b=b: matmul(a, b).block_until_ready())
+                                                        for d, (a, b) in operands.items()}}, 5)
+    flop = 2 * size**3
+    return costs.Chip(f"this CPU ({jax.local_device_count()} device(s), measured)", flop / seconds["bfloat16"],
+                      flop / seconds["float32"], 2 * state["x"].nbytes / seconds["stream"], math.inf, math.inf)
+
+
+def this_chip() -> costs.Chip:
+    """The peaks of the first local device: published for a known GPU or TPU, measured on a CPU."""
+    device = jax.devices()[0]
+    kind = device.device_kind.lower()
+    if device.platform == "cpu":
+        return measured_cpu()
+    for name, marks in (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")), ("v6e", ("v6 lite", "v6e")),
+                        ("v5p", ("v5p", "v5")), ("v4", ("v4",))):
+        if any(mark in kind for mark in marks):
+            return costs.CHIPS[name]
+    raise ValueError(f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.train.cost.CHIPS")
+
+
+def _materialize(tree, rng: np.random.Generator, zeros: bool = False):
+    """Arrays for a tree of sharded ShapeDtypeStructs: small normals (zeros for optimizer states),
+    zero integers, true booleans."""
+    def make(x):
+        if x is None:
+            return None
+        dtype = np.dtype(x.dtype)
+        if dtype == np.bool_:
+            value = np.ones(x.shape, bool)
+        elif not jnp.issubdtype(dtype, jnp.floating) or zeros:
+            value = np.zeros(x.shape, dtype)
+        else:
+            value = (0.02 * rng.standard_normal(x.shape)).astype(dtype)
+        return jax.device_put(value, x.sharding)
+
+    return jax.tree.map(make, tree, is_leaf=lambda x: x is None)
+
+
+def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
+    cfg, prompt_length = step_config(model, length)
+    devices = jax.devices()
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    chip = this_chip()
+    step = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=devices[0].platform)
+    rng = np.random.default_rng(0)
+    state = {name: _materialize(tree, rng, zeros=name.endswith("_opt")) for name, tree in step.state.items() if name != "rollout_batch"}
+    config, layout = step.config, step.layout
+    sample, sample_args, _ = step.programs["sample"]
+    score, _, _ = step.programs["score"]
+    actor, actor_args, _ = step.programs["actor"]
+    prompts = jax.device_put(rng.integers(3, config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32),
+                             sample_args[1].sharding)
+    mask = jax.device_put(np.ones(prompts.shape, bool), sample_args[2].sharding)
+    key = jax.device_put(np.asarray(jax.random.PRNGKey(0)), sample_args[3].sharding)
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        compiled = {"sample": sample.lower(state["policy"], prompts, mask, key).compile()}
+        generation = compiled["sample"](state["policy"], prompts, mask, key)
+        compiled["score"] = score.lower(state["policy"], state["reference"], generation).compile()
+        rollout = compiled["score"](state["policy"], state["reference"], generation)
+        per_token = jnp.asarray(rng.standard_normal(generation.response_tokens.shape), jnp.float32)
+        batch = Minibatch(rollout.tokens, rollout.attention_mask, rollout.prompt_lengths, generation.response_tokens,
+                          rollout.response_mask, rollout.log_probs, rollout.ref_log_probs, per_token, per_token, per_token,
+                          jnp.full(rollout.tokens.shape, 0.9, jnp.float32), rollout.hidden_states, rollout.routing)
+        minibatch = sharding.put(take_rows(batch, np.arange(cfg.train.minibatch_size)),
+                                 jax.tree.map(lambda x: x.sharding, actor_args[2]))
+        hyper = {"actor": dict(learning_rate=1e-6, clip=0.2, kl_coef=0.002, grad_clip=1.0),
+                 "critic": dict(learning_rate=1e-5, value_clip=0.5, grad_clip=1.0)}
+        hyper = {name: {k: jnp.float32(v) for k, v in values.items()} for name, values in hyper.items()}
+        owners = {"actor": ("actor", "actor_opt"), "critic": ("critic", "critic_opt")}
+        for name in ("actor", "critic"):
+            if step.programs[name] is not None:
+                compiled[name] = step.programs[name][0].lower(*(state[o] for o in owners[name]), minibatch, hyper[name]).compile()
+
+        def update(name):
+            def call():  # the update donates its state: carry the new one
+                params, opt, out = compiled[name](*(state[o] for o in owners[name]), minibatch, hyper[name])
+                state[owners[name][0]], state[owners[name][1]] = params, opt
+                jax.block_until_ready(out)
+            return call
+
+        candidates = {"sample": lambda: jax.block_until_ready(compiled["sample"](state["policy"], prompts, mask, key)),
+                      "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
+                      **{name: update(name) for name in ("actor", "critic") if name in compiled}}
+        measured = interleaved_medians(candidates, repeats)
+
+    options = plan.cost_options_for(layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices))
+    rows, predicted_step, measured_step = [], 0.0, 0.0
+    for name, program in compiled.items():
+        cost = costs.program_cost(program.as_text(), **options)
+        predicted = costs.roofline_seconds(cost, chip)
+        runs = step.runs[name]
+        predicted_step, measured_step = predicted_step + predicted * runs, measured_step + measured[name] * runs
+        compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
+        rows.append({"program": name, "runs / step": runs, "GFLOP": f"{cost.flops / 1e9:.3g}", "HBM GB": f"{cost.hbm_bytes / 1e9:.3g}",
+                     "bound": "compute" if compute >= cost.hbm_bytes / chip.hbm_bytes else "memory",
+                     "predicted ms": f"{predicted * 1e3:.3g}", "measured ms": f"{measured[name] * 1e3:.3g}",
+                     "measured / predicted": f"{measured[name] / predicted:.2f}",
+                     "uncounted": ", ".join((*cost.unknown_loops, *cost.unknown_kernels)) or "-"})
+    print(f"{model}: {cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + "
+          f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, {config.dtype}, on {devices[0].device_kind}")
+    print(f"peaks ({chip.name}): {chip.bf16_flops / 1e9:.4g} GFLOP/s bf16, {chip.fp32_flops / 1e9:.4g} GFLOP/s fp32, "
+          f"{chip.hbm_bytes / 1e9:.4g} GB/s memory")
+    print_table(rows, ["program", "runs / step", "GFLOP", "HBM GB", "bound", "predicted ms", "measured ms", "measured / predicted",
+                       "uncounted"])
+    print(f"train step (device programs only): predicted {predicted_step:.3g} s, measured {measured_step:.3g} s, "
+          f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured "
+          f"{step.model_flops / (measured_step * len(devices) * chip.bf16_flops):.1%}")

@@ -1,0 +1,166 @@
+"""The per-chip cost model read from optimized HLO (comppo_jax.train.cost) and the plan's step time."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import require_libtpu
+
+from comppo_jax.models import model_config
+from comppo_jax.models.loading import PRESET_DIR, load_config_file
+from comppo_jax.train import cost as costs, plan
+
+
+def compiled_text(fn, *shapes):
+    compiled = jax.jit(fn).lower(*[jax.ShapeDtypeStruct(s, d) for s, d in shapes]).compile()
+    return compiled.as_text(), compiled.cost_analysis()
+
+
+def test_a_scanned_matmul_counts_every_iteration_where_xla_counts_one():
+    def layers(w, x):
+        return jax.lax.scan(lambda x, w1: (jnp.tanh(x @ w1), None), x, w)[0]
+
+    text, xla = compiled_text(layers, ((10, 256, 256), jnp.float32), ((64, 256), jnp.float32))
+    one = 2 * 64 * 256 * 256
+    cost = costs.program_cost(text)
+    assert cost.flops == pytest.approx(10 * one, rel=1e-6) and cost.flops_fp32 == cost.flops
+    assert xla["flops"] == pytest.approx(one, rel=0.01)  # why the walker exists
+    assert cost.unknown_loops == ()
+
+
+def test_loop_free_flops_match_xla_cost_analysis():
+    def block(x, wq, wk, w_up):
+        q = (x @ wq).reshape(4, 128, 8, 64)  # [B, L, H, d]
+        k = (x @ wk).reshape(4, 128, 2, 64)
+        grouped = jnp.einsum("blhgd,bmhd->bhglm", q.reshape(4, 128, 2, 4, 64), k)  # GQA scores
+        return grouped.sum() + (x @ w_up).sum()
+
+    text, xla = compiled_text(block, ((512, 512), jnp.bfloat16), ((512, 512), jnp.bfloat16), ((512, 128), jnp.bfloat16),
+                              ((512, 2048), jnp.bfloat16))
+    cost = costs.program_cost(text)
+    analytic = 2 * 512 * 512 * 512 + 2 * 512 * 512 * 128 + 2 * 4 * 8 * 128 * 128 * 64 + 2 * 512 * 512 * 2048
+    assert cost.flops == pytest.approx(analytic, rel=1e-6)
+    assert cost.flops == pytest.approx(xla["flops"], rel=0.05)  # XLA adds the elementwise work
+    assert cost.hbm_bytes > 0
+
+
+def test_a_data_dependent_loop_takes_its_count_from_its_named_scope():
+    def decode(w, x):
+        def body(state):
+            x, i = state
+            return jnp.tanh(x @ w), i + (x.sum() > -1e9)
+
+        with jax.named_scope("decode_here"):
+            return jax.lax.while_loop(lambda s: s[1] < s[0].shape[0], body, (x, jnp.int32(0)))[0]
+
+    text, _ = compiled_text(decode, ((128, 128), jnp.float32), ((16, 128), jnp.float32))
+    one = 2 * 16 * 128 * 128
+    unknown = costs.program_cost(text)
+    assert unknown.flops == pytest.approx(one) and len(unknown.unknown_loops) == 1
+    counted = costs.program_cost(text, loop_trips={"decode_here": 7})
+    assert counted.flops == pytest.approx(7 * one) and counted.unknown_loops == ()
+
+
+def test_a_cond_counts_its_costlier_branch_or_the_given_rate():
+    def admit(w, x, flag):
+        with jax.named_scope("admit_here"):
+            return jax.lax.cond(flag, lambda x: x @ w @ w, lambda x: x, x)
+
+    text, _ = compiled_text(admit, ((128, 128), jnp.float32), ((16, 128), jnp.float32), ((), jnp.bool_))
+    both = 2 * 2 * 16 * 128 * 128
+    assert costs.program_cost(text).flops == pytest.approx(both)
+    assert costs.program_cost(text, branch_rates={"admit_here": 0.25}).flops == pytest.approx(both / 4)
+
+
+def test_in_place_updates_and_sliced_operands_move_their_slices_not_the_buffer():
+    def write_rows(buffer, rows):
+        def step(buffer, i):
+            row = jax.lax.dynamic_index_in_dim(rows, i, keepdims=False) * 2.0
+            return jax.lax.dynamic_update_index_in_dim(buffer, row, i, 0), None
+
+        return jax.lax.scan(step, buffer, jnp.arange(64))[0]
+
+    text, _ = compiled_text(write_rows, ((64, 4096), jnp.float32), ((64, 4096), jnp.float32))
+    buffer = 64 * 4096 * 4
+    # Each of the 64 steps reads a row and writes a row; a whole-buffer count would be 64 x 2 buffers.
+    assert costs.program_cost(text).hbm_bytes < 8 * buffer
+
+
+def test_roofline_is_the_slower_of_compute_and_memory_plus_the_collectives():
+    chip = costs.Chip("test", bf16_flops=100.0, fp32_flops=50.0, hbm_bytes=10.0, ici_bytes=2.0, host_bytes=1.0)
+    compute_bound = costs.ProgramCost(200.0, 50.0, 10.0, 4.0, {"all-reduce": 4.0})
+    assert costs.roofline_seconds(compute_bound, chip) == pytest.approx(2.0 + 1.0 + 2.0)
+    memory_bound = costs.ProgramCost(100.0, 0.0, 50.0, 0.0, {})
+    assert costs.roofline_seconds(memory_bound, chip) == pytest.approx(5.0)
+
+
+def test_every_topology_the_plan_accepts_has_published_peaks():
+    assert set(plan.HBM_GIB) <= set(costs.CHIPS)
+    for chip in costs.CHIPS.values():
+        assert min(chip.bf16_flops, chip.fp32_flops, chip.hbm_bytes, chip.ici_bytes, chip.host_bytes) > 0
+        assert chip.fp32_flops <= chip.bf16_flops
+
+
+def test_model_flops_are_6n_per_trained_token_plus_the_rollout():
+    cfg = load_config_file(PRESET_DIR / "qwen3_4b.py")
+    config = model_config(cfg.model)
+    n = plan.matmul_params(config)
+    assert 3.5e9 < n < 4.5e9  # Qwen3-4B: 4.0B parameters, tied embeddings
+    one_epoch = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False)
+    two_epochs = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False)
+    tokens = 16 * (512 + 4096)
+    # One more epoch adds a forward and backward: 6N per token plus attention.
+    assert 6 * n * tokens < two_epochs - one_epoch < 6 * n * tokens * 1.5
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's programs, compiled for TPU slices (needs libtpu).
+
+def tiny(**arch):
+    cfg = load_config_file(PRESET_DIR / "tiny.py")
+    cfg.mesh.update(data=1, fsdp=2, tensor=-1)
+    cfg.model.arch.update(num_heads=8, num_kv_heads=4, head_dim=32, **arch)
+    return cfg
+
+
+def program(cfg, name, topology="v5e:2x2", prompt_length=24):
+    result = plan.plan(cfg, topology, prompt_length=prompt_length, steps=(name,), log=lambda message: None)
+    (step,) = result.steps
+    assert step.error is None and step.cost.flops > 0 and step.cost.hbm_bytes > 0
+    assert step.cost.unknown_loops == () and step.cost.unknown_kernels == ()
+    return result, step
+
+
+@pytest.mark.slow
+def test_actor_flops_grow_linearly_in_tokens_and_layers_and_halve_with_twice_the_tensor_axis():
+    require_libtpu()
+    _, base = program(tiny(), "actor")
+    longer = tiny()
+    longer.rollout.max_new_tokens = 2 * longer.rollout.max_new_tokens + 24  # twice the tokens per row
+    _, twice_tokens = program(longer, "actor")
+    assert twice_tokens.cost.flops / base.cost.flops == pytest.approx(2.0, rel=0.15)
+    _, twice_layers = program(tiny(num_layers=8), "actor")
+    # The layers are nearly all of it; the vocabulary head is not repeated.
+    assert 1.7 < twice_layers.cost.flops / base.cost.flops <= 2.0
+    # fsdp 2 x tensor 4 against 2 x 2, with dimensions whose shards are whole (8, 128) tiles
+    wide = dict(hidden_size=256, intermediate_size=1024, vocab_size=1024)
+    _, tensor_2 = program(tiny(**wide), "actor")
+    _, tensor_4 = program(tiny(**wide), "actor", topology="v5e:2x4")
+    assert tensor_4.cost.flops / tensor_2.cost.flops == pytest.approx(0.5, rel=0.15)
+
+
+@pytest.mark.slow
+def test_decode_bytes_grow_with_the_context_and_the_plan_prints_the_step_time():
+    require_libtpu()
+    short_result, short = program(tiny(), "sample")
+    longer = tiny()
+    longer.rollout.max_new_tokens *= 4
+    _, long = program(longer, "sample")
+    per_step = lambda step, cfg: step.parts["decode"].hbm_bytes / cfg.rollout.max_new_tokens
+    assert per_step(long, longer) > 1.1 * per_step(short, tiny())
+    assert short.parts["prefill"].flops > 0 and short.parts["decode"].flops > 0
+    text = plan.format_plan(short_result)
+    assert "sample decode" in text and "sample prefill" in text and "MFU" in text
+    summary = plan.step_summary(short_result)
+    assert summary.seconds > 0 and 0 < summary.mfu < 1 and summary.uncounted == ()
