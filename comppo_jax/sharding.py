@@ -167,6 +167,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def to_memory(tree: Any, kind: str) -> Any:
+    """`tree`'s arrays moved to memory `kind` of their own devices ("pinned_host": host memory the
+    accelerator reads directly; "device": HBM), sharded as before (None leaves stay None)."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
+
+
 def put(tree: Any, shardings: Any) -> Any:
     """Places a pytree with matching shardings (None leaves stay None)."""
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)

@@ -44,7 +44,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from comppo_jax.models import CheckpointError
-from comppo_jax.sharding import any_process
+from comppo_jax.sharding import any_process, to_memory
 
 REFERENCE_DIR = "reference"
 REFERENCE_DIGESTS = "reference_digests.json"
@@ -103,6 +103,9 @@ def leaf_paths(tree: Any) -> list[str]:
 def state_digests(tree: Any) -> tuple[dict[str, str], list[str]]:
     """({leaf path: 16-hex-digit content digest}, [paths of leaves holding NaN or inf])."""
     paths, leaves = leaf_paths(tree), jax.tree.leaves(tree)
+    # Leaves parked in host memory (train.offload_idle) are hashed on their devices like the rest.
+    leaves = [to_memory(x, "device") if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host" else x
+              for x in leaves]
     results = jax.device_get(_digests(leaves)) if leaves else []
     digests = {path: "".join(f"{int(word):08x}" for word in digest) for path, (digest, _) in zip(paths, results)}
     return digests, [path for path, (_, finite) in zip(paths, results) if not finite]

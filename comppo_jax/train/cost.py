@@ -86,6 +86,11 @@ class ProgramCost(NamedTuple):
 ZERO = ProgramCost(0.0, 0.0, 0.0, 0.0, {})
 
 
+def peak_flops(chip: Chip, dtype) -> float:
+    """The chip's dot rate for a model computing in `dtype` (MFU's denominator)."""
+    return chip.fp32_flops if str(dtype) in ("float32", "float64") else chip.bf16_flops
+
+
 def roofline_seconds(cost: ProgramCost, chip: Chip) -> float:
     """max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth."""
     compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops

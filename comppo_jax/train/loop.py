@@ -329,6 +329,10 @@ def train(cfg) -> dict:
     reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
     if cfg.warm_start.steps and not cfg.resume:  # saved once it is a global array (every process writes its shards)
         checkpoints.save_reference(reference)
+    # train.offload_idle: what the next program does not read waits in host memory.
+    park, fetch = ((lambda tree: sharding.to_memory(tree, "pinned_host"), lambda tree: sharding.to_memory(tree, "device"))
+                   if cfg.train.offload_idle else (lambda tree: tree, lambda tree: tree))
+    reference, state["actor_opt"] = park(reference), park(state["actor_opt"])
     steps = jit_update_steps(mesh, model_config=model_config, temperature=cfg.rollout.temperature, actor=state["actor"],
                              actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
@@ -371,13 +375,16 @@ def train(cfg) -> dict:
                                   eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
             # 2-4. score, reward, credit
             compiling("the scoring pass and credit")
-            scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, reference, generation,
+            scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, fetch(reference), generation,
                                       [p.answer for p in chosen for _ in range(group)], schedule.at(scheduled),
                                       jax.random.fold_in(step_rng, 1), batch_shardings)
             del policy, generation  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.host_mask
             lengths = host_mask.sum(axis=1)
             batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
+            if cfg.train.offload_idle:  # the update reads one minibatch at a time: the rest waits on the host
+                batch = jax.tree.map(sharding.to_host, batch)
+            state["actor_opt"] = fetch(state["actor_opt"])
 
             # 5. update: E epochs of shuffled minibatches
             kl_coef = cfg.train.kl_coef_grpo if parts.recipe.estimator == "grpo" else cfg.train.kl_coef
@@ -405,6 +412,7 @@ def train(cfg) -> dict:
                                                                                         critic_hyper)
                         out = {**out, **critic_out}
                     update_metrics.append({k: float(v) for k, v in out.items()})
+            state["actor_opt"] = park(state["actor_opt"])
             for name, quantity in (("actor_finite", "actor loss or gradient norm"), ("critic_finite", "critic loss or gradient norm")):
                 unapplied = sum(m.pop(name, 1.0) == 0.0 for m in update_metrics)
                 if unapplied:  # those minibatches' updates were skipped inside the jitted step

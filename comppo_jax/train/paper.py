@@ -126,6 +126,9 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         eval_every=(10, "dev evaluation every this many actor-update steps (0: none)"),
         master_dtype=("float32", "the actor's trained copy (fp32 master weights under bf16 compute)"),
         max_skipped_updates=(3, "non-finite updates skipped in a row before the run stops (docs/reliability.md)"),
+        offload_idle=(False, "keep idle state in host memory: the AdamW moments outside the update, the reference between "
+                             "scoring passes, the rollout batch during the update (launch/plan.py shows the HBM freed and the "
+                             "transfer time)"),
     )
     config.critic = _section(
         "critic.",

@@ -17,7 +17,13 @@ Per chip, `compiled.memory_analysis()` gives arguments, outputs (those not alias
 arguments), temporaries, generated code and the compiler's peak; "args+out+temp+code" is their
 sum, the conservative bound next to the peak. State a step does not take but that stays in HBM meanwhile (e.g. the reference
 params and the critic during the actor step) is added as "resident", so each step's total is
-what the chip must hold.
+what the chip must hold; with `train.offload_idle` the state `OFFLOADED` names waits in host
+memory instead, and the plan counts its bytes and transfers.
+
+The same compiled programs give the step time: `comppo_jax.train.cost` reads each one's FLOPs,
+HBM and collective bytes per chip from its optimized HLO, `step_times` takes their roofline time
+on the chip's peaks times the runs per step (the sampler split into prefill and decode), and
+`step_summary` the total and MFU (`model_flops`).
 """
 
 from __future__ import annotations
@@ -105,6 +111,9 @@ class Plan(NamedTuple):
     runs: dict  # program -> runs per train step
     model_flops: float  # one train step's model FLOPs, all chips (`model_flops`)
     generated_tokens: int  # response tokens per train step
+    dtype: str = "bfloat16"  # the model's compute dtype
+    host_bytes: int = 0  # per chip, parked in host memory (train.offload_idle)
+    transfer_bytes: int = 0  # per chip and step, host <-> device (train.offload_idle)
 
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
@@ -162,6 +171,14 @@ class TrainStepPrograms(NamedTuple):
     rows: int  # rollout rows per step
     runs: dict  # program -> runs per train step
     model_flops: float  # one train step's, all chips (`model_flops`)
+    host_bytes: int  # per chip, the most parked in host memory at once (train.offload_idle)
+    transfer_bytes: int  # per chip and step, between host and device memory (train.offload_idle)
+
+
+# train.offload_idle: the state each program leaves in host memory. The moments wait there outside
+# the update, the reference between scoring passes, the rollout batch during the update.
+OFFLOADED = {"sample": ("actor_opt", "reference"), "score": ("actor_opt",), "actor": ("reference", "rollout_batch"),
+             "critic": ("reference", "rollout_batch")}
 
 
 def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> TrainStepPrograms:
@@ -215,7 +232,9 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
                               critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
-    held = lambda *names: sum(bytes_of[name] for name in names)
+    # train.offload_idle: what each program does not read waits in host memory (train() moves it).
+    on_host = OFFLOADED if cfg.train.get("offload_idle", False) else {}
+    held = lambda program, *names: sum(bytes_of[name] for name in names if name not in on_host.get(program, ()))
     train_rows = minibatch(cfg.train.minibatch_size)
     prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32, sharding=batch_sharding)
     options = engine_options(cfg.rollout)
@@ -231,16 +250,16 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
     programs = {
         "sample": (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
-                   held(*beside_policy, "actor_opt", "reference", "critic", "critic_opt")),
+                   held("sample", *beside_policy, "actor_opt", "reference", "critic", "critic_opt")),
         "score": (score, (state["policy"], state["reference"], generation(rows)),
-                  held(*beside_policy, "actor_opt", "critic", "critic_opt")),
+                  held("score", *beside_policy, "actor_opt", "critic", "critic_opt")),
         "actor": (update.actor, (state["actor"], state["actor_opt"], train_rows,
                                  dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar)),
-                  held("reference", "critic", "critic_opt", "rollout_batch")),
+                  held("actor", "reference", "critic", "critic_opt", "rollout_batch")),
         "critic": None if update.critic is None else (
             update.critic, (state["critic"], state["critic_opt"], train_rows,
                             dict.fromkeys(("learning_rate", "value_clip", "grad_clip"), scalar)),
-            held("actor", "actor_opt", "reference", "rollout_batch")),
+            held("critic", "actor", "actor_opt", "reference", "rollout_batch")),
     }
     layout = engine.make_layout(cfg.rollout.prompts_per_step, prompt_length, num_samples=cfg.rollout.samples_per_prompt,
                                 max_new_tokens=response, page_size=options["page_size"], decode_slots=options["decode_slots"],
@@ -249,8 +268,12 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     updates = epochs * rows // cfg.train.minibatch_size
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
                         epochs=epochs, reference=cfg.train.kl_coef > 0)
+    host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
+    # Each step the moments and the reference go to the device and back; the rollout batch goes
+    # to the host once and comes back a minibatch at a time, once per epoch.
+    moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + (1 + epochs) * bytes_of["rollout_batch"] if on_host else 0
     return TrainStepPrograms(config, state, programs, layout, rows, {"sample": 1, "score": 1, "actor": updates, "critic": updates},
-                             flops)
+                             flops, host, moved)
 
 
 def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> Plan:
@@ -275,7 +298,8 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
         pool_bytes = engine.pool_bytes(config, layout) // heads_split
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
     return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, layout.prompt_width +
-                layout.max_new_tokens, bytes_of, compiled, pool_bytes, step.runs, step.model_flops, step.rows * layout.max_new_tokens)
+                layout.max_new_tokens, bytes_of, compiled, pool_bytes, step.runs, step.model_flops, step.rows * layout.max_new_tokens,
+                str(config.dtype), step.host_bytes, step.transfer_bytes)
 
 
 def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) -> dict:
@@ -326,7 +350,8 @@ class ProgramTime(NamedTuple):
 
 def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime]:
     """Each compiled program's predicted time per run on `chip` (default: the topology's); the
-    sampler as its prefill and its decode loop."""
+    sampler as its prefill and its decode loop; with train.offload_idle, the host transfers (not
+    overlapped with compute)."""
     chip = chip or costs.CHIPS[result.topology.split(":")[0]]
     times = []
     for step in result.steps:
@@ -336,6 +361,9 @@ def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime
             compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
             bound = "compute" if compute >= cost.hbm_bytes / chip.hbm_bytes else "memory"
             times.append(ProgramTime(name, result.runs[step.step], costs.roofline_seconds(cost, chip), bound, cost))
+    if result.transfer_bytes:
+        times.append(ProgramTime("host transfers", 1, result.transfer_bytes / chip.host_bytes, "host link",
+                                 costs.ProgramCost(0.0, 0.0, 0.0, 0.0, {})))
     return times
 
 
@@ -354,7 +382,7 @@ def time_rows(result: Plan, chip: costs.Chip | None = None) -> list[list[str]]:
 def mfu(result: Plan, seconds: float, chip: costs.Chip | None = None) -> float:
     """Model FLOPs of one train step over what the slice's chips could do in `seconds`."""
     chip = chip or costs.CHIPS[result.topology.split(":")[0]]
-    return result.model_flops / (seconds * result.chips * chip.bf16_flops)
+    return result.model_flops / (seconds * result.chips * costs.peak_flops(chip, result.dtype))
 
 
 class StepSummary(NamedTuple):
@@ -413,7 +441,9 @@ def format_plan(result: Plan) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
     lines = [f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
              "per row; GiB per chip",
-             f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"]
+             f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"
+             + (f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
+                if result.transfer_bytes else "")]
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     times = [list(TIME_COLUMNS)] + time_rows(result)
     widths = [max(len(row[i]) for row in times) for i in range(len(TIME_COLUMNS))]

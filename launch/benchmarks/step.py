@@ -167,4 +167,5 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
                        "uncounted"])
     print(f"train step (device programs only): predicted {predicted_step:.3g} s, measured {measured_step:.3g} s, "
           f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured "
-          f"{step.model_flops / (measured_step * len(devices) * chip.bf16_flops):.1%}")
+          f"{step.model_flops / (measured_step * len(devices) * costs.peak_flops(chip, config.dtype)):.1%}, predicted "
+          f"{step.model_flops / (predicted_step * len(devices) * costs.peak_flops(chip, config.dtype)):.1%}")

@@ -74,3 +74,21 @@ def test_unknown_topology_and_step_are_named():
     require_libtpu()
     with pytest.raises(ValueError, match="'v5e:3x3'"):
         plan.topology_devices("v5e:3x3")
+
+
+@pytest.mark.slow
+def test_offloading_idle_state_frees_its_hbm_and_the_plan_counts_the_transfers():
+    require_libtpu()
+    results = {}
+    for offload in (False, True):
+        cfg = tiny_config()
+        cfg.train.offload_idle = offload
+        results[offload] = plan.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("actor",), log=lambda message: None)
+    (kept,), (offloaded,) = results[False].steps, results[True].steps
+    state = results[True].state
+    assert offloaded.resident == kept.resident - state["reference"] - state["rollout_batch"]
+    assert offloaded.peak == kept.peak - state["reference"] - state["rollout_batch"]
+    assert results[False].host_bytes == results[False].transfer_bytes == 0
+    assert results[True].host_bytes == state["actor_opt"] + state["reference"]
+    assert results[True].transfer_bytes == 2 * (state["actor_opt"] + state["reference"]) + 3 * state["rollout_batch"]  # 2 epochs
+    assert "host transfers" in plan.format_plan(results[True]) and "host transfers" not in plan.format_plan(results[False])

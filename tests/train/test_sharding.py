@@ -103,3 +103,12 @@ def test_tiny_train_step_compiles_for_a_tpu_topology(chip):
         assert compiled.memory_analysis() is not None
     # The weights really are split over the 4 chips: fsdp x tensor.
     assert actor_step.input_shardings[0][0]["layers"]["q_proj"].spec == P(None, "fsdp", "tensor")
+
+
+def test_to_memory_moves_arrays_between_host_and_device_memory_keeping_their_values():
+    tree = {"moments": jnp.arange(8.0), "none": None}
+    parked = sharding.to_memory(tree, "pinned_host")
+    assert parked["moments"].sharding.memory_kind == "pinned_host" and parked["none"] is None
+    back = sharding.to_memory(parked, "device")
+    assert back["moments"].sharding.memory_kind == "device"
+    np.testing.assert_array_equal(back["moments"], tree["moments"])

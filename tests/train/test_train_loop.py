@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import small_train_config
 
+from comppo_jax import sharding
 from comppo_jax.credit import load_position_schedule
 from comppo_jax.train.loop import train
 
@@ -62,3 +63,17 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
                                     train__critic_warmup_counts_toward_steps=warmup_counts)) == summary
     assert capsys.readouterr().out == f"run already complete at step {total}: nothing to do ({tmp_path / 'summary.json'})\n"
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()} == written
+
+
+@pytest.mark.slow
+def test_offloading_idle_state_to_host_changes_no_number(tmp_path, monkeypatch):
+    kinds = []
+    to_memory = sharding.to_memory
+    monkeypatch.setattr(sharding, "to_memory", lambda tree, kind: kinds.append(kind) or to_memory(tree, kind))
+    rows = {}
+    for offload in (False, True):
+        summary = train(small_train_config(tmp_path / str(offload), method="comppo", train__offload_idle=offload))
+        lines = (tmp_path / str(offload) / "metrics.jsonl").read_text().splitlines()
+        rows[offload] = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in lines], summary["final_dev_accuracy"]
+    assert rows[True] == rows[False]
+    assert {"pinned_host", "device"} <= set(kinds)  # the offloaded run did move state between memories
