@@ -7,6 +7,7 @@
     python launch/benchmark.py sampler   # rollout engine vs the dense sampler, tunix and transformers
     python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
     python launch/benchmark.py step      # a train step's programs: predicted (launch/plan.py's cost model) vs measured
+    python launch/benchmark.py step --peer=tunix --tunix_python=/tmp/tunix_venv/bin/python  # a GRPO step: ours vs tunix
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -23,9 +24,10 @@ SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
-_TUNIX = flags.DEFINE_string("tunix_python", None, "sampler suite: the python of a venv with google-tunix, to time its sampler.")
+_TUNIX = flags.DEFINE_string("tunix_python", None, "sampler and step suites: the python of a venv with google-tunix.")
 _TABLES = flags.DEFINE_string("tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed.")
 _MODEL = flags.DEFINE_string("model", None, "step suite: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU).")
+_PEER = flags.DEFINE_string("peer", None, "step suite: tunix = one GRPO step of ours and of tunix side by side (needs --tunix_python).")
 
 
 def main(argv):
@@ -33,7 +35,7 @@ def main(argv):
         raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
     suite = importlib.import_module(f"benchmarks.{argv[1]}")
     overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value,
-                 "tables": _TABLES.value, "model": _MODEL.value}
+                 "tables": _TABLES.value, "model": _MODEL.value, "peer": _PEER.value}
     suite.run(**{name: value for name, value in overrides.items() if value is not None})
 
 

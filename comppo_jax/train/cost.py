@@ -4,8 +4,8 @@
 layers run under `lax.scan`, the vocabulary projection in chunks, decoding in a `while_loop`. So
 `program_cost` walks `compiled.as_text()` itself, multiplying each loop body by its trip count:
 
-- FLOPs: every `dot` and `convolution` (also inside fusions), 2 x output elements x contracted
-  size, split by operand width (16 bits or less vs float32, which some chips run slower); the
+- FLOPs: every `dot`, `convolution` and cuBLAS gemm call (also inside fusions), 2 x output
+  elements x contracted size, split by operand width (16 bits or less vs float32, which some chips run slower); the
   attention kernels XLA cannot see into (splash, the concentration kernel, ragged paged
   attention) from their operand shapes, `KERNEL_FLOPS`. Elementwise work is not counted.
 - HBM bytes: operands + outputs of every top-level instruction (a fusion reads its inputs and
@@ -238,8 +238,18 @@ def _conv_flops(instruction: _Instruction, shapes: dict) -> float:
     return 2.0 * batch * out_dims[out_labels.index("f")] * rhs[1][rhs_labels.index("i")] * positions
 
 
+def _gemm_flops(instruction: _Instruction, shapes: dict) -> float:
+    """A cuBLAS gemm custom call (XLA:GPU's dots): its contracting dims are in its backend config."""
+    lhs = shapes.get(instruction.operands[0]) if instruction.operands else None
+    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
+    if lhs is None or contracting is None:
+        return 0.0
+    size = math.prod(lhs[1][int(d)] for d in re.findall(r"\d+", contracting.group(1)))
+    return 2.0 * math.prod(_arrays(instruction.type)[0][1]) * size
+
+
 def _matmul_cost(instruction: _Instruction, shapes: dict) -> ProgramCost:
-    flops = _dot_flops(instruction, shapes) if instruction.opcode == "dot" else _conv_flops(instruction, shapes)
+    flops = {"dot": _dot_flops, "convolution": _conv_flops, "custom-call": _gemm_flops}[instruction.opcode](instruction, shapes)
     wide = any(shapes.get(o, ("",))[0] in ("f32", "f64") for o in instruction.operands[:2])
     return ProgramCost(0.0, flops, 0.0, 0.0, {}) if wide else ProgramCost(flops, 0.0, 0.0, 0.0, {})
 
@@ -425,7 +435,7 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
                 continue
             moved = _moved_bytes(i, types, computations)
             inner = ZERO
-            if i.opcode in ("dot", "convolution"):
+            if i.opcode in ("dot", "convolution") or (i.opcode == "custom-call" and "__cublas" in i.attributes):
                 inner = _matmul_cost(i, shapes)
             elif i.opcode == "fusion":
                 inner = fused(_called(i.attributes, "calls")[0])

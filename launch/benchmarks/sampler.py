@@ -164,10 +164,11 @@ def _time_calls(fn, repeats: int) -> float:
 
 
 class TunixWorker:
-    """tunix's vanilla sampler in its own venv (launch/benchmarks/tunix_worker.py), over pipes."""
+    """A tunix worker script of launch/benchmarks/ in tunix's own venv, over JSON-line pipes: the
+    vanilla sampler (tunix_worker.py) or a GRPO step (tunix_grpo_worker.py)."""
 
-    def __init__(self, python: str, model_dir: str):
-        worker = os.path.join(os.path.dirname(__file__), "tunix_worker.py")
+    def __init__(self, python: str, model_dir: str, script: str = "tunix_worker.py"):
+        worker = os.path.join(os.path.dirname(__file__), script)
         self.process = subprocess.Popen([python, worker, model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready = self._read()
 
@@ -177,10 +178,13 @@ class TunixWorker:
             raise RuntimeError(f"the tunix worker exited with code {self.process.wait()} (its stderr is above)")
         return json.loads(line)
 
-    def generate(self, prompts: np.ndarray, max_new_tokens: int) -> tuple[float, np.ndarray]:
-        self.process.stdin.write(json.dumps({"prompts": prompts.tolist(), "max_new_tokens": max_new_tokens}) + "\n")
+    def call(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        reply = self._read()
+        return self._read()
+
+    def generate(self, prompts: np.ndarray, max_new_tokens: int) -> tuple[float, np.ndarray]:
+        reply = self.call({"prompts": prompts.tolist(), "max_new_tokens": max_new_tokens})
         return reply["seconds"], np.asarray(reply["tokens"])
 
     def close(self):

@@ -16,13 +16,17 @@ Models: `tiny` (`configs/tiny.py`) and `qwen3_0.6b` (Qwen3-0.6B's shapes, bf16, 
 from __future__ import annotations
 
 import math
+import tempfile
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.sampler import TunixWorker
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
+from comppo_jax.models import to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
 from comppo_jax.train import cost as costs, plan
 from comppo_jax.train.loop import take_rows
@@ -98,23 +102,28 @@ def _materialize(tree, rng: np.random.Generator, zeros: bool = False):
     return jax.tree.map(make, tree, is_leaf=lambda x: x is None)
 
 
-def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
-    cfg, prompt_length = step_config(model, length)
-    devices = jax.devices()
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    chip = this_chip()
-    step = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=devices[0].platform)
-    rng = np.random.default_rng(0)
+class OnDevice(NamedTuple):
+    """A train step's programs compiled for this machine, on real arrays."""
+
+    step: plan.TrainStepPrograms
+    compiled: dict  # program -> jax.stages.Compiled
+    calls: dict  # program -> run it once (blocking); the updates carry their donated state
+    state: dict  # the arrays the programs read
+    prompts: np.ndarray  # [prompts_per_step, prompt_length] int32
+
+
+def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevice:
+    """Compiles `cfg`'s sampler, scoring pass and updates for `mesh` (kernels of its platform) and
+    runs each once: random weights and prompts, the updates on a minibatch of the scored rollout."""
+    step = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=mesh.devices.flat[0].platform)
     state = {name: _materialize(tree, rng, zeros=name.endswith("_opt")) for name, tree in step.state.items() if name != "rollout_batch"}
-    config, layout = step.config, step.layout
     sample, sample_args, _ = step.programs["sample"]
     score, _, _ = step.programs["score"]
-    actor, actor_args, _ = step.programs["actor"]
-    prompts = jax.device_put(rng.integers(3, config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32),
-                             sample_args[1].sharding)
+    actor_args = step.programs["actor"][1]
+    host_prompts = rng.integers(3, step.config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32)
+    prompts = jax.device_put(host_prompts, sample_args[1].sharding)
     mask = jax.device_put(np.ones(prompts.shape, bool), sample_args[2].sharding)
     key = jax.device_put(np.asarray(jax.random.PRNGKey(0)), sample_args[3].sharding)
-
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = {"sample": sample.lower(state["policy"], prompts, mask, key).compile()}
         generation = compiled["sample"](state["policy"], prompts, mask, key)
@@ -134,17 +143,30 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
             if step.programs[name] is not None:
                 compiled[name] = step.programs[name][0].lower(*(state[o] for o in owners[name]), minibatch, hyper[name]).compile()
 
-        def update(name):
-            def call():  # the update donates its state: carry the new one
-                params, opt, out = compiled[name](*(state[o] for o in owners[name]), minibatch, hyper[name])
-                state[owners[name][0]], state[owners[name][1]] = params, opt
-                jax.block_until_ready(out)
-            return call
+    def update(name):
+        def call():  # the update donates its state: carry the new one
+            params, opt, out = compiled[name](*(state[o] for o in owners[name]), minibatch, hyper[name])
+            state[owners[name][0]], state[owners[name][1]] = params, opt
+            jax.block_until_ready(out)
+        return call
 
-        candidates = {"sample": lambda: jax.block_until_ready(compiled["sample"](state["policy"], prompts, mask, key)),
-                      "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
-                      **{name: update(name) for name in ("actor", "critic") if name in compiled}}
-        measured = interleaved_medians(candidates, repeats)
+    calls = {"sample": lambda: jax.block_until_ready(compiled["sample"](state["policy"], prompts, mask, key)),
+             "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
+             **{name: update(name) for name in ("actor", "critic") if name in compiled}}
+    return OnDevice(step, compiled, calls, state, host_prompts)
+
+
+def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | None = None, tunix_python: str | None = None) -> None:
+    if peer is not None:
+        return peer_step(peer, tunix_python, repeats)
+    cfg, prompt_length = step_config(model, length)
+    devices = jax.devices()
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    chip = this_chip()
+    programs = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
+    step, compiled, config, layout = programs.step, programs.compiled, programs.step.config, programs.step.layout
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        measured = interleaved_medians(programs.calls, repeats)
 
     options = plan.cost_options_for(layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices))
     rows, predicted_step, measured_step = [], 0.0, 0.0
@@ -169,3 +191,45 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
           f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured "
           f"{step.model_flops / (measured_step * len(devices) * costs.peak_flops(chip, config.dtype)):.1%}, predicted "
           f"{step.model_flops / (predicted_step * len(devices) * costs.peak_flops(chip, config.dtype)):.1%}")
+
+
+def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
+    """One GRPO step of the tiny config, ours and tunix's (launch/benchmarks/tunix_grpo_worker.py in
+    its own venv), on the same random weights, prompts, samples and lengths, side by side. Both
+    update once over the whole batch (tunix: one iteration, the batch as its minibatch)."""
+    if peer != "tunix":
+        raise ValueError(f"--peer={peer!r}: the only peer is tunix")
+    if not tunix_python:
+        raise ValueError("--peer=tunix needs --tunix_python=PATH, the python of a venv with google-tunix")
+    cfg, prompt_length = step_config("tiny", 0)
+    cfg.method = "grpo"
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    cfg.train.minibatch_size = rows
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+    ours = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
+    request = {"prompts": ours.prompts.tolist(), "samples": cfg.rollout.samples_per_prompt,
+               "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
+    replies = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        to_hf(ours.step.config, jax.device_get(ours.state["policy"]), model_dir)
+        worker = TunixWorker(tunix_python, model_dir, script="tunix_grpo_worker.py")
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                medians = interleaved_medians({"sample": ours.calls["sample"], "score": ours.calls["score"],
+                                               "actor": ours.calls["actor"], "tunix": lambda: replies.append(worker.call(request))},
+                                              repeats)
+        finally:
+            worker.close()
+    timed = replies[-repeats:]  # the first calls compile and size the rounds
+    theirs = {phase: float(np.median([reply[f"{phase}_s"] for reply in timed])) for phase in ("rollout", "scoring", "update")}
+    phases = {"rollout": medians["sample"], "scoring": medians["score"], "update": medians["actor"]}
+    table = [{"phase": phase, "comppo_jax s": f"{phases[phase]:.3f}", "tunix s": f"{theirs[phase]:.3f}",
+              "tunix / ours": f"{theirs[phase] / phases[phase]:.2f}x"} for phase in phases]
+    ours_total, theirs_total = sum(phases.values()), sum(theirs.values())
+    table.append({"phase": "step", "comppo_jax s": f"{ours_total:.3f}", "tunix s": f"{theirs_total:.3f}",
+                  "tunix / ours": f"{theirs_total / ours_total:.2f}x"})
+    print(f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, {prompt_length} + "
+          f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {worker.ready['tunix']} "
+          f"(jax {worker.ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}")
+    print_table(table, ["phase", "comppo_jax s", "tunix s", "tunix / ours"])
+

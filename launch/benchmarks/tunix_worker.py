@@ -116,14 +116,30 @@ def reply(obj: dict) -> None:
     PROTOCOL_OUT.flush()
 
 
-def main(model_dir: str) -> None:
+def load_model(model_dir: str, mesh=None):
+    """(tunix ModelConfig, float32 tunix Qwen3) of the checkpoint in `model_dir`."""
     with open(f"{model_dir}/config.json") as f:
         config = tunix_config(json.load(f))
     # tunix 0.1.7's Qwen3 attention calls `apply_rope` without `rope_theta`, so it always uses the
     # function's default of 1e6 and ignores `ModelConfig.rope_theta`. Bind the checkpoint's theta
     # (a compile-time constant: no cost) so checkpoints with another theta decode correctly.
     qwen3_model.apply_rope = functools.partial(qwen3_model.apply_rope, rope_theta=config.rope_theta)
-    model = qwen3_params.create_model_from_safe_tensors(model_dir, config, dtype=jnp.float32)
+    return config, qwen3_params.create_model_from_safe_tensors(model_dir, config, mesh=mesh, dtype=jnp.float32)
+
+
+def check_request(request: dict, vocab_size: int) -> tuple[list, int, int]:
+    """(prompts, max_new_tokens, prompt length) of a request, or exit naming what is wrong."""
+    prompts, max_new_tokens = request["prompts"], int(request["max_new_tokens"])
+    prompt_length = len(prompts[0]) if prompts else 0
+    if max_new_tokens < 1 or prompt_length < 1 or any(len(p) != prompt_length for p in prompts):
+        fail(f"need max_new_tokens >= 1 and non-empty prompts of one length, got {request!r:.200}")
+    if any(not 0 <= t < vocab_size for p in prompts for t in p):
+        fail(f"prompt token ids must lie in [0, {vocab_size})")
+    return prompts, max_new_tokens, prompt_length
+
+
+def main(model_dir: str) -> None:
+    config, model = load_model(model_dir)
     tokenizer = TokenIdTokenizer()
     # The cache size is part of every compiled shape, so keep one Sampler (and its jit cache) per
     # size; each request gets a cache of exactly prompt length + max_new_tokens.
@@ -133,13 +149,7 @@ def main(model_dir: str) -> None:
     for line in sys.stdin:
         if not line.strip():
             continue
-        request = json.loads(line)
-        prompts, max_new_tokens = request["prompts"], int(request["max_new_tokens"])
-        prompt_length = len(prompts[0]) if prompts else 0
-        if max_new_tokens < 1 or prompt_length < 1 or any(len(p) != prompt_length for p in prompts):
-            fail(f"need max_new_tokens >= 1 and non-empty prompts of one length, got {request!r:.200}")
-        if any(not 0 <= t < config.vocab_size for p in prompts for t in p):
-            fail(f"prompt token ids must lie in [0, {config.vocab_size})")
+        prompts, max_new_tokens, prompt_length = check_request(json.loads(line), config.vocab_size)
 
         cache_size = prompt_length + max_new_tokens
         if cache_size not in samplers:
@@ -170,9 +180,10 @@ def main(model_dir: str) -> None:
         reply({"seconds": seconds, "tokens": tokens})
 
 
-if __name__ == "__main__":
+def run_worker(main, script: str) -> None:
+    """`main(MODEL_DIR)` from the command line; any error is printed and exits with status 1."""
     if len(sys.argv) != 2:
-        fail("usage: tunix_worker.py MODEL_DIR")
+        fail(f"usage: {script} MODEL_DIR")
     try:
         main(sys.argv[1])
     except SystemExit:
@@ -182,3 +193,7 @@ if __name__ == "__main__":
 
         traceback.print_exc()
         fail(f"{type(error).__name__}: {error}")
+
+
+if __name__ == "__main__":
+    run_worker(main, "tunix_worker.py")
