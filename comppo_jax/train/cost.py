@@ -7,7 +7,7 @@ layers run under `lax.scan`, the vocabulary projection in chunks, decoding in a 
 - FLOPs: every `dot`, `convolution` and cuBLAS gemm call (also inside fusions), 2 x output
   elements x contracted size, split by operand width (16 bits or less vs float32, which some chips run slower); the
   attention kernels XLA cannot see into (splash, the concentration kernel, ragged paged
-  attention) from their operand shapes, `KERNEL_FLOPS`. Elementwise work is not counted.
+  attention) from their operand shapes (`_attention_flops`). Elementwise work is not counted.
 - HBM bytes: operands + outputs of every top-level instruction (a fusion reads its inputs and
   writes its outputs once), as XLA's own analysis does; a ragged paged attention call reads the
   pages a row of mean context length spans, not the whole pool.
@@ -91,10 +91,18 @@ def peak_flops(chip: Chip, dtype) -> float:
     return chip.fp32_flops if str(dtype) in ("float32", "float64") else chip.bf16_flops
 
 
+def compute_seconds(cost: ProgramCost, chip: Chip) -> float:
+    return cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
+
+
+def bound(cost: ProgramCost, chip: Chip) -> str:
+    """"compute" or "memory": which side of the roofline the program sits on."""
+    return "compute" if compute_seconds(cost, chip) >= cost.hbm_bytes / chip.hbm_bytes else "memory"
+
+
 def roofline_seconds(cost: ProgramCost, chip: Chip) -> float:
     """max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth."""
-    compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
-    return max(compute, cost.hbm_bytes / chip.hbm_bytes) + cost.collective_bytes / chip.ici_bytes
+    return max(compute_seconds(cost, chip), cost.hbm_bytes / chip.hbm_bytes) + cost.collective_bytes / chip.ici_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,13 +316,15 @@ def _moved_bytes(instruction: _Instruction, types: dict, computations: dict) -> 
         return 2 * output + sum(operands[1:])
     if root == "fusion":
         fused = computations.get(_called(instruction.attributes, "calls")[0], [])
-        root = next((i.opcode for i in fused if i.is_root), root)
+        top = next((i for i in fused if i.is_root), None)
+        root = top.opcode if top is not None else root
         parameters = {i.name: int(i.arguments) for i in fused if i.opcode == "parameter" and i.arguments.isdigit()}
         users = {}
         for i in fused:
             for o in i.operands:
                 if o in parameters:
                     users.setdefault(parameters[o], []).append(i)
+
         def slices(user):  # reads a slice of its first operand (also a nested fusion rooted at a slice)
             if user.opcode == "fusion":
                 nested = {i.name: i for i in computations.get(_called(user.attributes, "calls")[0], [])}
@@ -328,8 +338,7 @@ def _moved_bytes(instruction: _Instruction, types: dict, computations: dict) -> 
             if index < len(operands) and all(slices(u) and u.operands[0] in parameters for u in used_by):
                 operands[index] = min(operands[index], sum(_bytes(u.type) for u in used_by))
         # A tuple root that passes a parameter through (async collective fusions do) neither reads nor writes it.
-        top = next((i for i in fused if i.is_root), None)
-        if top is not None and top.opcode == "tuple":
+        if root == "tuple":
             for name in top.operands:
                 index = parameters.get(name)
                 if index is not None and index < len(operands):
@@ -385,20 +394,19 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
                     return constants[lhs]
         return None
 
-    def fused(name: str) -> ProgramCost:
-        """The FLOPs and collectives inside a fusion (its bytes are its caller's operands and outputs)."""
-        total = ZERO
-        instructions = computations.get(name, [])
-        shapes = {i.name: _arrays(i.type)[0] for i in instructions if _arrays(i.type)}
-        types = {i.name: i.type for i in instructions}
-        for i in instructions:
-            if i.opcode in ("dot", "convolution"):
-                total = total + _matmul_cost(i, shapes)
-            elif i.opcode == "fusion":
-                total = total + fused(_called(i.attributes, "calls")[0])
-            elif i.opcode.removesuffix("-start") in _COLLECTIVES:
-                total = total + _collective_cost(i, types, devices)
-        return total
+    def work(i: _Instruction, shapes: dict, types: dict) -> ProgramCost:
+        """An instruction's FLOPs and collectives; a fusion's are those inside it (its bytes are
+        its own operands and outputs)."""
+        if i.opcode in ("dot", "convolution") or (i.opcode == "custom-call" and "__cublas" in i.attributes):
+            return _matmul_cost(i, shapes)
+        if i.opcode == "fusion":
+            instructions = computations.get(_called(i.attributes, "calls")[0], [])
+            inner_shapes = {j.name: _arrays(j.type)[0] for j in instructions if _arrays(j.type)}
+            inner_types = {j.name: j.type for j in instructions}
+            return sum((work(j, inner_shapes, inner_types) for j in instructions), ZERO)
+        if i.opcode.removesuffix("-start") in _COLLECTIVES:
+            return _collective_cost(i, types, devices)
+        return ZERO
 
     def walk(name: str) -> ProgramCost:
         if name in memo:
@@ -434,15 +442,9 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
             if 'custom_call_target="AllocateBuffer"' in i.attributes:
                 continue
             moved = _moved_bytes(i, types, computations)
-            inner = ZERO
-            if i.opcode in ("dot", "convolution") or (i.opcode == "custom-call" and "__cublas" in i.attributes):
-                inner = _matmul_cost(i, shapes)
-            elif i.opcode == "fusion":
-                inner = fused(_called(i.attributes, "calls")[0])
-            elif i.opcode.removesuffix("-start") in _COLLECTIVES:
-                inner = _collective_cost(i, types, devices)
-            elif i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attributes or (
-                    i.opcode == "custom-call" and "__gpu$xla.gpu.triton" in i.attributes):
+            inner = work(i, shapes, types)
+            if i.opcode == "custom-call" and ('custom_call_target="tpu_custom_call"' in i.attributes
+                                              or "__gpu$xla.gpu.triton" in i.attributes):
                 flops = _attention_flops(i, shapes, context)
                 if flops is None:
                     unknown_kernels.append(i.name.split(".")[0])

@@ -166,6 +166,7 @@ class TrainStepPrograms(NamedTuple):
 
     config: object  # ModelConfig, attention resolved for the platform
     state: dict  # name -> sharded ShapeDtypeStructs of each piece of state
+    state_bytes: dict  # name -> bytes per chip of each piece of state
     programs: dict  # name -> (jitted, abstract args, bytes per chip held meanwhile) or None (no critic)
     layout: engine.Layout  # the rollout engine's
     rows: int  # rollout rows per step
@@ -272,8 +273,8 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
     moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + (1 + epochs) * bytes_of["rollout_batch"] if on_host else 0
-    return TrainStepPrograms(config, state, programs, layout, rows, {"sample": 1, "score": 1, "actor": updates, "critic": updates},
-                             flops, host, moved)
+    return TrainStepPrograms(config, state, bytes_of, programs, layout, rows,
+                             {"sample": 1, "score": 1, "actor": updates, "critic": updates}, flops, host, moved)
 
 
 def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> Plan:
@@ -286,7 +287,7 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     family = topology.split(":")[0]
     # "auto" means what a TPU run would pick, not this host's platform.
     step = train_step_programs(cfg, mesh, prompt_length=prompt_length, platform="tpu")
-    config, layout, state = step.config, step.layout, step.state
+    config, layout = step.config, step.layout
     cost_options = cost_options_for(layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices))
     compiled = []
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -296,9 +297,8 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         heads_split = mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
         pool_bytes = engine.pool_bytes(config, layout) // heads_split
-    bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
     return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, layout.prompt_width +
-                layout.max_new_tokens, bytes_of, compiled, pool_bytes, step.runs, step.model_flops, step.rows * layout.max_new_tokens,
+                layout.max_new_tokens, step.state_bytes, compiled, pool_bytes, step.runs, step.model_flops, step.rows * layout.max_new_tokens,
                 str(config.dtype), step.host_bytes, step.transfer_bytes)
 
 
@@ -348,22 +348,24 @@ class ProgramTime(NamedTuple):
     cost: costs.ProgramCost
 
 
+def _chip(result: Plan, chip: costs.Chip | None) -> costs.Chip:
+    """`chip`, or the peaks of the plan's TPU family."""
+    return chip or costs.CHIPS[result.topology.split(":")[0]]
+
+
 def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime]:
     """Each compiled program's predicted time per run on `chip` (default: the topology's); the
     sampler as its prefill and its decode loop; with train.offload_idle, the host transfers (not
     overlapped with compute)."""
-    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    chip = _chip(result, chip)
     times = []
     for step in result.steps:
         if step.cost is None:
             continue
         for name, cost in ({f"{step.step} {part}": c for part, c in step.parts.items()} if step.parts else {step.step: step.cost}).items():
-            compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
-            bound = "compute" if compute >= cost.hbm_bytes / chip.hbm_bytes else "memory"
-            times.append(ProgramTime(name, result.runs[step.step], costs.roofline_seconds(cost, chip), bound, cost))
+            times.append(ProgramTime(name, result.runs[step.step], costs.roofline_seconds(cost, chip), costs.bound(cost, chip), cost))
     if result.transfer_bytes:
-        times.append(ProgramTime("host transfers", 1, result.transfer_bytes / chip.host_bytes, "host link",
-                                 costs.ProgramCost(0.0, 0.0, 0.0, 0.0, {})))
+        times.append(ProgramTime("host transfers", 1, result.transfer_bytes / chip.host_bytes, "host link", costs.ZERO))
     return times
 
 
@@ -381,7 +383,7 @@ def time_rows(result: Plan, chip: costs.Chip | None = None) -> list[list[str]]:
 
 def mfu(result: Plan, seconds: float, chip: costs.Chip | None = None) -> float:
     """Model FLOPs of one train step over what the slice's chips could do in `seconds`."""
-    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    chip = _chip(result, chip)
     return result.model_flops / (seconds * result.chips * costs.peak_flops(chip, result.dtype))
 
 
@@ -393,7 +395,7 @@ class StepSummary(NamedTuple):
 
 
 def step_summary(result: Plan, chip: costs.Chip | None = None) -> StepSummary:
-    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    chip = _chip(result, chip)
     times = step_times(result, chip)
     total = sum(t.seconds * t.runs for t in times)
     uncounted = tuple(sorted({name for t in times for name in (*t.cost.unknown_loops, *t.cost.unknown_kernels)}))
@@ -401,7 +403,7 @@ def step_summary(result: Plan, chip: costs.Chip | None = None) -> StepSummary:
 
 
 def format_summary(result: Plan, chip: costs.Chip | None = None) -> str:
-    chip = chip or costs.CHIPS[result.topology.split(":")[0]]
+    chip = _chip(result, chip)
     summary = step_summary(result, chip)
     text = (f"predicted step on {chip.name}: {summary.seconds:.3g} s, MFU {summary.mfu:.1%} ({result.model_flops / 1e15:.3g} PFLOP "
             f"of model FLOPs), {summary.generated_tokens_per_second:.3g} generated tokens/s")
@@ -434,19 +436,22 @@ def table_rows(result: Plan) -> list[list[str]]:
             for step in result.steps]
 
 
+def _aligned(header, rows) -> list[str]:
+    """`rows` under `header` as right-aligned text lines."""
+    rows = [list(header)] + rows
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+
+
 def format_plan(result: Plan) -> str:
-    """The per-chip table as text."""
+    """The per-chip memory and step-time tables as text."""
     state = ", ".join(f"{name} {_gib(value)}" for name, value in result.state.items())
-    rows = [list(TABLE_COLUMNS)] + table_rows(result)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
     lines = [f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
              "per row; GiB per chip",
              f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"
              + (f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
                 if result.transfer_bytes else "")]
-    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    times = [list(TIME_COLUMNS)] + time_rows(result)
-    widths = [max(len(row[i]) for row in times) for i in range(len(TIME_COLUMNS))]
+    lines += _aligned(TABLE_COLUMNS, table_rows(result))
     lines += ["step time per chip (roofline: comppo_jax.train.cost):"]
-    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in times]
+    lines += _aligned(TIME_COLUMNS, time_rows(result))
     return "\n".join(lines + [format_summary(result)])

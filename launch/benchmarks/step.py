@@ -175,9 +175,8 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | N
         predicted = costs.roofline_seconds(cost, chip)
         runs = step.runs[name]
         predicted_step, measured_step = predicted_step + predicted * runs, measured_step + measured[name] * runs
-        compute = cost.flops_16bit / chip.bf16_flops + cost.flops_fp32 / chip.fp32_flops
         rows.append({"program": name, "runs / step": runs, "GFLOP": f"{cost.flops / 1e9:.3g}", "HBM GB": f"{cost.hbm_bytes / 1e9:.3g}",
-                     "bound": "compute" if compute >= cost.hbm_bytes / chip.hbm_bytes else "memory",
+                     "bound": costs.bound(cost, chip),
                      "predicted ms": f"{predicted * 1e3:.3g}", "measured ms": f"{measured[name] * 1e3:.3g}",
                      "measured / predicted": f"{measured[name] / predicted:.2f}",
                      "uncounted": ", ".join((*cost.unknown_loops, *cost.unknown_kernels)) or "-"})
@@ -187,10 +186,10 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | N
           f"{chip.hbm_bytes / 1e9:.4g} GB/s memory")
     print_table(rows, ["program", "runs / step", "GFLOP", "HBM GB", "bound", "predicted ms", "measured ms", "measured / predicted",
                        "uncounted"])
+    mfu = lambda seconds: step.model_flops / (seconds * len(devices) * costs.peak_flops(chip, config.dtype))
     print(f"train step (device programs only): predicted {predicted_step:.3g} s, measured {measured_step:.3g} s, "
-          f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured "
-          f"{step.model_flops / (measured_step * len(devices) * costs.peak_flops(chip, config.dtype)):.1%}, predicted "
-          f"{step.model_flops / (predicted_step * len(devices) * costs.peak_flops(chip, config.dtype)):.1%}")
+          f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured {mfu(measured_step):.1%}, "
+          f"predicted {mfu(predicted_step):.1%}")
 
 
 def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
