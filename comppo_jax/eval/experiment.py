@@ -140,6 +140,9 @@ def resolve(overrides, seed: int, done: dict[str, dict[int, "RunResult"]]) -> tu
         what, arm = match.groups()
         if arm not in done or not done[arm]:
             raise ValueError(f"override {match.group(0)} names arm {arm!r}, which has no finished runs")
+        ungated = [r.directory for r in done[arm].values() if "mean_gate" not in r.summary]
+        if ungated:  # a GRPO run with rollout.old_log_probs=sampler scores no gate
+            raise ValueError(f"override {match.group(0)}: arm {arm!r}'s runs {ungated} logged no gate (no behaviour pass)")
         if what == "mean_gate":
             return repr(float(np.mean([r.summary["mean_gate"] for r in done[arm].values()])))
         if seed not in done[arm]:

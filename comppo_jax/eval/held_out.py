@@ -43,6 +43,8 @@ def _rows(arrays):
 def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "latest", problems: int = 32) -> dict:
     """Gate statistics and critic diagnostics of a run's checkpoint `step` (latest, best or N) on
     the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
+    cfg = cfg.copy_and_resolve_references()
+    cfg.rollout.old_log_probs = "rescore"  # the gate needs the behaviour pass, whatever the run skipped
     mesh = sharding.make_mesh(cfg.mesh)
     policy_config = model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)

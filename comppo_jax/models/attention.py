@@ -7,7 +7,8 @@ at padded queries are finite but unspecified. Implementations:
 
 - "xla": `pallas_kernels.common.causal_attention`, the materialized reference (small L only);
 - "chunked": flash attention in plain XLA with a hand-written VJP (`chunked_attention`): memory
-  O(block_q x block_k) per head, any platform; CPU's memory-efficient path;
+  O(block_q x block_k) per head, any platform; CPU's memory-efficient path (a sequence within one
+  block skips the streaming: the softmax directly, heads leading);
 - "splash": the Pallas TPU splash-attention kernel that ships with JAX, forward and backward
   (`splash_attention`); "splash_interpret" runs the same kernel interpreted (CPU tests);
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on GPU (`cudnn_attention`);
@@ -89,10 +90,29 @@ def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT
     num_kv = k.shape[2]
     block_q, block_k = min(block_q, round_up(length, 8)), min(block_k, round_up(length, 8))
     padded = round_up(length, np.lcm(block_q, block_k))
+    if padded == block_q == block_k:  # one block: nothing to stream, the softmax directly
+        return _one_block_attention(q, k, v, attention_mask, _scale(sm_scale, head_dim))
     grouped = lambda x: _pad_length(x, padded).reshape(batch, padded, num_kv, num_heads // num_kv, head_dim)
     out = _flash(grouped(q), _pad_length(k, padded), _pad_length(v, padded), _pad_length(attention_mask, padded, False),
                  _scale(sm_scale, head_dim), block_q, block_k)
     return out.reshape(batch, padded, num_heads, head_dim)[:, :length]
+
+
+def _one_block_attention(q, k, v, attention_mask, scale):
+    """Causal GQA softmax attention over all of L at once (the [L, L] block flash would hold),
+    heads leading: each (row, kv head) is one contiguous [G * L, D] x [D, L] matmul, which XLA
+    runs faster on CPU than the token-major einsums of the blocked path."""
+    batch, length, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    groups = num_heads // num_kv
+    heads_first = lambda x: jnp.moveaxis(x, 1, 2)  # [B, L, Hkv, D] -> [B, Hkv, L, D]
+    q_rows = q.reshape(batch, length, num_kv, groups, head_dim).transpose(0, 2, 3, 1, 4).reshape(batch, num_kv, groups * length, head_dim)
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q_rows, heads_first(k), preferred_element_type=jnp.float32) * scale
+    q_pos = jnp.tile(jnp.arange(length), groups)
+    visible = (q_pos[:, None] >= jnp.arange(length)[None, :])[None, None] & attention_mask[:, None, None, :]
+    probs = jax.nn.softmax(jnp.where(visible, logits, MASK_VALUE), axis=-1)
+    out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), heads_first(v), preferred_element_type=jnp.float32)
+    return out.reshape(batch, num_kv, groups, length, head_dim).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
 
 def _block_logits(q_block, k_block, key_mask_block, q_start, k_start, scale):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq
+from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq, scan_layers
 from pallas_kernels.common import causal_attention
 
 
@@ -38,11 +38,11 @@ def prefill(params: dict, config: ModelConfig, tokens, attention_mask, max_lengt
     inv_freq = jnp.asarray(rope_inv_freq(config))
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
 
-    def step(x, layer):
+    def step(x, scanned):
         attention = lambda q, k, v: (causal_attention(q, k, v, attention_mask), (k, v))
-        return _decoder_layer(layer, x, positions, config, inv_freq, attention)
+        return _decoder_layer(scanned[0], x, positions, config, inv_freq, attention)
 
-    x, (keys, values) = jax.lax.scan(step, params["embed"].astype(dtype)[tokens], params["layers"])
+    x, (keys, values) = scan_layers(step, params["embed"].astype(dtype)[tokens], params["layers"])
     pad = ((0, 0), (0, 0), (0, max_length - length), (0, 0), (0, 0))
     cache = KVCache(
         jnp.pad(keys, pad), jnp.pad(values, pad),
@@ -78,5 +78,5 @@ def decode_step(params: dict, config: ModelConfig, token, cache: KVCache, slot):
         return (x, keys, values), None
 
     x = params["embed"].astype(dtype)[token][:, None]
-    (x, keys, values), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params["layers"], jnp.arange(config.num_layers)))
+    (x, keys, values), _ = scan_layers(step, (x, cache.k, cache.v), params["layers"], jnp.arange(config.num_layers))
     return _final_logits(params, config, x), KVCache(keys, values, valid, cache.next_position + 1)

@@ -1,7 +1,7 @@
 """Pure-functional Qwen3 / Llama-3.x decoder.
 
 Params are a plain dict of arrays; the decoder layers are stacked on a leading axis
-[num_layers, ...] and run under `jax.lax.scan`:
+[num_layers, ...] and run under `jax.lax.scan` (unrolled on CPU, `scan_layers`):
 
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
     layers: attn_norm [N, D], q_proj [N, D, Hq*hd], k_proj / v_proj [N, D, Hkv*hd],
@@ -138,7 +138,7 @@ def _project(x, weight):
 def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     batch, length, _ = x.shape
     hd = config.head_dim
-    if "qkv_proj" in layer:  # one matmul: the rollout engine's per-layer decode weights (engine.layer_weights)
+    if "qkv_proj" in layer:  # one matmul (`fuse_projections`)
         q, k, v = jnp.split(_project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1)
     else:
         q, k, v = (_project(x, layer[name]) for name in ("q_proj", "k_proj", "v_proj"))
@@ -152,8 +152,10 @@ def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
 
 
 def _mlp(layer, x):
-    gate = _project(x, layer["gate_proj"])
-    up = _project(x, layer["up_proj"])
+    if "gate_up_proj" in layer:  # one matmul (`fuse_projections`)
+        gate, up = jnp.split(_project(x, layer["gate_up_proj"]), 2, axis=-1)
+    else:
+        gate, up = _project(x, layer["gate_proj"]), _project(x, layer["up_proj"])
     return _project(jax.nn.silu(gate) * up, layer["down_proj"])
 
 
@@ -165,6 +167,34 @@ def _decoder_layer(layer, x, positions, config, inv_freq, attention):
     x = x + _project(attn.reshape(batch, length, -1), layer["o_proj"])
     x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
     return x, statistics
+
+
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(layers: dict) -> dict:
+    """`layers` (stacked [N, D, E] or one layer's [D, E]) with q/k/v joined into `qkv_proj` and
+    gate/up into `gate_up_proj` along the output axis: one matmul each instead of three and two."""
+    parts = {name for names in FUSED_PROJECTIONS.values() for name in names}
+    fused = {fused: jnp.concatenate([layers[name] for name in names], axis=-1) for fused, names in FUSED_PROJECTIONS.items()}
+    return {name: w for name, w in layers.items() if name not in parts} | fused
+
+
+def layers_unrolled() -> bool:
+    """Whether `scan_layers` unrolls the layers: on CPU (the platform being compiled for)."""
+    return sharding.context_platform() == "cpu"
+
+
+def scan_layers(step, carry, layers: dict, *per_layer):
+    """`jax.lax.scan(step, carry, (layers, *per_layer))` over the stacked decoder layers.
+
+    On an accelerator, a scan: one compiled layer (compile time flat in depth), the weights as
+    stored and sharded. On CPU, unrolled, with fused projections (`fuse_projections`): a scanned
+    layer's weights are copied out of the stack, and its gradients into one, at every layer
+    (docs/benchmarks.md, "A GRPO step against tunix")."""
+    if layers_unrolled():
+        return jax.lax.scan(step, carry, (fuse_projections(layers), *per_layer), unroll=True)
+    return jax.lax.scan(step, carry, (layers, *per_layer))
 
 
 def lm_logits(params: dict, config: ModelConfig, final_hidden):
@@ -269,15 +299,16 @@ def forward(
     # spare slot; with none inside, no buffer is carried (nor saved for the backward pass).
     captured_shape = (len(hidden_layers) + 1, batch, length, config.hidden_size)
     captured = jnp.zeros(captured_shape, dtype) if any(1 <= i < config.num_layers for i in hidden_layers) else None
-    scanned = (params["layers"], jnp.arange(config.num_layers), jnp.asarray(_hidden_slots(config, hidden_layers)))
+    per_layer = (jnp.arange(config.num_layers), jnp.asarray(_hidden_slots(config, hidden_layers)))
     statistics = {}
     if window_start is not None:
         first_layer = lambda: jax.tree.map(lambda x: x[0], params["layers"])  # shapes only, nothing computed
         statistics = no_statistics(*jax.eval_shape(lambda: _qkv(first_layer(), embedded, positions, config, inv_freq)))
     policy = REMAT_POLICIES[config.remat]
     if policy is not None:
-        step = jax.checkpoint(step, policy=policy, prevent_cse=False)  # scan already keeps CSE apart
-    (x, captured, statistics), _ = jax.lax.scan(step, (embedded, captured, statistics), scanned)
+        # A scan keeps the recomputation apart from the forward; unrolled layers need the barrier.
+        step = jax.checkpoint(step, policy=policy, prevent_cse=layers_unrolled())
+    (x, captured, statistics), _ = scan_layers(step, (embedded, captured, statistics), params["layers"], *per_layer)
     if captured is None:
         captured = jnp.zeros(captured_shape, dtype)
 

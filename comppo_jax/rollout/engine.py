@@ -33,7 +33,7 @@ from comppo_jax import sharding
 from comppo_jax.models import paged_cache
 from comppo_jax.models.attention import training_attention
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq
+from comppo_jax.models.transformer import _decoder_layer, fuse_projections, lm_logits, rms_norm, rope_inv_freq, scan_layers
 
 TRASH_PAGE = 0  # idle slots write here; nothing reads it
 # The planner's cost model (comppo_jax.train.cost) finds the decode loop and the admission by these names.
@@ -166,11 +166,11 @@ def prefill_prompts(params, config: ModelConfig, tokens, mask, layout: Layout):
     inv_freq = jnp.asarray(rope_inv_freq(config))
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
-    def layer_step(x, layer):
+    def layer_step(x, scanned):
         attention = lambda q, k, v: (training_attention(q, k, v, mask, implementation=config.attention), (k, v))
-        return _decoder_layer(layer, x, positions, config, inv_freq, attention)
+        return _decoder_layer(scanned[0], x, positions, config, inv_freq, attention)
 
-    x, (keys, values) = jax.lax.scan(layer_step, params["embed"].astype(dtype)[tokens], params["layers"])
+    x, (keys, values) = scan_layers(layer_step, params["embed"].astype(dtype)[tokens], params["layers"])
     padded = layout.prompt_pages * layout.page_size
 
     def as_pages(a):  # [N, D * B, P, Hkv, hd] -> [D, N, B * prompt_pages, page_size, Hkv, hd]
@@ -281,18 +281,14 @@ def _finish_step(state: _State, pool, logits, feeds, ends) -> _State:
 
 def layer_weights(params, unrolled: bool):
     """The decoder layers as `decode_layers` takes them: stacked [N, ...] (scanned), or a tuple of
-    per-layer dicts (unrolled), q/k/v joined into one `qkv_proj` matmul. On CPU a scanned layer's
-    weights are copied out of the stack at every step (its matmuls need them contiguous): split
-    once before decoding, they are read in place."""
+    per-layer dicts with fused projections (unrolled, `fuse_projections`). On CPU a scanned
+    layer's weights are copied out of the stack at every step (its matmuls need them contiguous):
+    split once before decoding, they are read in place."""
     stacked = params["layers"]
     if not unrolled:
         return stacked
-
-    def layer(i):
-        weights = {name: w[i] for name, w in stacked.items() if name not in ("q_proj", "k_proj", "v_proj")}
-        return weights | {"qkv_proj": jnp.concatenate([stacked[name][i] for name in ("q_proj", "k_proj", "v_proj")], axis=-1)}
-
-    return tuple(layer(i) for i in range(stacked["q_proj"].shape[0]))
+    fused = fuse_projections(stacked)
+    return tuple(jax.tree.map(lambda w: w[i], fused) for i in range(stacked["q_proj"].shape[0]))
 
 
 def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, num_pages=None):

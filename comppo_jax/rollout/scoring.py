@@ -7,6 +7,11 @@ the final layer's concentration H_t -> c_t -> kappa_t (paper eqs. herfindahl, cn
 kappa_attention; the concentration kernel), the hidden states and top-K routing the TAC critic
 reuses, and the reference policy's log-probs. Everything is detached and stored with the
 rollout: kappa is fixed for all update epochs of the batch (paper section 3).
+
+`old_log_probs="sampler"` takes the behaviour log-probs the sampler recorded instead of
+recomputing them (equal on CPU in float32, `tests/rollout`; on an accelerator they differ by the
+decode path's bf16 rounding). A method that then reads neither the gate nor critic features
+(GRPO) skips the behaviour forward altogether (`behaviour_pass=False`): the reference alone runs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pallas_kernels.common import round_up
 from comppo_jax.rollout.sampler import Generation
 
 WINDOWS = ("response", "full")
+OLD_LOG_PROBS = ("rescore", "sampler")
 
 
 class Rollout(NamedTuple):
@@ -34,11 +40,11 @@ class Rollout(NamedTuple):
     attention_mask: jax.Array  # [B, L] bool
     prompt_lengths: jax.Array  # [B] int32
     response_mask: jax.Array  # [B, T] bool
-    log_probs: jax.Array  # [B, T] behaviour log pi(y_t | h_t), teacher-forced
+    log_probs: jax.Array  # [B, T] behaviour log pi(y_t | h_t), teacher-forced (or the sampler's)
     ref_log_probs: jax.Array | None  # [B, T] reference policy, or None without one
-    herfindahl: jax.Array  # [B, T] H_t of the final layer over the window
-    window_size: jax.Array  # [B, T] int32 n_t
-    kappa: jax.Array  # [B, T] retention gate kappa_t
+    herfindahl: jax.Array | None  # [B, T] H_t of the final layer over the window (None: no behaviour pass)
+    window_size: jax.Array | None  # [B, T] int32 n_t
+    kappa: jax.Array | None  # [B, T] retention gate kappa_t
     hidden_states: jax.Array  # [L', B, L, D] the critic's fused layers (sequence coordinates)
     routing: Routing | None  # TAC's top-K native-attention routing [B, L, K], or None
 
@@ -91,7 +97,8 @@ def policy_token_stats(params: dict, config: ModelConfig, tokens, attention_mask
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "window", "temperature", "hidden_layers", "top_k", "kappa_lo", "kappa_hi", "tau", "backend"),
+    static_argnames=("config", "window", "temperature", "hidden_layers", "top_k", "kappa_lo", "kappa_hi", "tau", "backend",
+                     "old_log_probs", "behaviour_pass"),
 )
 def score_rollout(
     params: dict,
@@ -107,6 +114,8 @@ def score_rollout(
     kappa_hi: float = 0.9,
     tau: float = 4.0,
     backend: str | None = None,
+    old_log_probs: str = "rescore",
+    behaviour_pass: bool = True,
 ) -> Rollout:
     """Scores a generation with the behaviour policy `params` (and `ref_params`, if given).
 
@@ -114,10 +123,29 @@ def score_rollout(
     hidden_layers: HF hidden-state indices the critic fuses (`fused_hidden_layers`).
     top_k: TAC's routed positions per token, or None for no routing (standard critic).
     (kappa_lo, kappa_hi, tau): the gate envelope of eq. kappa_attention.
+    old_log_probs: "rescore" (teacher-forced here) or "sampler" (`generation.log_probs`).
+    behaviour_pass=False (needs old_log_probs="sampler", no hidden_layers, top_k=None): no
+    behaviour forward; herfindahl, window_size and kappa are None.
     """
     if window not in WINDOWS:
         raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    if old_log_probs not in OLD_LOG_PROBS:
+        raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {old_log_probs!r}")
+    if not behaviour_pass and (old_log_probs != "sampler" or hidden_layers or top_k is not None):
+        raise ValueError("behaviour_pass=False needs old_log_probs='sampler' and no critic features (hidden_layers=(), top_k=None), "
+                         f"got old_log_probs={old_log_probs!r}, hidden_layers={hidden_layers}, top_k={top_k}")
     mask = generation.attention_mask
+    response_mask = generation.response_mask
+    zero = lambda x: jnp.where(response_mask, x, jnp.zeros((), x.dtype))
+    ref_log_probs = None
+    if ref_params is not None:
+        ref_log_probs, _ = policy_token_stats(ref_params, config, generation.tokens, mask, generation.prompt_lengths,
+                                              generation.response_tokens, temperature)
+        ref_log_probs = zero(ref_log_probs)
+    if not behaviour_pass:
+        no_features = jnp.zeros((0,) + generation.tokens.shape + (config.hidden_size,), config.dtype)
+        return jax.lax.stop_gradient(Rollout(generation.tokens, mask, generation.prompt_lengths, response_mask,
+                                             zero(generation.log_probs), ref_log_probs, None, None, None, no_features, None))
     window_start = generation.prompt_lengths if window == "response" else jnp.zeros_like(generation.prompt_lengths)
     # The final-norm hidden states feed the chunked log-probs; the critic's layers ride along.
     with_final = hidden_layers if config.num_layers in hidden_layers else hidden_layers + (config.num_layers,)
@@ -126,22 +154,17 @@ def score_rollout(
         concentration_backend=backend, return_final_attention=top_k is not None, compute_logits=False,
     )
     length = generation.response_tokens.shape[1]
-    response_mask = generation.response_mask
     final_hidden = out.hidden_states[with_final.index(config.num_layers)]
     log_probs, _ = response_token_stats(params, config, final_hidden, generation.prompt_lengths, generation.response_tokens,
                                         temperature)
     herfindahl = gather_response(out.herfindahl, generation.prompt_lengths, length)
     window_size = gather_response(out.window_size, generation.prompt_lengths, length)
     kappa = retention_gate(normalized_concentration(herfindahl, window_size), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
-    ref_log_probs = None
-    if ref_params is not None:
-        ref_log_probs, _ = policy_token_stats(ref_params, config, generation.tokens, mask, generation.prompt_lengths,
-                                              generation.response_tokens, temperature)
-        ref_log_probs = jnp.where(response_mask, ref_log_probs, 0.0)
+    if old_log_probs == "sampler":
+        log_probs = generation.log_probs
     routing = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)
-    zero = lambda x: jnp.where(response_mask, x, jnp.zeros((), x.dtype))
     return jax.lax.stop_gradient(Rollout(
         generation.tokens, mask, generation.prompt_lengths, response_mask, zero(log_probs), ref_log_probs,
         zero(herfindahl), zero(window_size), zero(kappa), out.hidden_states[: len(hidden_layers)], routing,

@@ -50,7 +50,7 @@ from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
-from comppo_jax.train.methods import Recipe, control_gate, recipe as make_recipe, spread_over_sequence
+from comppo_jax.train.methods import Recipe, behaviour_pass, control_gate, recipe as make_recipe, spread_over_sequence
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.validation import validate_config
@@ -132,6 +132,13 @@ def run_parts(cfg, model_config) -> RunParts:
                     critic_from_config(cfg.critic) if recipe.critic == "tac" else None, position_schedule)
 
 
+def scoring_options(cfg, parts: RunParts) -> dict:
+    """`score_rollout`'s keywords for a config (all but the kernel backend)."""
+    return dict(window=cfg.rollout.window, temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
+                old_log_probs=cfg.rollout.old_log_probs, behaviour_pass=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
+                **cfg.gate_envelope.to_dict())
+
+
 def critic_warmup(cfg, recipe: Recipe) -> int:
     """Critic-only steps at the start of the run (none without a critic)."""
     return cfg.train.critic_warmup_steps if recipe.critic != "none" else 0
@@ -180,8 +187,7 @@ def score_and_credit(cfg, parts: RunParts, model_config, tokenizer, pool, values
                      coefficients: RewardCoefficients, rng, batch_shardings) -> Scored:
     """Steps 2-4 of a train step for one generation (also the held-out diagnostics' path)."""
     # 2. score (behaviour and reference policies, detached)
-    rollout = score_rollout(policy, reference, model_config, generation, window=cfg.rollout.window, temperature=cfg.rollout.temperature,
-                            hidden_layers=parts.hidden_layers, top_k=parts.top_k, **cfg.gate_envelope.to_dict())
+    rollout = score_rollout(policy, reference, model_config, generation, **scoring_options(cfg, parts))
     # 3. reward
     mask = rollout.response_mask
     host_mask = sharding.to_host(mask)
@@ -426,10 +432,11 @@ def train(cfg) -> dict:
             metrics["response_length"] = float(lengths.mean())
             host = sharding.to_host
             correct = np.asarray([v is Verdict.CORRECT for v in scored.verdicts])
-            own_kappa = host(scored.rollout.kappa)  # the policy's own gate, every method
-            metrics.update(gate_statistics(own_kappa, host_mask, correct))
-            for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
-                meta["gate_profile"][name] = (np.asarray(meta["gate_profile"][name]) + totals).tolist()
+            if scored.rollout.kappa is not None:  # the policy's own gate, every method that ran the behaviour pass
+                own_kappa = host(scored.rollout.kappa)
+                metrics.update(gate_statistics(own_kappa, host_mask, correct))
+                for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
+                    meta["gate_profile"][name] = (np.asarray(meta["gate_profile"][name]) + totals).tolist()
             if critic is not None:
                 metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), scored.reward_tokens, host(scored.kappa),
                                                   host_mask))
@@ -464,13 +471,16 @@ def train(cfg) -> dict:
     writer.close()
     if "warm_start_loss" in meta:
         summary["warm_start_loss"] = meta["warm_start_loss"]
-    summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
+    gated = np.sum(meta["gate_profile"]["counts"]) > 0  # no gate without the behaviour pass (rollout.old_log_probs=sampler)
+    if gated:
+        summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
     summary["skipped_updates"] = skipped.total
     if not main_process:
         return summary
-    profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
-                                   {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": last_step, "seed": cfg.seed})
-    save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
+    if gated:
+        profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
+                                       {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": last_step, "seed": cfg.seed})
+        save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plot:

@@ -50,6 +50,12 @@ def recipe(method: str, gate: str = "attention", critic: str = "tac") -> Recipe:
     return Recipe(gate=gate, critic=critic, estimator="comp_gae")
 
 
+def behaviour_pass(recipe: Recipe, old_log_probs: str) -> bool:
+    """Whether the scoring pass runs the behaviour policy's forward: for rescored old log-probs,
+    the gate or the critic's features. GRPO with the sampler's log-probs reads none of them."""
+    return old_log_probs == "rescore" or recipe.gate != "none" or recipe.critic != "none"
+
+
 def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None, fixed_value: float = FIXED_GATE):
     """The kappa [B, T] the estimator and the TAC value mix read, for the recipe's gate
     (`fixed_value`: the fixed control's constant, config.fixed_gate)."""

@@ -111,6 +111,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         page_size=(64, "tokens per KV-cache page of the rollout engine"),
         decode_slots=(0, "rows decoded at once (0: every row; fewer bounds the cache and reuses slots as rows end)"),
         paged_attention=("auto", "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | gpu | gpu_interpret"),
+        old_log_probs=("rescore", "the behaviour log-probs of the PPO ratio: rescore (teacher-forced in the scoring pass) | sampler "
+                                  "(recorded while sampling; GRPO then skips the behaviour forward pass and logs no gate statistics)"),
     )
     # Clip 0.2, grad clip 1 and 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     config.train = _section(

@@ -45,7 +45,8 @@ from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs
-from comppo_jax.train.loop import check_batch, init_critic, run_parts
+from comppo_jax.train.loop import check_batch, init_critic, run_parts, scoring_options
+from comppo_jax.train.methods import behaviour_pass
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -214,8 +215,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
         return _with_shardings(shapes, Generation(*[batch_sharding] * len(Generation._fields)))
 
     score = jax.jit(lambda policy, reference, generation: score_rollout(
-        policy, reference, config, generation, window=cfg.rollout.window, temperature=cfg.rollout.temperature,
-        hidden_layers=parts.hidden_layers, top_k=parts.top_k, backend=PLATFORM_BACKENDS[platform], **cfg.gate_envelope.to_dict()))
+        policy, reference, config, generation, backend=PLATFORM_BACKENDS[platform], **scoring_options(cfg, parts)))
 
     def minibatch(batch):
         """The Minibatch of `batch` rows, shaped as score_and_credit builds it."""
@@ -267,8 +267,9 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
                                 shards=sharding.batch_size_multiple(mesh))
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
+    kl_coef = cfg.train.kl_coef_grpo if parts.recipe.estimator == "grpo" else cfg.train.kl_coef
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
-                        epochs=epochs, reference=cfg.train.kl_coef > 0)
+                        epochs=epochs, reference=kl_coef > 0, behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs))
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
@@ -325,19 +326,20 @@ def matmul_params(config) -> int:
     return config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size) + config.hidden_size * config.vocab_size
 
 
-def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool) -> float:
+def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool,
+                behaviour: bool = True) -> float:
     """One train step's model FLOPs, the numerator of MFU: a forward pass costs 2N per token plus
     causal attention 4 x layers x heads x head_dim x (mean keys, half the row) per token, a
     forward and backward 3x that. Prefill (each prompt once) and decoding (each response token,
-    with the prompt and half the response as mean context), the scoring pass (behaviour policy and,
-    with a KL term, the reference) and the actor's `epochs` passes over the rollout. Rematerialized
-    forwards and the critic are not model FLOPs."""
+    with the prompt and half the response as mean context), the scoring pass (the behaviour policy
+    unless skipped, `methods.behaviour_pass`, and with a KL term the reference) and the actor's
+    `epochs` passes over the rollout. Rematerialized forwards and the critic are not model FLOPs."""
     n = matmul_params(config)
     attention = lambda keys: 4 * config.num_layers * config.num_heads * config.head_dim * keys
     length = prompt_length + response
     sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (2 * n + attention(prompt_length + response / 2))
     forward = rows * length * (2 * n + attention(length / 2))
-    return sample + (2 if reference else 1) * forward + epochs * 3 * forward
+    return sample + (int(reference) + int(behaviour)) * forward + epochs * 3 * forward
 
 
 class ProgramTime(NamedTuple):

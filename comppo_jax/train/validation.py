@@ -18,7 +18,7 @@ from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
 from comppo_jax.models.paged_cache import PAGED_ATTENTION
-from comppo_jax.rollout.scoring import WINDOWS
+from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
 from comppo_jax.train.methods import GATES, METHODS
@@ -156,6 +156,7 @@ def validate_config(cfg) -> None:
     problems.enum("train.master_dtype", DTYPES)
     problems.enum("data.kind", DATA_KINDS)
     problems.enum("rollout.window", WINDOWS)
+    problems.enum("rollout.old_log_probs", OLD_LOG_PROBS)
     problems.enum("rollout.paged_attention", PAGED_ATTENTION)
     problems.enum("reward.length_penalty", LENGTH_PENALTIES)
     problems.number("steps", low=1, integer=True)

@@ -110,6 +110,7 @@ class OnDevice(NamedTuple):
     calls: dict  # program -> run it once (blocking); the updates carry their donated state
     state: dict  # the arrays the programs read
     prompts: np.ndarray  # [prompts_per_step, prompt_length] int32
+    generation: object  # the sampler's output the scoring pass reads (comppo_jax.rollout.Generation)
 
 
 def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevice:
@@ -153,7 +154,7 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
     calls = {"sample": lambda: jax.block_until_ready(compiled["sample"](state["policy"], prompts, mask, key)),
              "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
              **{name: update(name) for name in ("actor", "critic") if name in compiled}}
-    return OnDevice(step, compiled, calls, state, host_prompts)
+    return OnDevice(step, compiled, calls, state, host_prompts, generation)
 
 
 def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | None = None, tunix_python: str | None = None) -> None:
@@ -195,17 +196,28 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | N
 def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
     """One GRPO step of the tiny config, ours and tunix's (launch/benchmarks/tunix_grpo_worker.py in
     its own venv), on the same random weights, prompts, samples and lengths, side by side. Both
-    update once over the whole batch (tunix: one iteration, the batch as its minibatch)."""
+    update once over the whole batch (tunix: one iteration, the batch as its minibatch). Ours
+    takes the sampler's log-probs (`rollout.old_log_probs=sampler`), so its scoring pass runs the
+    reference alone, as tunix's does; our default scoring pass (rescored log-probs and the gate
+    statistics) is timed in the same rounds and reported beside it."""
     if peer != "tunix":
         raise ValueError(f"--peer={peer!r}: the only peer is tunix")
     if not tunix_python:
         raise ValueError("--peer=tunix needs --tunix_python=PATH, the python of a venv with google-tunix")
     cfg, prompt_length = step_config("tiny", 0)
     cfg.method = "grpo"
+    cfg.rollout.top_p = 1.0  # tunix samples from the plain categorical
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     cfg.train.minibatch_size = rows
     mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+    # Our default scoring pass (rescored old log-probs and the gate statistics), timed beside the
+    # step that matches tunix's work: the sampler's log-probs, the reference pass alone.
+    default_score = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=jax.devices()[0].platform).programs["score"][0]
+    cfg.rollout.old_log_probs = "sampler"
     ours = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        default_score = default_score.lower(ours.state["policy"], ours.state["reference"], ours.generation).compile()
+    rescore = lambda: jax.block_until_ready(default_score(ours.state["policy"], ours.state["reference"], ours.generation))
     request = {"prompts": ours.prompts.tolist(), "samples": cfg.rollout.samples_per_prompt,
                "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
     replies = []
@@ -214,7 +226,7 @@ def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
         worker = TunixWorker(tunix_python, model_dir, script="tunix_grpo_worker.py")
         try:
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                medians = interleaved_medians({"sample": ours.calls["sample"], "score": ours.calls["score"],
+                medians = interleaved_medians({"sample": ours.calls["sample"], "score": ours.calls["score"], "rescore": rescore,
                                                "actor": ours.calls["actor"], "tunix": lambda: replies.append(worker.call(request))},
                                               repeats)
         finally:
@@ -222,11 +234,13 @@ def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
     timed = replies[-repeats:]  # the first calls compile and size the rounds
     theirs = {phase: float(np.median([reply[f"{phase}_s"] for reply in timed])) for phase in ("rollout", "scoring", "update")}
     phases = {"rollout": medians["sample"], "scoring": medians["score"], "update": medians["actor"]}
-    table = [{"phase": phase, "comppo_jax s": f"{phases[phase]:.3f}", "tunix s": f"{theirs[phase]:.3f}",
-              "tunix / ours": f"{theirs[phase] / phases[phase]:.2f}x"} for phase in phases]
-    ours_total, theirs_total = sum(phases.values()), sum(theirs.values())
-    table.append({"phase": "step", "comppo_jax s": f"{ours_total:.3f}", "tunix s": f"{theirs_total:.3f}",
-                  "tunix / ours": f"{theirs_total / ours_total:.2f}x"})
+    phases["step"] = sum(phases.values())
+    phases["scoring, rescored (default)"] = medians["rescore"]
+    phases["step, rescored (default)"] = phases["step"] - phases["scoring"] + medians["rescore"]
+    theirs.update({"step": sum(theirs.values()), "scoring, rescored (default)": theirs["scoring"]})
+    theirs["step, rescored (default)"] = theirs["step"]
+    table = [{"phase": phase, "comppo_jax s": f"{seconds:.3f}", "tunix s": f"{theirs[phase]:.3f}",
+              "tunix / ours": f"{theirs[phase] / seconds:.2f}x"} for phase, seconds in phases.items()]
     print(f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, {prompt_length} + "
           f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {worker.ready['tunix']} "
           f"(jax {worker.ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}")

@@ -61,6 +61,10 @@ def test_references_resolve_to_the_mean_gate_and_the_same_seeds_profile(tmp_path
         ex.resolve(("position_schedule={gate_profile:full}",), 2, done)
     with pytest.raises(ValueError, match="arm 'other'"):
         ex.resolve(("fixed_gate={mean_gate:other}",), 0, done)
+    done["grpo"] = {0: _result(tmp_path, "grpo", 0, [0.6])}  # rollout.old_log_probs=sampler: no gate logged
+    for reference in ("fixed_gate={mean_gate:grpo}", "position_schedule={gate_profile:grpo}"):
+        with pytest.raises(ValueError, match=r"arm 'grpo'.s runs \[.*\] logged no gate \(no behaviour pass\)"):
+            ex.resolve((reference,), 0, done)
     assert ex.references(("a={mean_gate:full}", "b=1")) == [("mean_gate", "full")]
 
 

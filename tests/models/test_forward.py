@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import nested_jaxprs, right_padded_batch
 
+from comppo_jax import sharding
 from comppo_jax.models import ModelConfig, forward, init_params, param_shapes
 import pallas_kernels
 
@@ -91,6 +92,27 @@ def test_forward_is_differentiable_and_concentration_is_detached(params):
     assert float(jnp.abs(grads["layers"]["q_proj"]).max()) > 0
     herfindahl_grads = jax.grad(loss)(params, True)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(herfindahl_grads))
+
+
+def test_unrolled_fused_layers_on_cpu_equal_the_scanned_layers_of_an_accelerator(params, monkeypatch):
+    tokens, mask = right_padded_batch(lengths=(10, 7), length=10, vocab=CONFIG.vocab_size)
+    window_start = jnp.asarray([3, 0], jnp.int32)
+
+    def logits_and_grads():
+        jax.clear_caches()  # the layer loop is chosen at trace time
+        loss = lambda p: jnp.mean(run(p, tokens, mask, window_start).logits ** 2)
+        return run(params, tokens, mask, window_start), jax.grad(loss)(params)
+
+    cpu_out, cpu_grads = logits_and_grads()
+    lowered = jax.jit(lambda p: run(p, tokens, mask)).lower(params).compile().as_text()
+    assert " while(" not in lowered  # unrolled: no layer loop on CPU (the kernel, interpreted, would bring its own)
+    monkeypatch.setattr(sharding, "context_platform", lambda: "tpu")
+    scanned_out, scanned_grads = logits_and_grads()
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(cpu_out.logits)[real], np.asarray(scanned_out.logits)[real], atol=1e-5)
+    np.testing.assert_allclose(cpu_out.herfindahl, scanned_out.herfindahl, atol=1e-6)
+    for path, cpu, scanned in zip(jax.tree_util.tree_leaves_with_path(cpu_grads), jax.tree.leaves(cpu_grads), jax.tree.leaves(scanned_grads)):
+        np.testing.assert_allclose(cpu, scanned, atol=1e-5, err_msg=jax.tree_util.keystr(path[0]))
 
 
 def count_pallas_calls(jaxpr):

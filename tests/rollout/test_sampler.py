@@ -82,6 +82,25 @@ def test_sampling_log_probs_equal_the_scoring_pass(params, temperature, top_p):
     np.testing.assert_allclose(scored.ref_log_probs, out.log_probs, atol=1e-5)
 
 
+def test_sampler_log_probs_skip_the_behaviour_pass_only_where_nothing_else_needs_it(params):
+    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), max_new_tokens=6, num_samples=2)
+    rescored = score_rollout(params, params, CONFIG, out, top_k=None, backend="reference")
+    # The sampler's log-probs stand in for the rescored ones; the gate still comes from the pass.
+    kept = score_rollout(params, params, CONFIG, out, top_k=None, backend="reference", old_log_probs="sampler")
+    np.testing.assert_array_equal(kept.log_probs, out.log_probs)
+    np.testing.assert_array_equal(kept.kappa, rescored.kappa)
+    # No behaviour forward: the reference alone runs, and there is no gate to report.
+    alone = score_rollout(params, params, CONFIG, out, top_k=None, backend="reference", old_log_probs="sampler", behaviour_pass=False)
+    np.testing.assert_array_equal(alone.log_probs, out.log_probs)
+    np.testing.assert_array_equal(alone.ref_log_probs, rescored.ref_log_probs)
+    assert alone.herfindahl is None and alone.window_size is None and alone.kappa is None and alone.hidden_states.shape[0] == 0
+    for wrong in (dict(), dict(old_log_probs="sampler", top_k=4), dict(old_log_probs="sampler", top_k=None, hidden_layers=(1,))):
+        with pytest.raises(ValueError, match="behaviour_pass=False needs old_log_probs='sampler' and no critic features"):
+            score_rollout(params, None, CONFIG, out, backend="reference", behaviour_pass=False, **{"top_k": None, **wrong})
+    with pytest.raises(ValueError, match="old_log_probs must be one of"):
+        score_rollout(params, None, CONFIG, out, top_k=None, backend="reference", old_log_probs="stored")
+
+
 def test_tiny_top_p_keeps_the_argmax_and_sampling_is_deterministic(params):
     greedy = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), max_new_tokens=5, temperature=0.0)
     nucleus = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), max_new_tokens=5, temperature=1.0, top_p=1e-6)

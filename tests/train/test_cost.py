@@ -112,6 +112,9 @@ def test_model_flops_are_6n_per_trained_token_plus_the_rollout():
     tokens = 16 * (512 + 4096)
     # One more epoch adds a forward and backward: 6N per token plus attention.
     assert 6 * n * tokens < two_epochs - one_epoch < 6 * n * tokens * 1.5
+    # Skipping the behaviour pass (GRPO with the sampler's log-probs) takes one forward off.
+    no_behaviour = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False, behaviour=False)
+    assert 2 * n * tokens < one_epoch - no_behaviour < 2 * n * tokens * 1.5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from comppo_jax.credit import FIXED_GATE, fit_position_schedule
-from comppo_jax.train.methods import Recipe, control_gate, recipe, spread_over_sequence
+from comppo_jax.train.methods import Recipe, behaviour_pass, control_gate, recipe, spread_over_sequence
 
 MASK = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
 KAPPA = jnp.asarray([[0.2, 0.5, 0.8, 0.0], [0.3, 0.6, 0.0, 0.0]])
@@ -29,6 +29,13 @@ KAPPA = jnp.asarray([[0.2, 0.5, 0.8, 0.0], [0.3, 0.6, 0.0, 0.0]])
 )
 def test_recipes(method, gate, critic, expected):
     assert recipe(method, gate, critic) == expected
+
+
+def test_only_grpo_with_the_sampler_log_probs_skips_the_behaviour_pass():
+    # CompPO reads the gate (and TAC's features), PPO its standard critic's features, GRPO only the old log-probs.
+    assert [behaviour_pass(recipe(method), old) for method in ("comppo", "ppo", "grpo") for old in ("rescore", "sampler")] == [
+        True, True, True, True, True, False]
+    assert all(behaviour_pass(recipe("comppo", gate, critic), "sampler") for gate in ("fixed", "position") for critic in ("tac", "standard"))
 
 
 def test_bad_switches_are_named():

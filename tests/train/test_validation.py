@@ -64,6 +64,8 @@ CASES = {
     "missing model": (assign(model__path="/nowhere/qwen3"), r"config\.model\.path='/nowhere/qwen3': does not exist"),
     "minibatch does not divide": (assign(train__minibatch_size=3), r"config\.train\.minibatch_size=3: must divide the 4 responses per step"),
     "top_p zero": (assign(rollout__top_p=0.0), r"config\.rollout\.top_p=0\.0: must be in \(0, 1\]"),
+    "unknown old log-probs": (assign(rollout__old_log_probs="stored"),
+                              r"config\.rollout\.old_log_probs='stored': expected one of \('rescore', 'sampler'\)"),
 }
 
 
