@@ -98,21 +98,28 @@ def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT
     return out.reshape(batch, padded, num_heads, head_dim)[:, :length]
 
 
-def _one_block_attention(q, k, v, attention_mask, scale):
+def _one_block_attention(q, k, v, attention_mask, scale, query_slices: int = 2):
     """Causal GQA softmax attention over all of L at once (the [L, L] block flash would hold),
-    heads leading: each (row, kv head) is one contiguous [G * L, D] x [D, L] matmul, which XLA
-    runs faster on CPU than the token-major einsums of the blocked path."""
+    heads leading: each (row, kv head) is one contiguous [G * l, D] x [D, keys] matmul, which XLA
+    runs faster on CPU than the token-major einsums of the blocked path. The queries go in
+    `query_slices` static slices, each over the keys up to its last query: the first half of the
+    queries never computes the (masked) second half of the keys."""
     batch, length, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     groups = num_heads // num_kv
-    heads_first = lambda x: jnp.moveaxis(x, 1, 2)  # [B, L, Hkv, D] -> [B, Hkv, L, D]
-    q_rows = q.reshape(batch, length, num_kv, groups, head_dim).transpose(0, 2, 3, 1, 4).reshape(batch, num_kv, groups * length, head_dim)
-    logits = jnp.einsum("bhqd,bhkd->bhqk", q_rows, heads_first(k), preferred_element_type=jnp.float32) * scale
-    q_pos = jnp.tile(jnp.arange(length), groups)
-    visible = (q_pos[:, None] >= jnp.arange(length)[None, :])[None, None] & attention_mask[:, None, None, :]
-    probs = jax.nn.softmax(jnp.where(visible, logits, MASK_VALUE), axis=-1)
-    out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), heads_first(v), preferred_element_type=jnp.float32)
-    return out.reshape(batch, num_kv, groups, length, head_dim).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+    q_heads = q.reshape(batch, length, num_kv, groups, head_dim).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, L, D]
+    k_heads, v_heads = jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)  # [B, Hkv, L, D]
+    bounds = sorted({length * i // query_slices for i in range(query_slices + 1)})  # no empty slice when L < slices
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        rows = q_heads[:, :, :, lo:hi].reshape(batch, num_kv, groups * (hi - lo), head_dim)
+        logits = jnp.einsum("bhqd,bhkd->bhqk", rows, k_heads[:, :, :hi], preferred_element_type=jnp.float32) * scale
+        q_pos = jnp.tile(jnp.arange(lo, hi), groups)
+        visible = (q_pos[:, None] >= jnp.arange(hi)[None, :])[None, None] & attention_mask[:, None, None, :hi]
+        probs = jax.nn.softmax(jnp.where(visible, logits, MASK_VALUE), axis=-1)
+        out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v_heads[:, :, :hi], preferred_element_type=jnp.float32)
+        outs.append(out.reshape(batch, num_kv, groups, hi - lo, head_dim))
+    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
 
 def _block_logits(q_block, k_block, key_mask_block, q_start, k_start, scale):

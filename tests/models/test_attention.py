@@ -60,6 +60,12 @@ def test_attention_path_matches_reference_forward_and_gradient(path):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=5e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_one_block_attention_handles_fewer_queries_than_slices(length):
+    q, k, v, mask, _ = inputs(batch=2, length=length)
+    np.testing.assert_allclose(chunked_attention(q, k, v, jnp.ones_like(mask)), causal_attention(q, k, v, jnp.ones_like(mask)), atol=1e-6)
+
+
 def test_bfloat16_chunked_attention_is_close_to_the_float32_reference():
     q, k, v, mask, _ = inputs(dtype=jnp.bfloat16)
     reference = causal_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
