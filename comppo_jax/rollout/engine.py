@@ -33,7 +33,8 @@ from comppo_jax import sharding
 from comppo_jax.models import paged_cache
 from comppo_jax.models.attention import training_attention
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.transformer import _decoder_layer, fuse_projections, lm_logits, rms_norm, rope_inv_freq, scan_layers
+from comppo_jax.models.transformer import (_decoder_layer, fuse_projections, layers_unrolled, lm_logits, rms_norm, rope_inv_freq,
+                                           scan_layers)
 
 TRASH_PAGE = 0  # idle slots write here; nothing reads it
 # The planner's cost model (comppo_jax.train.cost) finds the decode loop and the admission by these names.
@@ -346,7 +347,7 @@ def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, 
     place_pool = lambda state: state._replace(pool=state.pool.with_arrays(*sharding.constrain(
         state.pool.arrays, paged_cache.pool_specs(state.pool, config.num_heads))))
     state = place_pool(state)
-    layers = layer_weights(params, unrolled=sharding.context_platform() == "cpu")
+    layers = layer_weights(params, unrolled=layers_unrolled())
     shard_ids, first_prompts = jnp.arange(layout.shards), jnp.asarray(layout.first_prompts())
 
     def body(state):

@@ -154,14 +154,14 @@ def score_rollout(
         concentration_backend=backend, return_final_attention=top_k is not None, compute_logits=False,
     )
     length = generation.response_tokens.shape[1]
-    final_hidden = out.hidden_states[with_final.index(config.num_layers)]
-    log_probs, _ = response_token_stats(params, config, final_hidden, generation.prompt_lengths, generation.response_tokens,
-                                        temperature)
+    log_probs = generation.log_probs
+    if old_log_probs == "rescore":
+        final_hidden = out.hidden_states[with_final.index(config.num_layers)]
+        log_probs, _ = response_token_stats(params, config, final_hidden, generation.prompt_lengths, generation.response_tokens,
+                                            temperature)
     herfindahl = gather_response(out.herfindahl, generation.prompt_lengths, length)
     window_size = gather_response(out.window_size, generation.prompt_lengths, length)
     kappa = retention_gate(normalized_concentration(herfindahl, window_size), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
-    if old_log_probs == "sampler":
-        log_probs = generation.log_probs
     routing = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)

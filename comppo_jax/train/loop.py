@@ -132,6 +132,11 @@ def run_parts(cfg, model_config) -> RunParts:
                     critic_from_config(cfg.critic) if recipe.critic == "tac" else None, position_schedule)
 
 
+def kl_coefficient(cfg, recipe: Recipe) -> float:
+    """The reference-KL coefficient of the method (GRPO has its own, tuned separately)."""
+    return cfg.train.kl_coef_grpo if recipe.estimator == "grpo" else cfg.train.kl_coef
+
+
 def scoring_options(cfg, parts: RunParts) -> dict:
     """`score_rollout`'s keywords for a config (all but the kernel backend)."""
     return dict(window=cfg.rollout.window, temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
@@ -393,9 +398,8 @@ def train(cfg) -> dict:
             state["actor_opt"] = fetch(state["actor_opt"])
 
             # 5. update: E epochs of shuffled minibatches
-            kl_coef = cfg.train.kl_coef_grpo if parts.recipe.estimator == "grpo" else cfg.train.kl_coef
             actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
-                               kl_coef=kl_coef * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
+                               kl_coef=kl_coefficient(cfg, parts.recipe) * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
             critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
                                 grad_clip=knobs["critic_grad_clip"])
             update_actor = step > warmup

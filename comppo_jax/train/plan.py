@@ -45,7 +45,7 @@ from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs
-from comppo_jax.train.loop import check_batch, init_critic, run_parts, scoring_options
+from comppo_jax.train.loop import check_batch, init_critic, kl_coefficient, run_parts, scoring_options
 from comppo_jax.train.methods import behaviour_pass
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
@@ -267,9 +267,9 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
                                 shards=sharding.batch_size_multiple(mesh))
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
-    kl_coef = cfg.train.kl_coef_grpo if parts.recipe.estimator == "grpo" else cfg.train.kl_coef
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
-                        epochs=epochs, reference=kl_coef > 0, behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs))
+                        epochs=epochs, reference=kl_coefficient(cfg, parts.recipe) > 0,
+                        behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs))
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
