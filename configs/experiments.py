@@ -3,7 +3,8 @@
     python launch/experiment.py --experiment=configs/experiments.py:main --root=experiments \
         --experiment.overrides='("model.path=/ckpt/Qwen3-4B", "data.path=/data/dapo_math_17k.parquet")'
 
-Names: main | factorial | controls | stress | group. Semantics of the fields (arms, grids, screens,
+Names: main | factorial | controls | stress | group, and beyond the paper: statistics (the gate's
+concentration statistic) | variants (CompPO beside GRPO, DAPO, GSPO and Dr.GRPO). Semantics of the fields (arms, grids, screens,
 `{mean_gate:ARM}` / `{gate_profile:ARM}` references) are in comppo_jax.eval.experiment.
 configs/experiments_tiny.py scales these down to the CPU default (configs/tiny.py).
 
@@ -69,4 +70,18 @@ def get_config(name: str):
             ("grpo_8x8", ("method=grpo", "train.kl_coef_grpo=1e-3") + eight),
             ("comppo", FULL + four),
         ], seeds=(42,))
-    raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress or group")
+    if name == "statistics":  # the gate's concentration statistic (comppo_jax.credit.GATE_STATISTICS), beside the controls
+        reads = lambda statistic: FULL + (f"gate_statistic={statistic}",)
+        return experiment("statistics", "statistics", [
+            ("herfindahl", FULL), ("entropy", reads("entropy")), ("sink_herfindahl", reads("sink_herfindahl")),
+            ("max_weight", reads("max_weight")), ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
+            ("fixed", ("method=comppo", "gate=fixed", "fixed_gate={mean_gate:herfindahl}", "critic.kind=tac")),
+        ])
+    if name == "variants":  # CompPO with and without DAPO's tricks, beside GRPO and its 2025 variants
+        dapo = ("train.clip_high_scale=1.4", "rollout.dynamic_sampling=True", "reward.length_penalty=overlong", "reward.length_penalty_on=all")
+        return experiment("variants", "variants", [
+            ("comppo", FULL), ("comppo_dapo", FULL + dapo), ("grpo", ("method=grpo",)), ("dapo", ("method=grpo",) + dapo),
+            ("gspo", ("method=grpo", "train.policy_loss=gspo", "train.loss_aggregation=seq-mean-token-mean")),
+            ("dr_grpo", ("method=grpo", "train.group_std_normalization=False", "train.loss_aggregation=seq-mean-token-sum-norm")),
+        ])
+    raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics or variants")

@@ -34,6 +34,8 @@ def get_config(name: str):
         exp.target = 0.8
     if name == "group":  # 16 and 64 trajectories per update: minibatches of 16 split both
         exp.overrides += ("train.minibatch_size=16",)
+    if name == "variants":  # DAPO's overlong buffer inside the tiny responses (40 tokens)
+        exp.overrides += ("reward.overlong_buffer=10",)
     if name == "stress":
         grid = ("train.actor_lr=1e-5,3e-5,1e-4", "train.kl_coef=0,1e-2")
         exp.grids = (("ppo", grid), ("comppo", grid))

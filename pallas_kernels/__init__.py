@@ -11,7 +11,10 @@ Backends:
 - "reference": materialized [L, L] probabilities, the test oracle (small L only).
 `backend=None` picks "tpu" on TPU, "gpu" on GPU and "interpret" on CPU.
 
-Gradients: herfindahl and window_size are detached statistics (CompPO never differentiates
+Optional statistics of the same window distribution (entropy, sink-masked Herfindahl, max
+weight; `statistics=`) come from the same pass on every backend.
+
+Gradients: herfindahl, window_size and the statistics are detached (CompPO never differentiates
 kappa), so they carry none. The kernels themselves are forward-only (the scoring pass); the
 attention output gets its gradient from `causal_attention` (XLA) recomputed in the backward
 pass, so `forward(..., window_start=...)` stays differentiable in its logits.
@@ -23,7 +26,7 @@ import functools
 
 import jax
 
-from pallas_kernels.common import causal_attention
+from pallas_kernels.common import DEFAULT_SINK_TOKENS, STATISTICS, causal_attention, window_sizes
 from pallas_kernels.gpu import attention_with_concentration_gpu
 from pallas_kernels.reference import attention_with_concentration_reference
 from pallas_kernels.tpu import attention_with_concentration_tpu
@@ -46,22 +49,31 @@ def default_backend() -> str:
 
 
 def attention_with_concentration(
-    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, backend=None, return_lse=False
+    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, backend=None, return_lse=False,
+    statistics=(), sink_tokens=DEFAULT_SINK_TOKENS,
 ):
     """Causal GQA attention plus (herfindahl [B, L] f32, window_size [B, L] int32); see module doc.
 
     `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
     (detached), which lets a later pass recompute exact attention probabilities blockwise.
+    `statistics` (a subset of `STATISTICS`) appends {statistic: [B, L] f32}, computed in the same
+    pass over the same window distribution a_i as H (0 where the window is empty):
+      "entropy"          -sum_i a_i log a_i (nats);
+      "sink_herfindahl"  H of a renormalized over the window without its first `sink_tokens` key
+                         positions (its window size: `window_sizes(mask, window_start + sink_tokens)`);
+      "max_weight"       max_i a_i.
     """
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not available; available backends: {sorted(BACKENDS)}")
     if backend == "reference":  # block sizes only apply to the blockwise backends
         return attention_with_concentration_reference(
-            q, k, v, attention_mask, window_start, sm_scale=sm_scale, return_lse=return_lse
+            q, k, v, attention_mask, window_start, sm_scale=sm_scale, return_lse=return_lse, statistics=statistics,
+            sink_tokens=sink_tokens,
         )
     kernel = functools.partial(
-        BACKENDS[backend], sm_scale=sm_scale, block_q=block_q, block_k=block_k, return_lse=return_lse
+        BACKENDS[backend], sm_scale=sm_scale, block_q=block_q, block_k=block_k, return_lse=return_lse, statistics=statistics,
+        sink_tokens=sink_tokens,
     )
     return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start)
 
@@ -79,10 +91,11 @@ def _with_xla_gradient(kernel, sm_scale):
     def backward_pass(residuals, cotangents):
         q, k, v, attention_mask = residuals
         _, pullback = jax.vjp(lambda q, k, v: causal_attention(q, k, v, attention_mask, sm_scale=sm_scale), q, k, v)
-        return (*pullback(cotangents[0]), None, None)
+        return (*pullback(cotangents[0]), None, None)  # mask and window_start: not differentiable
 
     attention.defvjp(forward_pass, backward_pass)
     return attention
 
 
-__all__ = ["attention_with_concentration", "default_backend", "BACKENDS", "PLATFORM_BACKENDS"]
+__all__ = ["attention_with_concentration", "default_backend", "window_sizes", "BACKENDS", "DEFAULT_SINK_TOKENS", "PLATFORM_BACKENDS",
+           "STATISTICS"]

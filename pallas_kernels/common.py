@@ -58,3 +58,72 @@ def causal_attention(q, k, v, attention_mask, *, sm_scale=None):
     causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
     mask = causal[None, None] & attention_mask[:, None, None, :]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale)
+
+
+# Optional per-token statistics of the same window distribution a_i (paper eq. herfindahl's
+# head-averaged, window-renormalized attention), each from running sums over the window keys:
+# "entropy" sum_i a_i log a_i, "max_weight" max_i a_i, "sink_herfindahl" the Herfindahl sums over
+# the window without its first `sink_tokens` key positions. Herfindahl's own sums always run.
+STATISTICS = ("entropy", "sink_herfindahl", "max_weight")
+DEFAULT_SINK_TOKENS = 4  # StreamingLLM's count of attention-sink tokens
+_PARTIALS = {"entropy": ("plogp",), "max_weight": ("peak",), "sink_herfindahl": ("sink_mass", "sink_square")}
+
+
+def check_statistics(statistics, sink_tokens: int) -> tuple[str, ...]:
+    """`statistics` as a tuple of known names, or a ValueError naming the unknown one."""
+    statistics = tuple(statistics)
+    for name in statistics:
+        if name not in STATISTICS:
+            raise ValueError(f"unknown concentration statistic {name!r}; available: {STATISTICS} (herfindahl is always computed)")
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
+    return statistics
+
+
+def partial_names(statistics) -> tuple[str, ...]:
+    """The running sums (and the running max "peak") the kernels keep per query for `statistics`."""
+    return ("mass", "square") + tuple(name for statistic in statistics for name in _PARTIALS[statistic])
+
+
+def window_partials(head_mean, in_window, key_positions, window_start, statistics, sink_tokens: int) -> dict:
+    """Per-query partial sums over the last (key) axis of one block of head-mean probabilities
+    (unnormalized over the window; keepdims), for `partial_names(statistics)`."""
+    a = jnp.where(in_window, head_mean, 0.0)
+    total = lambda x: jnp.sum(x, axis=-1, keepdims=True)
+    partials = {"mass": total(a), "square": total(a * a)}
+    if "entropy" in statistics:
+        partials["plogp"] = total(jnp.where(a > 0, a * jnp.log(jnp.where(a > 0, a, 1.0)), 0.0))
+    if "max_weight" in statistics:
+        partials["peak"] = jnp.max(a, axis=-1, keepdims=True)
+    if "sink_herfindahl" in statistics:
+        beyond_sinks = jnp.where(key_positions >= window_start + sink_tokens, a, 0.0)
+        partials["sink_mass"], partials["sink_square"] = total(beyond_sinks), total(beyond_sinks * beyond_sinks)
+    return partials
+
+
+def merge_partials(name: str, running, block):
+    """The running value of partial `name` after one more key block."""
+    return jnp.maximum(running, block) if name == "peak" else running + block
+
+
+def finish_statistics(partials: dict, statistics) -> tuple:
+    """(herfindahl, {statistic: value}) from the partials over the whole window; 0 on an empty
+    window. With the window mass M = sum_i m_i of the head-mean probabilities m_i, a_i = m_i / M:
+    H = sum m^2 / M^2, entropy = -sum a log a = log M - sum m log m / M, max_weight = max m / M."""
+
+    def herfindahl(mass, square):
+        has_window = mass > 0
+        safe = jnp.where(has_window, mass, 1.0)
+        return jnp.where(has_window, square / (safe * safe), 0.0)
+
+    mass = partials["mass"]
+    has_window = mass > 0
+    safe_mass = jnp.where(has_window, mass, 1.0)
+    values = {}
+    if "entropy" in statistics:
+        values["entropy"] = jnp.where(has_window, jnp.log(safe_mass) - partials["plogp"] / safe_mass, 0.0)
+    if "sink_herfindahl" in statistics:
+        values["sink_herfindahl"] = herfindahl(partials["sink_mass"], partials["sink_square"])
+    if "max_weight" in statistics:
+        values["max_weight"] = jnp.where(has_window, partials["peak"] / safe_mass, 0.0)
+    return herfindahl(mass, partials["square"]), values

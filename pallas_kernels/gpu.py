@@ -7,7 +7,8 @@ Two `pallas_call`s over the caller's [B, L, H, D] layout (no transposes):
 2. `_concentration_kernel`, grid (q block, batch): for each kv block that meets the window
    [window_start, p] and the causal range, recomputes p_hi = exp(s_hi - lse_h) for every query
    head, sums over heads, and accumulates sum_i a_i and sum_i a_i^2 over the window keys; then
-   H = (sum a^2) / (sum a)^2 (paper eq. herfindahl, renormalized over the window).
+   H = (sum a^2) / (sum a)^2 (paper eq. herfindahl, renormalized over the window), and the
+   optional statistics (`pallas_kernels.common.STATISTICS`) from a few more running sums.
 
 The largest live arrays are [block_q, block_k] tiles, so nothing of size [L, L] exists. Triton
 needs power-of-two tiles: block sizes and the head dim must be powers of two (>= 16 for dot).
@@ -25,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import MASK_VALUE, check_attention_inputs, round_up, window_sizes
+from pallas_kernels.common import (DEFAULT_SINK_TOKENS, MASK_VALUE, check_attention_inputs, check_statistics, finish_statistics,
+                                    merge_partials, partial_names, round_up, window_partials, window_sizes)
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -64,16 +66,17 @@ def _attention_kernel(q_ref, k_ref, v_ref, key_mask_ref, out_ref, lse_ref, *, sm
 
 
 def _concentration_kernel(
-    window_start_ref, q_ref, k_ref, lse_ref, key_mask_ref, herfindahl_ref, *, sm_scale, block_q, block_k, group, allow_tf32
+    window_start_ref, q_ref, k_ref, lse_ref, key_mask_ref, herfindahl_ref, *statistic_refs, sm_scale, block_q, block_k, group,
+    allow_tf32, statistics, sink_tokens,
 ):
     q_block, batch = pl.program_id(0), pl.program_id(1)
     num_heads = q_ref.shape[1]
     window_start = window_start_ref[batch]
     queries = pl.ds(q_block * block_q, block_q)
     q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    names = partial_names(statistics)
 
-    def kv_step(kv_block, carry):
-        mass, square = carry
+    def kv_step(kv_block, partials):
         keys = pl.ds(kv_block * block_k, block_k)
 
         def head_step(head, head_sum):
@@ -83,26 +86,29 @@ def _concentration_kernel(
         head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))
         k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         in_window = (k_pos <= q_pos) & (k_pos >= window_start) & (key_mask_ref[keys][None, :] != 0)
-        head_mean = jnp.where(in_window, head_sum * (1.0 / num_heads), 0.0)
-        return mass + jnp.sum(head_mean, axis=1), square + jnp.sum(head_mean * head_mean, axis=1)
+        block = window_partials(head_sum * (1.0 / num_heads), in_window, k_pos, window_start, statistics, sink_tokens)
+        return tuple(merge_partials(name, running, block[name][:, 0]) for name, running in zip(names, partials))
 
     first = lax.div(window_start, block_k)
     last = lax.div((q_block + 1) * block_q + block_k - 1, block_k)
-    zeros = jnp.zeros((block_q,), jnp.float32)
-    mass, square = lax.fori_loop(jnp.minimum(first, last), last, kv_step, (zeros, zeros))
-    has_window = mass > 0
-    safe_mass = jnp.where(has_window, mass, 1.0)
-    herfindahl_ref[...] = jnp.where(has_window, square / (safe_mass * safe_mass), 0.0)
+    zeros = tuple(jnp.zeros((block_q,), jnp.float32) for _ in names)  # the running max too: a >= 0
+    partials = lax.fori_loop(jnp.minimum(first, last), last, kv_step, zeros)
+    herfindahl, values = finish_statistics(dict(zip(names, partials)), statistics)
+    herfindahl_ref[...] = herfindahl
+    for name, ref in zip(statistics, statistic_refs):
+        ref[...] = values[name]
 
 
 def attention_with_concentration_gpu(
     q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None,
-    num_warps=None, num_stages=2, interpret=False, return_lse=False,
+    num_warps=None, num_stages=2, interpret=False, return_lse=False, statistics=(), sink_tokens=DEFAULT_SINK_TOKENS,
 ):
     """Blockwise attention with concentration via Triton; same contract as the package entry point.
 
-    `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32.
+    `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32; a
+    non-empty `statistics` appends {statistic: [B, L] f32}.
     """
+    statistics = check_statistics(statistics, sink_tokens)
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     block_q = block_q or min(64, max(16, pl.next_power_of_2(length)))
     block_k = block_k or min(64, max(16, pl.next_power_of_2(length)))
@@ -134,8 +140,9 @@ def attention_with_concentration_gpu(
         name="attention_with_lse",
     )(q, k, v, key_mask)
 
-    herfindahl = pl.pallas_call(
-        functools.partial(_concentration_kernel, group=group, **blocks),
+    row = jax.ShapeDtypeStruct((batch, padded), jnp.float32)
+    herfindahl, *values = pl.pallas_call(
+        functools.partial(_concentration_kernel, group=group, statistics=statistics, sink_tokens=sink_tokens, **blocks),
         grid=(num_q_blocks, batch),
         in_specs=[
             pl.BlockSpec((batch,), lambda i, b: (0,)),
@@ -144,11 +151,13 @@ def attention_with_concentration_gpu(
             pl.BlockSpec((None, num_heads, padded), lambda i, b: (b, 0, 0)),
             pl.BlockSpec((None, padded), lambda i, b: (b, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_q), lambda i, b: (b, i)),
-        out_shape=jax.ShapeDtypeStruct((batch, padded), jnp.float32),
+        out_specs=[pl.BlockSpec((None, block_q), lambda i, b: (b, i))] * (1 + len(statistics)),
+        out_shape=[row] * (1 + len(statistics)),
         compiler_params=params,
         interpret=interpret,
         name="attention_concentration",
     )(window_start, q, k, lse, key_mask)
     outputs = (out[:, :length], herfindahl[:, :length], window_sizes(attention_mask, window_start))
-    return outputs + (lse[:, :, :length],) if return_lse else outputs
+    if return_lse:
+        outputs += (lse[:, :, :length],)
+    return outputs + ({name: rows[:, :length] for name, rows in zip(statistics, values)},) if statistics else outputs

@@ -5,6 +5,7 @@ Definitions (../shared/DESIGN.md, paper eq. herfindahl): for the query at positi
 the window keys i in [window_start, p] that are real tokens, and renormalized there;
 `H_p = sum_i a_pi^2` and `n_p` is the number of window keys. Where the window is empty
 (p < window_start) H is 0 and n is 0; a query with no visible key at all gets a zero output.
+The optional statistics (`pallas_kernels.common.STATISTICS`) are of the same a_pi.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import check_attention_inputs
+from pallas_kernels.common import (DEFAULT_SINK_TOKENS, check_attention_inputs, check_statistics, finish_statistics,
+                                    window_partials)
 
 
-def attention_with_concentration_reference(q, k, v, attention_mask, window_start, *, sm_scale=None, return_lse=False):
+def attention_with_concentration_reference(q, k, v, attention_mask, window_start, *, sm_scale=None, return_lse=False,
+                                           statistics=(), sink_tokens=DEFAULT_SINK_TOKENS):
     """Causal GQA attention that materializes the [L, L] probabilities.
 
     q [B, L, Hq, D]; k, v [B, L, Hkv, D]; attention_mask [B, L] bool; window_start [B] int32.
     Returns (out [B, L, Hq, D] in q's dtype, herfindahl [B, L] f32, window_size [B, L] int32),
-    plus the per-head log-sum-exp [B, Hq, L] f32 (0 where no key is visible) with `return_lse`.
+    plus the per-head log-sum-exp [B, Hq, L] f32 (0 where no key is visible) with `return_lse`,
+    plus {statistic: [B, L] f32} for a non-empty `statistics`.
     """
+    statistics = check_statistics(statistics, sink_tokens)
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -38,11 +43,11 @@ def attention_with_concentration_reference(q, k, v, attention_mask, window_start
     out = jnp.where(allowed.any(-1)[:, :, None, None], out.reshape(batch, length, num_heads, head_dim), 0.0).astype(q.dtype)
 
     in_window = allowed & (positions[None, None, :] >= window_start[:, None, None])
-    head_mean = jnp.where(in_window, probs.mean(axis=(1, 2)), 0.0)
-    mass = head_mean.sum(-1)
-    window_size = in_window.sum(-1).astype(jnp.int32)
-    herfindahl = jnp.where(window_size > 0, jnp.square(head_mean).sum(-1) / jnp.square(jnp.where(mass > 0, mass, 1.0)), 0.0)
-    if not return_lse:
-        return out, herfindahl, window_size
-    lse = jax.nn.logsumexp(logits, axis=-1).reshape(batch, num_heads, length)
-    return out, herfindahl, window_size, jnp.where(allowed.any(-1)[:, None, :], lse, 0.0)
+    partials = window_partials(probs.mean(axis=(1, 2)), in_window, positions[None, None, :], window_start[:, None, None],
+                               statistics, sink_tokens)
+    herfindahl, values = finish_statistics({name: x[..., 0] for name, x in partials.items()}, statistics)
+    outputs = (out, herfindahl, in_window.sum(-1).astype(jnp.int32))
+    if return_lse:
+        lse = jax.nn.logsumexp(logits, axis=-1).reshape(batch, num_heads, length)
+        outputs += (jnp.where(allowed.any(-1)[:, None, :], lse, 0.0),)
+    return outputs + (values,) if statistics else outputs

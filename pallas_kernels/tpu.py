@@ -8,7 +8,9 @@ for ALL query heads, because the head average couples them (paper eq. herfindahl
 - phase 1 revisits the kv blocks that meet the window [window_start, p] and recomputes the
   probabilities exactly from that LSE, p_hi = exp(s_hi - lse_h), sums them over heads, and
   accumulates sum_i a_i and sum_i a_i^2 over the window keys. H = (sum a^2) / (sum a)^2 is the
-  Herfindahl index of the head-mean attention renormalized over the window.
+  Herfindahl index of the head-mean attention renormalized over the window. The optional
+  statistics (`pallas_kernels.common.STATISTICS`: entropy, sink-masked Herfindahl, max weight)
+  ride along as a few more running sums per query in the same pass.
 
 Nothing of size [L, L] exists: the largest arrays are the [Hq, block_q, D] q/out blocks and the
 [block_q, block_k] logits of one head. Per-row statistics live as (block_q, 128) lane-replicated
@@ -32,29 +34,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import MASK_VALUE, check_attention_inputs, round_up, window_sizes
+from pallas_kernels.common import (DEFAULT_SINK_TOKENS, MASK_VALUE, check_attention_inputs, check_statistics, finish_statistics,
+                                    merge_partials, partial_names, round_up, window_partials, window_sizes)
 
 LANES = 128
 # Mosaic's default scoped VMEM is 16 MiB; leave room for compiler temporaries.
 VMEM_BUDGET_BYTES = 13 * 2**20
 
 
-def vmem_bytes(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int, block_q: int, block_k: int) -> int:
-    """Estimated VMEM of one program: double-buffered blocks plus fp32 scratch."""
+def vmem_bytes(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int, block_q: int, block_k: int,
+               partials: int = 2) -> int:
+    """Estimated VMEM of one program: double-buffered blocks plus fp32 scratch (`partials` window sums)."""
     q_and_out = 2 * 2 * num_heads * block_q * head_dim * itemsize
     k_and_v = 2 * 2 * num_kv_heads * block_k * head_dim * itemsize
-    scratch = num_heads * block_q * (2 * LANES + head_dim) * 4 + 2 * block_q * LANES * 4
+    scratch = num_heads * block_q * (2 * LANES + head_dim) * 4 + partials * block_q * LANES * 4
     temporaries = 3 * block_q * block_k * 4
     return q_and_out + k_and_v + scratch + temporaries
 
 
-def default_block_sizes(length, num_heads, num_kv_heads, head_dim, itemsize, *, lane_multiple=LANES):
+def default_block_sizes(length, num_heads, num_kv_heads, head_dim, itemsize, *, lane_multiple=LANES, partials=2):
     """Largest (block_q, block_k) whose program fits VMEM_BUDGET_BYTES; small L gets one block."""
     whole = round_up(length, lane_multiple)
     candidates = ((256, 512), (128, 512), (128, 256), (128, 128), (64, 256), (64, 128), (32, 128), (16, 128), (8, 128))
     for block_q, block_k in candidates:
         block_q, block_k = min(block_q, whole), min(block_k, whole)
-        if vmem_bytes(num_heads, num_kv_heads, head_dim, itemsize, block_q, block_k) <= VMEM_BUDGET_BYTES:
+        if vmem_bytes(num_heads, num_kv_heads, head_dim, itemsize, block_q, block_k, partials) <= VMEM_BUDGET_BYTES:
             return block_q, block_k
     raise ValueError(
         f"no block sizes fit {VMEM_BUDGET_BYTES >> 20} MiB of VMEM for {num_heads} q heads, {num_kv_heads} kv heads, "
@@ -71,18 +75,18 @@ def _concentration_attention_kernel(
     out_ref,  # (Hq, bq, D)
     herfindahl_ref,  # (1, bq) f32, lane-major
     lse_ref,  # (Hq, 1, bq) f32, lane-major
-    max_scratch,  # (Hq, bq, LANES) f32: running max, then the final LSE
-    sum_scratch,  # (Hq, bq, LANES) f32: running softmax denominator
-    acc_scratch,  # (Hq, bq, D) f32: unnormalized output
-    mass_scratch,  # (bq, LANES) f32: sum_i a_i over the window
-    square_scratch,  # (bq, LANES) f32: sum_i a_i^2 over the window
-    *,
+    *refs,  # one (1, bq) output per statistic, then the scratch below
     sm_scale: float,
     block_q: int,
     block_k: int,
     group: int,
     precision,
+    statistics: tuple[str, ...],
+    sink_tokens: int,
 ):
+    statistic_refs, refs = refs[: len(statistics)], refs[len(statistics) :]
+    max_scratch, sum_scratch, acc_scratch = refs[:3]  # (Hq, bq, LANES): running max then LSE; denominator; (Hq, bq, D)
+    partial_scratch = dict(zip(partial_names(statistics), refs[3:]))  # (bq, LANES) each: window sums (sum a, sum a^2, ...)
     batch, q_block, phase, kv_block = (pl.program_id(axis) for axis in range(4))
     num_heads = q_ref.shape[0]
     last_kv_block = lax.div((q_block + 1) * block_q - 1, block_k)
@@ -143,8 +147,8 @@ def _concentration_attention_kernel(
 
     @pl.when((phase == 1) & (kv_block == 0))
     def _init_concentration():
-        mass_scratch[...] = jnp.zeros(mass_scratch.shape, jnp.float32)
-        square_scratch[...] = jnp.zeros(square_scratch.shape, jnp.float32)
+        for scratch in partial_scratch.values():  # every partial starts at 0 (the running max too: a >= 0)
+            scratch[...] = jnp.zeros(scratch.shape, jnp.float32)
 
     @pl.when((phase == 1) & causal_block & (kv_block >= lax.div(window_start, block_k)))
     def _accumulate_concentration():
@@ -154,17 +158,16 @@ def _concentration_attention_kernel(
 
         head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))
         in_window = visible & (k_pos >= window_start)
-        head_mean = jnp.where(in_window, head_sum * (1.0 / num_heads), 0.0)
-        mass_scratch[...] += jnp.sum(head_mean, axis=1, keepdims=True)
-        square_scratch[...] += jnp.sum(head_mean * head_mean, axis=1, keepdims=True)
+        block = window_partials(head_sum * (1.0 / num_heads), in_window, k_pos, window_start, statistics, sink_tokens)
+        for name, scratch in partial_scratch.items():
+            scratch[...] = merge_partials(name, scratch[...], block[name])
 
     @pl.when((phase == 1) & (kv_block == pl.num_programs(3) - 1))
     def _finish_concentration():
-        mass = mass_scratch[...]
-        has_window = mass > 0
-        safe_mass = jnp.where(has_window, mass, 1.0)
-        herfindahl = jnp.where(has_window, square_scratch[...] / (safe_mass * safe_mass), 0.0)
+        herfindahl, values = finish_statistics({name: scratch[...] for name, scratch in partial_scratch.items()}, statistics)
         herfindahl_ref[...] = herfindahl.T[:1, :]
+        for name, ref in zip(statistics, statistic_refs):
+            ref[...] = values[name].T[:1, :]
 
 
 def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q, block_k, keep_last_in_phase_1):
@@ -178,7 +181,7 @@ def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q,
 
 def attention_with_concentration_tpu(
     q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, interpret=False,
-    return_lse=False,
+    return_lse=False, statistics=(), sink_tokens=DEFAULT_SINK_TOKENS,
 ):
     """Blockwise attention with concentration on TPU (or interpreted on CPU).
 
@@ -186,12 +189,14 @@ def attention_with_concentration_tpu(
     multiple of 8 and block_k of 128 (interpreted: both multiples of 8); L is padded to a
     multiple of both internally. Default blocks are the largest that fit the VMEM budget.
     `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
-    (0 for a query that sees no key).
+    (0 for a query that sees no key); a non-empty `statistics` appends {statistic: [B, L] f32}.
     """
+    statistics = check_statistics(statistics, sink_tokens)
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     key_multiple = 8 if interpret else LANES
     default_q, default_k = default_block_sizes(
-        length, num_heads, num_kv_heads, head_dim, q.dtype.itemsize, lane_multiple=key_multiple
+        length, num_heads, num_kv_heads, head_dim, q.dtype.itemsize, lane_multiple=key_multiple,
+        partials=len(partial_names(statistics)),
     )
     block_q, block_k = block_q or default_q, block_k or default_k
     for name, block, multiple in (("block_q", block_q, 8), ("block_k", block_k, key_multiple)):
@@ -212,6 +217,8 @@ def attention_with_concentration_tpu(
     k_map = functools.partial(kv_map, keep_last_in_phase_1=False)
     v_map = functools.partial(kv_map, keep_last_in_phase_1=True)
     q_spec = pl.BlockSpec((None, num_heads, block_q, head_dim), lambda b, i, p, j, ws: (b, 0, i, 0))
+    row_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0))
+    row_shape = jax.ShapeDtypeStruct((batch, num_q_blocks, 1, block_q), jnp.float32)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, num_q_blocks, 2, num_kv_blocks),
@@ -223,16 +230,14 @@ def attention_with_concentration_tpu(
         ],
         out_specs=[
             q_spec,
-            pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0)),
+            row_spec,
             pl.BlockSpec((None, None, num_heads, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0, 0)),
-        ],
+        ] + [row_spec] * len(statistics),
         scratch_shapes=[
             pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
             pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
             pltpu.VMEM((num_heads, block_q, head_dim), jnp.float32),
-            pltpu.VMEM((block_q, LANES), jnp.float32),
-            pltpu.VMEM((block_q, LANES), jnp.float32),
-        ],
+        ] + [pltpu.VMEM((block_q, LANES), jnp.float32)] * len(partial_names(statistics)),
     )
     kernel = functools.partial(
         _concentration_attention_kernel,
@@ -242,23 +247,25 @@ def attention_with_concentration_tpu(
         group=num_heads // num_kv_heads,
         # fp32 inputs get fp32 matmuls on the MXU (its default would round them to bf16).
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        statistics=statistics,
+        sink_tokens=sink_tokens,
     )
-    out, herfindahl, lse = pl.pallas_call(
+    out, herfindahl, lse, *values = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_heads, padded, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, num_q_blocks, 1, block_q), jnp.float32),
+            row_shape,
             jax.ShapeDtypeStruct((batch, num_q_blocks, num_heads, 1, block_q), jnp.float32),
-        ],
+        ] + [row_shape] * len(statistics),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="attention_with_concentration",
     )(window_start, heads_major(q), heads_major(k), heads_major(v), key_mask)
     out = out.transpose(0, 2, 1, 3)[:, :length]
-    herfindahl = herfindahl.reshape(batch, padded)[:, :length]
-    outputs = (out, herfindahl, window_sizes(attention_mask, window_start))
+    per_token = lambda rows: rows.reshape(batch, padded)[:, :length]
+    outputs = (out, per_token(herfindahl), window_sizes(attention_mask, window_start))
     if return_lse:
-        return outputs + (lse.transpose(0, 2, 1, 3, 4).reshape(batch, num_heads, padded)[:, :, :length],)
-    return outputs
+        outputs += (lse.transpose(0, 2, 1, 3, 4).reshape(batch, num_heads, padded)[:, :, :length],)
+    return outputs + ({name: per_token(rows) for name, rows in zip(statistics, values)},) if statistics else outputs
 

@@ -1,11 +1,12 @@
 """Credit estimators (paper sections 3-4).
 
-- `gate`: normalized attention concentration, the retention gate and the fixed
-  and shuffled gate controls.
+- `gate`: normalized attention concentration (and the alternative statistics), the
+  retention gate and the fixed and shuffled gate controls.
 - `schedule`: the position-only gate control (fit, apply, save, load).
-- `advantages`: Comp-GAE, GAE, the explicit transport kernel, GRPO
-  advantages, whitening and clipping.
-- `losses`: PPO clipped surrogate, reference KL, clipped value loss, entropy.
+- `advantages`: Comp-GAE, GAE, the explicit transport kernel, GRPO and
+  Dr.GRPO advantages, DAPO's group filter, whitening and clipping.
+- `losses`: PPO and GSPO clipped surrogates, loss aggregation modes, reference
+  KL, clipped value loss, entropy.
 """
 
 from comppo_jax.credit.advantages import (
@@ -13,19 +14,27 @@ from comppo_jax.credit.advantages import (
     comp_gae,
     gae,
     grpo_advantages,
+    informative_groups,
     transport_kernel,
     whiten_advantages,
 )
 from comppo_jax.credit.gate import (
     FIXED_GATE,
+    GATE_STATISTICS,
+    entropy_concentration,
     fixed_gate,
     gate_range,
+    max_weight_concentration,
     normalized_concentration,
     retention_gate,
     shuffle_gate,
+    statistic_concentration,
 )
 from comppo_jax.credit.losses import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
     entropy_from_logits,
+    gspo_loss,
     kl_penalty,
     masked_mean,
     ppo_clip_loss,
@@ -44,19 +53,26 @@ from comppo_jax.credit.schedule import (
 
 __all__ = [
     "FIXED_GATE",
+    "GATE_STATISTICS",
+    "LOSS_AGGREGATIONS",
     "PositionSchedule",
+    "aggregate_loss",
     "apply_position_schedule",
     "clip_advantages",
     "comp_gae",
+    "entropy_concentration",
     "entropy_from_logits",
     "fit_position_schedule",
     "fixed_gate",
     "gae",
     "gate_range",
     "grpo_advantages",
+    "gspo_loss",
+    "informative_groups",
     "kl_penalty",
     "load_position_schedule",
     "masked_mean",
+    "max_weight_concentration",
     "normalized_concentration",
     "position_bin_totals",
     "position_bins",
@@ -65,6 +81,7 @@ __all__ = [
     "save_position_schedule",
     "schedule_from_totals",
     "shuffle_gate",
+    "statistic_concentration",
     "transport_kernel",
     "value_loss",
     "whiten_advantages",

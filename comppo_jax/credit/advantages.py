@@ -1,5 +1,7 @@
 """Advantage estimators: Comp-GAE, GAE, the transport kernel, GRPO, whitening.
 
+Also DAPO's group filter (`informative_groups`), which runs on host rewards.
+
 Per-token arrays are [B, T], aligned with the response tokens y_1..y_T, with
 `mask[b, t] = 1` on valid tokens (../shared/DESIGN.md, "Index conventions"). All
 arithmetic is float32 whatever the input precision; outputs are float32.
@@ -206,8 +208,17 @@ def transport_kernel(kappa, lam, mask=None):
     return jnp.where(upper[None], exclusive, 0.0) * m[:, :, None]
 
 
-@functools.partial(jax.jit, static_argnames=("group_size",))
-def grpo_advantages(rewards, group_size, mask, eps=1e-6):
+def _check_group_size(group_size, rewards):
+    """Raises ValueError unless `group_size` is a positive int dividing len(rewards)."""
+    batch = rewards.shape[0]
+    if not isinstance(group_size, (int, np.integer)) or group_size < 1 or batch % group_size:
+        raise ValueError(
+            f"group_size must be a positive int dividing the batch size B = {batch} "
+            f"(rewards shape {tuple(rewards.shape)}), got {group_size!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "normalize_std"))
+def grpo_advantages(rewards, group_size, mask, eps=1e-6, normalize_std=True):
     """Group-relative advantages, paper eq. (group_broadcast).
 
     Rows are grouped by `group_size` consecutive responses to the same prompt;
@@ -220,6 +231,9 @@ def grpo_advantages(rewards, group_size, mask, eps=1e-6):
       group_size: responses per prompt (static); must divide B.
       mask: [B, T] mask of valid response tokens.
       eps: added to the std.
+      normalize_std: False gives Dr.GRPO's b_i = R_i - mean_j R_j, without the
+        std division that up-weights groups of low reward variance (static;
+        verl's `norm_adv_by_std_in_grpo`, tunix's "drgrpo" estimator).
 
     Returns:
       [B, T] float32 advantages, zero on padding.
@@ -233,18 +247,47 @@ def grpo_advantages(rewards, group_size, mask, eps=1e-6):
         raise ValueError(
             f"mask has shape {tuple(mask.shape)} but rewards has shape {tuple(rewards.shape)}; "
             "mask must be [B, T] with the same B")
-    if not isinstance(group_size, (int, np.integer)) or group_size < 1 or batch % group_size:
-        raise ValueError(
-            f"group_size must be a positive int dividing the batch size B = {batch} "
-            f"(rewards shape {tuple(rewards.shape)}), got {group_size!r}")
+    _check_group_size(group_size, rewards)
     groups = rewards.astype(jnp.float32).reshape(batch // group_size, group_size)
     mean = groups.mean(axis=1, keepdims=True)
-    var = jnp.sum((groups - mean) ** 2, axis=1, keepdims=True) / max(group_size - 1, 1)
     # Compared exactly: a tied group has no ranking to learn from, and its float
     # residuals (R - mean) / eps would otherwise blow up.
     tied = groups.max(axis=1, keepdims=True) == groups.min(axis=1, keepdims=True)
-    scores = jnp.where(tied, 0.0, (groups - mean) / (jnp.sqrt(var) + eps))
+    if normalize_std:
+        var = jnp.sum((groups - mean) ** 2, axis=1, keepdims=True) / max(group_size - 1, 1)
+        scores = jnp.where(tied, 0.0, (groups - mean) / (jnp.sqrt(var) + eps))
+    else:
+        scores = jnp.where(tied, 0.0, groups - mean)
     return scores.reshape(batch, 1) * mask.astype(bool).astype(jnp.float32)
+
+
+def informative_groups(rewards, group_size):
+    """DAPO's dynamic-sampling filter: which groups have rewards that are not all equal.
+
+    A group whose rewards are all equal gets zero GRPO advantage and so no
+    policy gradient; DAPO drops such groups and samples more prompts until the
+    batch is full (verl docs/algo/dapo.md, `filter_groups`). Equality is exact,
+    as the tie rule of `grpo_advantages`, so the groups kept are exactly those
+    with nonzero advantages. A group of one is not informative here (its GRPO
+    advantage is 0), whereas verl's DAPO trainer keeps it (verl gives it
+    advantage R).
+
+    Plain NumPy, not jitted: it runs on host rewards in the rollout loop, and
+    the rows it keeps have a data-dependent count.
+
+    Args:
+      rewards: [B] sequence-level rewards (NumPy or JAX array).
+      group_size: responses per prompt; must divide B.
+
+    Returns:
+      [B // group_size] NumPy bool, True for groups to keep. Rows of group g are
+      g * group_size ... (g + 1) * group_size - 1, e.g. `np.repeat(keep, group_size)`.
+    """
+    rewards = np.asarray(rewards)
+    _validation.check_rank("rewards", rewards, 1, "[B]")
+    _check_group_size(group_size, rewards)
+    groups = rewards.reshape(-1, group_size)
+    return groups.max(axis=1) != groups.min(axis=1)
 
 
 @jax.jit

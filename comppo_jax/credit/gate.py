@@ -1,5 +1,11 @@
 """Retention gate (paper eqs. herfindahl, cnorm, kappa_attention) and its controls.
 
+Besides the paper's Herfindahl index, three other concentration statistics of the same window
+distribution a_t (the kernel's `statistics`) map to c_t in [0, 1] with eq. cnorm's endpoints
+(uniform -> 0, one-hot -> 1); config `gate_statistic` picks the one the gate reads
+(`statistic_concentration`). The paper calls its choice "one deployable instantiation, not a
+claim of optimality": these are the alternatives to compare it with.
+
 The gate is computed from the behaviour policy's attention, stored with the
 rollout and never differentiated (paper section 3.1). The controls of paper
 sections 6.3-6.4 replace it everywhere kappa appears: `fixed_gate` (a constant),
@@ -45,6 +51,72 @@ def normalized_concentration(herfindahl, n):
     safe_h = jnp.where(long_window, herfindahl.astype(jnp.float32), 0.5)
     c = jnp.log(safe_n * safe_h) / jnp.log(safe_n)
     return jnp.where(long_window, jnp.clip(c, 0.0, 1.0), 0.5)
+
+
+GATE_STATISTICS = ("herfindahl", "entropy", "sink_herfindahl", "max_weight")
+
+
+def _normalized_log_statistic(log_statistic, n):
+    """c = (log n + log S) / log n, clipped to [0, 1], for n >= 2, and 1/2 otherwise."""
+    long_window = n >= 2
+    log_n = jnp.log(jnp.where(long_window, n.astype(jnp.float32), 2.0))
+    c = (log_n + jnp.where(long_window, log_statistic, 0.0)) / log_n
+    return jnp.where(long_window, jnp.clip(c, 0.0, 1.0), 0.5)
+
+
+@jax.jit
+def entropy_concentration(entropy, n):
+    """Concentration from the Shannon entropy E_t = -sum_i a_ti log a_ti of the window
+    distribution (the analogue of eq. cnorm, whose H gives the order-2 Renyi entropy -log H):
+
+        c_t = 1 - E_t / log(n_t)   for n_t >= 2,   c_t = 1/2 otherwise.
+
+    Uniform attention (E = log n) gives 0, a point mass (E = 0) gives 1; clipped to [0, 1].
+
+    Args:
+      entropy: float array E_t in nats, e.g. [B, T] (the kernel's "entropy" statistic).
+      n: int or float array of window sizes n_t, same shape.
+    """
+    _validation.check_floating("entropy", entropy)
+    _validation.check_same_shape("entropy", entropy, n=n)
+    return _normalized_log_statistic(-entropy.astype(jnp.float32), n)
+
+
+@jax.jit
+def max_weight_concentration(max_weight, n):
+    """Concentration from the largest window weight a_max = max_i a_ti (order-infinity Renyi
+    entropy -log a_max, normalized as eq. cnorm):
+
+        c_t = log(n_t a_max) / log(n_t)   for n_t >= 2,   c_t = 1/2 otherwise.
+
+    Uniform attention (a_max = 1/n) gives 0, a point mass (a_max = 1) gives 1; clipped to [0, 1].
+
+    Args:
+      max_weight: float array a_max, e.g. [B, T] (the kernel's "max_weight" statistic).
+      n: int or float array of window sizes n_t, same shape.
+    """
+    _validation.check_floating("max_weight", max_weight)
+    _validation.check_same_shape("max_weight", max_weight, n=n)
+    safe = jnp.where(max_weight > 0, max_weight.astype(jnp.float32), 1.0)  # 0 only on an empty window
+    return _normalized_log_statistic(jnp.log(safe), n)
+
+
+def statistic_concentration(statistic: str, value, n):
+    """c_t in [0, 1] for the gate statistic `statistic` (one of GATE_STATISTICS) with value [B, T]
+    and its own window size n [B, T]:
+
+    - "herfindahl": eq. cnorm, c = log(n H) / log n;
+    - "sink_herfindahl": eq. cnorm on the window without its first sink tokens (n: that window's size);
+    - "entropy": `entropy_concentration`, c = 1 - E / log n;
+    - "max_weight": `max_weight_concentration`, c = log(n a_max) / log n.
+    """
+    if statistic in ("herfindahl", "sink_herfindahl"):
+        return normalized_concentration(value, n)
+    if statistic == "entropy":
+        return entropy_concentration(value, n)
+    if statistic == "max_weight":
+        return max_weight_concentration(value, n)
+    raise ValueError(f"gate statistic {statistic!r} is not one of {GATE_STATISTICS}")
 
 
 def _check_envelope(kappa_lo, kappa_hi, tau):

@@ -1,13 +1,14 @@
 """Actor and critic losses over valid tokens (paper eq. ppo_outer, sec. 4.4, alg. 1).
 
-Aggregation is token-mean: every loss is the mean over ALL valid tokens of the
-batch (verl's `loss_agg_mode="token-mean"`, as in DAPO), so long responses weigh
-in proportion to their length and the loss does not depend on how rows are
-padded. Per-token arrays are [B, T]; arithmetic is float32. Inputs are zeroed
-on padding before use, so padding garbage (nan, inf) reaches neither the loss
-nor its gradient. Rollout-side inputs (old/reference log-probs, advantages,
-old values, returns) are wrapped in `stop_gradient`: they are data, never
-optimized through.
+Aggregation is token-mean unless stated: every loss is the mean over ALL valid
+tokens of the batch (verl's `loss_agg_mode="token-mean"`, as in DAPO), so long
+responses weigh in proportion to their length and the loss does not depend on
+how rows are padded. `aggregate_loss` provides verl's other modes (GSPO's
+sequence mean, Dr.GRPO's constant normalizer). Per-token arrays are [B, T];
+arithmetic is float32. Inputs are zeroed on padding before use, so padding
+garbage (nan, inf) reaches neither the loss nor its gradient. Rollout-side
+inputs (old/reference log-probs, advantages, old values, returns) are wrapped
+in `stop_gradient`: they are data, never optimized through.
 """
 
 import functools
@@ -21,6 +22,11 @@ from comppo_jax.credit import _validation
 # log-probs disagree wildly (clipping makes their gradient zero anyway).
 _MAX_LOG_RATIO = 20.0
 _KL_KINDS = ("k1", "k3", "low_var_kl")
+# Upper bound on GSPO's sequence log ratio before exp, as verl and tunix
+# (one-sided: a very negative mean only sends the ratio to 0).
+_MAX_SEQ_LOG_RATIO = 10.0
+# verl's `loss_agg_mode` names, the modes of `aggregate_loss`.
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def _valid(x, mask):
@@ -40,12 +46,73 @@ def masked_mean(x, mask):
     return jnp.sum(_valid(x, mask)) / jnp.maximum(count, 1.0)
 
 
-@jax.jit
-def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2):
+@functools.partial(jax.jit, static_argnames=("mode",))
+def aggregate_loss(per_token, mask, mode, norm_length=None):
+    """Reduces a [B, T] per-token loss to a scalar, as verl's `agg_loss`.
+
+    With n_i the valid-token count of row i and S the rows with n_i > 0:
+
+      "token-mean":              sum_{i,t} x / sum_i n_i (`masked_mean`).
+      "seq-mean-token-mean":     mean_{i in S} (sum_t x_{i,t} / n_i) (GSPO).
+      "seq-mean-token-sum":      mean_{i in S} sum_t x_{i,t}.
+      "seq-mean-token-sum-norm": sum_{i,t} x / norm_length (Dr.GRPO: a constant
+        normalizer instead of the response length). As verl, a sum over rows,
+        not a mean; tunix's "sequence-mean-token-sum-norm" with norm=norm_length.
+
+    verl (core_algos.agg_loss) is followed with dp_size=1 and its batch-size
+    and token-count overrides unset, except that an empty mask gives 0 (verl
+    divides by zero) and n_i is not offset by verl's 1e-8.
+
+    Args:
+      per_token: [B, T] float.
+      mask: [B, T] mask of valid tokens.
+      mode: one of the four names above (static).
+      norm_length: the constant of "seq-mean-token-sum-norm" (verl's
+        `loss_scale_factor`, e.g. the maximum response length); None means T,
+        verl's default. Ignored by the other modes.
+
+    Returns:
+      Scalar float32.
+    """
+    _validation.check_bt(per_token=per_token, mask=mask)
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"mode must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+    if mode == "token-mean":
+        return masked_mean(per_token, mask)
+    row_sums = jnp.sum(_valid(per_token, mask), axis=1)
+    if mode == "seq-mean-token-sum-norm":
+        norm = per_token.shape[1] if norm_length is None else norm_length
+        return jnp.sum(row_sums) / jnp.asarray(norm, jnp.float32)
+    lengths = jnp.sum(mask.astype(bool), axis=1, dtype=jnp.float32)
+    if mode == "seq-mean-token-mean":
+        row_sums = row_sums / jnp.maximum(lengths, 1.0)
+    rows = jnp.sum(lengths > 0, dtype=jnp.float32)
+    return jnp.sum(row_sums) / jnp.maximum(rows, 1.0)
+
+
+def _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high, aggregation, norm_length):
+    """Aggregated max(-ratio A, -clip(ratio) A) with the token-mean metrics of
+    verl's `pg_clipfrac` and `ppo_kl`, whatever the aggregation."""
+    ratio = jnp.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = aggregate_loss(jnp.maximum(unclipped, clipped), mask, aggregation, norm_length)
+    metrics = {
+        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "approx_kl": jax.lax.stop_gradient(masked_mean(old_logp - logp, mask)),
+    }
+    return loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("aggregation",))
+def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2,
+                  aggregation="token-mean", norm_length=None):
     """Clipped PPO surrogate, paper eq. (ppo_outer), as a loss to minimize.
 
         ratio = exp(logp - old_logp)
         loss  = token-mean( -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) )
+
+    with token-mean replaced by `aggregation` when given.
 
     Args:
       log_probs: [B, T] float, log pi_theta(y_t | h_t) (differentiated).
@@ -53,6 +120,10 @@ def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip
       advantages: [B, T] float, normalized advantages.
       mask: [B, T] mask of valid tokens.
       clip_low, clip_high: ratio clip range (asymmetric allowed, as DAPO).
+      aggregation: how the per-token losses are reduced, an `aggregate_loss`
+        mode (static); "seq-mean-token-sum-norm" with advantages from
+        `grpo_advantages(..., normalize_std=False)` is Dr.GRPO.
+      norm_length: `aggregate_loss`'s constant for "seq-mean-token-sum-norm".
 
     Returns:
       (loss, metrics): scalar loss and a dict of scalars
@@ -67,15 +138,61 @@ def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip
     old_logp = jax.lax.stop_gradient(_valid(old_log_probs, mask))
     adv = jax.lax.stop_gradient(_valid(advantages, mask))
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = jnp.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = masked_mean(jnp.maximum(unclipped, clipped), mask)
-    metrics = {
-        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
-        "approx_kl": jax.lax.stop_gradient(masked_mean(old_logp - logp, mask)),
-    }
-    return loss, metrics
+    return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high,
+                              aggregation, norm_length)
+
+
+@functools.partial(jax.jit, static_argnames=("token_level", "aggregation"))
+def gspo_loss(log_probs, old_log_probs, advantages, mask, clip_low, clip_high, token_level=False,
+              aggregation="seq-mean-token-mean", norm_length=None):
+    """GSPO clipped surrogate (Zheng et al. 2025), as a loss to minimize.
+
+    The importance ratio is the length-normalized sequence ratio, clipped as a
+    whole (the paper uses clip_low = 3e-4, clip_high = 4e-4):
+
+        log s_i = min(mean_{t valid} (logp_{i,t} - old_logp_{i,t}), 10)
+        loss    = seq-mean-token-mean( -min(s A, clip(s, 1 - clip_low, 1 + clip_high) A) )
+
+    token_level=False (GSPO): s_{i,t} = s_i, so every token's gradient flows
+    through s_i into all tokens of its row.
+    token_level=True (GSPO-token): s_{i,t} = sg(s_i) pi(y_t) / sg(pi(y_t)), i.e.
+    log s_{i,t} = min(logp - sg(logp) + sg(log s_i), 10): the value of s_i with
+    the gradient of a per-token ratio, d s_{i,t} / d logp_{i,t} = s_i. With
+    advantages constant along a row both give the same loss and gradient.
+
+    GSPO-token with the defaults is verl core_algos.compute_policy_loss_gspo
+    (its only form: one-sided clamp at 10 of the combined log ratio, no clamp of
+    the per-token log ratios, "seq-mean-token-mean" whatever `loss_agg_mode`)
+    and tunix algo_core.grpo_loss_fn with loss_algo="gspo-token" and its default
+    "sequence-mean-token-mean", except that tunix first clips each token's log
+    ratio to [-20, 20].
+
+    Args:
+      log_probs: [B, T] float, log pi_theta(y_t | h_t) (differentiated).
+      old_log_probs: [B, T] float, behaviour-policy log-probs.
+      advantages: [B, T] float, e.g. GRPO advantages broadcast over the row.
+      mask: [B, T] mask of valid tokens.
+      clip_low, clip_high: clip range of the sequence ratio.
+      token_level: GSPO-token instead of GSPO (static).
+      aggregation, norm_length: as in `ppo_clip_loss`, GSPO's default.
+
+    Returns:
+      (loss, metrics) as `ppo_clip_loss`: "clip_fraction" counts valid tokens
+      whose clipped branch is active, "approx_kl" is the per-token k1 estimate.
+    """
+    _validation.check_bt(log_probs=log_probs, old_log_probs=old_log_probs,
+                         advantages=advantages, mask=mask)
+    logp = _valid(log_probs, mask)
+    old_logp = jax.lax.stop_gradient(_valid(old_log_probs, mask))
+    adv = jax.lax.stop_gradient(_valid(advantages, mask))
+    lengths = jnp.sum(mask.astype(bool), axis=1, keepdims=True, dtype=jnp.float32)
+    seq_log_ratio = jnp.sum(logp - old_logp, axis=1, keepdims=True) / jnp.maximum(lengths, 1.0)
+    if token_level:
+        seq_log_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)
+    log_ratio = jnp.minimum(seq_log_ratio, _MAX_SEQ_LOG_RATIO)
+    log_ratio = jnp.broadcast_to(log_ratio, logp.shape)
+    return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high,
+                              aggregation, norm_length)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))

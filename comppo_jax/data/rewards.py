@@ -169,6 +169,7 @@ class VerifierPool:
 
 
 LENGTH_PENALTIES = ("linear", "overlong")
+LENGTH_PENALTY_SCOPES = ("correct", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +180,8 @@ class RewardCoefficients:
     "overlong" (DAPO's soft overlong punishment): it pays nothing up to `max_length -
     overlong_buffer` tokens, then a linear ramp to `length_coef` at `max_length`.
     correct_never_below_incorrect: a correct response's reward is at least an incorrect one's (0).
+    length_penalty_on "correct" (the paper's): only correct, well-formed responses pay the penalty;
+    "all" (DAPO's overlong reward shaping): every response pays it.
     """
 
     format_coef: float = 0.5
@@ -187,6 +190,7 @@ class RewardCoefficients:
     max_length: int = 0
     overlong_buffer: int = 0
     correct_never_below_incorrect: bool = True
+    length_penalty_on: str = "correct"
 
 
 def length_penalty(lengths, coefficients: RewardCoefficients) -> np.ndarray:
@@ -219,7 +223,10 @@ def score_responses(
     verdicts = [checked.get(i, Verdict.NO_ANSWER) for i in range(len(responses))]
     rewards = np.zeros(len(responses), np.float32)
     well_formed = np.array([reasoning_format_ok(text) for text in responses])
-    correct_rewards = 1.0 - length_penalty(response_lengths, coefficients)
+    if coefficients.length_penalty_on not in LENGTH_PENALTY_SCOPES:
+        raise ValueError(f"length_penalty_on={coefficients.length_penalty_on!r}; expected one of {LENGTH_PENALTY_SCOPES}")
+    penalty = length_penalty(response_lengths, coefficients)
+    correct_rewards = 1.0 - penalty
     if coefficients.correct_never_below_incorrect:
         correct_rewards = np.maximum(correct_rewards, 0.0)
     for i, verdict in enumerate(verdicts):
@@ -227,6 +234,9 @@ def score_responses(
             rewards[i] = -coefficients.format_coef
         elif verdict is Verdict.CORRECT:
             rewards[i] = correct_rewards[i]
+    if coefficients.length_penalty_on == "all":  # the others pay too (correct ones already did)
+        paid = well_formed & np.array([v is Verdict.CORRECT for v in verdicts], bool)
+        rewards = np.where(paid, rewards, rewards - penalty).astype(np.float32)
     rewards = np.clip(rewards, -1.0, 1.0)
     metrics = {f"reward/{v.value}": float(sum(x is v for x in verdicts)) for v in Verdict}
     metrics["reward/malformed"] = float((~well_formed).sum())

@@ -29,6 +29,7 @@ from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import reward_schedule
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.loop import init_critic, load_problems, run_parts, schedule_step, score_and_credit
+from comppo_jax.train.sampling import reward_generation
 from comppo_jax.train.update import cast_params, critic_values, minibatch_shardings
 
 SHARED_SAMPLE_KEY = 0  # the reference's sampling key: the same tokens for every run
@@ -74,7 +75,6 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
         for start in range(0, len(dev), cfg.rollout.prompts_per_step):
             chunk = dev[start : start + cfg.rollout.prompts_per_step]
             tokens, mask = encode_prompts(tokenizer, chunk)
-            golds = [p.answer for p in chunk for _ in range(group)]
 
             def score(sampler, key):
                 """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and estimator."""
@@ -82,20 +82,21 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
                                       eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
                                       **engine_options(cfg.rollout))
-                return score_and_credit(cfg, parts, policy_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
-                                        coefficients, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
+                sampled = reward_generation(tokenizer, pool, generation, chunk, group, coefficients)
+                return score_and_credit(cfg, parts, policy_config, values_fn, critic, policy, reference, sampled,
+                                        jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
 
             mine = score(policy, jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), start))
             own["kappa"].append(sharding.to_host(mine.rollout.kappa))
-            own["mask"].append(mine.host_mask)
-            own["correct"].append(np.asarray([v is Verdict.CORRECT for v in mine.verdicts]))
+            own["mask"].append(mine.sampled.host_mask)
+            own["correct"].append(np.asarray([v is Verdict.CORRECT for v in mine.sampled.verdicts]))
             if critic is not None:
                 theirs = score(reference, jax.random.fold_in(jax.random.PRNGKey(SHARED_SAMPLE_KEY), start))
                 batch = theirs.batch
                 for name, value in (("values", batch.old_values), ("returns", batch.returns), ("kappa", theirs.kappa)):
                     shared[name].append(sharding.to_host(value))
-                shared["rewards"].append(theirs.reward_tokens)
-                shared["mask"].append(theirs.host_mask)
+                shared["rewards"].append(theirs.sampled.reward_tokens)
+                shared["mask"].append(theirs.sampled.host_mask)
     out = {"step": step, "problems": len(dev), "responses": len(dev) * group}
     out.update(gate_statistics(_rows(own["kappa"]), _rows(own["mask"]).astype(bool), np.concatenate(own["correct"])))
     if critic is not None:

@@ -173,24 +173,42 @@ def factorial_report(exp, outcome: Outcome):
     return "\n\n".join(parts), plots
 
 
-def controls_report(exp, outcome: Outcome):
+def mean_gate(outcome: Outcome, arm: str, seeds) -> str:
+    """The mean over `seeds` of the runs' own mean gate (summary.json; "--" for a run without one)."""
+    values = [outcome.arms[arm][s].summary.get("mean_gate") for s in seeds]
+    values = [v for v in values if v is not None]
+    return f"{np.mean(values):.3f}" if values else "--"
+
+
+def comparison_report(exp, outcome: Outcome, title: str):
+    """Every arm's endpoints and mean gate, and its seed-matched difference from the first arm."""
     arms = [name for name, _ in exp.arms]
     seeds = seeds_of(outcome, arms)
     if not seeds:
-        return "No seed finished every control.", {}
-    parts = [f"Seeds {seeds}.", table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"],
-                                      summary_rows(outcome, exp, arms, seeds))]
-    if "full" in arms:
-        rows = [[f"full - {other}", *contrast(outcome, exp, seeds, "full", other)] for other in arms if other != "full"]
-        parts.append("Seed-matched differences (points):\n\n" + table(["Contrast", "Best", "Final"], rows))
-        stat = lambda k: diagnostics_mean(outcome, "full", seeds, k)
-        parts.append("Realized gate of the full method's final checkpoints (held-out prompts, mean over seeds):\n\n" + table(
-            ["Statistic", "Value", "Statistic", "Value"],
-            [["Mean / median", f"{stat('gate/mean')} / {stat('gate/median')}", "IQR", stat("gate/iqr")],
-             ["Early / middle / late", " / ".join(stat(f"gate/{t}_third") for t in ("first", "middle", "last")), "Correct / incorrect",
-              f"{stat('gate/correct')} / {stat('gate/incorrect')}"]]))
+        return "No seed finished every arm.", {}
+    rows = [row + [mean_gate(outcome, arm, seeds)] for row, arm in zip(summary_rows(outcome, exp, arms, seeds), arms)]
+    parts = [f"Seeds {seeds}.", table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final", "Mean gate"], rows)]
+    reference = arms[0]
+    rows = [[f"{reference} - {other}", *contrast(outcome, exp, seeds, reference, other)] for other in arms[1:]]
+    parts.append("Seed-matched differences (points):\n\n" + table(["Contrast", "Best", "Final"], rows))
     finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
-    return "\n\n".join(parts), {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"gate controls, {len(seeds)} seeds")}
+    return "\n\n".join(parts), {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{title}, {len(seeds)} seeds")}
+
+
+def controls_report(exp, outcome: Outcome):
+    """`comparison_report` against the full method, with its realized gate on held-out prompts."""
+    markdown, plots = comparison_report(exp, outcome, "gate controls")
+    arms = [name for name, _ in exp.arms]
+    seeds = seeds_of(outcome, arms)
+    if not seeds or arms[0] != "full":
+        return markdown, plots
+    stat = lambda k: diagnostics_mean(outcome, "full", seeds, k)
+    markdown += "\n\nRealized gate of the full method's final checkpoints (held-out prompts, mean over seeds):\n\n" + table(
+        ["Statistic", "Value", "Statistic", "Value"],
+        [["Mean / median", f"{stat('gate/mean')} / {stat('gate/median')}", "IQR", stat("gate/iqr")],
+         ["Early / middle / late", " / ".join(stat(f"gate/{t}_third") for t in ("first", "middle", "last")), "Correct / incorrect",
+          f"{stat('gate/correct')} / {stat('gate/incorrect')}"]])
+    return markdown, plots
 
 
 def stress_report(exp, outcome: Outcome):
@@ -230,4 +248,6 @@ def group_report(exp, outcome: Outcome):
             + table(["Method", "Seed", "Trajectories/update", "ID Best", "ID Final"], rows)), {}
 
 
-REPORTS = {"main": main_report, "factorial": factorial_report, "controls": controls_report, "stress": stress_report, "group": group_report}
+REPORTS = {"main": main_report, "factorial": factorial_report, "controls": controls_report, "stress": stress_report, "group": group_report,
+           "statistics": lambda exp, outcome: comparison_report(exp, outcome, "gate statistics and controls"),
+           "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants")}

@@ -56,6 +56,7 @@ class ForwardOutput(NamedTuple):
     herfindahl: jax.Array | None  # [B, L] float32, final-layer concentration (None without window_start)
     window_size: jax.Array | None  # [B, L] int32, n for the same window
     final_attention: FinalAttention | None = None  # with return_final_attention=True
+    statistics: dict | None = None  # {name: [B, L] float32}, the `concentration_statistics` asked for
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -225,7 +226,8 @@ def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_l
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend", "return_final_attention", "compute_logits"))
+    jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend", "return_final_attention", "compute_logits",
+                              "concentration_statistics", "sink_tokens"))
 def forward(
     params: dict,
     config: ModelConfig,
@@ -237,6 +239,8 @@ def forward(
     concentration_backend: str | None = None,
     return_final_attention: bool = False,
     compute_logits: bool = True,
+    concentration_statistics: tuple[str, ...] = (),
+    sink_tokens: int = pallas_kernels.DEFAULT_SINK_TOKENS,
 ) -> ForwardOutput:
     """Teacher-forced forward pass.
 
@@ -250,9 +254,13 @@ def forward(
     `return_final_attention=True` (needs window_start) also returns the final layer's
     detached q, k and per-head LSE (`FinalAttention`), which the TAC critic's top-K routing
     reads. `compute_logits=False` returns logits=None (ask for hidden layer num_layers instead).
+    `concentration_statistics` (needs window_start): more statistics of the same final-layer
+    window distribution from the same kernel pass (`pallas_kernels.STATISTICS`; `sink_tokens`
+    for "sink_herfindahl"), returned in `out.statistics`.
     """
-    if return_final_attention and window_start is None:
-        raise ValueError("return_final_attention=True needs window_start (the final layer's kernel computes the LSE)")
+    if (return_final_attention or concentration_statistics) and window_start is None:
+        raise ValueError("return_final_attention and concentration_statistics need window_start (the final layer's kernel "
+                         "computes them)")
     hidden_layers = tuple(range(config.num_layers + 1)) if hidden_layers is None else tuple(hidden_layers)
     _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers)
     batch, length = tokens.shape
@@ -266,12 +274,14 @@ def forward(
         # Per batch shard with all heads: H_t is a statistic of the head-averaged attention.
         kernel = sharding.per_shard(
             functools.partial(pallas_kernels.attention_with_concentration, backend=concentration_backend,
-                              return_lse=return_final_attention),
+                              return_lse=return_final_attention, statistics=concentration_statistics, sink_tokens=sink_tokens),
             in_specs=P(sharding.BATCH), out_specs=P(sharding.BATCH))
-        out, herfindahl, window_size, *lse = kernel(q, k, v, attention_mask, window_start.astype(jnp.int32))
+        out, herfindahl, window_size, *rest = kernel(q, k, v, attention_mask, window_start.astype(jnp.int32))
         statistics = {"herfindahl": herfindahl, "window_size": window_size}
         if return_final_attention:
-            statistics["final_attention"] = FinalAttention(q, k, lse[0])
+            statistics["final_attention"] = FinalAttention(q, k, rest.pop(0))
+        if concentration_statistics:
+            statistics["statistics"] = rest.pop(0)
         return out, jax.lax.stop_gradient(statistics)
 
     def no_statistics(q, k, v):  # zeros shaped like the final layer's statistics
@@ -317,5 +327,6 @@ def forward(
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)].set(final)
     logits = lm_logits(params, config, final) if compute_logits else None
     return ForwardOutput(
-        logits, captured[:-1], statistics.get("herfindahl"), statistics.get("window_size"), statistics.get("final_attention")
+        logits, captured[:-1], statistics.get("herfindahl"), statistics.get("window_size"), statistics.get("final_attention"),
+        statistics.get("statistics"),
     )

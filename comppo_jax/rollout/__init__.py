@@ -2,7 +2,8 @@
 the behaviour-policy scoring pass (`scoring`)."""
 
 from comppo_jax.rollout.sampler import Generation, engine_options, generate, sample_token, top_p_filter
-from comppo_jax.rollout.scoring import Rollout, gather_response, response_positions, policy_token_stats, response_token_stats, score_rollout
+from comppo_jax.rollout.scoring import (Rollout, gather_response, policy_gate, policy_token_stats, response_positions, response_token_stats,
+                                       score_rollout)
 
 __all__ = [
     "Generation",
@@ -13,6 +14,7 @@ __all__ = [
     "response_positions",
     "sample_token",
     "score_rollout",
+    "policy_gate",
     "policy_token_stats",
     "response_token_stats",
     "top_p_filter",

@@ -22,10 +22,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from comppo_jax.credit import entropy_from_logits, normalized_concentration, retention_gate
+from comppo_jax.credit import GATE_STATISTICS, entropy_from_logits, retention_gate, statistic_concentration
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
-from comppo_jax.models.transformer import lm_logits
+from comppo_jax.models.transformer import ForwardOutput, lm_logits
+from pallas_kernels import DEFAULT_SINK_TOKENS, window_sizes
 from pallas_kernels.common import round_up
 from comppo_jax.rollout.sampler import Generation
 
@@ -42,9 +43,9 @@ class Rollout(NamedTuple):
     response_mask: jax.Array  # [B, T] bool
     log_probs: jax.Array  # [B, T] behaviour log pi(y_t | h_t), teacher-forced (or the sampler's)
     ref_log_probs: jax.Array | None  # [B, T] reference policy, or None without one
-    herfindahl: jax.Array | None  # [B, T] H_t of the final layer over the window (None: no behaviour pass)
+    herfindahl: jax.Array | None  # [B, T] H_t of the final layer over the window (None: no behaviour pass), whatever gate_statistic
     window_size: jax.Array | None  # [B, T] int32 n_t
-    kappa: jax.Array | None  # [B, T] retention gate kappa_t
+    kappa: jax.Array | None  # [B, T] retention gate kappa_t (of the gate_statistic's c_t)
     hidden_states: jax.Array  # [L', B, L, D] the critic's fused layers (sequence coordinates)
     routing: Routing | None  # TAC's top-K native-attention routing [B, L, K], or None
 
@@ -88,6 +89,51 @@ def response_token_stats(params: dict, config: ModelConfig, final_hidden, prompt
     return from_chunks(log_probs), from_chunks(entropy)
 
 
+def window_start_of(window: str, prompt_lengths):
+    """[B] first key position of the concentration window: P for "response", 0 for "full"."""
+    if window not in WINDOWS:
+        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    return prompt_lengths if window == "response" else jnp.zeros_like(prompt_lengths)
+
+
+def extra_statistics(gate_statistic: str) -> tuple[str, ...]:
+    """The kernel statistics a gate statistic needs beyond the always-computed Herfindahl index."""
+    if gate_statistic not in GATE_STATISTICS:
+        raise ValueError(f"gate_statistic must be one of {GATE_STATISTICS}, got {gate_statistic!r}")
+    return () if gate_statistic == "herfindahl" else (gate_statistic,)
+
+
+def response_gate(out: ForwardOutput, attention_mask, prompt_lengths, window_start, length: int, *, gate_statistic: str,
+                  sink_tokens: int, kappa_lo: float, kappa_hi: float, tau: float):
+    """(H_t, n_t, kappa_t) [B, T] from a forward pass's final-layer statistics (paper eqs. herfindahl,
+    cnorm, kappa_attention), kappa from the c_t of `gate_statistic` (`statistic_concentration`)."""
+    herfindahl = gather_response(out.herfindahl, prompt_lengths, length)
+    window_size = gather_response(out.window_size, prompt_lengths, length)
+    value, n = herfindahl, window_size
+    if gate_statistic != "herfindahl":
+        value = gather_response(out.statistics[gate_statistic], prompt_lengths, length)
+    if gate_statistic == "sink_herfindahl":  # its own window: without the first sink_tokens key positions
+        n = gather_response(window_sizes(attention_mask, window_start + sink_tokens), prompt_lengths, length)
+    kappa = retention_gate(statistic_concentration(gate_statistic, value, n), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
+    return herfindahl, window_size, kappa
+
+
+@functools.partial(jax.jit, static_argnames=("config", "length", "window", "gate_statistic", "sink_tokens", "kappa_lo", "kappa_hi",
+                                             "tau", "backend"))
+def policy_gate(params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_mask, *, length: int,
+                window: str = "response", gate_statistic: str = "herfindahl", sink_tokens: int = DEFAULT_SINK_TOKENS,
+                kappa_lo: float = 0.1, kappa_hi: float = 0.9, tau: float = 4.0, backend: str | None = None):
+    """kappa_t [B, T] of `params` on a scored batch (0 on padding), detached: the gate alone, as the
+    behaviour pass computes it (no logits, no critic features). `gate_refresh=epoch` calls it with
+    the current actor at the start of each update epoch."""
+    window_start = window_start_of(window, prompt_lengths)
+    out = forward(params, config, tokens, attention_mask, window_start, hidden_layers=(), concentration_backend=backend,
+                  compute_logits=False, concentration_statistics=extra_statistics(gate_statistic), sink_tokens=sink_tokens)
+    _, _, kappa = response_gate(out, attention_mask, prompt_lengths, window_start, length, gate_statistic=gate_statistic,
+                                sink_tokens=sink_tokens, kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
+    return jax.lax.stop_gradient(jnp.where(response_mask, kappa, 0.0))
+
+
 def policy_token_stats(params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_tokens,
                        temperature: float = 1.0):
     """Teacher-forced (log-probs, entropies) [B, T] of y_1..y_T under `params` (`response_token_stats`)."""
@@ -98,7 +144,7 @@ def policy_token_stats(params: dict, config: ModelConfig, tokens, attention_mask
 @functools.partial(
     jax.jit,
     static_argnames=("config", "window", "temperature", "hidden_layers", "top_k", "kappa_lo", "kappa_hi", "tau", "backend",
-                     "old_log_probs", "behaviour_pass"),
+                     "old_log_probs", "behaviour_pass", "gate_statistic", "sink_tokens"),
 )
 def score_rollout(
     params: dict,
@@ -116,6 +162,8 @@ def score_rollout(
     backend: str | None = None,
     old_log_probs: str = "rescore",
     behaviour_pass: bool = True,
+    gate_statistic: str = "herfindahl",
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
 ) -> Rollout:
     """Scores a generation with the behaviour policy `params` (and `ref_params`, if given).
 
@@ -123,12 +171,13 @@ def score_rollout(
     hidden_layers: HF hidden-state indices the critic fuses (`fused_hidden_layers`).
     top_k: TAC's routed positions per token, or None for no routing (standard critic).
     (kappa_lo, kappa_hi, tau): the gate envelope of eq. kappa_attention.
+    gate_statistic: the concentration statistic kappa reads (`comppo_jax.credit.GATE_STATISTICS`;
+    the paper's "herfindahl" by default; `sink_tokens` for "sink_herfindahl").
     old_log_probs: "rescore" (teacher-forced here) or "sampler" (`generation.log_probs`).
     behaviour_pass=False (needs old_log_probs="sampler", no hidden_layers, top_k=None): no
     behaviour forward; herfindahl, window_size and kappa are None.
     """
-    if window not in WINDOWS:
-        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    window_start = window_start_of(window, generation.prompt_lengths)
     if old_log_probs not in OLD_LOG_PROBS:
         raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {old_log_probs!r}")
     if not behaviour_pass and (old_log_probs != "sampler" or hidden_layers or top_k is not None):
@@ -146,12 +195,12 @@ def score_rollout(
         no_features = jnp.zeros((0,) + generation.tokens.shape + (config.hidden_size,), config.dtype)
         return jax.lax.stop_gradient(Rollout(generation.tokens, mask, generation.prompt_lengths, response_mask,
                                              zero(generation.log_probs), ref_log_probs, None, None, None, no_features, None))
-    window_start = generation.prompt_lengths if window == "response" else jnp.zeros_like(generation.prompt_lengths)
     # The final-norm hidden states feed the chunked log-probs; the critic's layers ride along.
     with_final = hidden_layers if config.num_layers in hidden_layers else hidden_layers + (config.num_layers,)
     out = forward(
         params, config, generation.tokens, mask, window_start, hidden_layers=with_final,
         concentration_backend=backend, return_final_attention=top_k is not None, compute_logits=False,
+        concentration_statistics=extra_statistics(gate_statistic), sink_tokens=sink_tokens,
     )
     length = generation.response_tokens.shape[1]
     log_probs = generation.log_probs
@@ -159,9 +208,9 @@ def score_rollout(
         final_hidden = out.hidden_states[with_final.index(config.num_layers)]
         log_probs, _ = response_token_stats(params, config, final_hidden, generation.prompt_lengths, generation.response_tokens,
                                             temperature)
-    herfindahl = gather_response(out.herfindahl, generation.prompt_lengths, length)
-    window_size = gather_response(out.window_size, generation.prompt_lengths, length)
-    kappa = retention_gate(normalized_concentration(herfindahl, window_size), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
+    herfindahl, window_size, kappa = response_gate(out, mask, generation.prompt_lengths, window_start, length,
+                                                   gate_statistic=gate_statistic, sink_tokens=sink_tokens, kappa_lo=kappa_lo,
+                                                   kappa_hi=kappa_hi, tau=tau)
     routing = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)

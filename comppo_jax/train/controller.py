@@ -304,13 +304,14 @@ def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
     if reward.length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"config.reward.length_penalty={reward.length_penalty!r}; expected one of {LENGTH_PENALTIES}")
     floor = reward.correct_never_below_incorrect
+    scope = reward.length_penalty_on
     if reward.length_penalty == "linear":
-        return RewardSchedule(shaping=RewardCoefficients(correct_never_below_incorrect=floor))
+        return RewardSchedule(shaping=RewardCoefficients(correct_never_below_incorrect=floor, length_penalty_on=scope))
     if not 0 < reward.overlong_buffer <= max_new_tokens:
         raise ValueError(f"config.reward.overlong_buffer={reward.overlong_buffer} must be in (0, rollout.max_new_tokens={max_new_tokens}]")
     if not 0 < reward.overlong_penalty:
         raise ValueError(f"config.reward.overlong_penalty={reward.overlong_penalty} must be > 0")
     penalty = reward.overlong_penalty
     shaping = RewardCoefficients(length_penalty="overlong", max_length=max_new_tokens, overlong_buffer=reward.overlong_buffer,
-                                 correct_never_below_incorrect=floor)
+                                 correct_never_below_incorrect=floor, length_penalty_on=scope)
     return RewardSchedule(length_coef=(3 / 8 * penalty, penalty, 20, 60), shaping=shaping)

@@ -23,6 +23,7 @@ latest checkpoint and continues exactly where it stopped.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -34,24 +35,24 @@ import numpy as np
 import tqdm
 
 from comppo_jax import sharding
-from comppo_jax.credit import (clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, position_bin_totals,
+from comppo_jax.credit import (clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, masked_mean, position_bin_totals,
                                save_position_schedule, schedule_from_totals, whiten_advantages)
 from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac
 from comppo_jax.data.datasets import encodable_problems, load_dapo_math
-from comppo_jax.data.rewards import RewardCoefficients, Verdict, VerifierPool, score_responses, terminal_reward_tokens
+from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval import encode_prompts, greedy_accuracy
-from comppo_jax.eval.accuracy import decode_responses
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
-from comppo_jax.rollout import engine_options, generate, score_rollout
+from comppo_jax.rollout import engine_options, generate, policy_gate, score_rollout
 from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
-from comppo_jax.train.methods import Recipe, behaviour_pass, control_gate, recipe as make_recipe, spread_over_sequence
+from comppo_jax.train.methods import Recipe, actor_loss_of, behaviour_pass, control_gate, recipe as make_recipe, spread_over_sequence
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
+from comppo_jax.train.sampling import Sampled, dynamic_sampling, reward_generation
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.validation import validate_config
 from comppo_jax.train.warm_start import cached_warm_start, warm_start
@@ -141,7 +142,7 @@ def scoring_options(cfg, parts: RunParts) -> dict:
     """`score_rollout`'s keywords for a config (all but the kernel backend)."""
     return dict(window=cfg.rollout.window, temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
                 old_log_probs=cfg.rollout.old_log_probs, behaviour_pass=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
-                **cfg.gate_envelope.to_dict())
+                gate_statistic=cfg.gate_statistic, sink_tokens=cfg.sink_tokens, **cfg.gate_envelope.to_dict())
 
 
 def critic_warmup(cfg, recipe: Recipe) -> int:
@@ -179,26 +180,32 @@ class Scored(NamedTuple):
 
     batch: Minibatch
     rollout: Any  # comppo_jax.rollout.Rollout without the critic's features (kappa: the policy's own gate)
-    texts: list[str]
-    rewards: np.ndarray  # [B] terminal rewards
-    verdicts: list
-    reward_metrics: dict
-    reward_tokens: np.ndarray  # [B, T] the reward at each row's last token
-    host_mask: np.ndarray  # [B, T] response mask on the host
+    sampled: Sampled  # the generation, its problems, texts, rewards and verdicts
     kappa: jax.Array  # [B, T] the gate the estimator and critic read (after the control)
 
 
-def score_and_credit(cfg, parts: RunParts, model_config, tokenizer, pool, values_fn, critic, policy, reference, generation, golds,
-                     coefficients: RewardCoefficients, rng, batch_shardings) -> Scored:
-    """Steps 2-4 of a train step for one generation (also the held-out diagnostics' path)."""
+def estimate_credit(cfg, recipe: Recipe, rewards, reward_tokens, values, kappa, mask):
+    """(advantages, returns) [B, T] of the recipe's estimator: group-relative for GRPO (Dr.GRPO
+    without the std with train.group_std_normalization=False), else GAE / Comp-GAE on `values`,
+    whitened."""
+    if recipe.estimator == "grpo":
+        advantages = grpo_advantages(jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask,
+                                     normalize_std=cfg.train.group_std_normalization)
+        return advantages, jnp.zeros(mask.shape)
+    if recipe.estimator == "gae":
+        advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
+    else:
+        advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
+    return whiten_advantages(advantages, mask), returns
+
+
+def score_and_credit(cfg, parts: RunParts, model_config, values_fn, critic, policy, reference, sampled: Sampled, rng,
+                     batch_shardings) -> Scored:
+    """Steps 2 and 4 of a train step for one rewarded generation (also the held-out diagnostics' path)."""
+    generation = sampled.generation
     # 2. score (behaviour and reference policies, detached)
     rollout = score_rollout(policy, reference, model_config, generation, **scoring_options(cfg, parts))
-    # 3. reward
     mask = rollout.response_mask
-    host_mask = sharding.to_host(mask)
-    texts = decode_responses(tokenizer, generation)
-    rewards, verdicts, reward_metrics = score_responses(texts, golds, host_mask.sum(axis=1), pool, coefficients)
-    reward_tokens = terminal_reward_tokens(rewards, host_mask)
     # 4. credit
     kappa = control_gate(parts.recipe, rollout.kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
     zeros = jnp.zeros(mask.shape)
@@ -207,20 +214,30 @@ def score_and_credit(cfg, parts: RunParts, model_config, tokenizer, pool, values
         rollout.log_probs, rollout.ref_log_probs, zeros, zeros, zeros,
         spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
     ), batch_shardings)
-    if parts.recipe.estimator == "grpo":
-        advantages = grpo_advantages(jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask)
-        values = returns = zeros
-    else:
-        values = values_fn(critic, batch)
-        if parts.recipe.estimator == "gae":
-            advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
-        else:
-            advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
-        advantages = whiten_advantages(advantages, mask)
+    values = zeros if parts.recipe.estimator == "grpo" else values_fn(critic, batch)
+    advantages, returns = estimate_credit(cfg, parts.recipe, sampled.rewards, sampled.reward_tokens, values, kappa, mask)
     batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
     # The critic's features live on in `batch` only (no second copy through the update).
     rollout = rollout._replace(hidden_states=None, routing=None)
-    return Scored(batch, rollout, texts, rewards, verdicts, reward_metrics, reward_tokens, host_mask, kappa)
+    return Scored(batch, rollout, sampled, kappa)
+
+
+def refreshed_credit(cfg, parts: RunParts, model_config, actor, scored: Scored, rng, advantage_clip) -> tuple[dict, jax.Array]:
+    """gate_refresh=epoch: the current actor's gate on the stored batch (H -> c -> kappa, no
+    gradient), through the gate control, and Comp-GAE rerun with the stored values and rewards.
+    Returns (the Minibatch fields that change: advantages (whitened, clipped), returns and
+    kappa_sequence; the new kappa [B, T])."""
+    batch, mask = scored.batch, scored.batch.response_mask
+    options = scoring_options(cfg, parts)
+    own = policy_gate(cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
+                      mask, length=mask.shape[1], window=options["window"], gate_statistic=options["gate_statistic"],
+                      sink_tokens=options["sink_tokens"], kappa_lo=options["kappa_lo"], kappa_hi=options["kappa_hi"], tau=options["tau"])
+    kappa = control_gate(parts.recipe, own, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
+    advantages, returns = estimate_credit(cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values,
+                                          kappa, mask)
+    fields = dict(advantages=clip_advantages(advantages, advantage_clip), returns=returns,
+                  kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]))
+    return fields, kappa
 
 
 def warm_start_key(cfg) -> dict:
@@ -346,7 +363,8 @@ def train(cfg) -> dict:
     reference, state["actor_opt"] = park(reference), park(state["actor_opt"])
     steps = jit_update_steps(mesh, model_config=model_config, temperature=cfg.rollout.temperature, actor=state["actor"],
                              actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
-                             critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
+                             critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic,
+                             actor_loss=actor_loss_of(cfg))
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     control_state = meta["controller"]
     warmup, prepended = critic_warmup(cfg, parts.recipe), prepended_warmup(cfg, parts.recipe)
@@ -377,24 +395,31 @@ def train(cfg) -> dict:
             actor, critic = state["actor"], state["critic"]
             policy = cast_params(actor, model_config.dtype)
 
-            # 1. sample
-            chosen = [train_problems[i] for i in prompts.next()]
-            prompt_tokens, prompt_mask = encode_prompts(tokenizer, chosen)
-            compiling("the sampler")
-            generation = generate(policy, model_config, prompt_tokens, prompt_mask, step_rng, max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
-                                  eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
-            # 2-4. score, reward, credit
+            # 1. sample, 3. reward (before scoring, so that dynamic sampling scores only the groups it keeps)
+            def sample(params, round_index: int) -> Sampled:  # round 0: the step's batch; later: dynamic sampling's refills
+                key = step_rng if round_index == 0 else jax.random.fold_in(step_rng, 1 + round_index)  # 1: the gate control's
+                chosen = [train_problems[i] for i in prompts.next()]
+                prompt_tokens, prompt_mask = encode_prompts(tokenizer, chosen)
+                compiling("the sampler")
+                generation = generate(params, model_config, prompt_tokens, prompt_mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
+                                      eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
+                return reward_generation(tokenizer, pool, generation, chosen, group, schedule.at(scheduled))
+
+            sampled = sample(policy, 0)
+            if cfg.rollout.dynamic_sampling:
+                sampled = dynamic_sampling(sampled, functools.partial(sample, policy), group, cfg.rollout.max_refills)
+            # 2, 4. score, credit
             compiling("the scoring pass and credit")
-            scored = score_and_credit(cfg, parts, model_config, tokenizer, pool, steps.values, critic, policy, fetch(reference), generation,
-                                      [p.answer for p in chosen for _ in range(group)], schedule.at(scheduled),
-                                      jax.random.fold_in(step_rng, 1), batch_shardings)
-            del policy, generation  # the compute copy is not kept through the update (launch/plan.py counts on it)
-            host_mask = scored.host_mask
+            gate_key = jax.random.fold_in(step_rng, 1)
+            scored = score_and_credit(cfg, parts, model_config, steps.values, critic, policy, fetch(reference), sampled, gate_key,
+                                      batch_shardings)
+            del policy, sampled  # the compute copy is not kept through the update (launch/plan.py counts on it)
+            host_mask = scored.sampled.host_mask
             lengths = host_mask.sum(axis=1)
             batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
-            if cfg.train.offload_idle:  # the update reads one minibatch at a time: the rest waits on the host
-                batch = jax.tree.map(sharding.to_host, batch)
+            to_update = (lambda tree: jax.tree.map(sharding.to_host, tree)) if cfg.train.offload_idle else (lambda tree: tree)
+            batch = to_update(batch)  # train.offload_idle: the update reads one minibatch at a time, the rest waits on the host
             state["actor_opt"] = fetch(state["actor_opt"])
 
             # 5. update: E epochs of shuffled minibatches
@@ -406,8 +431,18 @@ def train(cfg) -> dict:
             update_metrics = []
             rows = len(lengths)
             # A non-finite reward, value, advantage or return skips the whole update.
-            nonfinite = nonfinite_credit(scored.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
+            nonfinite = nonfinite_credit(scored.sampled.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
+            gate_changes = []
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
+                if cfg.gate_refresh == "epoch" and epoch > 0:  # epoch 0's actor is the behaviour policy: its gate is the rollout's
+                    compiling("the gate refresh")
+                    fresh, kappa = refreshed_credit(cfg, parts, model_config, state["actor"], scored, gate_key, knobs["advantage_clip"])
+                    gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
+                    nonfinite = nonfinite_credit(scored.sampled.rewards, advantages=fresh["advantages"], returns=fresh["returns"])
+                    if nonfinite:
+                        nonfinite = [f"{what} after the gate refresh of epoch {epoch}" for what in nonfinite]
+                        break
+                    batch = batch._replace(**to_update(fresh))
                 # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
                 order = np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
                 for start in range(0, rows, cfg.train.minibatch_size):
@@ -431,18 +466,20 @@ def train(cfg) -> dict:
 
             # 6. control, log, checkpoint
             metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
-            metrics.update(scored.reward_metrics)
+            metrics.update(scored.sampled.reward_metrics)
+            if gate_changes:
+                metrics["gate_refresh/mean_abs_change"] = float(np.mean(gate_changes))
             metrics["response_clip_ratio"] = float(np.mean(lengths >= cfg.rollout.max_new_tokens))
             metrics["response_length"] = float(lengths.mean())
             host = sharding.to_host
-            correct = np.asarray([v is Verdict.CORRECT for v in scored.verdicts])
+            correct = np.asarray([v is Verdict.CORRECT for v in scored.sampled.verdicts])
             if scored.rollout.kappa is not None:  # the policy's own gate, every method that ran the behaviour pass
                 own_kappa = host(scored.rollout.kappa)
                 metrics.update(gate_statistics(own_kappa, host_mask, correct))
                 for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
                     meta["gate_profile"][name] = (np.asarray(meta["gate_profile"][name]) + totals).tolist()
             if critic is not None:
-                metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), scored.reward_tokens, host(scored.kappa),
+                metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), scored.sampled.reward_tokens, host(scored.kappa),
                                                   host_mask))
             metrics["actor_updates"] = max(0, step - warmup)
             evaluated = cfg.train.eval_every and step > prepended and (step - prepended) % cfg.train.eval_every == 0
@@ -454,7 +491,8 @@ def train(cfg) -> dict:
             if nonfinite:
                 metrics["nonfinite"] = ", ".join(nonfinite)
             metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
-                           sample={"prompt": chosen[0].prompt, "response": scored.texts[0], "reward": float(scored.rewards[0])})
+                           sample={"prompt": scored.sampled.problems[0].prompt, "response": scored.sampled.texts[0],
+                                   "reward": float(scored.sampled.rewards[0])})
             writer.write(metrics)
             skipped.stop_if_exhausted(step, nonfinite)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",

@@ -10,6 +10,12 @@ cell of the paper's 2x2 factorial and the signal controls (sections 6.2-6.4):
 | comppo | attention / fixed / ...                | standard    | comp_gae; linear value head    |
 | ppo    | gamma (= 1) everywhere                 | standard    | gae (kappa = gamma)            |
 | grpo   | -                                      | none        | group-relative (eq. group_broadcast) |
+
+Beyond the paper, the policy-loss variants compose with every method where they make sense
+(`comppo_jax.train.validation` rejects the others): the surrogate (`train.policy_loss`: ppo, gspo
+for GRPO, gspo_token), the loss aggregation, DAPO's decoupled clip, dynamic sampling and overlong
+shaping, Dr.GRPO's unnormalized group advantages; and for CompPO the gate statistic and the gate
+refresh per epoch (`ActorLoss`, `config.gate_statistic`, `config.gate_refresh`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,27 @@ from comppo_jax.rollout import response_positions
 METHODS = ("comppo", "grpo", "ppo")
 GATES = ("attention", "fixed", "shuffle", "position")
 CRITICS = ("tac", "standard", "none")
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
+GATE_REFRESH = ("rollout", "epoch")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorLoss:
+    """The actor's surrogate as a config fixes it (static under jit): `train.policy_loss`,
+    `train.loss_aggregation`, `train.clip_high_scale` and the token-sum normalizer (max_new_tokens)."""
+
+    policy_loss: str = "ppo"
+    aggregation: str = "token-mean"
+    clip_high_scale: float = 1.0
+    norm_length: int | None = None
+    sequence_clip: tuple[float, float] = (3e-4, 4e-4)  # GSPO's (low, high) clip of the sequence ratio
+
+
+def actor_loss_of(cfg) -> ActorLoss:
+    """The `ActorLoss` of a training config."""
+    train = cfg.train
+    return ActorLoss(train.policy_loss, train.loss_aggregation, float(train.clip_high_scale), cfg.rollout.max_new_tokens,
+                     (float(train.gspo_clip_low), float(train.gspo_clip_high)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,11 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         gate=("attention", "CompPO's gate control: attention | fixed | shuffle | position"),
         position_schedule=("", "the position-only control's JSON schedule (a run's gate_profile.json)"),
         fixed_gate=(0.61, "the fixed control's constant: the full method's empirical mean gate (section 6.3)"),
+        gate_statistic=("herfindahl", "the concentration statistic kappa reads: herfindahl (the paper's) | entropy | sink_herfindahl "
+                                      "| max_weight (comppo_jax.credit.statistic_concentration)"),
+        sink_tokens=(4, "gate_statistic=sink_herfindahl: key positions at the window's start left out (attention sinks)"),
+        gate_refresh=("rollout", "rollout (the paper's: the behaviour policy's gate serves every update epoch) | epoch (recomputed "
+                                 "with the current actor before each later epoch; one forward pass per epoch)"),
         steps=(200, "actor-update steps (the critic warm-up comes on top unless train.critic_warmup_counts_toward_steps)"),
         resume=(False, "continue the run in output_dir from its newest checkpoint that verifies"),
         resume_step=(-1, "with resume: this checkpoint step instead (-1: the newest that verifies)"),
@@ -113,6 +118,10 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         paged_attention=("auto", "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | gpu | gpu_interpret"),
         old_log_probs=("rescore", "the behaviour log-probs of the PPO ratio: rescore (teacher-forced in the scoring pass) | sampler "
                                   "(recorded while sampling; GRPO then skips the behaviour forward pass and logs no gate statistics)"),
+        dynamic_sampling=(False, "DAPO's dynamic sampling: drop prompt groups whose rewards are all equal and refill the batch "
+                                 "from the prompt stream"),
+        max_refills=(3, "dynamic_sampling: extra sampling rounds per step at most; groups still missing then are filled with "
+                        "dropped ones"),
     )
     # Clip 0.2, grad clip 1 and 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     config.train = _section(
@@ -122,6 +131,14 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         kl_coef=(2e-3, "KL-to-reference coefficient (PPO, CompPO)"),
         kl_coef_grpo=(1e-3, "KL-to-reference coefficient (GRPO)"),
         lam=(0.95, "GAE / Comp-GAE lambda"),
+        policy_loss=("ppo", "the actor's surrogate: ppo (per-token ratio, eq. ppo_outer) | gspo (one length-normalized ratio per "
+                            "response; GRPO only) | gspo_token (GSPO's ratio carrying per-token advantages)"),
+        loss_aggregation=("token-mean", "token-mean (the paper's, DAPO's) | seq-mean-token-mean (GSPO's) | seq-mean-token-sum | "
+                                        "seq-mean-token-sum-norm (Dr.GRPO's: token sums over max_new_tokens)"),
+        gspo_clip_low=(3e-4, "gspo, gspo_token: the sequence ratio's lower clip (GSPO's; the controller's clip does not apply)"),
+        gspo_clip_high=(4e-4, "gspo, gspo_token: the sequence ratio's upper clip (GSPO's)"),
+        clip_high_scale=(1.0, "DAPO's decoupled clip: the ratio's upper clip is this times the controller's clip (1.4: DAPO's 0.28/0.2)"),
+        group_std_normalization=(True, "GRPO: divide by the group's reward std (False: Dr.GRPO)"),
         minibatch_size=(4, "responses per minibatch"),
         critic_warmup_steps=(10, "critic-only steps before the actor's first update"),
         critic_warmup_counts_toward_steps=(False, "the paper's literal reading: the warm-up is part of steps"),
@@ -151,6 +168,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         overlong_buffer=(4096, "overlong: tokens before max_new_tokens where the penalty ramps in"),
         overlong_penalty=(1.0, "overlong: the penalty at max_new_tokens"),
         correct_never_below_incorrect=(True, "a correct answer's reward stays >= an incorrect one's"),
+        length_penalty_on=("correct", "who pays the length penalty: correct (the paper's: correct, well-formed responses) | all "
+                                      "(DAPO's overlong shaping: every response)"),
     )
     config.controller = controller.config_section()
     FIELD_HELP.update({f"controller.{name}": text for name, text in controller.FIELD_HELP.items()})

@@ -46,7 +46,7 @@ from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs
 from comppo_jax.train.loop import check_batch, init_critic, kl_coefficient, run_parts, scoring_options
-from comppo_jax.train.methods import behaviour_pass
+from comppo_jax.train.methods import actor_loss_of, behaviour_pass
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -230,7 +230,8 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     state["rollout_batch"] = minibatch(rows)
     update = jit_update_steps(mesh, model_config=config, temperature=cfg.rollout.temperature, actor=state["actor"],
                               actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
-                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic)
+                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic,
+                              actor_loss=actor_loss_of(cfg))
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
     # train.offload_idle: what each program does not read waits in host memory (train() moves it).
@@ -269,7 +270,8 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     updates = epochs * rows // cfg.train.minibatch_size
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
                         epochs=epochs, reference=kl_coefficient(cfg, parts.recipe) > 0,
-                        behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs))
+                        behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
+                        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0)
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
@@ -327,19 +329,22 @@ def matmul_params(config) -> int:
 
 
 def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool,
-                behaviour: bool = True) -> float:
+                behaviour: bool = True, gate_refreshes: int = 0) -> float:
     """One train step's model FLOPs, the numerator of MFU: a forward pass costs 2N per token plus
     causal attention 4 x layers x heads x head_dim x (mean keys, half the row) per token, a
     forward and backward 3x that. Prefill (each prompt once) and decoding (each response token,
     with the prompt and half the response as mean context), the scoring pass (the behaviour policy
     unless skipped, `methods.behaviour_pass`, and with a KL term the reference) and the actor's
-    `epochs` passes over the rollout. Rematerialized forwards and the critic are not model FLOPs."""
+    `epochs` passes over the rollout, and gate_refresh=epoch's forward before each later epoch
+    (`gate_refreshes`; no vocabulary projection). Rematerialized forwards and the critic are not
+    model FLOPs."""
     n = matmul_params(config)
     attention = lambda keys: 4 * config.num_layers * config.num_heads * config.head_dim * keys
     length = prompt_length + response
     sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (2 * n + attention(prompt_length + response / 2))
     forward = rows * length * (2 * n + attention(length / 2))
-    return sample + (int(reference) + int(behaviour)) * forward + epochs * 3 * forward
+    gate_forward = forward - rows * length * 2 * config.hidden_size * config.vocab_size
+    return sample + (int(reference) + int(behaviour)) * forward + epochs * 3 * forward + gate_refreshes * gate_forward
 
 
 class ProgramTime(NamedTuple):

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from comppo_jax.credit import kl_penalty, masked_mean, ppo_clip_loss, value_loss
+from comppo_jax.credit import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss, value_loss
 from comppo_jax.critic import Routing, standard_value_head
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout import gather_response, policy_token_stats
 from comppo_jax.sharding import batch_sharding, replicated, tree_shardings
+from comppo_jax.train.methods import ActorLoss
 
 
 class Minibatch(NamedTuple):
@@ -76,12 +77,23 @@ def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm, losse
     return keep_if_finite(optax.apply_updates(params, updates), params), keep_if_finite(new_opt_state, opt_state), grad_norm, finite
 
 
-def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float):
-    """Clipped surrogate (eq. ppo_outer) + kl_coef * low-variance KL to the reference policy."""
+def surrogate(loss: ActorLoss, log_probs, old_log_probs, advantages, mask, clip):
+    """The clipped surrogate the config picks: PPO's per-token ratio (eq. ppo_outer) clipped to
+    [1 - clip, 1 + clip * clip_high_scale], or GSPO's sequence ratio at its own clip range."""
+    if loss.policy_loss == "ppo":
+        return ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip, clip * loss.clip_high_scale,
+                             aggregation=loss.aggregation, norm_length=loss.norm_length)
+    low, high = loss.sequence_clip
+    return gspo_loss(log_probs, old_log_probs, advantages, mask, low, high, token_level=loss.policy_loss == "gspo_token",
+                     aggregation=loss.aggregation, norm_length=loss.norm_length)
+
+
+def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float, loss: ActorLoss = ActorLoss()):
+    """Clipped surrogate (`surrogate`) + kl_coef * low-variance KL to the reference policy."""
     log_probs, entropy = policy_token_stats(cast_params(params, config.dtype), config, batch.tokens, batch.attention_mask,
                                             batch.prompt_lengths, batch.response_tokens, temperature)
     mask = batch.response_mask
-    policy_loss, stats = ppo_clip_loss(log_probs, batch.old_log_probs, batch.advantages, mask, clip, clip)
+    policy_loss, stats = surrogate(loss, log_probs, batch.old_log_probs, batch.advantages, mask, clip)
     kl = kl_penalty(log_probs, batch.ref_log_probs, mask)
     entropy = masked_mean(entropy, mask)
     metrics = {"policy_loss": policy_loss, "kl_loss": kl, "ppo_kl": stats["approx_kl"],
@@ -89,10 +101,11 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, tem
     return policy_loss + kl_coef * kl, metrics
 
 
-def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: ModelConfig, tx, temperature: float):
+def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: ModelConfig, tx, temperature: float,
+               loss: ActorLoss = ActorLoss()):
     """One actor update; hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
     Skipped (params and optimizer state unchanged, actor_finite=False) on a non-finite loss or gradient."""
-    grads, metrics = jax.grad(actor_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature)
+    grads, metrics = jax.grad(actor_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss)
     params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"],
                                                            (metrics["policy_loss"], metrics["kl_loss"]))
     return params, opt_state, {**metrics, "grad_norm": grad_norm, "actor_finite": finite}
@@ -131,12 +144,14 @@ class UpdateSteps(NamedTuple):
 
 
 def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: float, actor, actor_opt, actor_tx,
-                     critic=None, critic_opt=None, critic_tx=None, critic_module=None, critic_kind: str = "none") -> UpdateSteps:
-    """`actor_step`, `critic_step` and `critic_values` as jax.jit with in/out shardings on `mesh`."""
+                     critic=None, critic_opt=None, critic_tx=None, critic_module=None, critic_kind: str = "none",
+                     actor_loss: ActorLoss = ActorLoss()) -> UpdateSteps:
+    """`actor_step` (with the surrogate `actor_loss`), `critic_step` and `critic_values` as jax.jit
+    with in/out shardings on `mesh`."""
     rep = replicated(mesh)
     batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac")
     actor_sh, actor_opt_sh = tree_shardings(mesh, actor), tree_shardings(mesh, actor_opt)
-    actor_fn = jax.jit(functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature),
+    actor_fn = jax.jit(functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),
                        in_shardings=(actor_sh, actor_opt_sh, batch, rep), out_shardings=(actor_sh, actor_opt_sh, rep),
                        donate_argnums=(0, 1))
     if critic is None:

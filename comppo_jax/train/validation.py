@@ -14,14 +14,15 @@ import difflib
 import math
 import os
 
+from comppo_jax.credit import GATE_STATISTICS, LOSS_AGGREGATIONS
 from comppo_jax.credit.schedule import load_position_schedule
-from comppo_jax.data.rewards import LENGTH_PENALTIES
+from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
 from comppo_jax.models.paged_cache import PAGED_ATTENTION
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
-from comppo_jax.train.methods import GATES, METHODS
+from comppo_jax.train.methods import GATE_REFRESH, GATES, METHODS, POLICY_LOSSES
 
 CRITIC_KINDS = ("tac", "standard")
 DATA_KINDS = ("synthetic", "dapo_math")
@@ -140,6 +141,29 @@ def _check_mesh(problems: _Problems, cfg) -> None:
         problems.number("mesh.process_id", low=0, high=max(cfg.mesh.num_processes - 1, 0), integer=True)
 
 
+def _check_combinations(problems: _Problems, cfg) -> None:
+    """Switches that mean nothing for the config's method (a silent no-op would mislead a comparison)."""
+    gated = cfg.method == "comppo" and cfg.gate in ("attention", "shuffle")  # the runs whose kappa comes from the statistic
+    if cfg.gate_statistic != "herfindahl" and not gated:
+        problems.add("gate_statistic", f"only CompPO's attention and shuffle gates read the statistic (method={cfg.method!r}, "
+                                       f"gate={cfg.gate!r}); pass --config.gate_statistic=herfindahl")
+    if cfg.gate_refresh == "epoch" and not gated:
+        problems.add("gate_refresh", f"only CompPO's attention and shuffle gates depend on the actor (method={cfg.method!r}, "
+                                     f"gate={cfg.gate!r}); pass --config.gate_refresh=rollout")
+    if cfg.train.policy_loss == "gspo" and cfg.method != "grpo":
+        problems.add("train.policy_loss", f"GSPO's one ratio per response would average away {cfg.method}'s per-token credit; pass "
+                                          "--config.train.policy_loss=gspo_token (GSPO's ratio with per-token advantages)")
+    if cfg.train.clip_high_scale != 1.0 and cfg.train.policy_loss != "ppo":
+        problems.add("train.clip_high_scale", f"scales the per-token ratio's clip; {cfg.train.policy_loss} clips its sequence ratio at "
+                                              "train.gspo_clip_low / gspo_clip_high instead: pass --config.train.clip_high_scale=1.0")
+    if not cfg.train.group_std_normalization and cfg.method != "grpo":
+        problems.add("train.group_std_normalization", f"only GRPO's group-relative advantages divide by a group std "
+                                                      f"(method={cfg.method!r}); pass --config.train.group_std_normalization=True")
+    if cfg.rollout.dynamic_sampling and cfg.rollout.samples_per_prompt < 2:
+        problems.add("rollout.dynamic_sampling", "a group of one response always has equal rewards, so every group would be "
+                                                 "dropped; raise rollout.samples_per_prompt or pass --config.rollout.dynamic_sampling=False")
+
+
 def validate_config(cfg) -> None:
     """Raises ConfigError listing every problem of a training config (nothing is loaded or compiled)."""
     missing = missing_fields(cfg)
@@ -159,6 +183,16 @@ def validate_config(cfg) -> None:
     problems.enum("rollout.old_log_probs", OLD_LOG_PROBS)
     problems.enum("rollout.paged_attention", PAGED_ATTENTION)
     problems.enum("reward.length_penalty", LENGTH_PENALTIES)
+    problems.enum("reward.length_penalty_on", LENGTH_PENALTY_SCOPES)
+    problems.enum("gate_statistic", GATE_STATISTICS)
+    problems.enum("gate_refresh", GATE_REFRESH)
+    problems.enum("train.policy_loss", POLICY_LOSSES)
+    problems.enum("train.loss_aggregation", LOSS_AGGREGATIONS)
+    problems.number("sink_tokens", low=0, integer=True)
+    problems.number("train.clip_high_scale", low=0, low_open=True)
+    problems.number("train.gspo_clip_low", low=0, high=1, low_open=True)
+    problems.number("train.gspo_clip_high", low=0, low_open=True)
+    problems.number("rollout.max_refills", low=0, integer=True)
     problems.number("steps", low=1, integer=True)
     problems.number("seed", low=0, integer=True)
     for name in ("train.actor_lr", "train.critic_lr"):
@@ -208,5 +242,7 @@ def validate_config(cfg) -> None:
             problems.lines.append(str(error))
     _check_mesh(problems, cfg)
     _check_paths(problems, cfg)
+    if not problems.lines:  # the combinations read several fields: only once each is valid
+        _check_combinations(problems, cfg)
     if problems.lines:
         raise ConfigError("\n".join(problems.lines))

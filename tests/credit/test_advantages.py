@@ -1,4 +1,5 @@
-"""Comp-GAE, GAE, the transport kernel, GRPO, whitening and clipping against NumPy oracles."""
+"""Comp-GAE, GAE, the transport kernel, GRPO, Dr.GRPO, DAPO's group filter, whitening and clipping
+against NumPy oracles."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from comppo_jax.credit import (
     advantages,
     clip_advantages,
     gate_range,
+    informative_groups,
     transport_kernel,
     whiten_advantages,
 )
@@ -285,6 +287,89 @@ def test_grpo_tied_groups_get_zero_and_bad_group_size_is_refused():
         grpo_advantages(np.zeros(4, np.float32), 2, np.ones((3, 3), bool))
     with pytest.raises(ValueError, match=r"rewards must have shape \[B\]"):
         grpo_advantages(np.zeros((4, 3), np.float32), 2, mask)
+
+
+def verl_grpo_outcome_advantage(scores, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+    """NumPy transcription of verl core_algos.compute_grpo_outcome_advantage on [B] scores (float64)."""
+    scores = np.asarray(scores, np.float64).copy()
+    id2score = {}
+    for i, idx in enumerate(index):
+        id2score.setdefault(idx, []).append(scores[i])
+    id2mean, id2std = {}, {}
+    for idx, vals in id2score.items():
+        if len(vals) == 1:
+            id2mean[idx], id2std[idx] = 0.0, 1.0
+        else:
+            id2mean[idx], id2std[idx] = np.mean(vals), np.std(vals, ddof=1)
+    for i, idx in enumerate(index):
+        if norm_adv_by_std_in_grpo:
+            scores[i] = (scores[i] - id2mean[idx]) / (id2std[idx] + epsilon)
+        else:
+            scores[i] = scores[i] - id2mean[idx]
+    return scores
+
+
+@settings(max_examples=40, deadline=None)
+@given(group_size=st.sampled_from((2, 4)),
+       rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0)) | floats(-3, 3)),
+       lengths=st.lists(st.integers(0, 6), min_size=8, max_size=8))
+def test_dr_grpo_matches_verl_without_std_normalization(group_size, rewards, lengths):
+    mask = np.arange(6)[None] < np.asarray(lengths)[:, None]
+    got = np.asarray(grpo_advantages(rewards, group_size, mask, normalize_std=False))
+    index = np.repeat(np.arange(8 // group_size), group_size)
+    want = verl_grpo_outcome_advantage(rewards, index, norm_adv_by_std_in_grpo=False)[:, None] * mask
+    # Tied groups are exactly 0 here; verl's float mean can leave an ulp of residue.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # Same ranking as GRPO: the std only rescales each group.
+    np.testing.assert_array_equal(np.sign(got), np.sign(np.asarray(grpo_advantages(rewards, group_size, mask))))
+
+
+def test_dr_grpo_by_hand_and_grpo_default_unchanged():
+    rewards = np.array([1.0, 0.0, 0.5, 0.5, 3.0, 0.0, 0.0, 0.0], np.float32)
+    mask = np.array([[1, 1, 0]] * 8, bool)
+    got = np.asarray(grpo_advantages(rewards, 2, mask, normalize_std=False))
+    np.testing.assert_allclose(got[:, 0], [0.5, -0.5, 0.0, 0.0, 1.5, -1.5, 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_array_equal(got[:, 2], 0.0)
+    # Groups of 4: means 0.5 and 0.75; the second group's reward 3 dominates without the std.
+    got4 = np.asarray(grpo_advantages(rewards, 4, mask, normalize_std=False))
+    np.testing.assert_allclose(got4[:, 0], [0.5, -0.5, 0.0, 0.0, 2.25, -0.75, -0.75, -0.75], rtol=1e-6)
+    # Ties are exactly 0, though the float32 mean of 3 x 2.9 is an ulp off 2.9.
+    tied3 = grpo_advantages(np.full(3, 2.9, np.float32), 3, np.ones((3, 2), bool), normalize_std=False)
+    np.testing.assert_array_equal(tied3, 0.0)
+    # The default is GRPO, as before: (R - mean) / (std + eps), std of (1, 0) = 1 / sqrt(2).
+    default = np.asarray(grpo_advantages(rewards, 2, mask))
+    np.testing.assert_array_equal(default, np.asarray(grpo_advantages(rewards, 2, mask, 1e-6, normalize_std=True)))
+    np.testing.assert_allclose(default[:2, 0], [0.5 / (2 ** -0.5 + 1e-6), -0.5 / (2 ** -0.5 + 1e-6)], rtol=1e-6)
+    np.testing.assert_allclose(default, verl_grpo_outcome_advantage(rewards, np.repeat(np.arange(4), 2))[:, None] * mask,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_informative_groups_by_hand():
+    rewards = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.25], np.float32)
+    keep = informative_groups(rewards, 2)
+    assert isinstance(keep, np.ndarray) and keep.dtype == np.bool_
+    np.testing.assert_array_equal(keep, [False, True, False, True])
+    np.testing.assert_array_equal(informative_groups(jnp.asarray(rewards), 4), [True, True])
+    # Exact equality: 3 x 2.9 is tied even though its float32 mean is an ulp off 2.9, and a
+    # group of one is never informative; both get zero GRPO advantage.
+    np.testing.assert_array_equal(informative_groups(np.full(3, 2.9, np.float32), 3), [False])
+    np.testing.assert_array_equal(informative_groups(rewards, 1), np.zeros(8, bool))
+    with pytest.raises(ValueError, match=r"group_size must be a positive int dividing the batch size B = 8"):
+        informative_groups(rewards, 3)
+    with pytest.raises(ValueError, match=r"rewards must have shape \[B\]"):
+        informative_groups(rewards.reshape(4, 2), 2)
+
+
+# No subnormals: XLA:CPU flushes them to zero, so JAX ties a group (0, 1e-43) that NumPy does not.
+@settings(max_examples=40, deadline=None)
+@given(group_size=st.sampled_from((1, 2, 4)),
+       rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0))
+                          | st.floats(-3, 3, width=32, allow_subnormal=False)))
+def test_informative_groups_are_those_with_nonzero_grpo_advantages(group_size, rewards):
+    keep = informative_groups(rewards, group_size)
+    for normalize_std in (True, False):
+        adv = np.asarray(grpo_advantages(rewards, group_size, np.ones((8, 1), bool), normalize_std=normalize_std))
+        np.testing.assert_array_equal(keep, (adv.reshape(-1, group_size) != 0).any(axis=1))
 
 
 @settings(max_examples=30, deadline=None)

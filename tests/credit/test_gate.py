@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comppo_jax import fixed_gate, normalized_concentration, retention_gate, shuffle_gate
-from comppo_jax.credit import FIXED_GATE, gate_range
+from comppo_jax.credit import (FIXED_GATE, GATE_STATISTICS, entropy_concentration, gate_range, max_weight_concentration,
+                               statistic_concentration)
 
 
 def herfindahl(probs):
@@ -36,6 +37,40 @@ def test_concentration_is_the_normalized_log_herfindahl(weights, point):
     else:
         assert c == pytest.approx(min(max(math.log(n * h) / math.log(n), 0.0), 1.0), abs=1e-5)
         assert 0.0 <= c <= 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=hnp.arrays(np.float64, st.integers(1, 40), elements=st.floats(0, 1)), point=st.booleans())
+def test_entropy_and_max_weight_concentrations_follow_their_formulas(weights, point):
+    """c = 1 - E / log n and c = log(n a_max) / log n on random rows: the same endpoints as eq. cnorm."""
+    n = weights.shape[0]
+    if point or weights.sum() == 0:
+        weights = np.eye(n)[0]
+    probs = weights / weights.sum()
+    entropy = -np.sum(probs[probs > 0] * np.log(probs[probs > 0]))
+    as_array = lambda x: jnp.array([[x]], jnp.float32)
+    c_entropy = float(entropy_concentration(as_array(entropy), jnp.array([[n]], jnp.int32))[0, 0])
+    c_max = float(max_weight_concentration(as_array(probs.max()), jnp.array([[n]], jnp.int32))[0, 0])
+    if n < 2:
+        assert c_entropy == c_max == 0.5
+        return
+    assert c_entropy == pytest.approx(min(max(1 - entropy / math.log(n), 0.0), 1.0), abs=1e-5)
+    assert c_max == pytest.approx(min(max(math.log(n * probs.max()) / math.log(n), 0.0), 1.0), abs=1e-5)
+    if point:
+        assert c_entropy == pytest.approx(1.0) and c_max == pytest.approx(1.0)
+    # Renyi entropies fall with their order (1, 2, infinity), so the concentrations rise with it.
+    c_herfindahl = float(normalized_concentration(as_array(herfindahl(probs)), jnp.array([[n]], jnp.int32))[0, 0])
+    assert c_entropy <= c_herfindahl + 1e-5 <= c_max + 2e-5
+
+
+def test_every_gate_statistic_maps_uniform_to_zero_one_hot_to_one_and_short_windows_to_a_half():
+    n = jnp.array([[1, 5, 5, 0]], jnp.int32)
+    uniform = {"herfindahl": 0.2, "sink_herfindahl": 0.2, "entropy": math.log(5), "max_weight": 0.2}
+    for name in GATE_STATISTICS:
+        values = jnp.array([[0.0, uniform[name], 1.0 if name != "entropy" else 0.0, 0.0]], jnp.float32)
+        np.testing.assert_allclose(statistic_concentration(name, values, n), [[0.5, 0.0, 1.0, 0.5]], atol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match=r"gate statistic 'renyi' is not one of"):
+        statistic_concentration("renyi", values, n)
 
 
 def test_concentration_extremes_short_windows_and_padding():

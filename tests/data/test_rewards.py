@@ -105,6 +105,19 @@ def test_overlong_rewards_stay_at_or_above_incorrect(pool):
     np.testing.assert_allclose(rewards, [1.0, 0.5, 0.0])
 
 
+def test_dapo_overlong_shaping_charges_every_response(pool):
+    """length_penalty_on="all": incorrect and malformed responses pay the overlong penalty too (DAPO)."""
+    responses = ["Answer: 4", "Answer: 5", "<think>unclosed\nAnswer: 4"]
+    lengths = [16384, 16384, 14336]
+    shaping = dict(length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096, format_coef=0.5)
+    paper, _, _ = score_responses(responses, ["4"] * 3, lengths, pool, RewardCoefficients(**shaping))
+    dapo, _, _ = score_responses(responses, ["4"] * 3, lengths, pool, RewardCoefficients(**shaping, length_penalty_on="all"))
+    np.testing.assert_allclose(paper, [0.0, 0.0, -0.5])
+    np.testing.assert_allclose(dapo, [0.0, -1.0, -1.0])  # correct: max(1 - 1, 0); incorrect 0 - 1; malformed -0.5 - 0.5
+    with pytest.raises(ValueError, match=r"length_penalty_on='some'; expected one of \('correct', 'all'\)"):
+        score_responses(responses, ["4"] * 3, lengths, pool, RewardCoefficients(**shaping, length_penalty_on="some"))
+
+
 def test_terminal_reward_sits_at_the_last_valid_token():
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
     np.testing.assert_array_equal(terminal_reward_tokens([1.0, -0.5, 1.0], mask), [[0, 0, 1, 0], [-0.5, 0, 0, 0], [0, 0, 0, 0]])

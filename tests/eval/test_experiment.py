@@ -31,7 +31,7 @@ def test_screen_plans_one_run_per_cell_at_the_screen_seed():
     assert ex.arms_of(main) == [("comppo", ex.arms_of(main)[0][1]), ("grpo", ("method=grpo",) + experiments.MATCHED_BUDGET)]
 
 
-@pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group"])
+@pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group", "statistics", "variants"])
 def test_every_arm_has_a_matched_actor_update_budget(name):
     for definitions in (experiments, experiments_tiny):
         assert all("train.critic_warmup_counts_toward_steps=False" in overrides for _, overrides in ex.arms_of(definitions.get_config(name)))
@@ -154,7 +154,7 @@ def test_controls_experiment_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("module", [experiments, experiments_tiny])
-@pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group"])
+@pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group", "statistics", "variants"])
 def test_every_experiment_plans(module, name):
     from comppo_jax.models import load_config_file
 

@@ -144,7 +144,7 @@ def test_final_attention_inputs_reproduce_the_final_layer_lse(params):
     *_, expected = pallas_kernels.attention_with_concentration(q, k, k, jnp.asarray(mask), window_start, backend="reference", return_lse=True)
     np.testing.assert_allclose(lse, expected, atol=1e-5)
     assert run(params, tokens, mask, [2, 4]).final_attention is None
-    with pytest.raises(ValueError, match="return_final_attention=True needs window_start"):
+    with pytest.raises(ValueError, match="return_final_attention and concentration_statistics need window_start"):
         forward(params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask), return_final_attention=True)
 
 

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comppo_jax import normalized_concentration
-from pallas_kernels import attention_with_concentration, default_backend
+from comppo_jax.credit import statistic_concentration
+from pallas_kernels import STATISTICS, attention_with_concentration, default_backend, window_sizes
 from pallas_kernels.gpu import attention_with_concentration_gpu
 from pallas_kernels.tpu import attention_with_concentration_tpu
 
@@ -41,8 +42,8 @@ def random_inputs(seed, *, lengths=(45, 30, 17), num_heads=8, num_kv_heads=2, he
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v)) + (jnp.asarray(mask),)
 
 
-def reference(q, k, v, mask, window_start):
-    return attention_with_concentration(q, k, v, mask, window_start, backend="reference")
+def reference(q, k, v, mask, window_start, **kwargs):
+    return attention_with_concentration(q, k, v, mask, window_start, backend="reference", **kwargs)
 
 
 @pytest.mark.parametrize("backend", sorted(BLOCKWISE))
@@ -128,6 +129,76 @@ def test_log_sum_exp_matches_the_masked_logits(backend):
     visible = jnp.tril(jnp.ones((length, length), bool))[None, None] & mask[:, None, None, :]
     expected = jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf), axis=-1)
     np.testing.assert_allclose(lse, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", sorted(BLOCKWISE))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window_start,sink_tokens", [((0, 0, 0), 1), ((12, 7, 17), 4), ((12, 7, 17), 40)])
+def test_statistics_match_reference(backend, dtype, window_start, sink_tokens):
+    """Every statistic at once, through several q and kv blocks; H and n are unchanged by them."""
+    q, k, v, mask = random_inputs(7, dtype=dtype)
+    window_start = jnp.asarray(window_start, jnp.int32)
+    kernel = jax.jit(functools.partial(BLOCKWISE[backend], statistics=STATISTICS, sink_tokens=sink_tokens, **BLOCKS))
+    out, herfindahl, window_size, statistics = kernel(q, k, v, mask, window_start)
+    expected_out, expected_h, expected_n, expected = reference(q, k, v, mask, window_start, statistics=STATISTICS,
+                                                               sink_tokens=sink_tokens)
+    np.testing.assert_allclose(herfindahl, expected_h, atol=1e-5)
+    np.testing.assert_array_equal(window_size, expected_n)
+    assert sorted(statistics) == sorted(STATISTICS)
+    for name in STATISTICS:  # entropy is in nats, up to log(45) ~ 3.8
+        np.testing.assert_allclose(statistics[name], expected[name], atol=1e-5 if name != "entropy" else 4e-5, err_msg=name)
+    alone = BLOCKWISE[backend](q, k, v, mask, window_start, **BLOCKS)
+    np.testing.assert_array_equal(np.asarray(alone[1]), np.asarray(herfindahl))
+
+
+@settings(max_examples=8, deadline=None)
+@given(length=st.integers(1, 40), window_fraction=st.floats(0.0, 1.0), sink_tokens=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_statistics_lie_in_their_ranges(length, window_fraction, sink_tokens, seed):
+    """0 <= E <= log n, 1/n <= max weight <= 1, 1/n' <= sink H <= 1, and every c in [0, 1]."""
+    q, k, v, mask = random_inputs(seed, lengths=(length, max(1, length // 2)), num_heads=4, num_kv_heads=2)
+    window_start = jnp.asarray([int(window_fraction * length)] * 2, jnp.int32)
+    _, _, n, statistics = attention_with_concentration(q, k, v, mask, window_start, backend="interpret", statistics=STATISTICS,
+                                                       sink_tokens=sink_tokens, **BLOCKS)
+    n = np.asarray(n)
+    sink_n = np.asarray(window_sizes(mask, window_start + sink_tokens))
+    entropy, peak, sink_h = (np.asarray(statistics[name], np.float64) for name in ("entropy", "max_weight", "sink_herfindahl"))
+    has = n > 0
+    assert (entropy[has] >= -1e-5).all() and (entropy[has] <= np.log(n[has]) + 1e-5).all()
+    assert (peak[has] >= 1 / n[has] - 1e-6).all() and (peak[has] <= 1 + 1e-6).all()
+    assert (sink_h[sink_n > 0] >= 1 / sink_n[sink_n > 0] - 1e-6).all() and (sink_h <= 1 + 1e-6).all()
+    assert (entropy[~has] == 0).all() and (peak[~has] == 0).all() and (sink_h[sink_n == 0] == 0).all()
+    for name, window in (("entropy", n), ("max_weight", n), ("sink_herfindahl", sink_n)):
+        c = np.asarray(statistic_concentration(name, statistics[name], jnp.asarray(window)))
+        assert ((c >= 0) & (c <= 1)).all(), name
+
+
+@pytest.mark.parametrize("backend", sorted(ALL_BACKENDS))
+def test_every_statistic_maps_uniform_to_zero_and_one_hot_to_one(backend):
+    """The endpoints of eq. cnorm hold for each statistic's c (sink-masked: the one-hot key lies past the sinks)."""
+    q, k, v, mask = random_inputs(3, lengths=(40, 33))
+    window_start = jnp.asarray([4, 9], jnp.int32)
+    sink_tokens = 2
+    kwargs = dict(BLOCKS if backend in BLOCKWISE else {}, statistics=STATISTICS, sink_tokens=sink_tokens)
+    windows = {"entropy": None, "max_weight": None, "sink_herfindahl": window_sizes(mask, window_start + sink_tokens)}
+
+    def concentrations(q, k):
+        _, _, n, statistics = ALL_BACKENDS[backend](q, k, v, mask, window_start, **kwargs)
+        return {name: (np.asarray(statistic_concentration(name, statistics[name], n if windows[name] is None else windows[name])),
+                       np.asarray(n if windows[name] is None else windows[name])) for name in STATISTICS}
+
+    for name, (c, n) in concentrations(jnp.zeros_like(q), k).items():
+        np.testing.assert_allclose(c[n >= 2], 0.0, atol=1e-5, err_msg=name)
+    one_hot_key = np.zeros(k.shape, np.float32)
+    one_hot_key[np.arange(2), np.asarray(window_start) + sink_tokens, :, 0] = 30.0
+    for name, (c, n) in concentrations(jnp.zeros_like(q).at[..., 0].set(30.0), jnp.asarray(one_hot_key)).items():
+        seen = np.arange(40)[None] >= np.asarray(window_start)[:, None] + sink_tokens  # queries that see the one-hot key
+        np.testing.assert_allclose(c[(n >= 2) & seen], 1.0, atol=1e-5, err_msg=name)
+
+
+def test_unknown_statistic_is_named():
+    q, k, v, mask = random_inputs(5)
+    with pytest.raises(ValueError, match=r"unknown concentration statistic 'renyi'"):
+        attention_with_concentration(q, k, v, mask, jnp.zeros((3,), jnp.int32), backend="interpret", statistics=("renyi",))
 
 
 def test_kernel_output_is_differentiable_through_xla_attention():

@@ -9,12 +9,14 @@ import pytest
 from pallas_kernels import attention_with_concentration
 
 
-def numpy_attention(q, k, v, mask, window_start, scale):
+def numpy_attention(q, k, v, mask, window_start, scale, sink_tokens=4):
+    """(out, herfindahl, window_size, {statistic: value}) by a loop over rows, queries and heads."""
     batch, length, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
     out = np.zeros_like(q)
     herfindahl = np.zeros((batch, length))
     window_size = np.zeros((batch, length), np.int64)
+    statistics = {name: np.zeros((batch, length)) for name in ("entropy", "sink_herfindahl", "max_weight")}
     for b in range(batch):
         for p in range(length):
             keys = [i for i in range(p + 1) if mask[b, i]]
@@ -31,7 +33,13 @@ def numpy_attention(q, k, v, mask, window_start, scale):
                 weights = mean[window] / mean[window].sum()
                 herfindahl[b, p] = np.square(weights).sum()
                 window_size[b, p] = len(window)
-    return out, herfindahl, window_size
+                statistics["entropy"][b, p] = -np.sum(weights * np.log(weights))
+                statistics["max_weight"][b, p] = weights.max()
+            beyond_sinks = [j for j, i in enumerate(keys) if i >= window_start[b] + sink_tokens]
+            if beyond_sinks:
+                weights = mean[beyond_sinks] / mean[beyond_sinks].sum()
+                statistics["sink_herfindahl"][b, p] = np.square(weights).sum()
+    return out, herfindahl, window_size, statistics
 
 
 def random_inputs(seed, batch=2, length=11, num_heads=4, num_kv_heads=2, head_dim=8, lengths=(11, 6)):
@@ -51,10 +59,25 @@ def test_reference_matches_numpy_loop(num_heads, num_kv_heads, window_start):
     out, herfindahl, window_size = attention_with_concentration(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), jnp.asarray(window_start), backend="reference"
     )
-    expected_out, expected_h, expected_n = numpy_attention(q, k, v, mask, window_start, 8**-0.5)
+    expected_out, expected_h, expected_n, _ = numpy_attention(q, k, v, mask, window_start, 8**-0.5)
     np.testing.assert_allclose(np.asarray(out)[mask], expected_out[mask], atol=1e-5)
     np.testing.assert_allclose(np.asarray(herfindahl)[mask], expected_h[mask], atol=1e-6)
     np.testing.assert_array_equal(np.asarray(window_size)[mask], expected_n[mask])
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 2, 4])
+@pytest.mark.parametrize("window_start", [(0, 0), (4, 2)])
+def test_reference_statistics_match_numpy_loop(window_start, sink_tokens):
+    q, k, v, mask = random_inputs(1, num_heads=8, num_kv_heads=2)
+    window_start = np.asarray(window_start, np.int32)
+    *_, statistics = attention_with_concentration(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), jnp.asarray(window_start), backend="reference",
+        statistics=("entropy", "sink_herfindahl", "max_weight"), sink_tokens=sink_tokens,
+    )
+    *_, expected = numpy_attention(q, k, v, mask, window_start, 8**-0.5, sink_tokens)
+    assert sorted(statistics) == sorted(expected)
+    for name, value in statistics.items():
+        np.testing.assert_allclose(np.asarray(value)[mask], expected[name][mask], atol=2e-6, err_msg=name)
 
 
 def test_bad_inputs_name_the_tensor():

@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from comppo_jax.credit import gate_range
+from comppo_jax.credit import gate_range, retention_gate, statistic_concentration
 from comppo_jax.models import ModelConfig, forward, init_params
 from comppo_jax.models.kv_cache import decode_step, prefill
 from comppo_jax.rollout import generate
 from comppo_jax.rollout.dense import left_align
-from comppo_jax.rollout.scoring import gather_response, score_rollout
+from comppo_jax.rollout.scoring import gather_response, policy_gate, score_rollout
+from pallas_kernels import window_sizes
 
 CONFIG = ModelConfig(
     architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -128,6 +129,29 @@ def test_scoring_pass_reads_the_state_before_each_token(params):
     np.testing.assert_allclose(
         np.asarray(scored.herfindahl)[valid], np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid], atol=1e-6
     )
+
+
+@pytest.mark.parametrize("statistic", ["entropy", "sink_herfindahl", "max_weight"])
+def test_the_gate_reads_the_configured_statistic_and_the_gate_alone_matches_the_scoring_pass(params, statistic):
+    """kappa from each statistic's c (full window, 2 sink tokens), from the materialized final-layer
+    attention; `policy_gate` (gate_refresh's pass) gives the same kappa without logits or features."""
+    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(6), max_new_tokens=6)
+    options = dict(window="full", gate_statistic=statistic, sink_tokens=2)
+    scored = score_rollout(params, None, CONFIG, out, top_k=None, backend="interpret", **options)
+    valid = np.asarray(out.response_mask)
+    start = jnp.zeros_like(out.prompt_lengths)
+    full = forward(params, CONFIG, out.tokens, out.attention_mask, start, concentration_backend="reference",
+                   concentration_statistics=(statistic,), sink_tokens=2)
+    value = gather_response(full.statistics[statistic], out.prompt_lengths, 6)
+    n = gather_response(window_sizes(out.attention_mask, start + 2) if statistic == "sink_herfindahl" else full.window_size,
+                        out.prompt_lengths, 6)
+    expected = retention_gate(statistic_concentration(statistic, value, n))
+    np.testing.assert_allclose(np.asarray(scored.kappa)[valid], np.asarray(expected)[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(scored.herfindahl)[valid],
+                               np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid], atol=1e-6)
+    alone = policy_gate(params, CONFIG, out.tokens, out.attention_mask, out.prompt_lengths, out.response_mask, length=6,
+                        backend="interpret", **options)
+    np.testing.assert_allclose(np.asarray(alone), np.asarray(scored.kappa), atol=1e-6)
 
 
 def test_bad_prompt_shapes_are_named(params):

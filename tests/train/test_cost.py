@@ -115,6 +115,10 @@ def test_model_flops_are_6n_per_trained_token_plus_the_rollout():
     # Skipping the behaviour pass (GRPO with the sampler's log-probs) takes one forward off.
     no_behaviour = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False, behaviour=False)
     assert 2 * n * tokens < one_epoch - no_behaviour < 2 * n * tokens * 1.5
+    # gate_refresh=epoch: a forward without the vocabulary projection per refresh.
+    refreshed = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False, gate_refreshes=1)
+    body = n - config.hidden_size * config.vocab_size
+    assert 2 * body * tokens < refreshed - two_epochs < 2 * body * tokens * 1.5
 
 
 # ---------------------------------------------------------------------------------------------

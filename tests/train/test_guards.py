@@ -15,7 +15,7 @@ import pytest
 from conftest import small_train_config
 from update_inputs import CONFIG, HYPER, update_inputs
 
-from comppo_jax.train import loop
+from comppo_jax.train import loop, sampling
 from comppo_jax.train.checkpoint import NonFiniteStateError, RunCheckpoints
 from comppo_jax.train.guards import NonFiniteError, StopSignals
 from comppo_jax.train.update import actor_step, critic_step
@@ -71,7 +71,7 @@ def restored_state(run_dir, step):
 def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_path, monkeypatch):
     """Steps 1..5 (a critic warm-up step, then 4 actor updates): NaN rewards at step 2, then at 4 and 5."""
     calls = []
-    score = loop.score_responses
+    score = sampling.score_responses
 
     def poisoned(texts, *args, **kwargs):
         rewards, verdicts, metrics = score(texts, *args, **kwargs)
@@ -81,7 +81,7 @@ def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_p
             rewards[0] = np.nan
         return rewards, verdicts, metrics
 
-    monkeypatch.setattr(loop, "score_responses", poisoned)
+    monkeypatch.setattr(sampling, "score_responses", poisoned)
     config = small_train_config(tmp_path, steps=4, checkpoint__keep_last=10, train__max_skipped_updates=2)
     with pytest.raises(NonFiniteError, match=r"step 5: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\), "):
         loop.train(config)

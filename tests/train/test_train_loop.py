@@ -90,3 +90,22 @@ def test_offloading_idle_state_to_host_changes_no_number(tmp_path, monkeypatch):
         rows[offload] = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in lines], summary["final_dev_accuracy"]
     assert rows[True] == rows[False]
     assert {"pinned_host", "device"} <= set(kinds)  # the offloaded run did move state between memories
+
+
+@pytest.mark.slow
+def test_comppo_composes_with_the_post_paper_variants(tmp_path):
+    """One CompPO run with every switch that composes with it: a sink-masked gate statistic refreshed
+    per epoch, dynamic sampling, DAPO's decoupled clip and overlong shaping, GSPO's aggregation.
+    Each shows in the metrics."""
+    summary = train(small_train_config(tmp_path, method="comppo", gate_statistic="sink_herfindahl", sink_tokens=1, gate_refresh="epoch",
+                                       rollout__dynamic_sampling=True, rollout__max_refills=2, train__clip_high_scale=1.4,
+                                       reward__length_penalty="overlong", reward__overlong_buffer=4, reward__length_penalty_on="all",
+                                       train__loss_aggregation="seq-mean-token-mean"))
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= summary["final_dev_accuracy"] <= 1.0 and "mean_gate" in summary
+    for row in steps:
+        assert 0 <= row["dynamic_sampling/dropped_fraction"] <= 1 and row["dynamic_sampling/refills"] <= 2
+        assert row["gate/mean"] > 0
+    # The actor moved during epoch 0, so its refreshed gate differs from the behaviour policy's.
+    updated = [row for row in steps if "policy_loss" in row]
+    assert updated and all(row["gate_refresh/mean_abs_change"] > 0 for row in updated)

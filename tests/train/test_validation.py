@@ -66,6 +66,23 @@ CASES = {
     "top_p zero": (assign(rollout__top_p=0.0), r"config\.rollout\.top_p=0\.0: must be in \(0, 1\]"),
     "unknown old log-probs": (assign(rollout__old_log_probs="stored"),
                               r"config\.rollout\.old_log_probs='stored': expected one of \('rescore', 'sampler'\)"),
+    "unknown gate statistic": (assign(gate_statistic="entropi"), r"config\.gate_statistic='entropi': expected one of .*; "
+                                                                   r"pass --config\.gate_statistic=entropy"),
+    "gate statistic without a gate": (assign(method="grpo", gate_statistic="entropy"),
+                                      r"config\.gate_statistic='entropy': only CompPO's attention and shuffle gates read the statistic"),
+    "gate refresh of a fixed gate": (assign(gate="fixed", gate_refresh="epoch"),
+                                     r"config\.gate_refresh='epoch': only CompPO's attention and shuffle gates depend on the actor"),
+    "sequence ratio with per-token credit": (assign(train__policy_loss="gspo"),
+                                             r"config\.train\.policy_loss='gspo': .* pass --config\.train\.policy_loss=gspo_token"),
+    "Dr.GRPO switch without GRPO": (assign(method="ppo", train__group_std_normalization=False),
+                                    r"config\.train\.group_std_normalization=False: only GRPO's group-relative advantages"),
+    "dynamic sampling of single responses": (assign(rollout__dynamic_sampling=True, rollout__samples_per_prompt=1, train__minibatch_size=2),
+                                             r"config\.rollout\.dynamic_sampling=True: a group of one response always has equal rewards"),
+    "decoupled clip on a sequence ratio": (assign(method="grpo", train__policy_loss="gspo", train__clip_high_scale=1.4),
+                                           r"config\.train\.clip_high_scale=1\.4: scales the per-token ratio's clip; gspo clips"),
+    "unknown loss aggregation": (assign(train__loss_aggregation="seq-mean"), r"config\.train\.loss_aggregation='seq-mean': expected one of"),
+    "unknown penalty scope": (assign(reward__length_penalty_on="some"), r"config\.reward\.length_penalty_on='some': expected one of"),
+    "negative sink tokens": (assign(sink_tokens=-1), r"config\.sink_tokens=-1: must be >= 0"),
 }
 
 
