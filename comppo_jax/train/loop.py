@@ -228,10 +228,10 @@ def refreshed_credit(cfg, parts: RunParts, model_config, actor, scored: Scored, 
     Returns (the Minibatch fields that change: advantages (whitened, clipped), returns and
     kappa_sequence; the new kappa [B, T])."""
     batch, mask = scored.batch, scored.batch.response_mask
-    options = scoring_options(cfg, parts)
+    gate_options = {k: v for k, v in scoring_options(cfg, parts).items() if k in ("window", "gate_statistic", "sink_tokens", "kappa_lo",
+                                                                                   "kappa_hi", "tau")}
     own = policy_gate(cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
-                      mask, length=mask.shape[1], window=options["window"], gate_statistic=options["gate_statistic"],
-                      sink_tokens=options["sink_tokens"], kappa_lo=options["kappa_lo"], kappa_hi=options["kappa_hi"], tau=options["tau"])
+                      mask, length=mask.shape[1], **gate_options)
     kappa = control_gate(parts.recipe, own, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
     advantages, returns = estimate_credit(cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values,
                                           kappa, mask)
@@ -434,14 +434,12 @@ def train(cfg) -> dict:
             nonfinite = nonfinite_credit(scored.sampled.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
             gate_changes = []
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
-                if cfg.gate_refresh == "epoch" and epoch > 0:  # epoch 0's actor is the behaviour policy: its gate is the rollout's
+                # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
+                if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
                     compiling("the gate refresh")
                     fresh, kappa = refreshed_credit(cfg, parts, model_config, state["actor"], scored, gate_key, knobs["advantage_clip"])
                     gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
-                    nonfinite = nonfinite_credit(scored.sampled.rewards, advantages=fresh["advantages"], returns=fresh["returns"])
-                    if nonfinite:
-                        nonfinite = [f"{what} after the gate refresh of epoch {epoch}" for what in nonfinite]
-                        break
+                    # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).
                     batch = batch._replace(**to_update(fresh))
                 # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
                 order = np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
