@@ -90,6 +90,16 @@ def aggregate_loss(per_token, mask, mode, norm_length=None):
     return jnp.sum(row_sums) / jnp.maximum(rows, 1.0)
 
 
+def _surrogate_inputs(log_probs, old_log_probs, advantages, mask):
+    """Shape-checked float32 (logp, old_logp, advantages), padding zeroed; the rollout's detached."""
+    _validation.check_bt(log_probs=log_probs, old_log_probs=old_log_probs,
+                         advantages=advantages, mask=mask)
+    logp = _valid(log_probs, mask)
+    old_logp = jax.lax.stop_gradient(_valid(old_log_probs, mask))
+    adv = jax.lax.stop_gradient(_valid(advantages, mask))
+    return logp, old_logp, adv
+
+
 def _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high, aggregation, norm_length):
     """Aggregated max(-ratio A, -clip(ratio) A) with the token-mean metrics of
     verl's `pg_clipfrac` and `ppo_kl`, whatever the aggregation."""
@@ -132,11 +142,7 @@ def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip
         "approx_kl": k1 estimate of KL(old || new), token-mean of
           old_logp - logp (verl's `ppo_kl`).
     """
-    _validation.check_bt(log_probs=log_probs, old_log_probs=old_log_probs,
-                         advantages=advantages, mask=mask)
-    logp = _valid(log_probs, mask)
-    old_logp = jax.lax.stop_gradient(_valid(old_log_probs, mask))
-    adv = jax.lax.stop_gradient(_valid(advantages, mask))
+    logp, old_logp, adv = _surrogate_inputs(log_probs, old_log_probs, advantages, mask)
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high,
                               aggregation, norm_length)
@@ -180,11 +186,7 @@ def gspo_loss(log_probs, old_log_probs, advantages, mask, clip_low, clip_high, t
       (loss, metrics) as `ppo_clip_loss`: "clip_fraction" counts valid tokens
       whose clipped branch is active, "approx_kl" is the per-token k1 estimate.
     """
-    _validation.check_bt(log_probs=log_probs, old_log_probs=old_log_probs,
-                         advantages=advantages, mask=mask)
-    logp = _valid(log_probs, mask)
-    old_logp = jax.lax.stop_gradient(_valid(old_log_probs, mask))
-    adv = jax.lax.stop_gradient(_valid(advantages, mask))
+    logp, old_logp, adv = _surrogate_inputs(log_probs, old_log_probs, advantages, mask)
     lengths = jnp.sum(mask.astype(bool), axis=1, keepdims=True, dtype=jnp.float32)
     seq_log_ratio = jnp.sum(logp - old_logp, axis=1, keepdims=True) / jnp.maximum(lengths, 1.0)
     if token_level:

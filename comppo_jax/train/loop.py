@@ -138,11 +138,16 @@ def kl_coefficient(cfg, recipe: Recipe) -> float:
     return cfg.train.kl_coef_grpo if recipe.estimator == "grpo" else cfg.train.kl_coef
 
 
+def gate_options(cfg) -> dict:
+    """The gate's keywords for a config (`policy_gate`'s, and part of `score_rollout`'s)."""
+    return dict(window=cfg.rollout.window, gate_statistic=cfg.gate_statistic, sink_tokens=cfg.sink_tokens, **cfg.gate_envelope.to_dict())
+
+
 def scoring_options(cfg, parts: RunParts) -> dict:
     """`score_rollout`'s keywords for a config (all but the kernel backend)."""
-    return dict(window=cfg.rollout.window, temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
+    return dict(temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
                 old_log_probs=cfg.rollout.old_log_probs, behaviour_pass=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
-                gate_statistic=cfg.gate_statistic, sink_tokens=cfg.sink_tokens, **cfg.gate_envelope.to_dict())
+                **gate_options(cfg))
 
 
 def critic_warmup(cfg, recipe: Recipe) -> int:
@@ -228,10 +233,8 @@ def refreshed_credit(cfg, parts: RunParts, model_config, actor, scored: Scored, 
     Returns (the Minibatch fields that change: advantages (whitened, clipped), returns and
     kappa_sequence; the new kappa [B, T])."""
     batch, mask = scored.batch, scored.batch.response_mask
-    gate_options = {k: v for k, v in scoring_options(cfg, parts).items() if k in ("window", "gate_statistic", "sink_tokens", "kappa_lo",
-                                                                                   "kappa_hi", "tau")}
     own = policy_gate(cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
-                      mask, length=mask.shape[1], **gate_options)
+                      mask, length=mask.shape[1], **gate_options(cfg))
     kappa = control_gate(parts.recipe, own, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
     advantages, returns = estimate_credit(cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values,
                                           kappa, mask)
