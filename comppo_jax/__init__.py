@@ -1,7 +1,9 @@
 """comppo_jax: CompPO (computation-conditioned credit transport) in JAX.
 
 Subpackages: `models` (pure-functional policy, HF interop), `credit` (gates and
-advantage estimators), with critic, rollout, data, train and eval to follow.
+advantage estimators), `critic` (TAC), `rollout` (sampling, the scoring pass, text in and
+answers out), `data` (rewards, datasets, tokenizers), `train` (the loop and what it writes) and
+`eval` (restoring, evaluating and reporting runs). Notebooks: examples/.
 """
 
 from comppo_jax.credit import (

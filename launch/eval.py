@@ -56,12 +56,10 @@ def main(argv):
     from comppo_jax import sharding
     from comppo_jax.data.datasets import load_benchmark
     from comppo_jax.data.rewards import VerifierPool
-    from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
-    from comppo_jax.models import init_params, model_config
+    from comppo_jax.eval.restore import restore_policy
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
-    from comppo_jax.train.update import cast_params
 
     cfg = _CONFIG.value
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
@@ -87,11 +85,7 @@ def main(argv):
     # Sets finished by an earlier run are read, not recomputed; decided once, before any process writes.
     done = {name: os.path.exists(os.path.join(output, f"{name}.json")) for name in sets}
 
-    mesh = sharding.make_mesh(cfg.mesh)
-    policy_config = model_config(cfg.model)
-    target = sharding.abstract_sharded(mesh, lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
-    params = cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], policy_config.dtype)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    _, _, policy_config, params, tokenizer = restore_policy(_CHECKPOINT.value, step, cfg)
     samples = cfg.eval.samples
     rows = []
     with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:

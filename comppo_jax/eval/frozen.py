@@ -18,7 +18,7 @@ import jax
 import tqdm
 
 from comppo_jax.data.rewards import VerifierPool
-from comppo_jax.eval.accuracy import count_correct, generated_answers
+from comppo_jax.rollout.text import count_correct, generated_answers
 from comppo_jax.models import ModelConfig
 
 

@@ -22,9 +22,9 @@ import numpy as np
 from comppo_jax import sharding
 from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.eval.accuracy import encode_prompts
+from comppo_jax.eval.restore import actor_target
 from comppo_jax.models import init_params, load_policy, model_config
-from comppo_jax.rollout import engine_options, generate
+from comppo_jax.rollout import encode_prompts, engine_options, generate
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import reward_schedule
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
@@ -51,8 +51,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     step = checkpoints.resolve_step(step)
     parts = run_parts(cfg, policy_config)
-    actor = lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype)
-    targets = {"actor": sharding.abstract_sharded(mesh, actor)}
+    targets = {"actor": actor_target(mesh, cfg, policy_config)}
     if parts.recipe.critic != "none":
         targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, policy_config, jax.random.PRNGKey(0)))
     restored = checkpoints.restore_params(targets, step)

@@ -14,6 +14,7 @@
    of `steps` unless train.critic_warmup_counts_toward_steps);
 6. the controller reads this step's metrics; metrics go to JSONL and TensorBoard; every
    `checkpoint.every` steps (and at the end) an async Orbax checkpoint is started.
+At the start: config.json (the whole config; comppo_jax.train.outputs.load_run_config reads it).
 At the end: summary.json, curves.png and gate_profile.json (the run's mean gate per position bin).
 
 Params, optimizer states and batches live on a (data, fsdp, tensor) mesh (comppo_jax.sharding);
@@ -43,7 +44,7 @@ from comppo_jax.data.datasets import encodable_problems, load_dapo_math
 from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.eval import encode_prompts, greedy_accuracy
+from comppo_jax.rollout.text import encode_prompts, greedy_accuracy
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
 from comppo_jax.rollout import engine_options, generate, policy_gate, score_rollout
 from comppo_jax.train import controller
@@ -51,7 +52,7 @@ from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
 from comppo_jax.train.methods import Recipe, actor_loss_of, behaviour_pass, control_gate, recipe as make_recipe, spread_over_sequence
-from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
+from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run, save_run_config
 from comppo_jax.train.sampling import Sampled, dynamic_sampling, reward_generation
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.validation import validate_config
@@ -324,6 +325,8 @@ def train(cfg) -> dict:
     last_step = total_steps(cfg, make_recipe(cfg.method, cfg.gate, cfg.critic.kind))
     if cfg.resume and (summary := completed_summary(cfg, checkpoints, last_step, main_process)) is not None:
         return summary
+    if main_process:  # after the refusals above, so a refused command leaves the run's record alone
+        save_run_config(cfg, cfg.output_dir)
     rng = jax.random.PRNGKey(cfg.seed)
     policy_rng, critic_rng, rng = jax.random.split(rng, 3)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer

@@ -1,4 +1,8 @@
-"""What a run writes: metrics per step to JSONL and TensorBoard, and a PNG at the end.
+"""What a run writes: its config, metrics per step to JSONL and TensorBoard, and a PNG at the end.
+
+`config.json` is the run's whole config as it ran (written at every start, so a resume that raised
+`steps` records the new value); `load_run_config` reads it back as the ConfigDict that trains and
+evaluates the same way, so a run directory alone is enough to restore and evaluate it.
 
 `metrics.jsonl` has one JSON object per step (numbers, the phase name and one sampled
 response); TensorBoard event files under `tensorboard/` get every numeric metric. Steps count
@@ -16,6 +20,35 @@ import os
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+
+
+def save_run_config(cfg, output_dir: str) -> None:
+    with open(os.path.join(output_dir, CONFIG_FILE), "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def _tuples(value):
+    """JSON arrays back to tuples: every sequence in this project's configs is a tuple."""
+    if isinstance(value, dict):
+        return {key: _tuples(item) for key, item in value.items()}
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
+
+
+def load_run_config(run_dir: str):
+    """The ml_collections ConfigDict a run trained with (`<run_dir>/config.json`)."""
+    import ml_collections
+
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: {run_dir} is not a training run's output_dir "
+                                "(launch/train.py writes config.json there when it starts)")
+    with open(path) as f:
+        try:
+            values = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error})") from error
+    return ml_collections.ConfigDict(_tuples(values))
 
 
 def read_metrics(path: str) -> list[dict]:

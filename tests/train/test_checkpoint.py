@@ -44,8 +44,10 @@ def test_resume_without_a_checkpoint_and_rerun_without_resume_are_refused(tmp_pa
     checkpoints.save(1, {"w": np.zeros(2)}, {})
     checkpoints.wait()
     checkpoints.close()
+    (tmp_path / "config.json").write_text("the run's own record")
     with pytest.raises(FileExistsError, match="--config.resume=True"):
         train(small_train_config(tmp_path))
+    assert (tmp_path / "config.json").read_text() == "the run's own record"  # the refused command wrote nothing
 
 
 def restored_state(run_dir, step):

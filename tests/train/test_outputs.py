@@ -1,16 +1,43 @@
-"""What a run writes: curves.png's panels (labels, the warm-start point, legends clear of the data)."""
+"""What a run writes: config.json read back as the config that ran, curves.png's panels (labels, the
+warm-start point, legends clear of the data)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import matplotlib
 import numpy as np
+import pytest
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure
 
-from comppo_jax.train.outputs import PANELS, plot_run
+from comppo_jax.models import load_config_file
+from comppo_jax.train.outputs import PANELS, load_run_config, plot_run, save_run_config
+from comppo_jax.train.validation import validate_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("preset", ["tiny.py", "qwen3_4b.py"])
+def test_run_config_reads_back_as_the_config_that_ran(tmp_path, preset):
+    config = load_config_file(os.path.join(REPO, "configs", preset))
+    config.train.actor_lr = 3e-6  # an override, as from the command line
+    save_run_config(config, str(tmp_path))
+    loaded = load_run_config(str(tmp_path))
+    assert loaded.to_dict() == config.to_dict()  # tuples stay tuples (JSON has only lists)
+    assert loaded.controller.warm_in_steps == config.controller.warm_in_steps and isinstance(loaded.controller.warm_in_steps, tuple)
+    if preset == "tiny.py":  # the presets' model.path must name a real checkpoint directory
+        validate_config(loaded)
+
+
+def test_run_config_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/config.json does not exist.*output_dir"):
+        load_run_config(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{tmp_path}/config.json is not valid JSON"):
+        load_run_config(str(tmp_path))
 
 
 def test_curves_label_every_axis_start_accuracy_at_the_warm_start_and_keep_legends_off_the_data(tmp_path, monkeypatch):

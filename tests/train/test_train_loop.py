@@ -15,8 +15,10 @@ from conftest import small_train_config
 from comppo_jax import sharding
 from comppo_jax.credit import load_position_schedule
 from comppo_jax.eval.held_out import held_out_diagnostics
+from comppo_jax.eval.restore import restore_policy
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.loop import train
+from comppo_jax.train.outputs import load_run_config
 
 
 @pytest.mark.slow
@@ -65,6 +67,12 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
         held_out = held_out_diagnostics(config, RunCheckpoints(str(tmp_path), read_only=True), problems=2)
         assert {"gate/mean", "gate/iqr"} <= set(held_out) and held_out["problems"] == 2
     else:
+        # The run directory alone restores: config.json is the config it ran with.
+        config = small_train_config(tmp_path, method=method, plot=True, progress=progress,
+                                    train__critic_warmup_counts_toward_steps=warmup_counts, rollout__old_log_probs=old_log_probs)
+        assert load_run_config(str(tmp_path)).to_dict() == config.to_dict()
+        restored = restore_policy(str(tmp_path), "best")
+        assert restored.step == summary["best_checkpoint_step"] and restored.cfg.to_dict() == config.to_dict()
         profile = load_position_schedule(tmp_path / "gate_profile.json")  # every rollout token's own gate, by t/T
         assert profile.token_counts.sum() == sum(s["response_length"] * 4 for s in steps)  # 2 prompts x 2 samples per step
         assert summary["mean_gate"] == pytest.approx(np.sum(profile.mean_gate * profile.token_counts) / profile.token_counts.sum())

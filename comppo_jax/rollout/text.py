@@ -1,4 +1,6 @@
-"""Greedy pass@1 on a list of problems: generate, decode, verify."""
+"""Text in, answers out: prompts encoded for the sampler, responses decoded, greedy pass@1 verified.
+
+Below both training (its dev evaluations and rollouts) and evaluation (frozen benchmarks, notebooks)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import tqdm
 from comppo_jax.data.rewards import Verdict, VerifierPool, extract_answer
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
-from comppo_jax.rollout import generate
+from comppo_jax.rollout.sampler import generate
 from comppo_jax.sharding import to_host
 
 
@@ -19,6 +21,7 @@ def encode_prompts(tokenizer, problems):
 
 
 def decode_responses(tokenizer, generation):
+    """The text of each generated response (its valid tokens, EOS dropped), one per row."""
     tokens, mask = to_host(generation.response_tokens), to_host(generation.response_mask)
     return [tokenizer.decode(row[m & (row != tokenizer.eos_token_id)]) for row, m in zip(tokens, mask)]
 
