@@ -4,9 +4,10 @@
     HTML(gate_html(pieces, kappa, herfindahl, window_size))    # in a notebook; hover a token for t, kappa, H, n, c
     plot_gate_text([(pieces, kappa, "row 0")], "gate.png")     # the same shading as a PNG
 
-Token t's colour is kappa_t, the retention gate of the state before it (DESIGN.md: per-token
-arrays are read at sequence position P + t - 2), so the colour says how much of the credit
-arriving at y_t's successors flows back through y_t's step (paper eq. comp_gae).
+Token t's colour is kappa_t, the retention gate read at the state before y_t (DESIGN.md: per-token
+arrays are read at sequence position P + t - 2). In Comp-GAE, A_t = delta_t + lam kappa_t A_{t+1}
+(paper eq. comp_gae), so kappa_t is the share of the credit of everything after y_t that reaches
+y_t, and through it the tokens before.
 """
 
 from __future__ import annotations

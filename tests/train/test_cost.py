@@ -142,19 +142,17 @@ def program(cfg, name, topology="v5e:2x2", prompt_length=24):
 @pytest.mark.slow
 def test_actor_flops_grow_linearly_in_tokens_and_layers_and_halve_with_twice_the_tensor_axis():
     require_libtpu()
-    _, base = program(tiny(), "actor")
-    longer = tiny()
+    wide = dict(hidden_size=256, intermediate_size=1024, vocab_size=1024)  # shards of whole (8, 128) tiles
+    _, base = program(tiny(**wide), "actor")
+    longer = tiny(**wide)
     longer.rollout.max_new_tokens = 2 * longer.rollout.max_new_tokens + 24  # twice the tokens per row
     _, twice_tokens = program(longer, "actor")
     assert twice_tokens.cost.flops / base.cost.flops == pytest.approx(2.0, rel=0.15)
-    _, twice_layers = program(tiny(num_layers=8), "actor")
+    _, twice_layers = program(tiny(num_layers=8, **wide), "actor")
     # The layers are nearly all of it; the vocabulary head is not repeated.
     assert 1.7 < twice_layers.cost.flops / base.cost.flops <= 2.0
-    # fsdp 2 x tensor 4 against 2 x 2, with dimensions whose shards are whole (8, 128) tiles
-    wide = dict(hidden_size=256, intermediate_size=1024, vocab_size=1024)
-    _, tensor_2 = program(tiny(**wide), "actor")
-    _, tensor_4 = program(tiny(**wide), "actor", topology="v5e:2x4")
-    assert tensor_4.cost.flops / tensor_2.cost.flops == pytest.approx(0.5, rel=0.15)
+    _, tensor_4 = program(tiny(**wide), "actor", topology="v5e:2x4")  # fsdp 2 x tensor 4 against the base's 2 x 2
+    assert tensor_4.cost.flops / base.cost.flops == pytest.approx(0.5, rel=0.15)
 
 
 @pytest.mark.slow
