@@ -56,8 +56,9 @@ def main(argv):
     from comppo_jax import sharding
     from comppo_jax.data.datasets import load_benchmark
     from comppo_jax.data.rewards import VerifierPool
+    from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
-    from comppo_jax.eval.restore import restore_policy
+    from comppo_jax.eval.restore import restore_actor
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
 
@@ -85,7 +86,8 @@ def main(argv):
     # Sets finished by an earlier run are read, not recomputed; decided once, before any process writes.
     done = {name: os.path.exists(os.path.join(output, f"{name}.json")) for name in sets}
 
-    _, _, policy_config, params, tokenizer = restore_policy(_CHECKPOINT.value, step, cfg)
+    policy_config, params = restore_actor(cfg, checkpoints, step)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     samples = cfg.eval.samples
     rows = []
     with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:

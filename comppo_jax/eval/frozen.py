@@ -18,8 +18,8 @@ import jax
 import tqdm
 
 from comppo_jax.data.rewards import VerifierPool
-from comppo_jax.rollout.text import count_correct, generated_answers
 from comppo_jax.models import ModelConfig
+from comppo_jax.rollout.text import count_correct, generated_answers
 
 
 def majority_answer(answers) -> str | None:

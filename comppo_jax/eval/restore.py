@@ -4,7 +4,8 @@
     run.params, run.model_config, run.tokenizer, run.cfg, run.step
 
 Only the actor params are read (verified against their digests, into `cfg.mesh`'s shardings) and
-cast to the compute dtype; optimizer states and the critic stay on disk.
+cast to the compute dtype; optimizer states and the critic stay on disk. `restore_actor` does the
+same from a `RunCheckpoints` the caller already holds (launch/eval.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def actor_target(mesh, cfg, policy_config: ModelConfig):
     return sharding.abstract_sharded(mesh, lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
 
 
+def restore_actor(cfg, checkpoints: RunCheckpoints, step: int) -> tuple[ModelConfig, dict]:
+    """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `cfg.mesh`."""
+    policy_config = model_config(cfg.model)
+    target = actor_target(sharding.make_mesh(cfg.mesh), cfg, policy_config)
+    return policy_config, cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], policy_config.dtype)
+
+
 def restore_policy(run_dir: str, step: str | int = "best", cfg=None) -> RestoredPolicy:
     """Checkpoint `step` ("latest", "best" by dev accuracy, or a saved step number) of the run in
     `run_dir`; `cfg` defaults to the run's own config.json (comppo_jax.train.outputs.load_run_config)."""
@@ -41,10 +49,7 @@ def restore_policy(run_dir: str, step: str | int = "best", cfg=None) -> Restored
     checkpoints = RunCheckpoints(run_dir, read_only=True)
     try:
         step = checkpoints.resolve_step(step)
-        mesh = sharding.make_mesh(cfg.mesh)
-        policy_config = model_config(cfg.model)
-        restored = checkpoints.restore_params({"actor": actor_target(mesh, cfg, policy_config)}, step)["actor"]
+        policy_config, params = restore_actor(cfg, checkpoints, step)
     finally:
         checkpoints.close()
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-    return RestoredPolicy(cfg, step, policy_config, cast_params(restored, policy_config.dtype), tokenizer)
+    return RestoredPolicy(cfg, step, policy_config, params, load_tokenizer(cfg.model.tokenizer or cfg.model.path))

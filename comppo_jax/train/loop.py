@@ -44,9 +44,8 @@ from comppo_jax.data.datasets import encodable_problems, load_dapo_math
 from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.rollout.text import encode_prompts, greedy_accuracy
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
-from comppo_jax.rollout import engine_options, generate, policy_gate, score_rollout
+from comppo_jax.rollout import encode_prompts, engine_options, generate, greedy_accuracy, policy_gate, score_rollout
 from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics

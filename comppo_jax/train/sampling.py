@@ -18,8 +18,7 @@ import numpy as np
 from comppo_jax import sharding
 from comppo_jax.credit import informative_groups
 from comppo_jax.data.rewards import RewardCoefficients, score_responses, terminal_reward_tokens
-from comppo_jax.rollout.text import decode_responses
-from comppo_jax.rollout import Generation
+from comppo_jax.rollout import Generation, decode_responses
 
 
 class Sampled(NamedTuple):
