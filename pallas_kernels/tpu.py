@@ -245,8 +245,9 @@ def attention_with_concentration_tpu(
         block_q=block_q,
         block_k=block_k,
         group=num_heads // num_kv_heads,
-        # fp32 inputs get fp32 matmuls on the MXU (its default would round them to bf16).
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        # fp32 inputs get fp32 matmuls on the MXU (its default would round them to bf16); 16-bit
+        # inputs name DEFAULT, since Mosaic cannot compile them at a global "highest" precision.
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
         statistics=statistics,
         sink_tokens=sink_tokens,
     )

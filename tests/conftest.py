@@ -228,7 +228,14 @@ def pytest_collection_modifyitems(config, items):
     """The longest files first, then other files with slow tests, then the rest: the xdist
     workers (which take files in this order: setup.cfg passes --no-loadscope-reorder) start the
     long files early and finish on short ones, instead of one worker running a long file alone at
-    the end."""
+    the end. Tests marked gpu are skipped unless JAX's default backend is a GPU."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        needs_gpu = pytest.mark.skip(reason="runs a GPU kernel compiled for the device (launch/gpu_validation.sh runs these)")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(needs_gpu)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     longest = {os.path.join(REPO, "tests", name): rank for rank, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: (longest.get(str(item.path), len(longest)), item.path not in slow_files))

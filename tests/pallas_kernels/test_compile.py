@@ -87,6 +87,17 @@ def test_tpu_kernel_compiles_at_qwen3_4b_final_layer_shapes(chip, length):
     assert compiled.memory_analysis() is not None
 
 
+def test_tpu_kernel_compiles_bf16_under_a_global_highest_matmul_precision():
+    """jax_default_matmul_precision=highest (set for exact fp32 elsewhere) must not reach the
+    kernel's bf16 dots, which Mosaic cannot compile at that precision."""
+    mesh = tpu_mesh("v5e")
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    f = functools.partial(attention_with_concentration, backend="tpu")
+    with jax.default_matmul_precision("highest"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        compiled = jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(4096)).lower().compile()
+    assert "tpu_custom_call" in compiled.as_text()
+
+
 @pytest.mark.parametrize("chip", ["v4", "v5e"])
 def test_tpu_kernel_with_every_statistic_compiles_within_the_memory_of_herfindahl_alone(chip):
     """Qwen3-4B final layer at 16K: the extra statistics add only per-token outputs and VMEM sums."""

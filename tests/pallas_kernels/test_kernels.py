@@ -1,4 +1,4 @@
-"""Blockwise kernels (TPU kernel interpreted, Triton kernel interpreted) against the reference.
+"""Blockwise kernels (TPU kernel interpreted, Triton kernel interpreted, and compiled on a GPU) against the reference.
 
 fp32: out and H within 1e-5 of the materialized reference, n exact. bf16 inputs: logits and
 H are fp32 on both sides, so H keeps the 1e-5 bound; the output is rounded to bf16 and the
@@ -26,8 +26,14 @@ from pallas_kernels.tpu import attention_with_concentration_tpu
 BLOCKWISE = {
     "interpret": functools.partial(attention_with_concentration_tpu, interpret=True),
     "gpu-interpret": functools.partial(attention_with_concentration_gpu, interpret=True),
+    "gpu": attention_with_concentration_gpu,  # the Triton kernel compiled: on a GPU only
 }
 ALL_BACKENDS = {**BLOCKWISE, "reference": functools.partial(attention_with_concentration, backend="reference")}
+
+
+def backends(names):
+    """`names` as parameters, the compiled GPU kernel marked gpu (skipped off a GPU)."""
+    return [pytest.param(name, marks=pytest.mark.gpu) if name == "gpu" else name for name in sorted(names)]
 # Small blocks so L = 45 spans several q and kv blocks and is not a multiple of either.
 BLOCKS = dict(block_q=16, block_k=32)
 
@@ -46,7 +52,7 @@ def reference(q, k, v, mask, window_start, **kwargs):
     return attention_with_concentration(q, k, v, mask, window_start, backend="reference", **kwargs)
 
 
-@pytest.mark.parametrize("backend", sorted(BLOCKWISE))
+@pytest.mark.parametrize("backend", backends(BLOCKWISE))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])  # Hq/Hkv = 1, 4, 8
 @pytest.mark.parametrize("window_start", [(0, 0, 0), (12, 7, 17)])  # full window; prompt lengths
 def test_fp32_matches_reference(backend, num_heads, num_kv_heads, window_start):
@@ -59,7 +65,7 @@ def test_fp32_matches_reference(backend, num_heads, num_kv_heads, window_start):
     np.testing.assert_array_equal(window_size, expected_n)
 
 
-@pytest.mark.parametrize("backend", sorted(BLOCKWISE))
+@pytest.mark.parametrize("backend", backends(BLOCKWISE))
 def test_bf16_within_documented_bounds(backend):
     q, k, v, mask = random_inputs(1, dtype=jnp.bfloat16)
     window_start = jnp.asarray([5, 0, 9], jnp.int32)
@@ -109,7 +115,7 @@ def test_herfindahl_lies_in_one_over_n_to_one(length, group, window_fraction, se
     assert (h[~has_window] == 0).all()
 
 
-@pytest.mark.parametrize("backend", sorted(ALL_BACKENDS))
+@pytest.mark.parametrize("backend", backends(ALL_BACKENDS))
 def test_uniform_attention_gives_c_zero_and_one_hot_gives_c_one(backend):
     q, k, v, mask = random_inputs(3, lengths=(40, 33))
     window_start = jnp.asarray([4, 9], jnp.int32)
@@ -129,7 +135,7 @@ def test_uniform_attention_gives_c_zero_and_one_hot_gives_c_one(backend):
     np.testing.assert_allclose(np.asarray(c)[np.asarray(n) >= 2], 1.0, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", sorted(BLOCKWISE))
+@pytest.mark.parametrize("backend", backends(BLOCKWISE))
 def test_log_sum_exp_matches_the_masked_logits(backend):
     q, k, v, mask = random_inputs(6, num_heads=8, num_kv_heads=2)
     *_, lse = BLOCKWISE[backend](q, k, v, mask, jnp.zeros((3,), jnp.int32), return_lse=True, **BLOCKS)
@@ -140,7 +146,7 @@ def test_log_sum_exp_matches_the_masked_logits(backend):
     np.testing.assert_allclose(lse, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", sorted(BLOCKWISE))
+@pytest.mark.parametrize("backend", backends(BLOCKWISE))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("window_start,sink_tokens", [((0, 0, 0), 1), ((12, 7, 17), 4), ((12, 7, 17), 40)])
 def test_statistics_match_reference(backend, dtype, window_start, sink_tokens):
@@ -181,7 +187,7 @@ def test_statistics_lie_in_their_ranges(length, window_fraction, sink_tokens, se
         assert ((c >= 0) & (c <= 1)).all(), name
 
 
-@pytest.mark.parametrize("backend", sorted(ALL_BACKENDS))
+@pytest.mark.parametrize("backend", backends(ALL_BACKENDS))
 def test_every_statistic_maps_uniform_to_zero_and_one_hot_to_one(backend):
     """The endpoints of eq. cnorm hold for each statistic's c (sink-masked: the one-hot key lies past the sinks)."""
     q, k, v, mask = random_inputs(3, lengths=(40, 33))
@@ -210,7 +216,8 @@ def test_unknown_statistic_is_named():
         attention_with_concentration(q, k, v, mask, jnp.zeros((3,), jnp.int32), backend="interpret", statistics=("renyi",))
 
 
-def test_kernel_output_is_differentiable_through_xla_attention():
+@pytest.mark.parametrize("backend", backends(["interpret", "gpu"]))
+def test_kernel_output_is_differentiable_through_xla_attention(backend):
     """The statistics are detached; the output's gradient equals that of plain attention."""
     q, k, v, mask = random_inputs(4, lengths=(20, 13))
     window_start = jnp.asarray([2, 5], jnp.int32)
@@ -219,7 +226,7 @@ def test_kernel_output_is_differentiable_through_xla_attention():
         out, herfindahl, _ = attention_with_concentration(q, k, v, mask, window_start, backend=backend)
         return jnp.sum(jnp.sin(out)) + jnp.sum(herfindahl)
 
-    kernel_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "interpret")
+    kernel_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, backend)
     # The reference differentiates H too; subtract that by differentiating with H stopped.
     def reference_loss(q, k, v):
         out, herfindahl, _ = reference(q, k, v, mask, window_start)
@@ -230,8 +237,8 @@ def test_kernel_output_is_differentiable_through_xla_attention():
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_cpu_default_backend_is_the_interpreted_kernel():
-    assert jax.default_backend() != "cpu" or default_backend() == "interpret"
+def test_the_default_backend_follows_the_platform():
+    assert default_backend() == {"cpu": "interpret", "gpu": "gpu", "tpu": "tpu"}[jax.default_backend()]
 
 
 def test_bad_block_sizes_are_named():

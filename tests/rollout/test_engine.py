@@ -130,7 +130,7 @@ def pool_for(backend, kv):
     return paged_cache.PagePool(tuple(jnp.asarray(a) for a in arrays), layout, PAGES_PER_LAYER, PAGE)
 
 
-@pytest.mark.parametrize("backend", ["xla", "gpu_interpret"])
+@pytest.mark.parametrize("backend", ["xla", "gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_paged_decode_attention_equals_dense_attention(backend):
     q, kv, tables = attention_inputs()
     out = paged_cache.decode_attention(jnp.asarray(q), pool_for(backend, kv), 1, jnp.asarray(tables), jnp.asarray(LENGTHS),
@@ -178,8 +178,23 @@ def test_interpreted_tpu_kernel_equals_dense_attention():
     np.testing.assert_allclose(np.asarray(attend()), oracle(q, kv, tables, 1), atol=1e-5)
 
 
-def test_generate_on_the_gpu_kernel_layout_equals_the_xla_path(params):
+@pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_generate_on_the_gpu_kernel_equals_the_xla_path(backend):
+    config = CONFIG.replace(head_dim=16)  # the compiled kernel's dots need 16 features
+    params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
     kwargs = dict(max_new_tokens=5, temperature=0.0, num_samples=2, page_size=2, decode_slots=3)
-    xla = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), paged_attention="xla", **kwargs)
-    gpu = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), paged_attention="gpu_interpret", **kwargs)
+    xla = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), paged_attention="xla", **kwargs)
+    gpu = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), paged_attention=backend, **kwargs)
     assert_same_generation(gpu, xla)
+
+
+@pytest.mark.gpu
+def test_sampled_log_probs_equal_the_gpu_scoring_pass():
+    """On the device's kernels end to end: the paged decode kernel samples, the Triton
+    concentration kernel scores, and the log-probs agree as they do on CPU."""
+    config = CONFIG.replace(head_dim=16)
+    params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
+    out = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(2), max_new_tokens=8, temperature=1.0, num_samples=2,
+                   page_size=2, decode_slots=3, paged_attention="gpu")
+    scored = score_rollout(params, None, config, out, top_k=None, backend="gpu")
+    np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)
