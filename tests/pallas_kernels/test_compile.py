@@ -129,12 +129,14 @@ def test_gpu_kernels_lower_for_cuda():
     # An abstract H100 tells the Triton lowering the compute capability (jax >= 0.11 needs one
     # when no GPU is attached).
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    # Auto named: jax 0.11's AbstractMesh defaults to Explicit axes.
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h100)
     f = functools.partial(attention_with_concentration, backend="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+    with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(*qwen3_4b_final_layer(4096)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2  # attention + LSE, then the concentration
     from pallas_kernels import STATISTICS
 
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+    with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(functools.partial(f, statistics=STATISTICS)).trace(*qwen3_4b_final_layer(4096))
         assert lowered.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 2

@@ -57,6 +57,8 @@ def test_tpu_decode_step_compiles_at_qwen3_4b_dims_with_a_16k_context(chip):
 def test_gpu_decode_step_lowers_for_cuda():
     step, inputs = decode_step_inputs("gpu")
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1, 1, 1), sharding.AXES, abstract_device=h100)):
+    # Auto named: jax 0.11's AbstractMesh defaults to Explicit axes, which the decode step's shard_map refuses.
+    mesh = jax.sharding.AbstractMesh((1, 1, 1), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(step).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "paged_attention" in text

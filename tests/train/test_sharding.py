@@ -77,7 +77,7 @@ def test_make_mesh_sizes_and_errors():
 
 
 def test_rules_shard_weights_and_their_adam_moments_alike_and_replicate_the_rest():
-    mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES)
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
     tree = {"mu": {"layers": {"q_proj": np.zeros((2, 32, 64)), "attn_norm": np.zeros((2, 32))}, "embed": np.zeros((64, 32))},
             "count": np.zeros(()), "layers": {"down_proj": np.zeros((2, 96, 31))}}
     specs = jax.tree_util.tree_map_with_path(lambda path, x: sharding.leaf_spec(mesh, path, x.shape), tree)
