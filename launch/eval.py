@@ -1,8 +1,10 @@
 """Evaluate a training run's checkpoint: greedy pass@1 and majority@k per problem set.
 
-    python launch/eval.py --config=configs/tiny.py --checkpoint=runs/tiny [--step=latest|best|N]
+    python launch/eval.py --checkpoint=runs/tiny [--step=latest|best|N]
 
-Restores only the actor params (onto this machine's `config.mesh`), then evaluates the ID dev
+The config is the run's own (the config.json it wrote), so the dev set, the sampler and the model
+are the ones it trained with; `--config=configs/run.py:runs/tiny --config.eval.samples=8` overrides
+fields on top of it, and `--config=<preset>.py` replaces it. Restores only the actor params (onto this machine's `config.mesh`), then evaluates the ID dev
 set and every frozen benchmark in `config.eval.benchmarks` ("math500=/data/math500.jsonl,...";
 loaders in comppo_jax.data.datasets.BENCHMARKS). Each set's result is written to
 `<output>/<set>.json` as soon as it is done and is not recomputed on a rerun; the table (with the
@@ -28,7 +30,7 @@ from ml_collections import config_flags
 
 from comppo_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "The run's ml_collections config file.")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "An ml_collections config file (default: the run's own config.json).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")
 _OUTPUT = flags.DEFINE_string("output", "", "Where results go (default <checkpoint>/eval/step_<N>).")
@@ -61,8 +63,9 @@ def main(argv):
     from comppo_jax.eval.restore import restore_actor
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
+    from comppo_jax.train.outputs import load_run_config
 
-    cfg = _CONFIG.value
+    cfg = _CONFIG.value if _CONFIG.value is not None else load_run_config(_CHECKPOINT.value)
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
     sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import matplotlib
 import numpy as np
@@ -30,6 +31,23 @@ def test_run_config_reads_back_as_the_config_that_ran(tmp_path, preset):
     assert loaded.controller.warm_in_steps == config.controller.warm_in_steps and isinstance(loaded.controller.warm_in_steps, tuple)
     if preset == "tiny.py":  # the presets' model.path must name a real checkpoint directory
         validate_config(loaded)
+
+
+def test_configs_run_py_gives_a_runs_config_with_command_line_overrides_on_top(tmp_path, monkeypatch):
+    """--config=configs/run.py:<output_dir> (launch/eval.py's way to override the run's own config)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    config.data.dev_size = 7
+    save_run_config(config, str(tmp_path))
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values)
+    argv = ["eval.py", f"--config={REPO}/configs/run.py:{tmp_path}", "--config.eval.samples=3"]
+    monkeypatch.setattr(sys, "argv", argv)  # config_flags reads the overrides from sys.argv
+    values(argv)
+    assert values.config.eval.samples == 3 and values.config.data.dev_size == 7
+    assert {**values.config.to_dict(), "eval": None} == {**config.to_dict(), "eval": None}
 
 
 def test_run_config_errors_name_the_file(tmp_path):
