@@ -124,6 +124,26 @@ def select_cpu_without_accelerator() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+RUN_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run.py")
+
+
+def with_run_config(argv: list[str], run_flag: str) -> list[str]:
+    """`argv` with `--config=configs/run.py:<run dir>` (the run's own config.json) first, when it
+    names no --config but names the run in `--<run_flag>`: `--config.<field>=` overrides then apply
+    on top of the config the run trained with."""
+    if any(arg == "--config" or arg.startswith("--config=") for arg in argv[1:]):
+        return argv
+    for index, arg in enumerate(argv[1:], 1):
+        if arg.startswith(f"--{run_flag}="):
+            run_dir = arg.split("=", 1)[1]
+        elif arg == f"--{run_flag}" and index + 1 < len(argv):
+            run_dir = argv[index + 1]
+        else:
+            continue
+        return [argv[0], f"--config={RUN_CONFIG}:{run_dir}", *argv[1:]]
+    return argv
+
+
 def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
     """Runs the absl `main(argv)` with the defaults above; `--help` prints `print_help` and exits 0.
     On a machine without an accelerator JAX runs on the CPU without trying the TPU plugin

@@ -1,9 +1,9 @@
 """A training run's own config, read back from the config.json it wrote when it started:
 
-    python launch/eval.py --config=configs/run.py:runs/tiny --checkpoint=runs/tiny --config.eval.samples=8
+    --config=configs/run.py:runs/tiny --config.eval.samples=8
 
-The argument after the colon is the run's output_dir. launch/eval.py reads the same file when
---config is not given; this file is for when fields are overridden on top of it.
+The argument after the colon is the run's output_dir; `--config.<field>=` overrides apply on top.
+launch/eval.py uses it, with its --checkpoint, when no --config is given (`cli.with_run_config`).
 """
 
 from comppo_jax.train.outputs import load_run_config

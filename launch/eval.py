@@ -2,9 +2,11 @@
 
     python launch/eval.py --checkpoint=runs/tiny [--step=latest|best|N]
 
-The config is the run's own (the config.json it wrote), so the dev set, the sampler and the model
-are the ones it trained with; `--config=configs/run.py:runs/tiny --config.eval.samples=8` overrides
-fields on top of it, and `--config=<preset>.py` replaces it. Restores only the actor params (onto this machine's `config.mesh`), then evaluates the ID dev
+The config is the run's own (the config.json it wrote, through configs/run.py), so the dev set,
+the sampler and the model are the ones it trained with; `--config.eval.samples=8` overrides a field
+on top of it, and `--config=<preset>.py` replaces it.
+
+Restores only the actor params (onto this machine's `config.mesh`), then evaluates the ID dev
 set and every frozen benchmark in `config.eval.benchmarks` ("math500=/data/math500.jsonl,...";
 loaders in comppo_jax.data.datasets.BENCHMARKS). Each set's result is written to
 `<output>/<set>.json` as soon as it is done and is not recomputed on a rerun; the table (with the
@@ -24,13 +26,15 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 
 from absl import flags
 from ml_collections import config_flags
 
 from comppo_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "An ml_collections config file (default: the run's own config.json).")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "An ml_collections config file (default: the run's own, "
+                                          "configs/run.py:<checkpoint>).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")
 _OUTPUT = flags.DEFINE_string("output", "", "Where results go (default <checkpoint>/eval/step_<N>).")
@@ -63,9 +67,8 @@ def main(argv):
     from comppo_jax.eval.restore import restore_actor
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
-    from comppo_jax.train.outputs import load_run_config
 
-    cfg = _CONFIG.value if _CONFIG.value is not None else load_run_config(_CHECKPOINT.value)
+    cfg = _CONFIG.value
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
     sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
@@ -129,4 +132,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    sys.argv = cli.with_run_config(sys.argv, "checkpoint")
     cli.run(main)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import CPU_ONLY_ENV, REPO, require_libtpu
 
-from comppo_jax.cli import _config_rows
+from comppo_jax.cli import RUN_CONFIG, _config_rows, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
 from comppo_jax.models import load_config_file
 from comppo_jax.train.paper import FIELD_HELP
@@ -53,3 +53,13 @@ def test_a_cpu_run_without_jax_platforms_logs_no_error_lines():
     assert result.returncode == 0, result.stderr[-2000:]
     assert not [line for line in result.stderr.splitlines() if re.match(r"[EF]\d{4} ", line) or "Unable to initialize backend" in line], \
         result.stderr[-2000:]
+
+
+def test_a_run_named_without_a_config_brings_its_own_config_first():
+    own = f"--config={RUN_CONFIG}:runs/a"
+    assert with_run_config(["eval.py", "--checkpoint=runs/a", "--config.eval.samples=2"], "checkpoint") == [
+        "eval.py", own, "--checkpoint=runs/a", "--config.eval.samples=2"]
+    assert with_run_config(["eval.py", "--config.eval.samples=2", "--checkpoint", "runs/a"], "checkpoint")[1] == own
+    for given in (["eval.py", "--config=configs/tiny.py", "--checkpoint=runs/a"], ["eval.py", "--config", "x.py", "--checkpoint=runs/a"],
+                  ["eval.py", "--step=best"]):
+        assert with_run_config(given, "checkpoint") == given

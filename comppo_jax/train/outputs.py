@@ -42,7 +42,8 @@ def load_run_config(run_dir: str):
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: {run_dir} is not a training run's output_dir "
-                                "(launch/train.py writes config.json there when it starts)")
+                                "(launch/train.py writes config.json there when it starts; for a run without one, "
+                                "pass the config it trained with: --config=<file> and its overrides)")
     with open(path) as f:
         try:
             values = json.load(f)

@@ -32,9 +32,9 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text("".join(json.dumps({"question": f"{i} +2 =?\n", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}) + "\n"
                              for i in range(3)))
-    # The run's own config (its dev set of 4, 12 new tokens, one verifier) with two fields on top.
-    command = [sys.executable, "launch/eval.py", f"--config=configs/run.py:{run}", f"--checkpoint={run}", "--step=best",
-               f"--config.eval.benchmarks=gsm8k={gsm8k}", "--config.eval.samples=2"]
+    # No --config: the run's own (its dev set of 4, 12 new tokens, one verifier), two fields on top.
+    command = [sys.executable, "launch/eval.py", f"--checkpoint={run}", "--step=best", f"--config.eval.benchmarks=gsm8k={gsm8k}",
+               "--config.eval.samples=2"]
     result = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (output,) = (run / "eval").iterdir()  # step_<best>
@@ -51,12 +51,6 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     assert again.returncode == 0, again.stderr[-4000:]
     assert "| gsm8k | 3 | 0.500 | 0.250 |" in again.stdout
 
-    # Without --config: the run's config.json as it is.
-    missing = subprocess.run([sys.executable, "launch/eval.py", f"--checkpoint={run}", "--step=7"], cwd=ROOT, env=CPU_ONLY_ENV,
-                             capture_output=True, text=True, timeout=600)
+    missing = subprocess.run(command[:3] + ["--step=7"] + command[4:], cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True,
+                             timeout=600)
     assert missing.returncode != 0 and "no checkpoint '7'" in missing.stderr
-    default = subprocess.run([sys.executable, "launch/eval.py", f"--checkpoint={run}", "--step=best", "--output=" + str(tmp_path / "default")],
-                             cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
-    assert default.returncode == 0, default.stderr[-4000:]
-    same = lambda path: {key: value for key, value in json.loads(path.read_text()).items() if not key.startswith("majority")}
-    assert same(tmp_path / "default" / "id_dev.json") == same(output / "id_dev.json")  # the dev set of 4, greedy
