@@ -124,13 +124,12 @@ def select_cpu_without_accelerator() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-RUN_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run.py")
-
-
 def with_run_config(argv: list[str], run_flag: str) -> list[str]:
     """`argv` with `--config=configs/run.py:<run dir>` (the run's own config.json) first, when it
     names no --config but names the run in `--<run_flag>`: `--config.<field>=` overrides then apply
     on top of the config the run trained with."""
+    from comppo_jax.models.loading import PRESET_DIR
+
     if any(arg == "--config" or arg.startswith("--config=") for arg in argv[1:]):
         return argv
     for index, arg in enumerate(argv[1:], 1):
@@ -140,7 +139,7 @@ def with_run_config(argv: list[str], run_flag: str) -> list[str]:
             run_dir = argv[index + 1]
         else:
             continue
-        return [argv[0], f"--config={RUN_CONFIG}:{run_dir}", *argv[1:]]
+        return [argv[0], f"--config={PRESET_DIR / 'run.py'}:{run_dir}", *argv[1:]]
     return argv
 
 

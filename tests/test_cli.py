@@ -11,9 +11,10 @@ import sys
 import pytest
 from conftest import CPU_ONLY_ENV, REPO, require_libtpu
 
-from comppo_jax.cli import RUN_CONFIG, _config_rows, with_run_config
+from comppo_jax.cli import _config_rows, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
 from comppo_jax.models import load_config_file
+from comppo_jax.models.loading import PRESET_DIR
 from comppo_jax.train.paper import FIELD_HELP
 
 
@@ -56,7 +57,7 @@ def test_a_cpu_run_without_jax_platforms_logs_no_error_lines():
 
 
 def test_a_run_named_without_a_config_brings_its_own_config_first():
-    own = f"--config={RUN_CONFIG}:runs/a"
+    own = f"--config={PRESET_DIR / 'run.py'}:runs/a"
     assert with_run_config(["eval.py", "--checkpoint=runs/a", "--config.eval.samples=2"], "checkpoint") == [
         "eval.py", own, "--checkpoint=runs/a", "--config.eval.samples=2"]
     assert with_run_config(["eval.py", "--config.eval.samples=2", "--checkpoint", "runs/a"], "checkpoint")[1] == own

@@ -178,10 +178,17 @@ def test_interpreted_tpu_kernel_equals_dense_attention():
     np.testing.assert_allclose(np.asarray(attend()), oracle(q, kv, tables, 1), atol=1e-5)
 
 
+GPU_CONFIG = CONFIG.replace(head_dim=16)  # the compiled GPU kernels' dots need 16 features
+
+
+@pytest.fixture(scope="module")
+def gpu_params():
+    return init_params(GPU_CONFIG, jax.random.PRNGKey(0), init_std=0.3)
+
+
 @pytest.mark.parametrize("backend", ["gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_generate_on_the_gpu_kernel_equals_the_xla_path(backend):
-    config = CONFIG.replace(head_dim=16)  # the compiled kernel's dots need 16 features
-    params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
+def test_generate_on_the_gpu_kernel_equals_the_xla_path(gpu_params, backend):
+    config, params = GPU_CONFIG, gpu_params
     kwargs = dict(max_new_tokens=5, temperature=0.0, num_samples=2, page_size=2, decode_slots=3)
     xla = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), paged_attention="xla", **kwargs)
     gpu = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), paged_attention=backend, **kwargs)
@@ -189,11 +196,10 @@ def test_generate_on_the_gpu_kernel_equals_the_xla_path(backend):
 
 
 @pytest.mark.gpu
-def test_sampled_log_probs_equal_the_gpu_scoring_pass():
+def test_sampled_log_probs_equal_the_gpu_scoring_pass(gpu_params):
     """On the device's kernels end to end: the paged decode kernel samples, the Triton
     concentration kernel scores, and the log-probs agree as they do on CPU."""
-    config = CONFIG.replace(head_dim=16)
-    params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
+    config, params = GPU_CONFIG, gpu_params
     out = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(2), max_new_tokens=8, temperature=1.0, num_samples=2,
                    page_size=2, decode_slots=3, paged_attention="gpu")
     scored = score_rollout(params, None, config, out, top_k=None, backend="gpu")
