@@ -22,8 +22,8 @@ from jax.sharding import SingleDeviceSharding
 # One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
 # time, so rewards, advantages and gradients carry signal (not rounding noise) to compare. Dynamic
 # sampling drops the groups of equal rewards and refills from the prompt stream (2-3 rounds a step
-# here), so the refills, their host-side regrouping of sharded rows and the stream's position
-# across a preemption are checked on two processes too.
+# here), so the refills, their regrouping of rows sharded over both processes (take_groups) and
+# the stream's position across a preemption are checked on two processes too.
 POD_RUN = dict(steps=3, warm_start__steps=120, warm_start__learning_rate=2e-3, data__train_size=200, data__dev_size=4, data__min_steps=1,
                data__max_steps=1, data__operations="+", rollout__max_new_tokens=20, train__minibatch_size=4, train__eval_every=2,
                checkpoint__keep_last=10, mesh__data=4, mesh__tensor=2, rollout__dynamic_sampling=True)

@@ -29,13 +29,13 @@ BLOCKWISE = {
     "gpu": attention_with_concentration_gpu,  # the Triton kernel compiled: on a GPU only
 }
 ALL_BACKENDS = {**BLOCKWISE, "reference": functools.partial(attention_with_concentration, backend="reference")}
+# Small blocks so L = 45 spans several q and kv blocks and is not a multiple of either.
+BLOCKS = dict(block_q=16, block_k=32)
 
 
 def backends(names):
     """`names` as parameters, the compiled GPU kernel marked gpu (skipped off a GPU)."""
     return [pytest.param(name, marks=pytest.mark.gpu) if name == "gpu" else name for name in sorted(names)]
-# Small blocks so L = 45 spans several q and kv blocks and is not a multiple of either.
-BLOCKS = dict(block_q=16, block_k=32)
 
 
 def random_inputs(seed, *, lengths=(45, 30, 17), num_heads=8, num_kv_heads=2, head_dim=16, dtype=jnp.float32):
