@@ -83,9 +83,12 @@ def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
         if config is None:
             print(f"\n--{flag.name}: pass one (e.g. --{flag.name}=<file>:<name>) with --help to list its fields")
             continue
+        config = _with_shown_overrides(config, flag.name, argv)
         source = getattr(flag, "config_filename", "") or "the entry point"
-        print(f"\n--{flag.name} fields (from {source}); override any as --{flag.name}.<section>.<field>=value:")
-        for section, fields in _config_rows(config, field_help.get(flag.name, FIELD_HELP)).items():
+        print(f"\n--{flag.name} fields (from {source}, with the overrides given); override any as "
+              f"--{flag.name}.<section>.<field>=value:")
+        resolved = {} if flag.name in field_help else _resolved_fields(config)
+        for section, fields in _config_rows(config, field_help.get(flag.name, FIELD_HELP), resolved).items():
             print(f"\n[{section or 'top level'}]")
             entries = [(f"--{flag.name}.{name}={value}", description) for name, value, description in fields]
             width = min(max(len(entry) for entry, _ in entries), 56)
@@ -96,16 +99,53 @@ def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
                     print(f"  {entry:<{width}}  {description}".rstrip())
 
 
-def _config_rows(config, descriptions: dict) -> dict[str, list[tuple[str, str, str]]]:
-    """{section: [(dotted name, value, description)]}; a field with a description is one row even if it holds a dict."""
+def _config_rows(config, descriptions: dict, resolved: dict | None = None) -> dict[str, list[tuple[str, str, str]]]:
+    """{section: [(dotted name, value, description)]}; a field with a description is one row even if it holds a dict.
+    A field in `resolved` (dotted name -> what its value stands for in this config) shows both."""
     from comppo_jax.train.validation import config_fields
 
     rows: dict[str, list] = {}
     for path, value in config_fields(config, whole=descriptions):
         shown = value.to_dict() if hasattr(value, "to_dict") else value
         section = path.split(".")[0] if "." in path else ""
-        rows.setdefault(section, []).append((path, repr(shown) if isinstance(shown, str) else str(shown), descriptions.get(path, "")))
+        text = repr(shown) if isinstance(shown, str) else str(shown)
+        description = descriptions.get(path, "")
+        if resolved and path in resolved and resolved[path] != shown:
+            description = f"[here: {resolved[path]}] {description}"
+        rows.setdefault(section, []).append((path, text, description))
     return rows
+
+
+def _resolved_fields(config) -> dict[str, str]:
+    """What each "auto"-like field of a training config resolves to (comppo_jax.train.methods.RESOLVED_FIELDS)."""
+    from comppo_jax.train.methods import RESOLVED_FIELDS
+
+    return {path: resolve(config) for path, resolve in RESOLVED_FIELDS.items()}
+
+
+def _with_shown_overrides(config, flag_name: str, argv: list[str]):
+    """A copy of `config` with the `--<flag_name>.<field>=value` overrides of `argv` applied, each
+    value read as the type of the field it replaces (for --help; the run itself parses them with
+    ml_collections; a tuple field keeps the file's value here). An override naming no field, or a
+    value of the wrong type, is an error."""
+    config = config.copy_and_resolve_references()
+    prefix = f"--{flag_name}."
+    for arg in argv[1:]:
+        if not arg.startswith(prefix) or "=" not in arg:
+            continue
+        dotted, text = arg[len(prefix):].split("=", 1)
+        *sections, name = dotted.split(".")
+        section = config
+        for part in sections:
+            section = section[part]
+        current = section[name]
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{arg}: expected True or False")
+            section[name] = text.lower() in ("true", "1")
+        elif isinstance(current, (int, float, str)):
+            section[name] = type(current)(text)
+    return config
 
 
 def select_cpu_without_accelerator() -> None:

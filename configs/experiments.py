@@ -19,6 +19,10 @@ LEARNING_RATES = "5e-7,1e-6,2e-6"
 KL = "0,1e-3,2e-3"
 FULL = ("method=comppo", "gate=attention", "critic.kind=tac")
 MATCHED_BUDGET = ("train.critic_warmup_counts_toward_steps=False",)
+# DAPO (Yu et al. 2025) on top of a method: the decoupled clip 0.2 / 0.28, dynamic sampling on accuracy,
+# overlong shaping on every response, and no KL term (so no reference forward pass).
+DAPO = ("train.clip_high_scale=1.4", "rollout.dynamic_sampling=True", "rollout.dynamic_sampling_filter=accuracy",
+        "reward.length_penalty=overlong", "reward.length_penalty_on=all", "train.kl_coef=0", "train.kl_coef_grpo=0")
 
 
 def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, target=None, held_out_problems=0):
@@ -77,11 +81,10 @@ def get_config(name: str):
             ("max_weight", reads("max_weight")), ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
             ("fixed", ("method=comppo", "gate=fixed", "fixed_gate={mean_gate:herfindahl}", "critic.kind=tac")),
         ])
-    if name == "variants":  # CompPO with and without DAPO's tricks, beside GRPO and its 2025 variants
-        dapo = ("train.clip_high_scale=1.4", "rollout.dynamic_sampling=True", "reward.length_penalty=overlong", "reward.length_penalty_on=all")
+    if name == "variants":  # CompPO with and without DAPO's tricks, beside GRPO and its 2025 variants (each from its one switch)
         return experiment("variants", "variants", [
-            ("comppo", FULL), ("comppo_dapo", FULL + dapo), ("grpo", ("method=grpo",)), ("dapo", ("method=grpo",) + dapo),
-            ("gspo", ("method=grpo", "train.policy_loss=gspo", "train.loss_aggregation=seq-mean-token-mean")),
-            ("dr_grpo", ("method=grpo", "train.group_std_normalization=False", "train.loss_aggregation=seq-mean-token-sum-norm")),
+            ("comppo", FULL), ("comppo_dapo", FULL + DAPO), ("grpo", ("method=grpo",)), ("dapo", ("method=grpo",) + DAPO),
+            ("gspo", ("method=grpo", "train.policy_loss=gspo")),
+            ("dr_grpo", ("method=grpo", "train.group_std_normalization=False")),
         ])
     raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics or variants")

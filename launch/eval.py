@@ -1,6 +1,7 @@
-"""Evaluate a training run's checkpoint: greedy pass@1 and majority@k per problem set.
+"""Evaluate a training run's checkpoint: greedy pass@1, avg@n, unbiased pass@k and majority@n per problem set.
 
-    python launch/eval.py --checkpoint=runs/tiny [--step=latest|best|N]
+    python launch/eval.py --checkpoint=runs/tiny [--step=latest|best|N] \
+        [--config.eval.samples=8 --config.eval.temperature=1.0 --config.eval.top_p=0.7 --config.eval.pass_k=1,8]
 
 The config is the run's own (the config.json it wrote, through configs/run.py), so the dev set,
 the sampler and the model are the ones it trained with; `--config.eval.samples=8` overrides a field
@@ -8,10 +9,14 @@ on top of it, and `--config=<preset>.py` replaces it.
 
 Restores only the actor params (onto this machine's `config.mesh`), then evaluates the ID dev
 set and every frozen benchmark in `config.eval.benchmarks` ("math500=/data/math500.jsonl,...";
-loaders in comppo_jax.data.datasets.BENCHMARKS). Each set's result is written to
-`<output>/<set>.json` as soon as it is done and is not recomputed on a rerun; the table (with the
-unweighted macro average over the frozen benchmarks) is printed and written as results.csv and
-results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
+loaders in comppo_jax.data.datasets.BENCHMARKS). Per problem: one greedy response and n =
+`eval.samples` responses at `eval.temperature` / `eval.top_p`, giving avg@n (their mean accuracy),
+pass@k (Chen et al.'s unbiased estimator, for each k of `eval.pass_k`, default 1 and n) and
+majority@n; each set's value comes with its standard error over problems (`<metric>_se`;
+comppo_jax.eval.frozen). Each set's result is written to `<output>/<set>.json` as soon as it is
+done, with the settings it was computed with, and is not recomputed on a rerun with the same
+settings; the table (with the unweighted macro average over the frozen benchmarks) is printed and
+written as results.csv and results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
 
 `--held_out_problems=N` also writes `<output>/held_out.json`: the checkpoint's realized gate
 statistics and critic diagnostics on the first N dev prompts (comppo_jax.eval.held_out);
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
 
@@ -38,11 +44,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "An ml_collections con
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")
 _OUTPUT = flags.DEFINE_string("output", "", "Where results go (default <checkpoint>/eval/step_<N>).")
-_ACCURACY = flags.DEFINE_bool("accuracy", True, "Evaluate greedy pass@1 / majority@k on the dev set and benchmarks.")
+_ACCURACY = flags.DEFINE_bool("accuracy", True, "Evaluate greedy pass@1, avg@n, pass@k and majority@n on the dev set and benchmarks.")
 _HELD_OUT = flags.DEFINE_integer("held_out_problems", 0, "Gate and critic diagnostics on this many dev prompts (0: none).")
-
-COLUMNS = ("set", "problems", "greedy_pass@1", "majority@{k}")
-
 
 def parse_benchmarks(spec: str) -> dict[str, str]:
     """"name=path,name=path" -> {name: path}."""
@@ -64,12 +67,14 @@ def main(argv):
     from comppo_jax.data.rewards import VerifierPool
     from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
+    from comppo_jax.eval.frozen import eval_sampling, metric_names
     from comppo_jax.eval.restore import restore_actor
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
 
     cfg = _CONFIG.value
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
+    ks = eval_sampling(cfg.eval)  # a bad field fails here, before any restore
     sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
     step = checkpoints.resolve_step(_STEP.value)
@@ -89,46 +94,65 @@ def main(argv):
         return
     sets = {"id_dev": load_problems(cfg.data, cfg.seed)[1]} if cfg.data.kind == "synthetic" or cfg.data.path else {}
     sets.update({name: load_benchmark(name, path) for name, path in benchmarks.items()})  # fails now on a bad file, not midway
-    # Sets finished by an earlier run are read, not recomputed; decided once, before any process writes.
-    done = {name: os.path.exists(os.path.join(output, f"{name}.json")) for name in sets}
+    samples = cfg.eval.samples
+    settings = {"samples": samples, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "pass_k": list(ks),
+                "max_new_tokens": cfg.rollout.max_new_tokens, "seed": cfg.seed}
+    # Sets finished by an earlier run with these settings are read, not recomputed; decided once, before any process writes.
+    done = {name: _finished(os.path.join(output, f"{name}.json"), settings) for name in sets}
 
     policy_config, params = restore_actor(cfg, checkpoints, step)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-    samples = cfg.eval.samples
     rows = []
     with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
         for name, problems in sets.items():
             path = os.path.join(output, f"{name}.json")
             if done[name]:
                 with open(path) as f:
-                    result = json.load(f)
+                    result = json.load(f)["metrics"]
             else:
                 result = evaluate_problems(params, policy_config, tokenizer, problems, pool, max_new_tokens=cfg.rollout.max_new_tokens,
-                                           samples=samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.seed,
-                                           batch_size=cfg.eval.batch_size, desc=name)
+                                           samples=samples, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, pass_k=ks,
+                                           seed=cfg.seed, batch_size=cfg.eval.batch_size, desc=name)
                 if main_process:
                     with open(path, "w") as f:
-                        json.dump(result, f, indent=2)
+                        json.dump({"settings": settings, "metrics": result}, f, indent=2)
             rows.append({"set": name, **result})
     if not main_process:
         return
+    metrics = metric_names(samples, ks)
     frozen = [row for row in rows if row["set"] != "id_dev"]
-    if frozen:
-        metrics = ("greedy_pass@1", f"majority@{samples}")
-        rows.append({"set": "macro (frozen)", "problems": sum(r["problems"] for r in frozen),
-                     **{m: sum(r[m] for r in frozen) / len(frozen) for m in metrics}})
-    columns = [c.format(k=samples) for c in COLUMNS]
+    if frozen:  # the unweighted mean over sets; its standard error treats the sets as independent
+        macro = {"set": "macro (frozen)", "problems": sum(r["problems"] for r in frozen)}
+        for m in metrics:
+            macro[m] = sum(r[m] for r in frozen) / len(frozen)
+            macro[f"{m}_se"] = math.sqrt(sum(r[f"{m}_se"] ** 2 for r in frozen)) / len(frozen)
+        rows.append(macro)
+    columns = ["set", "problems", *(c for m in metrics for c in (m, f"{m}_se"))]
     with open(os.path.join(output, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(output, "results.json"), "w") as f:
-        json.dump({"checkpoint": os.path.abspath(_CHECKPOINT.value), "step": step, "rows": rows}, f, indent=2)
-    print(f"checkpoint {_CHECKPOINT.value} step {step}")
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+        json.dump({"checkpoint": os.path.abspath(_CHECKPOINT.value), "step": step, "settings": settings, "rows": rows}, f, indent=2)
+    print(f"checkpoint {_CHECKPOINT.value} step {step}: {samples} samples per problem at temperature {cfg.eval.temperature}, "
+          f"top-p {cfg.eval.top_p}; mean (standard error)")
+    print("| set | problems | " + " | ".join(metrics) + " |")
+    print("|" + "---|" * (len(metrics) + 2))
     for row in rows:
-        print("| " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |")
+        print(f"| {row['set']} | {row['problems']} | " + " | ".join(f"{row[m]:.3f} ({row[m + '_se']:.3f})" for m in metrics) + " |")
+
+
+def _finished(path: str, settings: dict) -> bool:
+    """Whether `path` holds a set's result computed with `settings` (a result of other settings, or
+    of an older format without them, is recomputed)."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        try:
+            stored = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error}); delete it to recompute that set") from error
+    return isinstance(stored, dict) and stored.get("settings") == settings and "metrics" in stored
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Aggregation is token-mean unless stated: every loss is the mean over ALL valid
 tokens of the batch (verl's `loss_agg_mode="token-mean"`, as in DAPO), so long
 responses weigh in proportion to their length and the loss does not depend on
 how rows are padded. `aggregate_loss` provides verl's other modes (GSPO's
-sequence mean, Dr.GRPO's constant normalizer). Per-token arrays are [B, T];
+sequence mean, Dr.GRPO's constant normalizer) and tunix's token scale. Per-token arrays are [B, T];
 arithmetic is float32. Inputs are zeroed on padding before use, so padding
 garbage (nan, inf) reaches neither the loss nor its gradient. Rollout-side
 inputs (old/reference log-probs, advantages, old values, returns) are wrapped
@@ -25,8 +25,9 @@ _KL_KINDS = ("k1", "k3", "low_var_kl")
 # Upper bound on GSPO's sequence log ratio before exp, as verl and tunix
 # (one-sided: a very negative mean only sends the ratio to 0).
 _MAX_SEQ_LOG_RATIO = 10.0
-# verl's `loss_agg_mode` names, the modes of `aggregate_loss`.
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# verl's `loss_agg_mode` names, and tunix's "sequence-mean-token-scale" (Dr.GRPO's own normalization)
+# as "seq-mean-token-scale": the modes of `aggregate_loss`.
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-scale")
 
 
 def _valid(x, mask):
@@ -55,9 +56,14 @@ def aggregate_loss(per_token, mask, mode, norm_length=None):
       "token-mean":              sum_{i,t} x / sum_i n_i (`masked_mean`).
       "seq-mean-token-mean":     mean_{i in S} (sum_t x_{i,t} / n_i) (GSPO).
       "seq-mean-token-sum":      mean_{i in S} sum_t x_{i,t}.
-      "seq-mean-token-sum-norm": sum_{i,t} x / norm_length (Dr.GRPO: a constant
-        normalizer instead of the response length). As verl, a sum over rows,
-        not a mean; tunix's "sequence-mean-token-sum-norm" with norm=norm_length.
+      "seq-mean-token-sum-norm": sum_{i,t} x / norm_length, verl's form of
+        Dr.GRPO's constant normalizer: a sum over rows, not a mean (tunix's
+        "sequence-mean-token-sum-norm" with norm=norm_length). |S| times
+        "seq-mean-token-scale".
+      "seq-mean-token-scale":    mean_{i in S} (sum_t x_{i,t} / norm_length),
+        Dr.GRPO's own normalization (Liu et al. 2025; the authors' oat code,
+        masked_sum with constant_normalizer=generate_max_length, then a mean
+        over rows) and tunix's "sequence-mean-token-scale".
 
     verl (core_algos.agg_loss) is followed with dp_size=1 and its batch-size
     and token-count overrides unset, except that an empty mask gives 0 (verl
@@ -67,9 +73,10 @@ def aggregate_loss(per_token, mask, mode, norm_length=None):
       per_token: [B, T] float.
       mask: [B, T] mask of valid tokens.
       mode: one of the four names above (static).
-      norm_length: the constant of "seq-mean-token-sum-norm" (verl's
-        `loss_scale_factor`, e.g. the maximum response length); None means T,
-        verl's default. Ignored by the other modes.
+      norm_length: the constant of "seq-mean-token-sum-norm" and
+        "seq-mean-token-scale" (verl's `loss_scale_factor`, e.g. the maximum
+        response length); None means T, verl's default. Ignored by the other
+        modes.
 
     Returns:
       Scalar float32.
@@ -80,12 +87,14 @@ def aggregate_loss(per_token, mask, mode, norm_length=None):
     if mode == "token-mean":
         return masked_mean(per_token, mask)
     row_sums = jnp.sum(_valid(per_token, mask), axis=1)
+    norm = jnp.asarray(per_token.shape[1] if norm_length is None else norm_length, jnp.float32)
     if mode == "seq-mean-token-sum-norm":
-        norm = per_token.shape[1] if norm_length is None else norm_length
-        return jnp.sum(row_sums) / jnp.asarray(norm, jnp.float32)
+        return jnp.sum(row_sums) / norm
     lengths = jnp.sum(mask.astype(bool), axis=1, dtype=jnp.float32)
     if mode == "seq-mean-token-mean":
         row_sums = row_sums / jnp.maximum(lengths, 1.0)
+    if mode == "seq-mean-token-scale":
+        row_sums = row_sums / norm
     rows = jnp.sum(lengths > 0, dtype=jnp.float32)
     return jnp.sum(row_sums) / jnp.maximum(rows, 1.0)
 
@@ -102,13 +111,15 @@ def _surrogate_inputs(log_probs, old_log_probs, advantages, mask):
 
 def _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high, aggregation, norm_length):
     """Aggregated max(-ratio A, -clip(ratio) A) with the token-mean metrics of
-    verl's `pg_clipfrac` and `ppo_kl`, whatever the aggregation."""
+    verl's `pg_clipfrac` and `ppo_kl`, whatever the aggregation, and the part of
+    the clip fraction at the upper bound (A > 0, ratio > 1 + clip_high)."""
     ratio = jnp.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = aggregate_loss(jnp.maximum(unclipped, clipped), mask, aggregation, norm_length)
     metrics = {
         "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "clip_fraction_high": masked_mean(((clipped > unclipped) & (adv > 0)).astype(jnp.float32), mask),
         "approx_kl": jax.lax.stop_gradient(masked_mean(old_logp - logp, mask)),
     }
     return loss, metrics
@@ -139,6 +150,7 @@ def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip
       (loss, metrics): scalar loss and a dict of scalars
         "clip_fraction": fraction of valid tokens where the clipped branch is
           the active one (their gradient is zero);
+        "clip_fraction_high": the part of it at the upper bound (A > 0);
         "approx_kl": k1 estimate of KL(old || new), token-mean of
           old_logp - logp (verl's `ppo_kl`).
     """
@@ -197,8 +209,8 @@ def gspo_loss(log_probs, old_log_probs, advantages, mask, clip_low, clip_high, t
                               aggregation, norm_length)
 
 
-@functools.partial(jax.jit, static_argnames=("kind",))
-def kl_penalty(log_probs, ref_log_probs, mask, kind="low_var_kl"):
+@functools.partial(jax.jit, static_argnames=("kind", "aggregation"))
+def kl_penalty(log_probs, ref_log_probs, mask, kind="low_var_kl", aggregation="token-mean", norm_length=None):
     """Reference-policy KL penalty, token-mean over valid tokens (paper alg. 1).
 
     kind="k1":  logp - ref_logp.
@@ -213,6 +225,8 @@ def kl_penalty(log_probs, ref_log_probs, mask, kind="low_var_kl"):
       ref_log_probs: [B, T] float, reference-policy log-probs.
       mask: [B, T] mask of valid tokens.
       kind: "k1", "k3" or "low_var_kl" (static).
+      aggregation, norm_length: `aggregate_loss`'s mode (static) and constant;
+        verl aggregates the KL with the policy loss's mode.
 
     Returns:
       Scalar penalty (multiply by the KL coefficient and add to the loss).
@@ -227,7 +241,7 @@ def kl_penalty(log_probs, ref_log_probs, mask, kind="low_var_kl"):
     else:
         d = jnp.clip(ref - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         per_token = jnp.clip(jnp.expm1(d) - d, -10.0, 10.0)
-    return masked_mean(per_token, mask)
+    return aggregate_loss(per_token, mask, aggregation, norm_length)
 
 
 @jax.jit

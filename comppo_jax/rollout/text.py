@@ -26,10 +26,19 @@ def decode_responses(tokenizer, generation):
     return [tokenizer.decode(row[m & (row != tokenizer.eos_token_id)]) for row, m in zip(tokens, mask)]
 
 
+def answers_correct(problems, answers, pool: VerifierPool) -> list[bool]:
+    """Whether each extracted answer (None: no answer, incorrect) verifies against its problem's gold."""
+    answered = [i for i, a in enumerate(answers) if a is not None]
+    verdicts = pool.check([(problems[i].answer, answers[i]) for i in answered])
+    correct = [False] * len(answers)
+    for i, verdict in zip(answered, verdicts):
+        correct[i] = verdict is Verdict.CORRECT
+    return correct
+
+
 def count_correct(problems, answers, pool: VerifierPool) -> int:
     """How many extracted `answers` (None: no answer, incorrect) verify against the problems' gold."""
-    pairs = [(p.answer, a) for p, a in zip(problems, answers) if a is not None]
-    return sum(v is Verdict.CORRECT for v in pool.check(pairs))
+    return sum(answers_correct(problems, answers, pool))
 
 
 def generated_answers(params, config: ModelConfig, tokenizer, problems, *, max_new_tokens: int, rng=None, temperature: float = 0.0,

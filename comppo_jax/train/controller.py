@@ -219,13 +219,13 @@ def target_phase(state: Mapping[str, float], metrics: Mapping[str, float], confi
 
 
 def update(state: Mapping[str, float], metrics: Mapping[str, float], config: ControllerConfig) -> dict[str, float]:
-    """One step: metrics has clip_fraction, ppo_kl, kl_loss, grad_norm, entropy and optionally
-    response_clip_ratio and dev_accuracy (when evaluated). Returns the new state."""
+    """One step: metrics has clip_fraction, ppo_kl, grad_norm, entropy and optionally kl_loss (a
+    run with a KL term), response_clip_ratio and dev_accuracy (when evaluated). Returns the new state."""
     state = dict(state)
     if not config.enabled:
         return state
-    for name in ("clip_fraction", "ppo_kl", "kl_loss", "grad_norm"):
-        state[f"ema_{name}"] = _ema(state[f"ema_{name}"], float(metrics[name]), config.ema)
+    for name in ("clip_fraction", "ppo_kl", "kl_loss", "grad_norm"):  # no kl_loss without a KL term: its rule stays at level 0
+        state[f"ema_{name}"] = _ema(state[f"ema_{name}"], float(metrics.get(name, float("nan"))), config.ema)
     entropy = float(metrics["entropy"])
     state["ema_entropy"] = _ema(state["ema_entropy"], entropy, config.entropy_ema)
     for i in range(ENTROPY_WINDOW - 1):

@@ -50,7 +50,8 @@ from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
-from comppo_jax.train.methods import Recipe, actor_loss_of, behaviour_pass, control_gate, recipe as make_recipe, spread_over_sequence
+from comppo_jax.train.methods import (Recipe, actor_loss_of, behaviour_pass, control_gate, kl_coefficient, recipe as make_recipe,
+                                      spread_over_sequence)
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run, save_run_config
 from comppo_jax.train.sampling import Sampled, dynamic_sampling, reward_generation
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
@@ -133,11 +134,6 @@ def run_parts(cfg, model_config) -> RunParts:
                     critic_from_config(cfg.critic) if recipe.critic == "tac" else None, position_schedule)
 
 
-def kl_coefficient(cfg, recipe: Recipe) -> float:
-    """The reference-KL coefficient of the method (GRPO has its own, tuned separately)."""
-    return cfg.train.kl_coef_grpo if recipe.estimator == "grpo" else cfg.train.kl_coef
-
-
 def gate_options(cfg) -> dict:
     """The gate's keywords for a config (`policy_gate`'s, and part of `score_rollout`'s)."""
     return dict(window=cfg.rollout.window, gate_statistic=cfg.gate_statistic, sink_tokens=cfg.sink_tokens, **cfg.gate_envelope.to_dict())
@@ -216,7 +212,7 @@ def score_and_credit(cfg, parts: RunParts, model_config, values_fn, critic, poli
     zeros = jnp.zeros(mask.shape)
     batch = sharding.put(Minibatch(
         generation.tokens, generation.attention_mask, generation.prompt_lengths, generation.response_tokens, mask,
-        rollout.log_probs, rollout.ref_log_probs, zeros, zeros, zeros,
+        rollout.log_probs, zeros if rollout.ref_log_probs is None else rollout.ref_log_probs, zeros, zeros, zeros,
         spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
     ), batch_shardings)
     values = zeros if parts.recipe.estimator == "grpo" else values_fn(critic, batch)
@@ -413,12 +409,13 @@ def train(cfg) -> dict:
 
             sampled = sample(policy, 0)
             if cfg.rollout.dynamic_sampling:
-                sampled = dynamic_sampling(sampled, functools.partial(sample, policy), group, cfg.rollout.max_refills)
+                sampled = dynamic_sampling(sampled, functools.partial(sample, policy), group, cfg.rollout.max_refills,
+                                           cfg.rollout.dynamic_sampling_filter, len(train_problems))
             # 2, 4. score, credit
             compiling("the scoring pass and credit")
             gate_key = jax.random.fold_in(step_rng, 1)
-            scored = score_and_credit(cfg, parts, model_config, steps.values, critic, policy, fetch(reference), sampled, gate_key,
-                                      batch_shardings)
+            scored = score_and_credit(cfg, parts, model_config, steps.values, critic, policy,
+                                      fetch(reference) if kl_coefficient(cfg) > 0 else None, sampled, gate_key, batch_shardings)
             del policy, sampled  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.sampled.host_mask
             lengths = host_mask.sum(axis=1)
@@ -429,7 +426,7 @@ def train(cfg) -> dict:
 
             # 5. update: E epochs of shuffled minibatches
             actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
-                               kl_coef=kl_coefficient(cfg, parts.recipe) * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
+                               kl_coef=kl_coefficient(cfg) * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
             critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
                                 grad_clip=knobs["critic_grad_clip"])
             update_actor = step > warmup

@@ -32,25 +32,54 @@ GATES = ("attention", "fixed", "shuffle", "position")
 CRITICS = ("tac", "standard", "none")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
 GATE_REFRESH = ("rollout", "epoch")
+KL_AGGREGATIONS = ("token-mean", "policy")
 
 
 @dataclasses.dataclass(frozen=True)
 class ActorLoss:
-    """The actor's surrogate as a config fixes it (static under jit): `train.policy_loss`,
-    `train.loss_aggregation`, `train.clip_high_scale` and the token-sum normalizer (max_new_tokens)."""
+    """The actor's loss as a config fixes it (static under jit): `train.policy_loss`, the resolved
+    `train.loss_aggregation`, `train.clip_high_scale`, the token-sum normalizer (max_new_tokens),
+    whether the reference KL term is in the loss at all and how it is aggregated."""
 
     policy_loss: str = "ppo"
     aggregation: str = "token-mean"
     clip_high_scale: float = 1.0
     norm_length: int | None = None
     sequence_clip: tuple[float, float] = (3e-4, 4e-4)  # GSPO's (low, high) clip of the sequence ratio
+    kl_term: bool = True
+    kl_aggregation: str = "token-mean"
+
+
+def loss_aggregation(train) -> str:
+    """`train.loss_aggregation`, with "auto" resolved to the objective of the variant's own paper:
+    GSPO's sequence mean for gspo / gspo_token, Dr.GRPO's constant normalizer (mean over responses
+    of token sums / max_new_tokens) without the group std, token-mean (the paper's, DAPO's) otherwise."""
+    if train.loss_aggregation != "auto":
+        return train.loss_aggregation
+    if train.policy_loss in ("gspo", "gspo_token"):
+        return "seq-mean-token-mean"
+    if not train.group_std_normalization:
+        return "seq-mean-token-scale"
+    return "token-mean"
+
+
+# Fields whose value "auto" stands for another, as a training config resolves it (--help shows it).
+RESOLVED_FIELDS = {"train.loss_aggregation": lambda cfg: loss_aggregation(cfg.train)}
+
+
+def kl_coefficient(cfg) -> float:
+    """The reference-KL coefficient of the config's method (GRPO has its own, tuned separately)."""
+    return cfg.train.kl_coef_grpo if cfg.method == "grpo" else cfg.train.kl_coef
 
 
 def actor_loss_of(cfg) -> ActorLoss:
-    """The `ActorLoss` of a training config."""
+    """The `ActorLoss` of a training config: a zero KL coefficient drops the KL term (and, in the
+    loop, the reference forward pass); train.kl_aggregation=policy aggregates it as the policy loss."""
     train = cfg.train
-    return ActorLoss(train.policy_loss, train.loss_aggregation, float(train.clip_high_scale), cfg.rollout.max_new_tokens,
-                     (float(train.gspo_clip_low), float(train.gspo_clip_high)))
+    aggregation = loss_aggregation(train)
+    return ActorLoss(train.policy_loss, aggregation, float(train.clip_high_scale), cfg.rollout.max_new_tokens,
+                     (float(train.gspo_clip_low), float(train.gspo_clip_high)), kl_term=kl_coefficient(cfg) > 0,
+                     kl_aggregation=aggregation if train.kl_aggregation == "policy" else "token-mean")
 
 
 @dataclasses.dataclass(frozen=True)

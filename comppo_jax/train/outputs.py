@@ -35,8 +35,23 @@ def _tuples(value):
     return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
 
 
+def _with_defaults(values: dict, defaults: dict) -> dict:
+    """`values` with every field of `defaults` it lacks added (nested sections merged); its own values win."""
+    merged = dict(values)
+    for name, default in defaults.items():
+        if name not in merged:
+            merged[name] = default
+        elif isinstance(default, dict) and isinstance(merged[name], dict) and name != "arch":
+            merged[name] = _with_defaults(merged[name], default)
+    return merged
+
+
 def load_run_config(run_dir: str):
-    """The ml_collections ConfigDict a run trained with (`<run_dir>/config.json`)."""
+    """The ml_collections ConfigDict a run trained with (`<run_dir>/config.json`). Fields added to
+    the project after the run was written take their defaults (comppo_jax.train.paper.paper_config),
+    so `--config.<new field>=` overrides and evaluation work on older runs too."""
+    from comppo_jax.train.paper import paper_config
+
     import ml_collections
 
     path = os.path.join(run_dir, CONFIG_FILE)
@@ -49,7 +64,8 @@ def load_run_config(run_dir: str):
             values = json.load(f)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not valid JSON ({error})") from error
-    return ml_collections.ConfigDict(_tuples(values))
+    arch = values.get("model", {}).get("arch", {}) if isinstance(values, dict) else {}
+    return ml_collections.ConfigDict(_tuples(_with_defaults(values, paper_config(arch).to_dict())))
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -118,23 +118,30 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         paged_attention=("auto", "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | gpu | gpu_interpret"),
         old_log_probs=("rescore", "the behaviour log-probs of the PPO ratio: rescore (teacher-forced in the scoring pass) | sampler "
                                   "(recorded while sampling; GRPO then skips the behaviour forward pass and logs no gate statistics)"),
-        dynamic_sampling=(False, "DAPO's dynamic sampling: drop prompt groups whose rewards are all equal and refill the batch "
-                                 "from the prompt stream"),
+        dynamic_sampling=(False, "DAPO's dynamic sampling: drop uninformative prompt groups (dynamic_sampling_filter) and refill "
+                                 "the batch from the prompt stream"),
+        dynamic_sampling_filter=("accuracy", "dynamic_sampling drops a group whose verdicts are all correct or all wrong: accuracy "
+                                             "(DAPO's) | reward (whose shaped rewards are all equal)"),
         max_refills=(3, "dynamic_sampling: extra sampling rounds per step at most; groups still missing then are filled with "
-                        "dropped ones"),
+                        "dropped ones (-1: draw until the batch is full, stopping the run if a whole pass over the training "
+                        "prompts cannot fill it, as DAPO)"),
     )
     # Clip 0.2, grad clip 1 and 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     config.train = _section(
         "train.",
         actor_lr=(1e-6, "actor AdamW learning rate"),
         critic_lr=(1e-5, "critic AdamW learning rate"),
-        kl_coef=(2e-3, "KL-to-reference coefficient (PPO, CompPO)"),
-        kl_coef_grpo=(1e-3, "KL-to-reference coefficient (GRPO)"),
+        kl_coef=(2e-3, "KL-to-reference coefficient (PPO, CompPO; 0: no KL term and no reference forward pass)"),
+        kl_coef_grpo=(1e-3, "KL-to-reference coefficient (GRPO; 0: no KL term and no reference forward pass)"),
         lam=(0.95, "GAE / Comp-GAE lambda"),
         policy_loss=("ppo", "the actor's surrogate: ppo (per-token ratio, eq. ppo_outer) | gspo (one length-normalized ratio per "
                             "response; GRPO only) | gspo_token (GSPO's ratio carrying per-token advantages)"),
-        loss_aggregation=("token-mean", "token-mean (the paper's, DAPO's) | seq-mean-token-mean (GSPO's) | seq-mean-token-sum | "
-                                        "seq-mean-token-sum-norm (Dr.GRPO's: token sums over max_new_tokens)"),
+        loss_aggregation=("auto", "auto (the variant's own: seq-mean-token-mean for gspo / gspo_token, seq-mean-token-scale "
+                                  "without the group std (Dr.GRPO), else token-mean) | token-mean (the paper's, DAPO's) | "
+                                  "seq-mean-token-mean (GSPO's) | seq-mean-token-sum | seq-mean-token-sum-norm (verl's Dr.GRPO: "
+                                  "all token sums / max_new_tokens) | seq-mean-token-scale (Dr.GRPO's own and tunix's: the mean "
+                                  "over responses of token sums / max_new_tokens)"),
+        kl_aggregation=("token-mean", "how the reference KL is aggregated: token-mean | policy (as the policy loss, verl's)"),
         gspo_clip_low=(3e-4, "gspo, gspo_token: the sequence ratio's lower clip (GSPO's; the controller's clip does not apply)"),
         gspo_clip_high=(4e-4, "gspo, gspo_token: the sequence ratio's upper clip (GSPO's)"),
         clip_high_scale=(1.0, "DAPO's decoupled clip: the ratio's upper clip is this times the controller's clip (1.4: DAPO's 0.28/0.2)"),
@@ -195,7 +202,10 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     config.eval = _section(
         "eval.",
         benchmarks=("", "launch/eval.py: frozen benchmarks as name=path,... (comppo_jax.data.datasets.BENCHMARKS)"),
-        samples=(8, "launch/eval.py: responses per problem for majority@k"),
+        samples=(8, "launch/eval.py: responses n per problem for avg@n, pass@k and majority@n"),
+        temperature=(1.0, "launch/eval.py: sampling temperature of those responses (0: greedy)"),
+        top_p=(0.7, "launch/eval.py: nucleus mass of those responses"),
+        pass_k=("", "launch/eval.py: the k of pass@k, e.g. 1,4,16 (\"\": 1 and samples)"),
         batch_size=(32, "launch/eval.py: problems per batch"),
     )
     return config

@@ -45,8 +45,8 @@ from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs
-from comppo_jax.train.loop import check_batch, init_critic, kl_coefficient, run_parts, scoring_options
-from comppo_jax.train.methods import actor_loss_of, behaviour_pass
+from comppo_jax.train.loop import check_batch, init_critic, run_parts, scoring_options
+from comppo_jax.train.methods import actor_loss_of, behaviour_pass, kl_coefficient
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -214,16 +214,19 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
                             jax.ShapeDtypeStruct((batch, response), jnp.bool_), jax.ShapeDtypeStruct((batch, response), jnp.float32))
         return _with_shardings(shapes, Generation(*[batch_sharding] * len(Generation._fields)))
 
+    # Without a KL term the scoring pass runs no reference forward (train() passes None).
     score = jax.jit(lambda policy, reference, generation: score_rollout(
-        policy, reference, config, generation, backend=PLATFORM_BACKENDS[platform], **scoring_options(cfg, parts)))
+        policy, reference if kl_coefficient(cfg) > 0 else None, config, generation, backend=PLATFORM_BACKENDS[platform],
+        **scoring_options(cfg, parts)))
 
     def minibatch(batch):
         """The Minibatch of `batch` rows, shaped as score_and_credit builds it."""
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             rollout = jax.eval_shape(score, state["policy"], state["reference"], generation(batch))
         per_token = jax.ShapeDtypeStruct((batch, response), jnp.float32)
+        reference_log_probs = per_token if rollout.ref_log_probs is None else rollout.ref_log_probs
         fields = Minibatch(rollout.tokens, rollout.attention_mask, rollout.prompt_lengths, generation(batch).response_tokens,
-                           rollout.response_mask, rollout.log_probs, rollout.ref_log_probs, per_token, per_token, per_token,
+                           rollout.response_mask, rollout.log_probs, reference_log_probs, per_token, per_token, per_token,
                            jax.ShapeDtypeStruct((batch, length), jnp.float32), rollout.hidden_states, rollout.routing)
         return _with_shardings(fields, minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac"))
 
@@ -269,7 +272,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
-                        epochs=epochs, reference=kl_coefficient(cfg, parts.recipe) > 0,
+                        epochs=epochs, reference=kl_coefficient(cfg) > 0,
                         behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
                         gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0)
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)

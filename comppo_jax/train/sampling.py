@@ -1,11 +1,14 @@
 """Steps 1 and 3 of a train step: sample responses and reward them, with DAPO's dynamic sampling.
 
 `reward_generation` verifies a generation's responses. `dynamic_sampling` (rollout.dynamic_sampling,
-DAPO, Yu et al. 2025) keeps only prompt groups whose rewards are not all equal: a group of equal
-rewards has zero group-relative advantage, so it only dilutes the batch. Dropped groups are
-replaced from the prompt stream, one full batch of prompts per refill round (the sampler keeps
-its compiled shape), for at most `rollout.max_refills` rounds; groups still missing then are
-filled with dropped ones, so the batch keeps its size. Rows keep their group order.
+DAPO, Yu et al. 2025) keeps only informative prompt groups: with the accuracy filter (DAPO's, the
+default) those whose verdicts are neither all correct nor all wrong, with the reward filter those
+whose shaped rewards are not all equal (a group of equal rewards has zero group-relative advantage).
+Dropped groups are replaced from the prompt stream, one full batch of prompts per refill round (the
+sampler keeps its compiled shape), for at most `rollout.max_refills` rounds; groups still missing
+then are filled with dropped ones, so the batch keeps its size. With max_refills=-1 it draws until
+the batch is full, as DAPO does, and stops the run with `DynamicSamplingExhausted` once a whole pass
+over the training prompts could not fill it. Rows keep their group order.
 """
 
 from __future__ import annotations
@@ -17,8 +20,14 @@ import numpy as np
 
 from comppo_jax import sharding
 from comppo_jax.credit import informative_groups
-from comppo_jax.data.rewards import RewardCoefficients, score_responses, terminal_reward_tokens
+from comppo_jax.data.rewards import RewardCoefficients, Verdict, score_responses, terminal_reward_tokens
 from comppo_jax.rollout import Generation, decode_responses
+
+DYNAMIC_SAMPLING_FILTERS = ("accuracy", "reward")
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """max_refills=-1 drew a whole pass over the training prompts in one step without filling the batch."""
 
 
 class Sampled(NamedTuple):
@@ -76,25 +85,45 @@ def _combined_metrics(rounds: list[Sampled]) -> dict:
     return total
 
 
-def dynamic_sampling(first: Sampled, draw: Callable[[int], Sampled], group: int, max_refills: int) -> Sampled:
-    """DAPO's dynamic sampling (module doc): `first` and up to `max_refills` more batches
-    `draw(1)`, `draw(2)`, ..., keeping informative groups until there are as many as `first` has.
+def informative(sampled: Sampled, group: int, filter_by: str) -> np.ndarray:
+    """[groups] bool: the groups dynamic sampling keeps. "accuracy": verdicts neither all correct nor
+    all wrong (DAPO's filter); "reward": shaped rewards not all equal."""
+    if filter_by not in DYNAMIC_SAMPLING_FILTERS:
+        raise ValueError(f"rollout.dynamic_sampling_filter={filter_by!r}; expected one of {DYNAMIC_SAMPLING_FILTERS}")
+    if filter_by == "accuracy":
+        return informative_groups(np.asarray([v is Verdict.CORRECT for v in sampled.verdicts], np.float32), group)
+    return informative_groups(sampled.rewards, group)
+
+
+def dynamic_sampling(first: Sampled, draw: Callable[[int], Sampled], group: int, max_refills: int, filter_by: str = "accuracy",
+                     train_prompts: int = 0) -> Sampled:
+    """DAPO's dynamic sampling (module doc): `first` and more batches `draw(1)`, `draw(2)`, ...,
+    keeping informative groups (`informative`) until there are as many as `first` has. At most
+    `max_refills` draws, then dropped groups fill the batch; with max_refills=-1 as many draws as a
+    pass over the `train_prompts` training prompts takes, then `DynamicSamplingExhausted`.
 
     The batch's reward_metrics are the reward counts over every sampled response, plus
     dynamic_sampling/dropped_fraction (uninformative groups over all sampled), /refills (rounds
     drawn) and /uninformative_kept (dropped groups that filled the batch after the last round).
     """
     wanted = len(first.problems)
+    until_full = max_refills < 0
+    refills = -(-train_prompts // wanted) - 1 if until_full else max_refills  # a pass over the prompts: ceil(train / batch) rounds
     rounds, kept, dropped = [], [], []
     sampled = first
     while True:
         rounds.append(sampled)
-        informative = informative_groups(sampled.rewards, group)
-        for g, useful in enumerate(np.asarray(informative)):
+        for g, useful in enumerate(informative(sampled, group, filter_by)):
             (kept if useful else dropped).append((len(rounds) - 1, g))
-        if len(kept) >= wanted or len(rounds) > max_refills:
+        if len(kept) >= wanted or len(rounds) > refills:
             break
         sampled = draw(len(rounds))
+    if until_full and len(kept) < wanted:
+        raise DynamicSamplingExhausted(
+            f"dynamic sampling drew {len(rounds)} rounds of {wanted} prompts in one step, a whole pass over the {train_prompts} "
+            f"training prompts, and found {len(kept)} of the {wanted} informative groups the batch needs ({filter_by} filter: the "
+            "policy answers nearly every group all right or all wrong); pass --config.rollout.max_refills=<count> to fill the "
+            "batch with uninformative groups after that many refills")
     uninformative_kept = max(wanted - len(kept), 0)
     chosen = sorted(kept[:wanted] + dropped[:uninformative_kept])
     pieces = [(rounds[r], [g for rr, g in chosen if rr == r]) for r in range(len(rounds))]

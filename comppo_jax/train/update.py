@@ -89,16 +89,20 @@ def surrogate(loss: ActorLoss, log_probs, old_log_probs, advantages, mask, clip)
 
 
 def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float, loss: ActorLoss = ActorLoss()):
-    """Clipped surrogate (`surrogate`) + kl_coef * low-variance KL to the reference policy."""
+    """Clipped surrogate (`surrogate`) + kl_coef * low-variance KL to the reference policy, the KL
+    aggregated as `loss.kl_aggregation`; without a KL term (`loss.kl_term=False`, DAPO) the
+    surrogate alone, and no kl_loss metric."""
     log_probs, entropy = policy_token_stats(cast_params(params, config.dtype), config, batch.tokens, batch.attention_mask,
                                             batch.prompt_lengths, batch.response_tokens, temperature)
     mask = batch.response_mask
     policy_loss, stats = surrogate(loss, log_probs, batch.old_log_probs, batch.advantages, mask, clip)
-    kl = kl_penalty(log_probs, batch.ref_log_probs, mask)
     entropy = masked_mean(entropy, mask)
-    metrics = {"policy_loss": policy_loss, "kl_loss": kl, "ppo_kl": stats["approx_kl"],
-               "clip_fraction": stats["clip_fraction"], "entropy": jax.lax.stop_gradient(entropy)}
-    return policy_loss + kl_coef * kl, metrics
+    metrics = {"policy_loss": policy_loss, "ppo_kl": stats["approx_kl"], "clip_fraction": stats["clip_fraction"],
+               "clip_fraction_high": stats["clip_fraction_high"], "entropy": jax.lax.stop_gradient(entropy)}
+    if not loss.kl_term:
+        return policy_loss, metrics
+    kl = kl_penalty(log_probs, batch.ref_log_probs, mask, aggregation=loss.kl_aggregation, norm_length=loss.norm_length)
+    return policy_loss + kl_coef * kl, {**metrics, "kl_loss": kl}
 
 
 def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: ModelConfig, tx, temperature: float,
@@ -106,8 +110,8 @@ def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: Mode
     """One actor update; hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
     Skipped (params and optimizer state unchanged, actor_finite=False) on a non-finite loss or gradient."""
     grads, metrics = jax.grad(actor_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss)
-    params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"],
-                                                           (metrics["policy_loss"], metrics["kl_loss"]))
+    losses = (metrics["policy_loss"],) + ((metrics["kl_loss"],) if loss.kl_term else ())
+    params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"], losses)
     return params, opt_state, {**metrics, "grad_norm": grad_norm, "actor_finite": finite}
 
 

@@ -22,7 +22,8 @@ from comppo_jax.models.paged_cache import PAGED_ATTENTION
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
-from comppo_jax.train.methods import GATE_REFRESH, GATES, METHODS, POLICY_LOSSES
+from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES
+from comppo_jax.train.sampling import DYNAMIC_SAMPLING_FILTERS
 
 CRITIC_KINDS = ("tac", "standard")
 DATA_KINDS = ("synthetic", "dapo_math")
@@ -187,12 +188,14 @@ def validate_config(cfg) -> None:
     problems.enum("gate_statistic", GATE_STATISTICS)
     problems.enum("gate_refresh", GATE_REFRESH)
     problems.enum("train.policy_loss", POLICY_LOSSES)
-    problems.enum("train.loss_aggregation", LOSS_AGGREGATIONS)
+    problems.enum("train.loss_aggregation", ("auto",) + LOSS_AGGREGATIONS)
+    problems.enum("train.kl_aggregation", KL_AGGREGATIONS)
+    problems.enum("rollout.dynamic_sampling_filter", DYNAMIC_SAMPLING_FILTERS)
     problems.number("sink_tokens", low=0, integer=True)
     problems.number("train.clip_high_scale", low=0, low_open=True)
     problems.number("train.gspo_clip_low", low=0, high=1, low_open=True)
     problems.number("train.gspo_clip_high", low=0, low_open=True)
-    problems.number("rollout.max_refills", low=0, integer=True)
+    problems.number("rollout.max_refills", low=-1, integer=True)
     problems.number("steps", low=1, integer=True)
     problems.number("seed", low=0, integer=True)
     for name in ("train.actor_lr", "train.critic_lr"):
