@@ -33,9 +33,16 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     result = launch("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Train with CompPO, GRPO or PPO")
-    assert "--config fields (from configs/qwen3_4b.py)" in result.stdout and "\n[rollout]\n" in result.stdout
+    assert "--config fields (from configs/qwen3_4b.py, with the overrides given)" in result.stdout and "\n[rollout]\n" in result.stdout
     line = next(line for line in result.stdout.splitlines() if "--config.rollout.max_new_tokens=" in line)
     assert re.fullmatch(r"\s+--config\.rollout\.max_new_tokens=16384\s+longest response", line), line
+
+    # A field whose "auto" stands for another value says which, with the command line's overrides applied.
+    line = next(line for line in result.stdout.splitlines() if "--config.train.loss_aggregation=" in line)
+    assert "'auto'" in line and "[here: token-mean]" in line, line
+    gspo = launch("launch/train.py", "--config.method=grpo", "--config.train.policy_loss=gspo", "--help")
+    assert gspo.returncode == 0, gspo.stderr
+    assert "--config.train.policy_loss='gspo'" in gspo.stdout and "[here: seq-mean-token-mean]" in gspo.stdout
 
     experiment = launch("launch/experiment.py", "--experiment=configs/experiments.py:main", "--help")
     assert experiment.returncode == 0, experiment.stderr

@@ -121,6 +121,21 @@ def test_kl_estimators_match_verl(logp, ref, mask):
         assert 0.0 <= got <= 10.0
 
 
+def test_kl_follows_the_aggregation_it_is_given():
+    """train.kl_aggregation=policy: the KL is reduced as the policy loss is (verl's convention)."""
+    logp = np.array([[-1.0, -2.0, -0.5], [-1.0, 0.0, 0.0]], np.float32)
+    ref = np.array([[-1.5, -1.0, -0.5], [-2.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 1], [1, 0, 0]], bool)
+    d = np.clip(ref.astype(np.float64) - logp, -20, 20)
+    per_token = np.where(mask, np.exp(d) - d - 1, 0.0)
+    rows = per_token.sum(1)
+    want = {"token-mean": rows.sum() / 4, "seq-mean-token-mean": (rows[0] / 3 + rows[1]) / 2,
+            "seq-mean-token-sum-norm": rows.sum() / 8, "seq-mean-token-scale": rows.mean() / 8}
+    for mode, value in want.items():
+        assert float(kl_penalty(logp, ref, mask, aggregation=mode, norm_length=8)) == pytest.approx(value, rel=1e-5), mode
+    assert float(kl_penalty(logp, ref, mask)) == pytest.approx(want["token-mean"], rel=1e-5)
+
+
 def test_kl_gradient_flows_to_the_policy_only():
     logp = jnp.array([[-1.0, -2.0]])
     ref = jnp.array([[-1.5, -1.0]])
@@ -199,6 +214,7 @@ def test_aggregation_modes_by_hand():
         "seq-mean-token-mean": ((6 / 3 + 4) / 2, [[1 / 6] * 3, [1 / 2, 0, 0]]),
         "seq-mean-token-sum": ((6 + 4) / 2, [[1 / 2] * 3, [1 / 2, 0, 0]]),
         "seq-mean-token-sum-norm": (10 / 3, [[1 / 3] * 3, [1 / 3, 0, 0]]),
+        "seq-mean-token-scale": ((6 / 3 + 4 / 3) / 2, [[1 / 6] * 3, [1 / 6, 0, 0]]),  # the mean over the 2 non-empty rows
     }
     for mode, (value, weights) in want.items():
         got, grad = jax.value_and_grad(aggregate_loss)(jnp.asarray(x), mask, mode)
@@ -208,8 +224,9 @@ def test_aggregation_modes_by_hand():
         # A float 0/1 mask too (XLA turns a bool mask times x into a select, but nan * 0. stays nan).
         assert float(aggregate_loss(x, mask.astype(np.float32), mode)) == pytest.approx(value, rel=1e-6), mode
         assert float(aggregate_loss(x, np.zeros_like(mask), mode)) == 0.0
-    # Dr.GRPO's constant normalizer replaces the default T = 3.
+    # Dr.GRPO's constant normalizer replaces the default T = 3: verl sums over rows, Dr.GRPO's own code averages them.
     assert float(aggregate_loss(x, mask, "seq-mean-token-sum-norm", norm_length=5)) == pytest.approx(2.0)
+    assert float(aggregate_loss(x, mask, "seq-mean-token-scale", norm_length=5)) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="mode must be one of"):
         aggregate_loss(x, mask, "seq-sum")
     with pytest.raises(ValueError, match=r"mask has shape \(3, 2\) but per_token has shape \(3, 3\)"):

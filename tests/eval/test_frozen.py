@@ -1,4 +1,5 @@
-"""Frozen evaluation: the majority vote's tie rule, and launch/eval.py on a checkpoint from a 2-step run."""
+"""Frozen evaluation: the majority vote's tie rule, unbiased pass@k and avg@n by hand, and launch/eval.py on a
+checkpoint from a 2-step run."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import CPU_ONLY_ENV, small_train_config
 
+from fractions import Fraction
+
+from ml_collections import config_dict
+
 from comppo_jax.eval import majority_answer
+from comppo_jax.eval.frozen import eval_sampling, pass_at_k, pass_k_values, set_metrics
 from comppo_jax.train.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +32,47 @@ def test_majority_vote_ties_go_to_the_earliest_sample_and_missing_answers_do_not
     assert majority_answer([None, None]) is None
 
 
+def test_unbiased_pass_at_k_by_hand():
+    assert pass_at_k(5, 2, 2) == 1 - Fraction(3, 10)  # 1 - C(3, 2) / C(5, 2)
+    assert pass_at_k(8, 3, 4) == 1 - Fraction(5, 70)  # 1 - C(5, 4) / C(8, 4)
+    assert [pass_at_k(6, 0, k) for k in (1, 3, 6)] == [0, 0, 0]  # c = 0: never
+    assert [pass_at_k(6, 6, k) for k in (1, 3, 6)] == [1, 1, 1]  # c = n: always
+    assert [pass_at_k(6, c, 6) for c in (1, 2, 5)] == [1, 1, 1]  # k = n: any correct sample
+    assert all(pass_at_k(7, c, 1) == Fraction(c, 7) for c in range(8))  # pass@1 is the sample accuracy
+    assert pass_at_k(4, 1, 3) == Fraction(3, 4)  # 3 of 4 drawn miss the one correct with probability 1/4
+    for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0)):
+        with pytest.raises(ValueError, match="pass@k needs"):
+            pass_at_k(*bad)
+
+
+def test_set_metrics_by_hand():
+    greedy = [True, False, False]
+    samples = [[True, False, False, False], [True, True, True, True], [False] * 4]
+    majority = [False, True, False]
+    got = set_metrics(greedy, samples, majority, 4, (1, 2, 4))
+    assert got["problems"] == 3
+    assert got["greedy_pass@1"] == pytest.approx(1 / 3) and got["majority@4"] == pytest.approx(1 / 3)
+    assert got["avg@4"] == pytest.approx((1 / 4 + 1 + 0) / 3) == got["pass@1"]
+    assert got["avg@4"] == got["pass@1"]  # exact fractions: equal bit for bit
+    assert got["pass@2"] == pytest.approx((1 / 2 + 1 + 0) / 3)  # 1 - C(3, 2) / C(4, 2) = 1/2 for the first problem
+    assert got["pass@4"] == pytest.approx(2 / 3)
+    # The standard error of the mean over problems: sample std (ddof 1) / sqrt(3).
+    assert got["pass@2_se"] == pytest.approx(np.std([0.5, 1.0, 0.0], ddof=1) / np.sqrt(3))
+    assert got["greedy_pass@1_se"] == pytest.approx(np.std([1, 0, 0], ddof=1) / np.sqrt(3))
+    one = set_metrics([True], [[True, False]], [True], 2, (1,))
+    assert one["avg@2"] == 0.5 and one["avg@2_se"] == 0.0  # one problem: no spread to estimate
+
+
+def test_eval_sampling_fields_are_checked_and_named():
+    fields = lambda **kw: config_dict.ConfigDict({"samples": 8, "temperature": 1.0, "top_p": 0.7, "pass_k": "", **kw})
+    assert eval_sampling(fields()) == (1, 8) and pass_k_values("4, 1,8", 8) == (1, 4, 8)
+    for bad, match in ((dict(samples=0), "config.eval.samples=0"), (dict(temperature=-1.0), "config.eval.temperature=-1.0"),
+                       (dict(top_p=0.0), "config.eval.top_p=0.0"), (dict(pass_k="16"), "each k must be in \\[1, eval.samples=8\\]"),
+                       (dict(pass_k="one"), "expected integers")):
+        with pytest.raises(ValueError, match=match):
+            eval_sampling(fields(**bad))
+
+
 @pytest.mark.slow
 def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_path):
     run = tmp_path / "run"
@@ -32,24 +80,38 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text("".join(json.dumps({"question": f"{i} +2 =?\n", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}) + "\n"
                              for i in range(3)))
-    # No --config: the run's own (its dev set of 4, 12 new tokens, one verifier), two fields on top.
+    # No --config: the run's own (its dev set of 4, 12 new tokens, one verifier), the sampling fields on top.
     command = [sys.executable, "launch/eval.py", f"--checkpoint={run}", "--step=best", f"--config.eval.benchmarks=gsm8k={gsm8k}",
-               "--config.eval.samples=2"]
+               "--config.eval.samples=8", "--config.eval.temperature=1.0"]
     result = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (output,) = (run / "eval").iterdir()  # step_<best>
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
+    metrics = ("greedy_pass@1", "avg@8", "pass@1", "pass@8", "majority@8")
+    assert list(rows[0]) == ["set", "problems"] + [c for m in metrics for c in (m, f"{m}_se")]
     assert [r["set"] for r in rows] == ["id_dev", "gsm8k", "macro (frozen)"]
     assert rows[0]["problems"] == "4" and rows[1]["problems"] == "3"
-    assert all(0.0 <= float(r[m]) <= 1.0 for r in rows for m in ("greedy_pass@1", "majority@2"))
+    stored = json.loads((output / "results.json").read_text())
+    assert stored["settings"]["temperature"] == 1.0 and stored["settings"]["pass_k"] == [1, 8]
+    for row in stored["rows"]:
+        assert row["pass@1"] == row["avg@8"] and row["avg@8"] <= row["pass@8"]  # unbiased pass@1 is avg@n
     assert "| gsm8k | 3 |" in result.stdout
 
-    # A finished set is read back, not recomputed.
-    (output / "gsm8k.json").write_text(json.dumps({"problems": 3, "greedy_pass@1": 0.5, "majority@2": 0.25}))
+    # A finished set is read back, not recomputed, when its settings are the ones asked for.
+    finished = json.loads((output / "gsm8k.json").read_text())
+    finished["metrics"]["greedy_pass@1"] = 0.5
+    (output / "gsm8k.json").write_text(json.dumps(finished))
     again = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-4000:]
-    assert "| gsm8k | 3 | 0.500 | 0.250 |" in again.stdout
+    assert "| gsm8k | 3 | 0.500 (" in again.stdout
+
+    # At temperature 0 the one sample is the greedy response: avg@1 is greedy pass@1 (other settings: every set recomputed).
+    greedy = subprocess.run(command[:-2] + ["--config.eval.samples=1", "--config.eval.temperature=0.0"], cwd=ROOT, env=CPU_ONLY_ENV,
+                            capture_output=True, text=True, timeout=600)
+    assert greedy.returncode == 0, greedy.stderr[-4000:]
+    for row in json.loads((output / "results.json").read_text())["rows"]:
+        assert row["avg@1"] == row["greedy_pass@1"] == row["pass@1"], row
 
     missing = subprocess.run(command[:3] + ["--step=7"] + command[4:], cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True,
                              timeout=600)

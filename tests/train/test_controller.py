@@ -253,7 +253,28 @@ def test_reward_schedule():
     assert (schedule.at(20).format_coef, schedule.at(20).length_coef) == (pytest.approx(0.6), pytest.approx(3e-5))
     assert (schedule.at(40).format_coef, schedule.at(40).length_coef) == (pytest.approx(1.0), pytest.approx(5.5e-5))
     assert (schedule.at(100).format_coef, schedule.at(100).length_coef) == (pytest.approx(1.0), pytest.approx(8e-5))
-    assert all(not math.isnan(v) for v in initial_state().values() if v == v) and initial_state()["phase"] == 0
+
+
+def test_the_initial_state_marks_exactly_the_unmeasured_signals_as_nan():
+    """NaN means "not measured yet": the first value replaces it (`_ema`) and no rule fires on it. Every
+    other entry starts at its number, so a counter or the phase starting at NaN fails here."""
+    state = initial_state()
+    unmeasured = {f"ema_{name}" for name in ("clip_fraction", "ppo_kl", "kl_loss", "grad_norm", "entropy")}
+    unmeasured |= {f"entropy_{i}" for i in range(8)} | {"dev_drop"}
+    assert {name for name, value in state.items() if math.isnan(value)} == unmeasured
+    assert {name: value for name, value in state.items() if name not in unmeasured} == {
+        "phase": 0.0, "up_count": 0.0, "down_count": 0.0, "pending_target": 0.0, "best_dev": -1.0, "entropy_seen": 0.0,
+        "entropy_baseline_sum": 0.0}
+    assert target_phase(state, CALM, CALIBRATED) == 0
+
+
+def test_a_run_without_a_kl_term_keeps_its_kl_rule_quiet():
+    """DAPO logs no kl_loss: its EMA stays unmeasured and the other rules still act."""
+    calm = {name: value for name, value in CALM.items() if name != "kl_loss"}
+    state, phases = run([{}] * 3, calm=calm)
+    assert math.isnan(state["ema_kl_loss"]) and state["ema_clip_fraction"] == pytest.approx(0.05) and phases == [0, 0, 0]
+    _, phases = run([dict(clip_fraction=0.25)] * 3, calm=calm)
+    assert phases[-1] == 3
 
 
 def test_reward_schedule_of_a_config():

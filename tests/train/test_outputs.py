@@ -50,6 +50,20 @@ def test_configs_run_py_gives_a_runs_config_with_command_line_overrides_on_top(t
     assert {**values.config.to_dict(), "eval": None} == {**config.to_dict(), "eval": None}
 
 
+def test_a_run_written_before_a_field_existed_gets_its_default_and_keeps_its_own_values(tmp_path):
+    """An older run's config.json lacks the fields added since; they take the template's defaults, so
+    --config.eval.temperature=... and evaluation work on it, and nothing it recorded changes."""
+    config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    config.train.loss_aggregation = "seq-mean-token-sum"
+    save_run_config(config, str(tmp_path))
+    written = json.loads((tmp_path / "config.json").read_text())
+    del written["eval"]["temperature"], written["eval"]["top_p"], written["train"]["kl_aggregation"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    loaded = load_run_config(str(tmp_path))
+    assert (loaded.eval.temperature, loaded.eval.top_p, loaded.train.kl_aggregation) == (1.0, 0.7, "token-mean")
+    assert loaded.to_dict() == config.to_dict() and loaded.train.loss_aggregation == "seq-mean-token-sum"
+
+
 def test_run_config_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}/config.json does not exist.*output_dir"):
         load_run_config(str(tmp_path))
