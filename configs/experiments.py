@@ -20,9 +20,10 @@ KL = "0,1e-3,2e-3"
 FULL = ("method=comppo", "gate=attention", "critic.kind=tac")
 MATCHED_BUDGET = ("train.critic_warmup_counts_toward_steps=False",)
 # DAPO (Yu et al. 2025) on top of a method: the decoupled clip 0.2 / 0.28, dynamic sampling on accuracy,
-# overlong shaping on every response, and no KL term (so no reference forward pass).
+# overlong shaping on every response from the first step, and no KL term (so no reference forward pass).
 DAPO = ("train.clip_high_scale=1.4", "rollout.dynamic_sampling=True", "rollout.dynamic_sampling_filter=accuracy",
-        "reward.length_penalty=overlong", "reward.length_penalty_on=all", "train.kl_coef=0", "train.kl_coef_grpo=0")
+        "reward.length_penalty=overlong", "reward.length_penalty_on=all", "reward.length_penalty_schedule=constant",
+        "train.kl_coef=0", "train.kl_coef_grpo=0")
 
 
 def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, target=None, held_out_problems=0):

@@ -271,12 +271,16 @@ def knobs(state: Mapping[str, float], step: int, config: ControllerConfig) -> di
     return values
 
 
+LENGTH_PENALTY_SCHEDULES = ("paper", "constant")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSchedule:
     """The reward schedule (appendix C), applied in parallel with the phases: the format penalty
     ramps 0.2 -> 1.0 over steps 0-40; the length penalty is off before step 20 and ramps
     3e-5 -> 8e-5 per token over steps 20-60 (linear form). The overlong form ramps its full
     penalty the same way, 3/8 -> 1 of `overlong_penalty` (comppo_jax.data.rewards.length_penalty).
+    `reward.length_penalty_schedule=constant` holds the length penalty at its end value from step 0.
 
     Specs are (start value, end value, start step, end step); `shaping` holds the unscheduled
     fields (the length penalty's form and the floor)."""
@@ -303,10 +307,16 @@ def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
     """The schedule of a config's `reward` section for responses of at most `max_new_tokens`."""
     if reward.length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"config.reward.length_penalty={reward.length_penalty!r}; expected one of {LENGTH_PENALTIES}")
+    if reward.length_penalty_schedule not in LENGTH_PENALTY_SCHEDULES:
+        raise ValueError(f"config.reward.length_penalty_schedule={reward.length_penalty_schedule!r}; expected one of "
+                         f"{LENGTH_PENALTY_SCHEDULES}")
     floor = reward.correct_never_below_incorrect
     scope = reward.length_penalty_on
+    # "constant": the ramp's end value from step 0 (DAPO shapes overlong responses from the first step).
+    held = lambda spec: (spec[1], spec[1], 0, 0) if reward.length_penalty_schedule == "constant" else spec
     if reward.length_penalty == "linear":
-        return RewardSchedule(shaping=RewardCoefficients(correct_never_below_incorrect=floor, length_penalty_on=scope))
+        return RewardSchedule(length_coef=held(RewardSchedule.length_coef),
+                              shaping=RewardCoefficients(correct_never_below_incorrect=floor, length_penalty_on=scope))
     if not 0 < reward.overlong_buffer <= max_new_tokens:
         raise ValueError(f"config.reward.overlong_buffer={reward.overlong_buffer} must be in (0, rollout.max_new_tokens={max_new_tokens}]")
     if not 0 < reward.overlong_penalty:
@@ -314,4 +324,4 @@ def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
     penalty = reward.overlong_penalty
     shaping = RewardCoefficients(length_penalty="overlong", max_length=max_new_tokens, overlong_buffer=reward.overlong_buffer,
                                  correct_never_below_incorrect=floor, length_penalty_on=scope)
-    return RewardSchedule(length_coef=(3 / 8 * penalty, penalty, 20, 60), shaping=shaping)
+    return RewardSchedule(length_coef=held((3 / 8 * penalty, penalty, 20, 60)), shaping=shaping)

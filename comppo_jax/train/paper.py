@@ -177,6 +177,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         correct_never_below_incorrect=(True, "a correct answer's reward stays >= an incorrect one's"),
         length_penalty_on=("correct", "who pays the length penalty: correct (the paper's: correct, well-formed responses) | all "
                                       "(DAPO's overlong shaping: every response)"),
+        length_penalty_schedule=("paper", "paper (off before step 20, ramped in over steps 20-60) | constant (its full value from "
+                                          "step 0, as DAPO's overlong shaping)"),
     )
     config.controller = controller.config_section()
     FIELD_HELP.update({f"controller.{name}": text for name, text in controller.FIELD_HELP.items()})

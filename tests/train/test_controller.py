@@ -285,6 +285,14 @@ def test_reward_schedule_of_a_config():
     at = overlong.at(100)
     assert (at.length_penalty, at.length_coef, at.max_length, at.overlong_buffer) == ("overlong", 1.0, 16384, 4096)
     assert overlong.at(20).length_coef == pytest.approx(3 / 8) and overlong.at(19).length_coef == 0.0
+    reward.length_penalty_schedule = "constant"  # DAPO: the full penalty from the first step
+    assert [reward_schedule(reward, 16384).at(step).length_coef for step in (0, 19, 100)] == [1.0, 1.0, 1.0]
+    reward.length_penalty = "linear"
+    assert [reward_schedule(reward, 16384).at(step).length_coef for step in (0, 100)] == [pytest.approx(8e-5)] * 2
+    reward.length_penalty_schedule = "ramp"
+    with pytest.raises(ValueError, match="config.reward.length_penalty_schedule='ramp'"):
+        reward_schedule(reward, 16384)
+    reward.length_penalty, reward.length_penalty_schedule = "overlong", "paper"
     reward.overlong_buffer = 20000
     with pytest.raises(ValueError, match=r"config.reward.overlong_buffer=20000 must be in \(0, rollout.max_new_tokens=16384\]"):
         reward_schedule(reward, 16384)

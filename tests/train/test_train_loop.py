@@ -133,7 +133,8 @@ def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
     PPO (per-token advantages) with a large learning rate, so ratios leave [0.8, 1.2] within a step."""
     base = dict(method="ppo", train__actor_lr=1e-2)
     runs = {"base": {}, "clip_high": dict(train__clip_high_scale=5.0),
-            "overlong": dict(reward__length_penalty="overlong", reward__overlong_buffer=12, reward__length_penalty_on="all"),
+            "overlong": dict(reward__length_penalty="overlong", reward__overlong_buffer=12, reward__length_penalty_on="all",
+                             reward__length_penalty_schedule="constant"),
             "sequence_mean": dict(train__loss_aggregation="seq-mean-token-mean")}
     rows = {}
     for name, switch in runs.items():
