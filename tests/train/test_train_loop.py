@@ -130,25 +130,26 @@ def _rows(directory) -> list[dict]:
 def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
     """Runs that differ from a base run in one switch only: the first step that the switch can act on
     sees the same samples and, until the switch acts, the same params, so the metric it governs must move.
-    PPO (per-token advantages) with a large learning rate, so ratios leave [0.8, 1.2] within a step."""
+    PPO (per-token advantages) with a large learning rate, so ratios leave [0.8, 1.2] within a step; the
+    3-step warm start answers nothing right, so DAPO's overlong shaping is what makes rewards (and advantages) differ."""
     base = dict(method="ppo", train__actor_lr=1e-2)
-    runs = {"base": {}, "clip_high": dict(train__clip_high_scale=5.0),
-            "overlong": dict(reward__length_penalty="overlong", reward__overlong_buffer=12, reward__length_penalty_on="all",
-                             reward__length_penalty_schedule="constant"),
-            "sequence_mean": dict(train__loss_aggregation="seq-mean-token-mean")}
+    shaped = dict(reward__length_penalty="overlong", reward__overlong_buffer=12, reward__length_penalty_on="all",
+                  reward__length_penalty_schedule="constant")
+    runs = {"plain": {}, "shaped": shaped, "clip_high": dict(shaped, train__clip_high_scale=5.0),
+            "sequence_mean": dict(shaped, train__loss_aggregation="seq-mean-token-mean")}
     rows = {}
     for name, switch in runs.items():
         train(small_train_config(tmp_path / name, **base, **switch))
         rows[name] = _rows(tmp_path / name)
     first_update = 1  # step 2, after the 1-step critic warm-up: the actor's first update
     # Identical sampling at step 1, so the shaping alone lowers the reward: every response pays len / 12.
-    assert rows["overlong"][0]["reward/mean"] < rows["base"][0]["reward/mean"]
-    assert rows["sequence_mean"][0]["reward/mean"] == rows["base"][0]["reward/mean"]
+    assert rows["shaped"][0]["reward/mean"] < rows["plain"][0]["reward/mean"]
+    assert rows["sequence_mean"][0]["reward/mean"] == rows["shaped"][0]["reward/mean"]
     # DAPO's higher upper clip clips fewer positive-advantage tokens than the symmetric clip.
-    assert rows["clip_high"][first_update]["clip_fraction_high"] < rows["base"][first_update]["clip_fraction_high"]
+    assert rows["clip_high"][first_update]["clip_fraction_high"] < rows["shaped"][first_update]["clip_fraction_high"]
     # The same advantages and ratios, reduced over responses instead of tokens.
-    assert rows["sequence_mean"][first_update]["policy_loss"] != pytest.approx(rows["base"][first_update]["policy_loss"], abs=1e-6)
-    assert all("kl_loss" in row for row in rows["base"][first_update:])
+    assert rows["sequence_mean"][first_update]["policy_loss"] != pytest.approx(rows["shaped"][first_update]["policy_loss"], abs=1e-6)
+    assert all("kl_loss" in row for row in rows["shaped"][first_update:])
 
 
 @pytest.mark.slow
