@@ -153,7 +153,8 @@ def _check_combinations(problems: _Problems, cfg) -> None:
                                      f"gate={cfg.gate!r}); pass --config.gate_refresh=rollout")
     if cfg.train.policy_loss == "gspo" and cfg.method != "grpo":
         problems.add("train.policy_loss", f"GSPO's one ratio per response would average away {cfg.method}'s per-token credit; pass "
-                                          "--config.train.policy_loss=gspo_token (GSPO's ratio with per-token advantages)")
+                                          "--config.train.policy_loss=gspo_token (the same sequence-mean objective, each token "
+                                          "carrying its own advantage), or --config.method=grpo for GSPO with GRPO's advantages")
     if cfg.train.clip_high_scale != 1.0 and cfg.train.policy_loss != "ppo":
         problems.add("train.clip_high_scale", f"scales the per-token ratio's clip; {cfg.train.policy_loss} clips its sequence ratio at "
                                               "train.gspo_clip_low / gspo_clip_high instead: pass --config.train.clip_high_scale=1.0")

@@ -21,12 +21,13 @@ from jax.sharding import SingleDeviceSharding
 
 # One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
 # time, so rewards, advantages and gradients carry signal (not rounding noise) to compare. Dynamic
-# sampling drops the groups of equal rewards and refills from the prompt stream (2-3 rounds a step
+# sampling (reward filter) drops the groups of equal rewards and refills from the prompt stream (2-3 rounds a step
 # here), so the refills, their regrouping of rows sharded over both processes (take_groups) and
 # the stream's position across a preemption are checked on two processes too.
 POD_RUN = dict(steps=3, warm_start__steps=120, warm_start__learning_rate=2e-3, data__train_size=200, data__dev_size=4, data__min_steps=1,
                data__max_steps=1, data__operations="+", rollout__max_new_tokens=20, train__minibatch_size=4, train__eval_every=2,
-               checkpoint__keep_last=10, mesh__data=4, mesh__tensor=2, rollout__dynamic_sampling=True)
+               checkpoint__keep_last=10, mesh__data=4, mesh__tensor=2, rollout__dynamic_sampling=True,
+               rollout__dynamic_sampling_filter="reward")
 LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
 # XLA:CPU over gloo rarely leaves two processes' devices waiting in different all-reduces (twice in
 # 17 launcher runs of the SIGTERM/SIGKILL/resume sequence, looped; once in 4 of these tests, none in

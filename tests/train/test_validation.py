@@ -82,6 +82,11 @@ CASES = {
                                            r"config\.train\.clip_high_scale=1\.4: scales the per-token ratio's clip; gspo clips"),
     "unknown loss aggregation": (assign(train__loss_aggregation="seq-mean"), r"config\.train\.loss_aggregation='seq-mean': expected one of"),
     "unknown penalty scope": (assign(reward__length_penalty_on="some"), r"config\.reward\.length_penalty_on='some': expected one of"),
+    "unknown penalty schedule": (assign(reward__length_penalty_schedule="ramp"), r"config\.reward\.length_penalty_schedule='ramp'"),
+    "unknown dynamic-sampling filter": (assign(rollout__dynamic_sampling_filter="length"),
+                                        r"config\.rollout\.dynamic_sampling_filter='length': expected one of"),
+    "refills below until-full": (assign(rollout__max_refills=-2), r"config\.rollout\.max_refills=-2: must be >= -1"),
+    "unknown KL aggregation": (assign(train__kl_aggregation="seq"), r"config\.train\.kl_aggregation='seq': expected one of"),
     "negative sink tokens": (assign(sink_tokens=-1), r"config\.sink_tokens=-1: must be >= 0"),
 }
 
