@@ -77,11 +77,11 @@ def pass_k_values(spec: str, samples: int) -> tuple[int, ...]:
 
 
 def mean_and_standard_error(values) -> tuple[float, float]:
-    """(mean, standard error of the mean) of per-problem values (Fractions or floats); SE 0 below 2 values."""
+    """(mean, standard error of the mean) of per-problem values (ints or Fractions, summed exactly); SE 0 below 2 values."""
     count = len(values)
     if count == 0:
         return 0.0, 0.0
-    mean = float(sum(values, Fraction(0)) / count) if isinstance(values[0], Fraction) else float(np.mean(values))
+    mean = float(sum(values, Fraction(0)) / count)
     spread = float(np.std(np.asarray(values, np.float64), ddof=1)) if count > 1 else 0.0
     return mean, spread / math.sqrt(count)
 

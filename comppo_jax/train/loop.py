@@ -50,8 +50,8 @@ from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
-from comppo_jax.train.methods import (Recipe, actor_loss_of, behaviour_pass, control_gate, kl_coefficient, recipe as make_recipe,
-                                      spread_over_sequence)
+from comppo_jax.train.methods import (Recipe, actor_loss_of, behaviour_pass, control_gate, kl_coefficient, kl_term,
+                                      recipe as make_recipe, spread_over_sequence)
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run, save_run_config
 from comppo_jax.train.sampling import Sampled, dynamic_sampling, reward_generation
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
@@ -415,7 +415,7 @@ def train(cfg) -> dict:
             compiling("the scoring pass and credit")
             gate_key = jax.random.fold_in(step_rng, 1)
             scored = score_and_credit(cfg, parts, model_config, steps.values, critic, policy,
-                                      fetch(reference) if kl_coefficient(cfg) > 0 else None, sampled, gate_key, batch_shardings)
+                                      fetch(reference) if kl_term(cfg) else None, sampled, gate_key, batch_shardings)
             del policy, sampled  # the compute copy is not kept through the update (launch/plan.py counts on it)
             host_mask = scored.sampled.host_mask
             lengths = host_mask.sum(axis=1)

@@ -72,13 +72,18 @@ def kl_coefficient(cfg) -> float:
     return cfg.train.kl_coef_grpo if cfg.method == "grpo" else cfg.train.kl_coef
 
 
+def kl_term(cfg) -> bool:
+    """Whether the actor's loss has the reference-KL term (and the scoring pass the reference forward)."""
+    return kl_coefficient(cfg) > 0
+
+
 def actor_loss_of(cfg) -> ActorLoss:
     """The `ActorLoss` of a training config: a zero KL coefficient drops the KL term (and, in the
     loop, the reference forward pass); train.kl_aggregation=policy aggregates it as the policy loss."""
     train = cfg.train
     aggregation = loss_aggregation(train)
     return ActorLoss(train.policy_loss, aggregation, float(train.clip_high_scale), cfg.rollout.max_new_tokens,
-                     (float(train.gspo_clip_low), float(train.gspo_clip_high)), kl_term=kl_coefficient(cfg) > 0,
+                     (float(train.gspo_clip_low), float(train.gspo_clip_high)), kl_term=kl_term(cfg),
                      kl_aggregation=aggregation if train.kl_aggregation == "policy" else "token-mean")
 
 

@@ -41,7 +41,7 @@ def _with_defaults(values: dict, defaults: dict) -> dict:
     for name, default in defaults.items():
         if name not in merged:
             merged[name] = default
-        elif isinstance(default, dict) and isinstance(merged[name], dict) and name != "arch":
+        elif isinstance(default, dict) and isinstance(merged[name], dict):
             merged[name] = _with_defaults(merged[name], default)
     return merged
 
@@ -50,9 +50,9 @@ def load_run_config(run_dir: str):
     """The ml_collections ConfigDict a run trained with (`<run_dir>/config.json`). Fields added to
     the project after the run was written take their defaults (comppo_jax.train.paper.paper_config),
     so `--config.<new field>=` overrides and evaluation work on older runs too."""
-    from comppo_jax.train.paper import paper_config
-
     import ml_collections
+
+    from comppo_jax.train.paper import paper_config
 
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.exists(path):

@@ -46,7 +46,7 @@ from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs
 from comppo_jax.train.loop import check_batch, init_critic, run_parts, scoring_options
-from comppo_jax.train.methods import actor_loss_of, behaviour_pass, kl_coefficient
+from comppo_jax.train.methods import actor_loss_of, behaviour_pass, kl_term
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -216,7 +216,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
 
     # Without a KL term the scoring pass runs no reference forward (train() passes None).
     score = jax.jit(lambda policy, reference, generation: score_rollout(
-        policy, reference if kl_coefficient(cfg) > 0 else None, config, generation, backend=PLATFORM_BACKENDS[platform],
+        policy, reference if kl_term(cfg) else None, config, generation, backend=PLATFORM_BACKENDS[platform],
         **scoring_options(cfg, parts)))
 
     def minibatch(batch):
@@ -272,7 +272,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
-                        epochs=epochs, reference=kl_coefficient(cfg) > 0,
+                        epochs=epochs, reference=kl_term(cfg),
                         behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
                         gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0)
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
