@@ -70,6 +70,17 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
+def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
+    """The rollout's decode layout on `mesh`'s devices: tensor-parallel groups of `tensor`
+    consecutive devices (in the training mesh's order, whose last axis is `tensor`), replicated
+    over the rest: (data = devices / tensor, fsdp = 1, tensor). Under PARAM_RULES a weight is then
+    split `tensor` ways and whole within its group, so decoding gathers no weights."""
+    devices = mesh.devices.reshape(-1)
+    if tensor < 1 or devices.size % tensor:
+        raise ValueError(f"rollout.mesh.tensor={tensor} must divide the {devices.size} devices")
+    return Mesh(devices.reshape(devices.size // tensor, 1, tensor), AXES)
+
+
 def batch_size_multiple(mesh: Mesh) -> int:
     """Batches (rollouts and minibatches) must be a multiple of this."""
     return mesh.shape["data"] * mesh.shape["fsdp"]
@@ -190,6 +201,13 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def min_over_processes(value: int) -> int:
+    """`value`'s minimum over all processes (a collective, as `any_process`)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.int64(value))))
 
 
 def split_over_processes(fn, items: list) -> list[int]:

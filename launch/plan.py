@@ -27,9 +27,15 @@ from comppo_jax import cli
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
-_STEPS = flags.DEFINE_list("steps", ["sample", "score", "actor", "critic"], "Programs to compile: sample, score, actor, critic.")
+_STEPS = flags.DEFINE_list("steps", ["reshard", "sample", "score", "actor", "critic"],
+                          "Programs to compile: reshard (the weights into the decode layout), sample, score, actor, critic.")
 _MARKDOWN = flags.DEFINE_string("markdown", "", "Append the memory table's rows as markdown to this file.")
 _TIME_MARKDOWN = flags.DEFINE_string("time_markdown", "", "Append the step-time rows (and a `step` row: total, MFU) as markdown to this file.")
+_DECODE_LAYOUTS = flags.DEFINE_list("decode_layouts", [], "Also compile the sampler in these decode layouts (rollout.mesh.tensor "
+                                    "values: train, auto, a group size) and report each beside the config's own, the other "
+                                    "programs compiled once.")
+_SUMMARY_MARKDOWN = flags.DEFINE_string("summary_markdown", "", "Append one row per topology as markdown to this file: the decode "
+                                        "layout, each program's seconds per step, decode beside its floor, the step and its MFU.")
 
 
 def main(argv):
@@ -39,20 +45,31 @@ def main(argv):
     cfg = _CONFIG.value
     name = os.path.basename(flags.FLAGS["config"].config_filename)
     for topology in _TOPOLOGY.value:
-        result = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=lambda m: print(m, flush=True))
-        print(plan.format_plan(result), flush=True)
-        prefix = [name, topology, str(result.length)]
-        if _MARKDOWN.value:
-            with open(_MARKDOWN.value, "a") as f:
-                for row in plan.table_rows(result):
-                    f.write("| " + " | ".join(prefix + row) + " |\n")
-        if _TIME_MARKDOWN.value:
-            summary = plan.step_summary(result)
-            with open(_TIME_MARKDOWN.value, "a") as f:
-                for row in plan.time_rows(result):
-                    f.write("| " + " | ".join(prefix + row) + " |\n")
-                total = ["**step**", "", "", "", "", "", "", f"**{summary.seconds:.3g}**", f"MFU **{summary.mfu:.1%}**"]
-                f.write("| " + " | ".join(prefix + total) + " |\n")
+        log = lambda m: print(m, flush=True)
+        result = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=log)
+        results = [result] + [plan.with_decode_layout(cfg, result, layout, prompt_length=_PROMPT.value, log=log)
+                              for layout in _DECODE_LAYOUTS.value]
+        for index, result in enumerate(results):
+            print(plan.format_plan(result), flush=True)
+            prefix = [name, topology, str(result.length)]
+            # Every layout's own sampler rows; the other programs' once.
+            label = f" ({plan.layout_label(result)})" if _DECODE_LAYOUTS.value else ""
+            rows = [[row[0] + label * (row[0] in plan.SAMPLER_STEPS)] + row[1:] for row in plan.table_rows(result)
+                    if index == 0 or row[0] in plan.SAMPLER_STEPS]
+            write_rows(_MARKDOWN.value, prefix, rows)
+            if _TIME_MARKDOWN.value:
+                summary = plan.step_summary(result)
+                total = ["**step**" + label, "", "", "", "", "", "", f"**{summary.seconds:.3g}**", f"MFU **{summary.mfu:.1%}**"]
+                write_rows(_TIME_MARKDOWN.value, prefix, plan.time_rows(result) + [total])
+            write_rows(_SUMMARY_MARKDOWN.value, prefix, [plan.summary_row(result)])
+
+
+def write_rows(path: str, prefix: list[str], rows: list[list[str]]) -> None:
+    """Appends `rows` (after `prefix`) to the markdown file `path` ("": none)."""
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write("| " + " | ".join(prefix + row) + " |\n")
 
 
 if __name__ == "__main__":

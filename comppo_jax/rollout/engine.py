@@ -37,6 +37,7 @@ from comppo_jax.models.transformer import (_decoder_layer, fuse_projections, lay
                                            scan_layers)
 
 TRASH_PAGE = 0  # idle slots write here; nothing reads it
+TPU_ROWS = 8  # sublanes of a TPU tile: a decode step feeds at least this many rows per shard
 # The planner's cost model (comppo_jax.train.cost) finds the decode loop and the admission by these names.
 DECODE_SCOPE, ADMIT_SCOPE = "decode", "admit"
 
@@ -61,6 +62,12 @@ class Layout(NamedTuple):
     def rows(self) -> int:
         """R, all shards, without padding."""
         return self.num_prompts * self.samples
+
+    @property
+    def decode_steps(self) -> int:
+        """Iterations of the decode loop when every row runs to `max_new_tokens`: each slot decodes
+        its rows one after another, one token per iteration."""
+        return -(-self.shard_rows // self.slots) * self.max_new_tokens
 
     @property
     def pages_per_layer(self) -> int:
@@ -301,6 +308,13 @@ def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, len
     dtype = jnp.dtype(config.dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config))
     shards, slots = tokens.shape
+    # Fewer rows than a TPU tile's sublanes turn each layer's matmul into float32 copies of its
+    # weights: idle rows (position 0, writing to the trash page) fill the tile.
+    padding = max(TPU_ROWS - slots, 0) if sharding.context_platform() == "tpu" else 0
+    if padding:
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, padding)) + ((0, 0),) * (a.ndim - 2), constant_values=TRASH_PAGE)
+        tokens, tables, length, write_page = pad(tokens), pad(tables), pad(length), pad(write_page)
+        slots += padding
     offset = length % pool.page_size
     per_shard = lambda a: a.reshape((shards, slots) + a.shape[1:])
 
@@ -324,7 +338,7 @@ def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, len
     else:
         (x, pool), _ = jax.lax.scan(layer_step, (x, pool), (layers, jnp.arange(config.num_layers)))
     logits = lm_logits(params, config, rms_norm(x, params["final_norm"], config.rms_norm_eps))[:, 0]
-    return per_shard(logits), pool
+    return per_shard(logits)[:, :slots - padding], pool
 
 
 def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, num_samples: int, max_new_tokens: int,

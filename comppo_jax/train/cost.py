@@ -13,6 +13,9 @@ layers run under `lax.scan`, the vocabulary projection in chunks, decoding in a 
   pages a row of mean context length spans, not the whole pool.
 - Collective bytes each chip sends: all-gather output x (n-1)/n, reduce-scatter output x (n-1),
   all-reduce 2 x size x (n-1)/n (a ring), all-to-all size x (n-1)/n, collective-permute size.
+- Collective latency: the hops of a ring over the group, all-reduce 2 (n-1), collective-permute
+  1, the others n-1, each paying the chip's `hop_latency` (what decoding pays per layer in a
+  tensor-parallel group, where the messages are small).
 
 A loop's trip count is read from its condition (`i < constant`, as `scan` and `fori_loop` with
 static bounds compile); a loop whose bound is data-dependent (decoding until every row ends)
@@ -35,6 +38,8 @@ from typing import NamedTuple
 # pass at its default precision, so float32 runs at the bf16 rate. GPU: the NVIDIA H100/H200
 # SXM datasheets, dense (no sparsity); float32 dots run as TF32 at JAX's default precision;
 # NVLink 4 is 900 GB/s per GPU. `host` is the host link each direction (PCIe; H100/H200 Gen5 x16).
+# `hop_latency`: 1 us per ICI link hop, the TPU link latency ASTRA-sim's TPU validation takes
+# ("as per TPU research team"); assumed the same for an NVLink step. The least certain figure here.
 @dataclasses.dataclass(frozen=True)
 class Chip:
     name: str
@@ -43,6 +48,7 @@ class Chip:
     hbm_bytes: float  # bytes/s
     ici_bytes: float  # bytes/s each chip moves over its interconnect
     host_bytes: float  # bytes/s host <-> chip
+    hop_latency: float = 1e-6  # seconds per step of a collective (module docstring)
 
 
 CHIPS = {
@@ -65,6 +71,7 @@ class ProgramCost(NamedTuple):
     collectives: dict  # kind -> bytes
     unknown_loops: tuple = ()  # op names of loops counted once
     unknown_kernels: tuple = ()  # custom calls with no FLOP model (their bytes are counted)
+    collective_hops: float = 0.0  # ring steps of every collective (module docstring), each paying the chip's hop_latency
 
     @property
     def flops(self) -> float:
@@ -75,12 +82,12 @@ class ProgramCost(NamedTuple):
         return ProgramCost(self.flops_16bit + other.flops_16bit, self.flops_fp32 + other.flops_fp32, self.hbm_bytes + other.hbm_bytes,
                            self.collective_bytes + other.collective_bytes, kinds,
                            tuple(sorted({*self.unknown_loops, *other.unknown_loops})),
-                           tuple(sorted({*self.unknown_kernels, *other.unknown_kernels})))
+                           tuple(sorted({*self.unknown_kernels, *other.unknown_kernels})), self.collective_hops + other.collective_hops)
 
     def scaled(self, factor: float) -> ProgramCost:
         return ProgramCost(self.flops_16bit * factor, self.flops_fp32 * factor, self.hbm_bytes * factor,
                            self.collective_bytes * factor, {k: v * factor for k, v in self.collectives.items()},
-                           self.unknown_loops, self.unknown_kernels)
+                           self.unknown_loops, self.unknown_kernels, self.collective_hops * factor)
 
 
 ZERO = ProgramCost(0.0, 0.0, 0.0, 0.0, {})
@@ -101,8 +108,20 @@ def bound(cost: ProgramCost, chip: Chip) -> str:
 
 
 def roofline_seconds(cost: ProgramCost, chip: Chip) -> float:
-    """max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth."""
-    return max(compute_seconds(cost, chip), cost.hbm_bytes / chip.hbm_bytes) + cost.collective_bytes / chip.ici_bytes
+    """max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth
+    + collective hops x hop latency."""
+    return (max(compute_seconds(cost, chip), cost.hbm_bytes / chip.hbm_bytes) + cost.collective_bytes / chip.ici_bytes
+            + cost.collective_hops * chip.hop_latency)
+
+
+def published_chip(device_kind: str) -> Chip | None:
+    """The CHIPS entry of a device kind ("TPU v5 lite", "NVIDIA H100 80GB HBM3", ...), or None."""
+    kind = device_kind.lower()
+    for name, marks in (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")), ("v6e", ("v6 lite", "v6e")),
+                        ("v5p", ("v5p", "v5")), ("v4", ("v4",))):
+        if any(mark in kind for mark in marks):
+            return CHIPS[name]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,10 +218,15 @@ def _called(attributes: str, key: str) -> list[str]:
 
 
 def _group_size(attributes: str, devices: int) -> int:
-    """Devices per replica group: `{{0,1},{2,3}}` or the iota form `[groups,size]<=[...]`."""
+    """Devices per replica group: `{{0,1},{2,3}}`, the iota form `[groups,size]<=[...]` or the mesh
+    form `mesh['axis_0'=4,'axis_1'=2] {'axis_1'}` (the product of the named axes)."""
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=", attributes)
     if iota:
         return int(iota.group(1).split(",")[-1])
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", mesh.group(2)))
     explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
     if explicit and explicit.group(1):
         return len(explicit.group(1).split(","))
@@ -271,10 +295,18 @@ def _collective_cost(instruction: _Instruction, types: dict, devices: int) -> Pr
         size = max(size - sum(_bytes(types.get(o, "")) for o in instruction.operands), size / 2)
     sent = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
             "all-to-all": size * (n - 1) / n, "collective-permute": size}[kind]
-    return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent})
+    hops = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
+    return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent}, collective_hops=float(hops))
 
 
-def _attention_flops(instruction: _Instruction, shapes: dict, context: float | None) -> float | None:
+def _live_rows(instruction: _Instruction, rows: int | None) -> int:
+    """Query rows of a decode attention call that attend: its output's first dim, at most `rows`
+    (the engine pads a shard's rows to a TPU tile; the padding reads one position)."""
+    out = _arrays(instruction.type)[0][1][0]
+    return out if rows is None else min(out, rows)
+
+
+def _attention_flops(instruction: _Instruction, shapes: dict, context: float | None, rows: int | None = None) -> float | None:
     """FLOPs of the attention kernels XLA treats as opaque custom calls, from their shapes. Causal
     self-attention over L keys is 2 matmuls x 2 x heads x L^2 / 2 x d forward (QK^T and PV), the
     queries [..., heads, L, d] being the kernel's largest operand; splash's backward kernels take
@@ -289,19 +321,42 @@ def _attention_flops(instruction: _Instruction, shapes: dict, context: float | N
         matmuls = 3 if "_dq" in name else 4 if "_dkv" in name else 2
         return matmuls * 2.0 * math.prod(q[:-2]) * length * length * head_dim / 2
     if "paged_attention" in name and context is not None:
-        return 2.0 * 2.0 * math.prod(_arrays(instruction.type)[0][1]) * context
+        return 2.0 * 2.0 * _live_rows(instruction, rows) * math.prod(_arrays(instruction.type)[0][1][1:]) * context
     return None
 
 
-def _paged_kv_bytes(instruction: _Instruction, shapes: dict, context: float) -> float:
-    """Bytes a decode attention call reads: the keys and values of `context` positions per row."""
-    out = _arrays(instruction.type)[0][1]
+def _paged_kv_bytes(instruction: _Instruction, shapes: dict, context: float, rows: int | None = None) -> float:
+    """Bytes a decode attention call reads: the keys and values of `context` positions per live row."""
     pools = [shapes[o] for o in instruction.operands if o in shapes and len(shapes[o][1]) >= 4]
     if not pools:
         return 0.0
     dtype, pool = max(pools, key=lambda s: math.prod(s[1]))
     kv_heads_x_dim = pool[-2] * pool[-1]  # [.., page, kv heads (x2 with values), head dim]
-    return out[0] * context * kv_heads_x_dim * _BYTES[dtype]
+    return _live_rows(instruction, rows) * context * kv_heads_x_dim * _BYTES[dtype]
+
+
+def _sliced_reads(computations: dict, computation: str, index: int) -> float | None:
+    """The bytes a fused computation reads of its parameter `index` when every use of it takes a
+    slice, directly or inside nested fusions (a scanned layer's weights sliced from the stacked
+    [N, ...] array within the fusion of its matmul); None when some use reads it whole."""
+    fused = computations.get(computation, [])
+    name = next((i.name for i in fused if i.opcode == "parameter" and i.arguments == str(index)), None)
+    users = [i for i in fused if name is not None and name in i.operands]
+    if not users:
+        return None
+    total = 0.0
+    for user in users:
+        if user.opcode in _SLICES and user.operands[0] == name and name not in user.operands[1:]:
+            total += _bytes(user.type)
+        elif user.opcode == "fusion":
+            for position in (k for k, operand in enumerate(user.operands) if operand == name):
+                read = _sliced_reads(computations, _called(user.attributes, "calls")[0], position)
+                if read is None:
+                    return None
+                total += read
+        else:
+            return None
+    return total
 
 
 def _moved_bytes(instruction: _Instruction, types: dict, computations: dict) -> float:
@@ -325,18 +380,11 @@ def _moved_bytes(instruction: _Instruction, types: dict, computations: dict) -> 
                 if o in parameters:
                     users.setdefault(parameters[o], []).append(i)
 
-        def slices(user):  # reads a slice of its first operand (also a nested fusion rooted at a slice)
-            if user.opcode == "fusion":
-                nested = {i.name: i for i in computations.get(_called(user.attributes, "calls")[0], [])}
-                top = next((i for i in nested.values() if i.is_root), None)
-                while top is not None and top.opcode in ("bitcast", "reshape", "copy") and top.operands:
-                    top = nested.get(top.operands[0])
-                return top is not None and top.opcode in _SLICES
-            return user.opcode in _SLICES
-
-        for index, used_by in users.items():
-            if index < len(operands) and all(slices(u) and u.operands[0] in parameters for u in used_by):
-                operands[index] = min(operands[index], sum(_bytes(u.type) for u in used_by))
+        called = _called(instruction.attributes, "calls")[0]
+        for index in range(len(operands)):
+            read = _sliced_reads(computations, called, index)
+            if read is not None:
+                operands[index] = min(operands[index], read)
         # A tuple root that passes a parameter through (async collective fusions do) neither reads nor writes it.
         if root == "tuple":
             for name in top.operands:
@@ -361,12 +409,13 @@ def _scope_value(instruction: _Instruction, values: dict):
 
 
 def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None, branch_rates: dict | None = None,
-                 context: float | None = None) -> ProgramCost:
+                 context: float | None = None, decode_rows: int | None = None) -> ProgramCost:
     """The per-chip cost of a compiled program (see the module docstring). `text`:
     `compiled.as_text()`; `devices`: chips in the program, the group size of a collective that
     names none; `loop_trips`: {named scope: trip count} for loops with data-dependent bounds;
     `branch_rates`: {named scope: how often its `cond` takes the costlier branch} (else always);
-    `context`: mean keys a decode attention call reads per row."""
+    `context`: mean keys a decode attention call reads per row; `decode_rows`: rows per call that
+    attend (beyond them, the engine's tile padding)."""
     computations, entry = parse_hlo(text)
     loop_trips, branch_rates = loop_trips or {}, branch_rates or {}
     memo: dict[str, ProgramCost] = {}
@@ -445,16 +494,56 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
             inner = work(i, shapes, types)
             if i.opcode == "custom-call" and ('custom_call_target="tpu_custom_call"' in i.attributes
                                               or "__gpu$xla.gpu.triton" in i.attributes):
-                flops = _attention_flops(i, shapes, context)
+                flops = _attention_flops(i, shapes, context, decode_rows)
                 if flops is None:
                     unknown_kernels.append(i.name.split(".")[0])
                 else:
                     inner = ProgramCost(flops, 0.0, 0.0, 0.0, {})
                 if "paged_attention" in i.name and context is not None:
-                    moved = _bytes(i.type) + _paged_kv_bytes(i, shapes, context)
+                    moved = _bytes(i.type) + _paged_kv_bytes(i, shapes, context, decode_rows)
             total = total + inner + ProgramCost(0.0, 0.0, moved, 0.0, {})
         memo[name] = total._replace(unknown_loops=tuple(sorted({*total.unknown_loops, *unknown_loops})),
                                     unknown_kernels=tuple(sorted({*total.unknown_kernels, *unknown_kernels})))
         return memo[name]
 
     return walk(entry)
+
+
+class Collective(NamedTuple):
+    kind: str  # all-gather, all-reduce, ...
+    bytes: float  # its result's bytes (an async start's: the result without the operands it carries)
+    group: int  # devices per replica group
+    name: str
+
+
+def loop_collectives(text: str, scope: str, devices: int = 1) -> list[Collective]:
+    """The collectives one iteration of the `while` under `jax.named_scope(scope)` runs (its body,
+    the computations it calls and their fusions), read from `compiled.as_text()`. What launch/plan.py
+    and the tests assert about decoding: no weight is gathered inside its loop."""
+    computations, entry = parse_hlo(text)
+    loops = [i for instructions in computations.values() for i in instructions
+             if i.opcode == "while" and _scope_value(i, {scope: True})]
+    if not loops:
+        raise ValueError(f"no while loop under the named scope {scope!r} in the program")
+    found, seen = [], set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        instructions = computations.get(name, [])
+        types = {i.name: i.type for i in instructions}
+        for i in instructions:
+            for key in ("calls", "body", "condition", "to_apply", "branch_computations", "true_computation", "false_computation"):
+                for called in _called(i.attributes, key):
+                    visit(called)
+            kind = i.opcode.removesuffix("-start")
+            if kind in _COLLECTIVES:
+                size = _bytes(i.type)
+                if i.opcode.endswith("-start"):
+                    size = max(size - sum(_bytes(types.get(o, "")) for o in i.operands), size / 2)
+                found.append(Collective(kind, size, _group_size(i.attributes, devices), i.name))
+
+    for loop in loops:
+        visit(_called(loop.attributes, "body")[0])
+    return found

@@ -24,7 +24,6 @@ latest checkpoint and continues exactly where it stopped.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
+from absl import logging
 
 from comppo_jax import sharding
 from comppo_jax.credit import (clip_advantages, comp_gae, gae, grpo_advantages, load_position_schedule, masked_mean, position_bin_totals,
@@ -46,7 +46,7 @@ from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
 from comppo_jax.rollout import encode_prompts, engine_options, generate, greedy_accuracy, policy_gate, score_rollout
-from comppo_jax.train import controller
+from comppo_jax.train import controller, decode_layout
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
@@ -373,8 +373,15 @@ def train(cfg) -> dict:
     group = cfg.rollout.samples_per_prompt
     eos = (tokenizer.eos_token_id,)
     compiling = first_call_notices(show_progress)
-    evaluate = lambda params, pool: greedy_accuracy(cast_params(params, model_config.dtype), model_config, tokenizer, dev_problems,
-                                                    pool, max_new_tokens=cfg.rollout.max_new_tokens, progress="dev eval" * show_progress)
+    # The sampler's weights move into its own layout once per step (rollout.mesh; comppo_jax.train.decode_layout).
+    decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"])
+    logging.info("decode layout: %s", decode_layout.describe(decode))
+
+    def evaluate(params, pool) -> float:
+        with jax.set_mesh(decode.mesh):
+            return greedy_accuracy(decode.reshard(params), model_config, tokenizer, dev_problems, pool,
+                                   max_new_tokens=cfg.rollout.max_new_tokens, progress="dev eval" * show_progress)
+
     writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
     skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
 
@@ -394,23 +401,28 @@ def train(cfg) -> dict:
             knobs = controller.knobs(control_state, scheduled, control_config)
             step_rng = jax.random.fold_in(state["rng"], step)
             actor, critic = state["actor"], state["critic"]
-            policy = cast_params(actor, model_config.dtype)
+            sampler = decode.reshard(actor)  # the compute copy in the decode layout
 
             # 1. sample, 3. reward (before scoring, so that dynamic sampling scores only the groups it keeps)
-            def sample(params, round_index: int) -> Sampled:  # round 0: the step's batch; later: dynamic sampling's refills
+            def sample(round_index: int) -> Sampled:  # round 0: the step's batch; later: dynamic sampling's refills
                 key = step_rng if round_index == 0 else jax.random.fold_in(step_rng, 1 + round_index)  # 1: the gate control's
                 chosen = [train_problems[i] for i in prompts.next()]
                 prompt_tokens, prompt_mask = encode_prompts(tokenizer, chosen)
                 compiling("the sampler")
-                generation = generate(params, model_config, prompt_tokens, prompt_mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
-                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
-                                      eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
+                with jax.set_mesh(decode.mesh):
+                    generation = generate(sampler, model_config, prompt_tokens, prompt_mask, decode.replicated(key),
+                                          max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                          top_p=cfg.rollout.top_p, num_samples=group, eos_token_ids=eos,
+                                          pad_token_id=tokenizer.pad_token_id, **engine_options(cfg.rollout))
+                generation = decode.to_training(generation, mesh)
                 return reward_generation(tokenizer, pool, generation, chosen, group, schedule.at(scheduled))
 
-            sampled = sample(policy, 0)
+            sampled = sample(0)
             if cfg.rollout.dynamic_sampling:
-                sampled = dynamic_sampling(sampled, functools.partial(sample, policy), group, cfg.rollout.max_refills,
-                                           cfg.rollout.dynamic_sampling_filter, len(train_problems))
+                sampled = dynamic_sampling(sampled, sample, group, cfg.rollout.max_refills, cfg.rollout.dynamic_sampling_filter,
+                                           len(train_problems))
+            policy = cast_params(actor, model_config.dtype) if decode.resharded else sampler
+            del sampler
             # 2, 4. score, credit
             compiling("the scoring pass and credit")
             gate_key = jax.random.fold_in(step_rng, 1)

@@ -126,6 +126,14 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
                         "dropped ones (-1: draw until the batch is full, stopping the run if a whole pass over the training "
                         "prompts cannot fill it, as DAPO)"),
     )
+    # The sampler's own layout (comppo_jax.train.decode_layout): weights split over a tensor-parallel
+    # group, replicated over the rest, moved there once per step.
+    config.rollout.mesh = _section(
+        "rollout.mesh.",
+        tensor=("auto", "the decode layout: devices per tensor-parallel group, the group replicated over the rest and the rows "
+                        "split across replicas (auto: the fastest by the decode cost model that fits; train: decode on the "
+                        "training mesh, gathering the fsdp-split weights at every token)"),
+    )
     # Clip 0.2, grad clip 1 and 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     config.train = _section(
         "train.",

@@ -44,7 +44,7 @@ from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
-from comppo_jax.train import controller, cost as costs
+from comppo_jax.train import controller, cost as costs, decode_layout
 from comppo_jax.train.loop import check_batch, init_critic, run_parts, scoring_options
 from comppo_jax.train.methods import actor_loss_of, behaviour_pass, kl_term
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
@@ -54,7 +54,7 @@ GIB = 2**30
 # Per-chip HBM (GiB) and the chip configuration `get_topology_desc` needs, per TPU family.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
-STEPS = ("sample", "score", "actor", "critic")
+STEPS = ("reshard", "sample", "score", "actor", "critic")
 
 
 def topology_devices(topology: str) -> list:
@@ -97,6 +97,7 @@ class StepPlan(NamedTuple):
     error: str | None = None  # "does not fit (needs ...)" or the compiler's message
     cost: costs.ProgramCost | None = None  # per chip, one run (comppo_jax.train.cost)
     parts: dict | None = None  # the sampler's cost split: {"prefill": outside the decode loop, "decode": the loop}
+    decode_collectives: tuple = ()  # the sampler's: `costs.loop_collectives` of its decode loop
 
 
 class Plan(NamedTuple):
@@ -115,6 +116,7 @@ class Plan(NamedTuple):
     dtype: str = "bfloat16"  # the model's compute dtype
     host_bytes: int = 0  # per chip, parked in host memory (train.offload_idle)
     transfer_bytes: int = 0  # per chip and step, host <-> device (train.offload_idle)
+    decode: decode_layout.DecodeLayout | None = None  # the sampler's layout, its floor and the candidates auto compared
 
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
@@ -150,16 +152,18 @@ def _compile(name, jitted, args, resident, log, cost_options) -> StepPlan:
     seconds = time.time() - started
     text = compiled.as_text()
     cost = costs.program_cost(text, **cost_options)
-    parts = None
+    parts, in_loop = None, ()
     if name == "sample":
         outside = costs.program_cost(text, **{**cost_options, "loop_trips": {**cost_options["loop_trips"], engine.DECODE_SCOPE: 0}})
         parts = {"prefill": outside, "decode": cost + outside.scaled(-1)}
+        in_loop = tuple(costs.loop_collectives(text, engine.DECODE_SCOPE, cost_options["devices"]))
     stats = compiled.memory_analysis()
     arguments, temp, code = stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
     resident += max(0, tree_bytes_per_chip(args) - arguments)
     outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
     return StepPlan(name, arguments, outputs, temp, code, stats.peak_memory_in_bytes + resident,
-                    arguments + outputs + resident + temp + code, resident, seconds, cost=cost, parts=parts)
+                    arguments + outputs + resident + temp + code, resident, seconds, cost=cost, parts=parts,
+                    decode_collectives=in_loop)
 
 
 class TrainStepPrograms(NamedTuple):
@@ -168,7 +172,9 @@ class TrainStepPrograms(NamedTuple):
     config: object  # ModelConfig, attention resolved for the platform
     state: dict  # name -> sharded ShapeDtypeStructs of each piece of state
     state_bytes: dict  # name -> bytes per chip of each piece of state
-    programs: dict  # name -> (jitted, abstract args, bytes per chip held meanwhile) or None (no critic)
+    programs: dict  # name -> (jitted, abstract args, bytes per chip held meanwhile) or None (no critic; no reshard)
+    meshes: dict  # name -> the mesh a program is traced under (the sampler's is its decode layout's)
+    decode: decode_layout.DecodeLayout  # where the sampler decodes (rollout.mesh)
     layout: engine.Layout  # the rollout engine's
     rows: int  # rollout rows per step
     runs: dict  # program -> runs per train step
@@ -179,13 +185,15 @@ class TrainStepPrograms(NamedTuple):
 
 # train.offload_idle: the state each program leaves in host memory. The moments wait there outside
 # the update, the reference between scoring passes, the rollout batch during the update.
-OFFLOADED = {"sample": ("actor_opt", "reference"), "score": ("actor_opt",), "actor": ("reference", "rollout_batch"),
+OFFLOADED = {"reshard": ("actor_opt", "reference"), "sample": ("actor_opt", "reference"), "score": ("actor_opt",), "actor": ("reference", "rollout_batch"),
              "critic": ("reference", "rollout_batch")}
 
 
-def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> TrainStepPrograms:
-    """The sampler, scoring pass, actor and critic updates of `cfg` on `mesh`, with the kernels a
-    `platform` run picks. Trace and compile them under the mesh (`use_abstract_mesh`)."""
+def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: costs.Chip | None = None,
+                        hbm: int | None = None) -> TrainStepPrograms:
+    """The resharding into the decode layout, the sampler, scoring pass, actor and critic updates of
+    `cfg` on `mesh`, with the kernels a `platform` run picks; `chip` and `hbm` (bytes per chip)
+    settle rollout.mesh.tensor=auto. Trace and compile each under its mesh (`meshes`)."""
     check_batch(cfg, mesh)
     config = model_config(cfg.model)
     config = config.replace(attention=resolve_implementation(config.attention, config.dtype, platform=platform))
@@ -197,7 +205,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     state = {
         "actor": abstract(master),
         "actor_opt": abstract(lambda: actor_tx.init(master())),
-        "policy": abstract(lambda: init_params(config, key)),  # the compute-dtype copy the rollout uses
+        "policy": abstract(lambda: init_params(config, key)),  # the compute-dtype copy the scoring pass uses
         "reference": abstract(lambda: init_params(config, key)),
         "critic": abstract(lambda: init_critic(parts, config, key)),
     }
@@ -241,7 +249,14 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     on_host = OFFLOADED if cfg.train.get("offload_idle", False) else {}
     held = lambda program, *names: sum(bytes_of[name] for name in names if name not in on_host.get(program, ()))
     train_rows = minibatch(cfg.train.minibatch_size)
-    prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32, sharding=batch_sharding)
+    # The sampler's weights in its decode layout: auto picks the fastest that fits beside the state it holds.
+    beside_sampler = held("sample", "actor", "actor_opt", "reference", "critic", "critic_opt")
+    decode = decode_layout.make_decode_layout(cfg.rollout.mesh.tensor, mesh, config, state["actor"], chip=chip,
+                                              budget=None if hbm is None else 0.9 * (hbm - beside_sampler),
+                                              rollout=decode_layout.rollout_shapes(cfg, prompt_length))
+    # Prompts are a few KB: replicated, each replica takes its own rows' (the engine's shard_prompts).
+    prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32,
+                                   sharding=NamedSharding(decode.mesh, P()) if decode.resharded else batch_sharding)
     options = engine_options(cfg.rollout)
     options["paged_attention"] = resolve_paged_attention(options["paged_attention"], config.head_dim, platform=platform)
     sample = jax.jit(lambda policy, prompts, prompt_mask, rng: generate(
@@ -252,10 +267,18 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
     # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op).
     beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(decode.mesh, P()))
+    if decode.resharded:  # the training-layout compute copy is made after sampling, for the scoring pass
+        state["sampler"] = _with_shardings(state["policy"], sharding.tree_shardings(decode.mesh, state["policy"]))
+        bytes_of["sampler"] = tree_bytes_per_chip(state["sampler"])
+        sampling = (sample, (state["sampler"], prompts, prompts.update(dtype=jnp.bool_), rng), beside_sampler)
+    else:
+        sampling = (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
+                    held("sample", *beside_policy, "actor_opt", "reference", "critic", "critic_opt"))
     programs = {
-        "sample": (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
-                   held("sample", *beside_policy, "actor_opt", "reference", "critic", "critic_opt")),
+        "reshard": (decode.reshard, (state["actor"],), held("reshard", "actor_opt", "reference", "critic", "critic_opt"))
+        if decode.resharded else None,
+        "sample": sampling,
         "score": (score, (state["policy"], state["reference"], generation(rows)),
                   held("score", *beside_policy, "actor_opt", "critic", "critic_opt")),
         "actor": (update.actor, (state["actor"], state["actor_opt"], train_rows,
@@ -268,7 +291,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     }
     layout = engine.make_layout(cfg.rollout.prompts_per_step, prompt_length, num_samples=cfg.rollout.samples_per_prompt,
                                 max_new_tokens=response, page_size=options["page_size"], decode_slots=options["decode_slots"],
-                                shards=sharding.batch_size_multiple(mesh))
+                                shards=sharding.batch_size_multiple(decode.mesh))
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
@@ -279,8 +302,38 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str) -> Trai
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
     moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + (1 + epochs) * bytes_of["rollout_batch"] if on_host else 0
-    return TrainStepPrograms(config, state, bytes_of, programs, layout, rows,
-                             {"sample": 1, "score": 1, "actor": updates, "critic": updates}, flops, host, moved)
+    return TrainStepPrograms(config, state, bytes_of, programs, {"sample": decode.mesh}, decode, layout, rows,
+                             {"reshard": 1, "sample": 1, "score": 1, "actor": updates, "critic": updates}, flops, host, moved)
+
+
+def _compile_steps(cfg, step: TrainStepPrograms, mesh, names, *, prompt_length: int, log) -> list[StepPlan]:
+    """Compiles the programs `names` of `step`, each under its mesh."""
+    cost_options = cost_options_for(step.layout, window_start=prompt_length if cfg.rollout.window == "response" else 0,
+                                    devices=mesh.devices.size)
+    compiled = []
+    for name in names:
+        if step.programs[name] is not None:
+            with jax.sharding.use_abstract_mesh(step.meshes.get(name, mesh).abstract_mesh):
+                compiled.append(_compile(name, *step.programs[name], log, cost_options))
+    return compiled
+
+
+def _pool_bytes(step: TrainStepPrograms) -> int:
+    """Bytes per chip of the sampler's KV page pool in its decode layout."""
+    decode_mesh, config = step.decode.mesh, step.config
+    with jax.sharding.use_abstract_mesh(decode_mesh.abstract_mesh):
+        heads_split = decode_mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
+        return engine.pool_bytes(config, step.layout) // heads_split
+
+
+def _programs_for(cfg, topology: str, *, prompt_length: int):
+    """(mesh, TrainStepPrograms) of `cfg` on `topology`; "auto" means what a TPU run would pick,
+    not this host's platform."""
+    devices = topology_devices(topology)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    family = topology.split(":")[0]
+    return mesh, train_step_programs(cfg, mesh, prompt_length=prompt_length, platform="tpu", chip=costs.CHIPS[family],
+                                     hbm=HBM_GIB[family] * GIB)
 
 
 def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> Plan:
@@ -288,40 +341,38 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
         raise ValueError(f"unknown step(s) {unknown}; expected a subset of {STEPS}")
-    devices = topology_devices(topology)
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    family = topology.split(":")[0]
-    # "auto" means what a TPU run would pick, not this host's platform.
-    step = train_step_programs(cfg, mesh, prompt_length=prompt_length, platform="tpu")
+    mesh, step = _programs_for(cfg, topology, prompt_length=prompt_length)
     config, layout = step.config, step.layout
-    cost_options = cost_options_for(layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices))
-    compiled = []
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        for name in steps:
-            if step.programs[name] is not None:
-                compiled.append(_compile(name, *step.programs[name], log, cost_options))
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        heads_split = mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
-        pool_bytes = engine.pool_bytes(config, layout) // heads_split
-    return Plan(topology, len(devices), HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, layout.prompt_width +
-                layout.max_new_tokens, step.state_bytes, compiled, pool_bytes, step.runs, step.model_flops, step.rows * layout.max_new_tokens,
-                str(config.dtype), step.host_bytes, step.transfer_bytes)
+    compiled = _compile_steps(cfg, step, mesh, steps, prompt_length=prompt_length, log=log)
+    family = topology.split(":")[0]
+    return Plan(topology, mesh.devices.size, HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, layout.prompt_width +
+                layout.max_new_tokens, step.state_bytes, compiled, _pool_bytes(step), step.runs, step.model_flops,
+                step.rows * layout.max_new_tokens, str(config.dtype), step.host_bytes, step.transfer_bytes, step.decode)
+
+
+SAMPLER_STEPS = ("reshard", "sample")
+
+
+def with_decode_layout(cfg, result: Plan, tensor: str, *, prompt_length: int, log=print) -> Plan:
+    """`result` (a `plan` of `cfg`) with its sampler compiled again in the decode layout
+    rollout.mesh.tensor=`tensor` ("train", "auto" or a group size): the programs a layout changes
+    are recompiled, the others kept, so layouts compare side by side in one run."""
+    cfg = cfg.copy_and_resolve_references()
+    cfg.rollout.mesh.tensor = str(tensor)
+    mesh, step = _programs_for(cfg, result.topology, prompt_length=prompt_length)
+    compiled = _compile_steps(cfg, step, mesh, SAMPLER_STEPS, prompt_length=prompt_length, log=log)
+    kept = [s for s in result.steps if s.step not in SAMPLER_STEPS]
+    return result._replace(steps=compiled + kept, decode=step.decode, page_pool=_pool_bytes(step), state=step.state_bytes)
 
 
 def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) -> dict:
     """`costs.program_cost`'s keywords for a train step's programs: every row runs to
     `max_new_tokens`, so decoding attends to the prompt and half the response on average."""
-    steps = decode_steps(layout)
+    steps = layout.decode_steps
     length = layout.prompt_width + layout.max_new_tokens
-    return dict(devices=devices, context=layout.prompt_width + layout.max_new_tokens / 2,
+    return dict(devices=devices, context=layout.prompt_width + layout.max_new_tokens / 2, decode_rows=layout.slots,
                 loop_trips={engine.DECODE_SCOPE: steps, routing.KEY_BLOCKS_SCOPE: routing.mean_key_blocks(length, window_start)},
                 branch_rates={engine.ADMIT_SCOPE: -(-layout.shard_rows // layout.slots) / steps})
-
-
-def decode_steps(layout: engine.Layout) -> int:
-    """Iterations of the engine's decode loop when every row runs to `max_new_tokens`: each slot
-    decodes its rows one after another, one token per iteration."""
-    return -(-layout.shard_rows // layout.slots) * layout.max_new_tokens
 
 
 def matmul_params(config) -> int:
@@ -461,7 +512,64 @@ def format_plan(result: Plan) -> str:
              f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"
              + (f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
                 if result.transfer_bytes else "")]
+    lines += format_decode(result)
     lines += _aligned(TABLE_COLUMNS, table_rows(result))
     lines += ["step time per chip (roofline: comppo_jax.train.cost):"]
     lines += _aligned(TIME_COLUMNS, time_rows(result))
     return "\n".join(lines + [format_summary(result)])
+
+
+def format_decode(result: Plan) -> list[str]:
+    """The decode layout, its floor and every group size auto compared (comppo_jax.train.decode_layout)."""
+    decode = result.decode
+    if decode is None:
+        return []
+    lines = [f"decode layout: {decode_layout.describe(decode)}"]
+    floor = decode.floor
+    if floor is not None:
+        lines.append(f"  floor per chip per token step: weights {floor.weight_bytes / 1e9:.3g} GB + live KV {floor.kv_bytes / 1e9:.3g} GB "
+                     f"read, {floor.collective_hops:.0f} collective hops; {floor.steps} token steps")
+    sampler = next((s for s in result.steps if s.step == "sample" and s.decode_collectives), None)
+    if sampler is not None:
+        kinds = {}
+        for c in sampler.decode_collectives:
+            kinds.setdefault(c.kind, []).append(c)
+        lines.append("  decode loop's collectives (HLO instructions, an inner loop's once): " + ", ".join(
+            f"{kind} x{len(found)} (largest {max(c.bytes for c in found) / 1e6:.3g} MB, groups of "
+            f"{'/'.join(str(g) for g in sorted({c.group for c in found}))})" for kind, found in sorted(kinds.items())))
+    if decode.candidates:
+        lines.append("  group sizes (G: decode floor s, decode weights + page pool GiB per chip): " + ", ".join(
+            f"{c.tensor}: {c.seconds:.3g} s, {c.memory_bytes / GIB:.2f}" for c in decode.candidates))
+    return lines
+
+
+def layout_label(result: Plan) -> str:
+    """"G=4 x 2" (groups of 4 chips, 2 replicas) or "training mesh"."""
+    if result.decode is None or not result.decode.resharded:
+        return "training mesh"
+    return f"G={result.decode.tensor} x {result.chips // result.decode.tensor}"
+
+
+SUMMARY_COLUMNS = ("decode layout", "reshard s", "prefill s", "decode s", "decode floor s (best G)", "decode / floor",
+                   "decode HBM / ICI GB per token step", "score s", "actor s (x runs)", "critic s (x runs)", "host transfers s", "step s",
+                   "decode share", "MFU")
+
+
+def summary_row(result: Plan, chip: costs.Chip | None = None) -> list[str]:
+    """One row per plan (SUMMARY_COLUMNS): each program's seconds per step, the decode loop beside
+    its floor, the step and its MFU (docs/benchmarks.md's step-time table)."""
+    chip = _chip(result, chip)
+    times = {t.program: t for t in step_times(result, chip)}
+    summary = step_summary(result, chip)
+    seconds = lambda name: f"{times[name].seconds * times[name].runs:.3g}" if name in times else "-"
+    runs = lambda name: f"{seconds(name)} (x{times[name].runs})" if name in times else "-"
+    # The row's floor: the best group size's, whichever layout the row decodes in.
+    decode = times.get("sample decode")
+    floor = min(result.decode.candidates, key=lambda c: c.seconds) if result.decode and result.decode.candidates else None
+    steps = floor.steps if floor else 0
+    per_step = (f"{decode.cost.hbm_bytes / steps / 1e9:.2f} / {decode.cost.collective_bytes / steps / 1e9:.2f}"
+                if decode and steps else "-")
+    return [layout_label(result), seconds("reshard"), seconds("sample prefill"), seconds("sample decode"),
+            f"{floor.seconds:.3g}" if floor else "-", f"{decode.seconds / floor.seconds:.2f}x" if decode and floor else "-", per_step,
+            seconds("score"), runs("actor"), runs("critic"), seconds("host transfers"), f"**{summary.seconds:.3g}**",
+            f"{decode.seconds / summary.seconds:.0%}" if decode and summary.seconds else "-", f"**{summary.mfu:.1%}**"]

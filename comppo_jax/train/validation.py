@@ -22,6 +22,7 @@ from comppo_jax.models.paged_cache import PAGED_ATTENTION
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
+from comppo_jax.train.decode_layout import parse_tensor
 from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES
 from comppo_jax.train.sampling import DYNAMIC_SAMPLING_FILTERS
 
@@ -197,6 +198,11 @@ def validate_config(cfg) -> None:
     problems.number("train.gspo_clip_low", low=0, high=1, low_open=True)
     problems.number("train.gspo_clip_high", low=0, low_open=True)
     problems.number("rollout.max_refills", low=-1, integer=True)
+    try:
+        parse_tensor(problems.value("rollout.mesh.tensor"))
+    except ValueError:
+        problems.add("rollout.mesh.tensor", "expected auto, train or a positive number of devices per tensor-parallel group, "
+                                            "e.g. --config.rollout.mesh.tensor=4")
     problems.number("steps", low=1, integer=True)
     problems.number("seed", low=0, integer=True)
     for name in ("train.actor_lr", "train.critic_lr"):

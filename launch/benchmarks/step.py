@@ -68,20 +68,18 @@ def measured_cpu(megabytes: int = 512, size: int = 1024) -> costs.Chip:
                                                         for d, (a, b) in operands.items()}}, 5)
     flop = 2 * size**3
     return costs.Chip(f"this CPU ({jax.local_device_count()} device(s), measured)", flop / seconds["bfloat16"],
-                      flop / seconds["float32"], 2 * state["x"].nbytes / seconds["stream"], math.inf, math.inf)
+                      flop / seconds["float32"], 2 * state["x"].nbytes / seconds["stream"], math.inf, math.inf, hop_latency=0.0)
 
 
 def this_chip() -> costs.Chip:
     """The peaks of the first local device: published for a known GPU or TPU, measured on a CPU."""
     device = jax.devices()[0]
-    kind = device.device_kind.lower()
     if device.platform == "cpu":
         return measured_cpu()
-    for name, marks in (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")), ("v6e", ("v6 lite", "v6e")),
-                        ("v5p", ("v5p", "v5")), ("v4", ("v4",))):
-        if any(mark in kind for mark in marks):
-            return costs.CHIPS[name]
-    raise ValueError(f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.train.cost.CHIPS")
+    chip = costs.published_chip(device.device_kind)
+    if chip is None:
+        raise ValueError(f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.train.cost.CHIPS")
+    return chip
 
 
 def _materialize(tree, rng: np.random.Generator, zeros: bool = False):

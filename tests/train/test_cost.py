@@ -95,6 +95,68 @@ def test_roofline_is_the_slower_of_compute_and_memory_plus_the_collectives():
     assert costs.roofline_seconds(memory_bound, chip) == pytest.approx(5.0)
 
 
+def test_each_collective_pays_its_ring_steps_in_hop_latency():
+    chip = costs.Chip("test", 100.0, 100.0, 10.0, 2.0, 1.0, hop_latency=0.5)
+    assert costs.roofline_seconds(costs.ProgramCost(0.0, 0.0, 10.0, 4.0, {}, collective_hops=6.0), chip) == pytest.approx(1 + 2 + 3)
+    reduce = costs._parse_instruction("%ar = f32[8,16]{1,0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add")
+    assert costs._collective_cost(reduce, {}, 8).collective_hops == 2 * (4 - 1)
+    # jax 0.10's mesh form of replica groups: the product of the axes named.
+    gather = costs._parse_instruction("%ag = f32[2,8]{0,1} all-gather(%x), channel_id=1, "
+                                      "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={1}")
+    assert costs._group_size(gather.attributes, 8) == 4
+    assert costs._collective_cost(gather, {}, 8).collective_hops == 3
+
+
+def test_a_layer_weight_sliced_inside_a_nested_fusion_is_read_as_its_slice():
+    """The decode step's fused matmul: the stacked [N, ...] weight goes into an inner fusion that
+    dynamic-slices it; only one layer's slice is read."""
+    text = """HloModule m
+
+%slice_layer (p0: bf16[36,512,256], p1: s32[]) -> bf16[512,256] {
+  %p0 = bf16[36,512,256]{2,1,0} parameter(0)
+  %p1 = s32[]{:T(128)} parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,512,256]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,512,256}
+  ROOT %b = bf16[512,256]{1,0} bitcast(%ds)
+}
+
+%matmul (q0: bf16[8,512], q1: bf16[36,512,256], q2: s32[]) -> f32[8,256] {
+  %q0 = bf16[8,512]{1,0} parameter(0)
+  %q1 = bf16[36,512,256]{2,1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %w = bf16[512,256]{1,0} fusion(%q1, %q2), kind=kLoop, calls=%slice_layer
+  ROOT %c = f32[8,256]{1,0} convolution(%q0, %w), dim_labels=bf_io->bf
+}
+
+%outer (r0: bf16[8,512], r1: bf16[36,512,256], r2: s32[]) -> f32[8,256] {
+  %r0 = bf16[8,512]{1,0} parameter(0)
+  %r1 = bf16[36,512,256]{2,1,0} parameter(1)
+  %r2 = s32[] parameter(2)
+  ROOT %f = f32[8,256]{1,0} fusion(%r0, %r1, %r2), kind=kOutput, calls=%matmul
+}
+
+ENTRY %main (x: bf16[8,512], w: bf16[36,512,256], i: s32[]) -> f32[8,256] {
+  %x = bf16[8,512]{1,0} parameter(0)
+  %w = bf16[36,512,256]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %y = f32[8,256]{1,0} fusion(%x, %w, %i), kind=kOutput, calls=%outer
+}
+"""
+    layer = 512 * 256 * 2
+    expected = 8 * 512 * 2 + layer + 4 + 8 * 256 * 4  # x, one layer's slice, the index, the output
+    assert costs.program_cost(text).hbm_bytes == pytest.approx(expected)
+
+
+def test_decode_attention_counts_the_kv_of_its_live_rows_not_its_tile_padding():
+    call = costs._parse_instruction('%ragged_paged_attention.1 = bf16[8,4,128]{2,1,0} custom-call(%q, %pool), '
+                                    'custom_call_target="tpu_custom_call"')
+    shapes = {"q": ("bf16", (8, 4, 128)), "pool": ("bf16", (100, 64, 4, 128))}
+    full = costs._paged_kv_bytes(call, shapes, context=1000.0)
+    assert full == 8 * 1000 * 4 * 128 * 2
+    assert costs._paged_kv_bytes(call, shapes, context=1000.0, rows=1) == full / 8
+    assert costs._attention_flops(call, shapes, 1000.0, rows=1) == costs._attention_flops(call, shapes, 1000.0) / 8
+
+
 def test_every_topology_the_plan_accepts_has_published_peaks():
     assert set(plan.HBM_GIB) <= set(costs.CHIPS)
     for chip in costs.CHIPS.values():
