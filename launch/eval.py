@@ -69,6 +69,7 @@ def main(argv):
     from comppo_jax.eval import evaluate_problems
     from comppo_jax.eval.frozen import eval_sampling, metric_names
     from comppo_jax.eval.restore import restore_actor
+    from comppo_jax.train import decode_layout
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.loop import load_problems
 
@@ -101,9 +102,12 @@ def main(argv):
     done = {name: _finished(os.path.join(output, f"{name}.json"), settings) for name in sets}
 
     policy_config, params = restore_actor(cfg, checkpoints, step)
+    # Decoded in the run's decode layout (rollout.mesh), as its training rollouts were.
+    decode = decode_layout.for_run(cfg, sharding.make_mesh(cfg.mesh), policy_config, params)
+    params = decode.reshard(params)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     rows = []
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
+    with jax.set_mesh(decode.mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
         for name, problems in sets.items():
             path = os.path.join(output, f"{name}.json")
             if done[name]:

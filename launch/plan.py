@@ -4,15 +4,18 @@
 
 Needs libtpu (`pip install -e .[tpu]`), not a TPU. Builds `config.mesh` on the topology's abstract
 chips, the run's params, optimizer states, reference params, critic and batches as sharded
-shapes (nothing is allocated), compiles the sampler, the scoring pass, the actor update and the
-critic update with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
+shapes (nothing is allocated), compiles the resharding into the sampler's decode layout
+(rollout.mesh.tensor; the layout auto picks, every group size's decode floor and the decode loop's
+collectives are printed), the sampler, the scoring pass, the actor update and the critic update
+with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
 take, temporaries, generated code, the compiler's peak, the conservative args + out + temp + code, the verdict
 against the chip's HBM and the compile time (comppo_jax.train.plan). A program that exceeds HBM
 is reported as "does not fit (needs ...)". Then the predicted step time: each program's FLOPs, HBM
 and interconnect bytes per chip read from its optimized HLO (loops counted by their trip counts),
 its roofline time on the chip's published peaks, how often a train step runs it, and the step's
 total and MFU (comppo_jax.train.cost). `--markdown=FILE` / `--time_markdown=FILE` append the
-tables as markdown.
+tables as markdown, `--summary_markdown=FILE` one row per topology (decode beside its floor, the
+step, MFU); `--decode_layouts=train,4` also compiles the sampler in those layouts, side by side.
 """
 
 from __future__ import annotations

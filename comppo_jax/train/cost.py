@@ -295,8 +295,15 @@ def _collective_cost(instruction: _Instruction, types: dict, devices: int) -> Pr
         size = max(size - sum(_bytes(types.get(o, "")) for o in instruction.operands), size / 2)
     sent = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
             "all-to-all": size * (n - 1) / n, "collective-permute": size}[kind]
-    hops = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
-    return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent}, collective_hops=float(hops))
+    return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent}, collective_hops=float(ring_steps(kind, n)))
+
+
+def ring_steps(kind: str, group: int) -> int:
+    """Steps of a ring collective over `group` devices, each paying a hop's latency: all-reduce
+    2 (n-1) (reduce-scatter, then all-gather), collective-permute 1, the others n-1."""
+    if group <= 1:
+        return 0
+    return {"all-reduce": 2 * (group - 1), "collective-permute": 1}.get(kind, group - 1)
 
 
 def _live_rows(instruction: _Instruction, rows: int | None) -> int:

@@ -112,8 +112,8 @@ def decode_floor(config: ModelConfig, chip: costs.Chip, *, devices: int, tensor:
     kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
     kv = layout.slots * (prompt_length + max_new_tokens / 2) * kv_per_position
     pool = layout.pages_per_layer * page_size * kv_per_position
-    ring = tensor - 1
-    hops = (2 * config.num_layers + 1) * 2 * ring + ring if tensor > 1 else 0.0  # all-reduces (layers, embedding), logits' gather
+    # Two all-reduces per layer (the row-parallel attention output and MLP), the embedding lookup's, the logits' gather.
+    hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps("all-gather", tensor)
     flops = 2 * layout.slots * held / itemsize  # each live row passes through this chip's weights once
     step = max(flops / costs.peak_flops(chip, config.dtype), (read + kv) / chip.hbm_bytes) + hops * chip.hop_latency
     return DecodeFloor(tensor, replicas, float(read), float(kv), float(hops), step, layout.decode_steps, float(held + pool))

@@ -6,8 +6,12 @@ is allocated), and the programs of a train step are lowered and compiled by the 
 compiler as `train()` jits them, with the kernels a TPU run picks (splash attention, the Mosaic
 concentration kernel):
 
-- `sample`: `rollout.generate` (the rollout engine: one prefill per prompt, then decoding over
-  the paged KV cache with the ragged paged attention kernel; the page pool is reported apart);
+- `reshard`: the actor cast to the compute dtype and moved into the sampler's decode layout
+  (`comppo_jax.train.decode_layout`; rollout.mesh.tensor, auto chosen from the decode floor on the
+  topology's chip), once per step;
+- `sample`: `rollout.generate` in that layout (the rollout engine: one prefill per prompt, then
+  decoding over the paged KV cache with the ragged paged attention kernel; the page pool is
+  reported apart, the collectives of its decode loop listed);
 - `actor`: `update.actor_step` (clipped PPO + reference KL, AdamW on the fp32 master params);
 - `critic`: `update.critic_step` (TAC or the standard head);
 - `score`: `rollout.score_rollout` on the whole rollout batch (behaviour and reference policies,
@@ -23,7 +27,9 @@ memory instead, and the plan counts its bytes and transfers.
 The same compiled programs give the step time: `comppo_jax.train.cost` reads each one's FLOPs,
 HBM and collective bytes per chip from its optimized HLO, `step_times` takes their roofline time
 on the chip's peaks times the runs per step (the sampler split into prefill and decode), and
-`step_summary` the total and MFU (`model_flops`).
+`step_summary` the total and MFU (`model_flops`). `with_decode_layout` compiles the sampler again
+in another layout, the other programs kept, so layouts compare side by side; `summary_row` sets
+the decode loop's prediction beside its floor.
 """
 
 from __future__ import annotations

@@ -23,10 +23,12 @@ from jax.sharding import SingleDeviceSharding
 # time, so rewards, advantages and gradients carry signal (not rounding noise) to compare. Dynamic
 # sampling (reward filter) drops the groups of equal rewards and refills from the prompt stream (2-3 rounds a step
 # here), so the refills, their regrouping of rows sharded over both processes (take_groups) and
-# the stream's position across a preemption are checked on two processes too.
+# the stream's position across a preemption are checked on two processes too. The mesh splits the
+# weights over fsdp, so the sampler decodes in its own layout (rollout.mesh.tensor=auto: groups of
+# the 2 tensor devices, replicated 4 times), resharded across both processes every step.
 POD_RUN = dict(steps=3, warm_start__steps=120, warm_start__learning_rate=2e-3, data__train_size=200, data__dev_size=4, data__min_steps=1,
                data__max_steps=1, data__operations="+", rollout__max_new_tokens=20, train__minibatch_size=4, train__eval_every=2,
-               checkpoint__keep_last=10, mesh__data=4, mesh__tensor=2, rollout__dynamic_sampling=True,
+               checkpoint__keep_last=10, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, rollout__dynamic_sampling=True,
                rollout__dynamic_sampling_filter="reward")
 LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
 # XLA:CPU over gloo rarely leaves two processes' devices waiting in different all-reduces (twice in
