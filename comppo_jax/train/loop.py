@@ -401,7 +401,9 @@ def train(cfg) -> dict:
             knobs = controller.knobs(control_state, scheduled, control_config)
             step_rng = jax.random.fold_in(state["rng"], step)
             actor, critic = state["actor"], state["critic"]
-            sampler = decode.reshard(actor)  # the compute copy in the decode layout
+            resharding = time.time()
+            sampler = jax.block_until_ready(decode.reshard(actor))  # the compute copy in the decode layout
+            reshard_seconds = time.time() - resharding
 
             # 1. sample, 3. reward (before scoring, so that dynamic sampling scores only the groups it keeps)
             def sample(round_index: int) -> Sampled:  # round 0: the step's batch; later: dynamic sampling's refills
@@ -503,6 +505,7 @@ def train(cfg) -> dict:
             if nonfinite:
                 metrics["nonfinite"] = ", ".join(nonfinite)
             metrics.update(step=step, phase=controller.PHASES[int(control_state["phase"])], seconds=time.time() - started,
+                           reshard_seconds=reshard_seconds,
                            sample={"prompt": scored.sampled.problems[0].prompt, "response": scored.sampled.texts[0],
                                    "reward": float(scored.sampled.rewards[0])})
             writer.write(metrics)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, small_train_flags
+from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, small_train_flags
 from jax.sharding import SingleDeviceSharding
 
 # One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
@@ -113,7 +113,7 @@ def restored(run_dir, step):
 
 
 def rows(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, small_train_config, small_train_flags
 
 from comppo_jax.models import CheckpointError
 from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
@@ -73,7 +73,7 @@ def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedP
 
 
 def metric_rows(run):
-    return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_checkpoint(a_dir, b_dir, step):

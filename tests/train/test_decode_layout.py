@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, require_libtpu, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, require_libtpu, small_train_config, small_train_flags
 
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, preset_model_config
@@ -108,7 +108,7 @@ def test_a_run_decoding_in_its_own_layout_logs_what_the_training_mesh_run_logs(t
     for auto, train in zip(rows["auto"], rows["train"]):
         assert auto.keys() == train.keys()
         for name in auto:
-            if name in ("seconds", "step_seconds") or isinstance(auto[name], (str, dict, list)):
+            if name in WALL_CLOCK or isinstance(auto[name], (str, dict, list)):
                 continue
             assert auto[name] == pytest.approx(train[name], rel=1e-4, abs=1e-5), name
 
