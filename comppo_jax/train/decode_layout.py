@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from comppo_jax import sharding
-from comppo_jax.models import ConfigError
+from comppo_jax.models import ConfigError, model_config
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import param_shapes
 from comppo_jax.rollout import engine, engine_options
@@ -53,6 +53,22 @@ def parse_tensor(value) -> str | int:
     if text.isdigit() and int(text) > 0:
         return int(text)
     raise ValueError(f"rollout.mesh.tensor={value!r}: expected auto, train or a positive number of devices per group")
+
+
+def checked_tensor(value, config: ModelConfig, devices: int) -> str | int:
+    """`parse_tensor(value)`, a group size refused with a ConfigError naming the ones `devices` allow."""
+    choice = parse_tensor(value)
+    allowed = group_sizes(config, devices)
+    if choice not in MODES and choice not in allowed:
+        raise ConfigError(f"config.rollout.mesh.tensor={choice}: a decode group must divide the {devices} devices and the "
+                          f"{config.num_heads} query heads and divide or be a multiple of the {config.num_kv_heads} kv heads; "
+                          f"here: {', '.join(map(str, allowed))} (or auto, train)")
+    return choice
+
+
+def check_config(cfg, mesh: Mesh) -> None:
+    """Refuses a run config's rollout.mesh.tensor that `mesh` cannot take, before anything loads."""
+    checked_tensor(cfg.rollout.mesh.tensor, model_config(cfg.model), mesh.devices.size)
 
 
 def group_sizes(config: ModelConfig, devices: int) -> list[int]:
@@ -164,18 +180,13 @@ def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: c
     """The decode layout `value` (rollout.mesh.tensor) names on `mesh` for params shaped like
     `actor` (arrays or ShapeDtypeStructs; any dtype); `chip`, `budget` (bytes per chip free for
     the decode weights and page pool, None: unknown) and `rollout` (`rollout_shapes`) settle auto."""
-    choice = parse_tensor(value)
+    choice = checked_tensor(value, config, mesh.devices.size)
     devices = mesh.devices.size
-    allowed = group_sizes(config, devices)
     candidates = tuple(floors(config, chip, devices, **rollout)) if chip is not None else ()
     if choice == "auto":
         tensor = fastest(list(candidates), budget).tensor if candidates else mesh.shape["tensor"]
     elif choice == "train":
         tensor = mesh.shape["tensor"]
-    elif choice not in allowed:
-        raise ConfigError(f"rollout.mesh.tensor={choice}: a decode group must divide the {devices} devices and the "
-                          f"{config.num_heads} query heads and divide or be a multiple of the {config.num_kv_heads} kv heads; "
-                          f"here: {', '.join(map(str, allowed))} (or auto, train)")
     else:
         tensor = choice
     floor = next((c for c in candidates if c.tensor == tensor), None)

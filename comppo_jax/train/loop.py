@@ -308,6 +308,7 @@ def train(cfg) -> dict:
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
+    decode_layout.check_config(cfg, mesh)
     control_config = controller.controller_config(cfg.controller)
     schedule = controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)
     main_process = jax.process_index() == 0  # the one that writes metrics, summary and plots

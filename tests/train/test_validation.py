@@ -86,6 +86,10 @@ CASES = {
     "unknown dynamic-sampling filter": (assign(rollout__dynamic_sampling_filter="length"),
                                         r"config\.rollout\.dynamic_sampling_filter='length': expected one of"),
     "refills below until-full": (assign(rollout__max_refills=-2), r"config\.rollout\.max_refills=-2: must be >= -1"),
+    "decode group larger than the devices": (assign(rollout__mesh__tensor="2"),
+                                             r"config\.rollout\.mesh\.tensor=2: a decode group must divide the 1 devices"),
+    "decode layout not a group size": (assign(rollout__mesh__tensor="half"),
+                                       r"config\.rollout\.mesh\.tensor='half': expected auto, train or a positive number"),
     "unknown KL aggregation": (assign(train__kl_aggregation="seq"), r"config\.train\.kl_aggregation='seq': expected one of"),
     "negative sink tokens": (assign(sink_tokens=-1), r"config\.sink_tokens=-1: must be >= 0"),
 }
