@@ -18,6 +18,7 @@ import math
 import os
 
 import numpy as np
+from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -73,9 +74,54 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def resumed_rows(path: str, resumed_step: int) -> list[dict]:
+    """The rows of steps 1..`resumed_step` in the metrics file `path`, for a run resuming from that
+    checkpoint. Lines that do not parse (a write torn by a crash) and rows past the checkpoint (steps
+    the resumed run does again) are set aside, verbatim, into `path` + `.set_aside_at_step_<N>`; a
+    warning names that file, and another names the steps whose rows are missing (a deleted file)."""
+    lines = []
+    if os.path.exists(path):
+        with open(path) as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    kept, aside = [], []
+    for line in lines:
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, TypeError, KeyError):
+            aside.append(line)
+            continue
+        if step <= resumed_step:
+            kept.append(row)
+        else:
+            aside.append(line)
+    if aside:
+        aside_path = f"{path}.set_aside_at_step_{resumed_step}"
+        with open(aside_path, "a") as f:
+            f.write("\n".join(aside) + "\n")
+        logging.warning("%s: %d line(s) that do not parse or lie past the resumed step %d set aside into %s", path, len(aside),
+                        resumed_step, aside_path)
+    missing = sorted(set(range(1, resumed_step + 1)) - {row["step"] for row in kept})
+    if missing:
+        logging.warning("%s: no rows for step(s) %s of the %d the run resumes after (%s); the run goes on and logs from step %d",
+                        path, _ranges(missing), resumed_step, "the file is missing" if not lines else "lost", resumed_step + 1)
+    return kept
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7] as "1-3, 7"."""
+    spans, start, last = [], steps[0], steps[0]
+    for step in steps[1:] + [None]:
+        if step is None or step != last + 1:
+            spans.append(f"{start}-{last}" if last > start else f"{start}")
+            start = step
+        last = step
+    return ", ".join(spans)
+
+
 class MetricsWriter:
     """Appends step metrics to `output_dir`/metrics.jsonl and TensorBoard; keeps the rows of steps
-    1..`resumed_step` (the checkpoint the run resumed from; 0: a new run). Disabled
+    1..`resumed_step` (the checkpoint the run resumed from; 0: a new run; `resumed_rows`). Disabled
     (`enabled=False`) it writes nothing: a multi-process run's other processes."""
 
     def __init__(self, output_dir: str, resumed_step: int = 0, tensorboard: bool = True, enabled: bool = True):
@@ -83,7 +129,7 @@ class MetricsWriter:
         if not enabled:
             return
         self.path = os.path.join(output_dir, METRICS_FILE)
-        kept = [row for row in read_metrics(self.path) if row["step"] <= resumed_step] if resumed_step and os.path.exists(self.path) else []
+        kept = resumed_rows(self.path, resumed_step) if resumed_step else []
         self.file = open(self.path, "w")
         for row in kept:
             self.file.write(json.dumps(row) + "\n")

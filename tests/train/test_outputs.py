@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure
 
 from comppo_jax.models import load_config_file
-from comppo_jax.train.outputs import PANELS, load_run_config, plot_run, save_run_config
+from comppo_jax.train.outputs import METRICS_FILE, PANELS, MetricsWriter, load_run_config, plot_run, save_run_config
 from comppo_jax.train.validation import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,3 +92,31 @@ def test_curves_label_every_axis_start_accuracy_at_the_warm_start_and_keep_legen
         legend = axis.get_legend()
         if legend is not None:  # entirely below the plotting area
             assert legend.get_window_extent().y1 <= axis.get_window_extent().y0
+
+
+def written_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def test_a_resume_sets_torn_and_later_rows_aside_and_keeps_the_rest(tmp_path, caplog):
+    """A crash mid-write leaves a torn last line; rows past the checkpoint are the steps the
+    resumed run does again. Neither stops the resume: both go, verbatim, to a named file."""
+    rows = [json.dumps({"step": step, "reward/mean": step / 10}) for step in range(1, 6)]
+    (tmp_path / METRICS_FILE).write_text("\n".join(rows) + '\n{"step": 6, "reward/me')
+    writer = MetricsWriter(str(tmp_path), resumed_step=3, tensorboard=False)
+    writer.write({"step": 4, "reward/mean": 0.0})
+    writer.close()
+    assert [row["step"] for row in written_rows(tmp_path)] == [1, 2, 3, 4]
+    aside = tmp_path / f"{METRICS_FILE}.set_aside_at_step_3"
+    assert aside.read_text().splitlines() == rows[3:] + ['{"step": 6, "reward/me']
+    assert f"3 line(s) that do not parse or lie past the resumed step 3 set aside into {aside}" in caplog.text
+
+
+def test_a_resume_without_its_metrics_file_warns_naming_the_missing_steps(tmp_path, caplog):
+    writer = MetricsWriter(str(tmp_path), resumed_step=9, tensorboard=False)
+    writer.close()
+    assert "no rows for step(s) 1-9 of the 9 the run resumes after (the file is missing)" in caplog.text
+    (tmp_path / METRICS_FILE).write_text("\n".join(json.dumps({"step": s}) for s in (1, 2, 5, 6)) + "\n")
+    MetricsWriter(str(tmp_path), resumed_step=7, tensorboard=False).close()
+    assert "no rows for step(s) 3-4, 7 of the 7 the run resumes after (lost)" in caplog.text
+    assert [row["step"] for row in written_rows(tmp_path)] == [1, 2, 5, 6]
