@@ -286,13 +286,19 @@ def _matmul_cost(instruction: _Instruction, shapes: dict) -> ProgramCost:
     return ProgramCost(0.0, flops, 0.0, 0.0, {}) if wide else ProgramCost(flops, 0.0, 0.0, 0.0, {})
 
 
-def _collective_cost(instruction: _Instruction, types: dict, devices: int) -> ProgramCost:
-    """Bytes one chip sends (module docstring); an async `-start` returns (operands, results)."""
-    kind = instruction.opcode.removesuffix("-start")
-    n = _group_size(instruction.attributes, devices)
+def _collective_size(instruction: _Instruction, types: dict) -> float:
+    """A collective's result bytes; an async `-start` returns (operands, results), so its operands are taken off."""
     size = _bytes(instruction.type)
     if instruction.opcode.endswith("-start"):
         size = max(size - sum(_bytes(types.get(o, "")) for o in instruction.operands), size / 2)
+    return size
+
+
+def _collective_cost(instruction: _Instruction, types: dict, devices: int) -> ProgramCost:
+    """Bytes one chip sends (module docstring)."""
+    kind = instruction.opcode.removesuffix("-start")
+    n = _group_size(instruction.attributes, devices)
+    size = _collective_size(instruction, types)
     sent = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
             "all-to-all": size * (n - 1) / n, "collective-permute": size}[kind]
     return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent}, collective_hops=float(ring_steps(kind, n)))
@@ -546,10 +552,7 @@ def loop_collectives(text: str, scope: str, devices: int = 1) -> list[Collective
                     visit(called)
             kind = i.opcode.removesuffix("-start")
             if kind in _COLLECTIVES:
-                size = _bytes(i.type)
-                if i.opcode.endswith("-start"):
-                    size = max(size - sum(_bytes(types.get(o, "")) for o in i.operands), size / 2)
-                found.append(Collective(kind, size, _group_size(i.attributes, devices), i.name))
+                found.append(Collective(kind, _collective_size(i, types), _group_size(i.attributes, devices), i.name))
 
     for loop in loops:
         visit(_called(loop.attributes, "body")[0])

@@ -202,8 +202,7 @@ def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: c
 def local_chip_and_budget(mesh: Mesh) -> tuple[costs.Chip | None, float | None]:
     """The published peaks of the mesh's devices (None on CPU), and 90% of the HBM a device has
     free now, the least over processes (None where devices report no limit)."""
-    device = mesh.devices.flat[0]
-    chip = None if device.platform == "cpu" else costs.published_chip(device.device_kind)
+    chip = costs.published_chip(mesh.devices.flat[0].device_kind)
     stats = jax.local_devices()[0].memory_stats() or {}
     free = stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats else -1
     free = sharding.min_over_processes(int(free))  # every process must choose the same layout
