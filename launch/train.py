@@ -30,12 +30,25 @@ def main(argv):
     summary = train(_CONFIG.value)
     if jax.process_index() != 0:
         return
+    arguments = [arg for arg in sys.argv[1:] if not arg.startswith(("--config.resume=", "--config.resume_step="))]
     if "stopped_at_step" in summary:
-        arguments = [arg for arg in sys.argv[1:] if not arg.startswith(("--config.resume=", "--config.resume_step="))]
         command = shlex.join(["python", sys.argv[0], *arguments, "--config.resume=True"])
-        print(f"stopped: checkpoint {summary['stopped_at_step']} saved at {summary['checkpoint']}; resume with: {command}", flush=True)
+        during = f" during {summary['stopped_during']}" if "stopped_during" in summary else ""
+        print(f"stopped{during}: checkpoint {summary['stopped_at_step']} saved at {summary['checkpoint']}; resume with: {command}",
+              flush=True)
+        return
+    if "stopped_during" in summary:
+        command = shlex.join(["python", sys.argv[0], *arguments])
+        print(f"stopped during {summary['stopped_during']}, before the run's first checkpoint: nothing to resume; start it again "
+              f"with: {command}", flush=True)
         return
     print(json.dumps(summary, indent=2))
+    if summary.get("best_checkpoint_step") is not None:
+        print(f"outputs in {summary['output_dir']}; best checkpoint: step {summary['best_checkpoint_step']}, dev accuracy "
+              f"{summary['best_dev_accuracy']:.3f} (python launch/eval.py --checkpoint={summary['output_dir']} --step=best)", flush=True)
+    elif "output_dir" in summary:
+        print(f"outputs in {summary['output_dir']}; no evaluated checkpoint (train.eval_every=0): the final one is step "
+              f"{summary['steps']}", flush=True)
 
 
 if __name__ == "__main__":

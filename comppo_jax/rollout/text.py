@@ -53,11 +53,14 @@ def generated_answers(params, config: ModelConfig, tokenizer, problems, *, max_n
 
 
 def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64,
-                    progress: str = "") -> float:
+                    progress: str = "", after_batch=None) -> float:
     """Fraction of `problems` whose greedy response's answer verifies against the gold; `progress`:
-    the description of a transient bar over the batches ("" for none)."""
+    the description of a transient bar over the batches ("" for none); `after_batch()` runs after
+    each batch (the train loop's stop check, which may raise)."""
     correct = 0
     for start in tqdm.trange(0, len(problems), batch_size, desc=progress, leave=False, disable=not progress):
         chunk = problems[start : start + batch_size]
         correct += count_correct(chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens), pool)
+        if after_batch is not None:
+            after_batch()
     return correct / max(len(problems), 1)

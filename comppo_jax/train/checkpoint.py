@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
@@ -178,6 +179,12 @@ class RunCheckpoints:
     def best_step(self) -> int | None:
         return self.manager.best_step()
 
+    def best_accuracy(self) -> float | None:
+        """The dev accuracy of `best_step` (None: no evaluated checkpoint is kept)."""
+        step = self.best_step()
+        metrics = None if step is None else self.manager.metrics(step)
+        return None if not metrics else float(metrics["dev_accuracy"])
+
     def save(self, step: int, state: Any, meta: dict, dev_accuracy: float | None = None) -> None:
         """Starts an async save of `state` (after step `step`) and `meta` as checkpoint `step`.
 
@@ -250,13 +257,35 @@ class RunCheckpoints:
                 raise CheckpointMismatchError(f"checkpoint {step} under {self.steps_directory} has no leaf {unknown[0]} ({len(unknown)} "
                                               "such): it was saved with another state structure (another method, critic or code "
                                               "version), so it cannot be restored into this run")
+        self._check_shapes(step, target)
         return digests
+
+    def _check_shapes(self, step: int, target: Any) -> None:
+        """Raises CheckpointMismatchError naming the first leaf of `target` whose saved shape or dtype
+        differs (a config that changes a shape, e.g. critic.bottleneck): not damage, nothing moves."""
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.steps_directory) / str(step) / "state").tree
+        except Exception as error:  # unreadable metadata is damage
+            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item state metadata cannot be read: "
+                                  f"{_first_line(error)}") from error
+        saved = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+            name = jax.tree_util.keystr(path)
+            stored = saved.get(name)
+            if stored is None or not hasattr(stored, "shape"):
+                continue  # a leaf the checkpoint lacks is the digests' check (older checkpoints have no digests)
+            if tuple(stored.shape) != tuple(leaf.shape) or jnp.dtype(stored.dtype) != jnp.dtype(leaf.dtype):
+                raise CheckpointMismatchError(
+                    f"checkpoint {step} under {self.steps_directory} leaf {name} is {jnp.dtype(stored.dtype).name}"
+                    f"{list(stored.shape)} but this config's state has {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}: it was saved "
+                    "with another config (a shape such as critic.bottleneck, the model, or a dtype differs), so it cannot be "
+                    "restored into this run; nothing was moved")
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
         """(state, meta) of `step` (default: the latest), verified, with the target's structure and shardings."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.steps_directory}")
+            raise FileNotFoundError(self.no_checkpoint_message())
         digests = self._read_digests(step, target_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)),
@@ -272,7 +301,7 @@ class RunCheckpoints:
         checkpoint of another state structure raises CheckpointMismatchError and moves nothing."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
-            raise FileNotFoundError(f"config.resume=True but there is no checkpoint under {self.steps_directory}")
+            raise FileNotFoundError(self.no_checkpoint_message())
         failures = {}
         for step in steps:
             try:
@@ -292,6 +321,22 @@ class RunCheckpoints:
             return state, meta, step
         raise CheckpointError(f"no checkpoint under {self.steps_directory} passes verification: " + " | ".join(failures.values()))
 
+    def set_aside(self) -> list[str]:
+        """The checkpoints moved to corrupt_checkpoints/ (names `<step>-<time>`), oldest first."""
+        directory = os.path.join(self.directory, QUARANTINE_DIR)
+        return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+    def no_checkpoint_message(self) -> str:
+        """Why a resume finds nothing under checkpoints/: none saved yet, or all set aside as damaged."""
+        aside = self.set_aside()
+        if not aside:
+            return (f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before its first "
+                    "checkpoint): run the same command without --config.resume to start it")
+        quarantine = os.path.join(self.directory, QUARANTINE_DIR)
+        return (f"config.resume=True but there is no checkpoint under {self.steps_directory}; {quarantine} holds {len(aside)} set aside "
+                f"as damaged ({', '.join(aside)}): if one is wanted anyway, move it back as its step number "
+                f"(mv {quarantine}/{aside[-1]} {self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to start over, "
+                "choose another --config.output_dir")
     def _quarantine(self, step: int) -> None:
         if jax.process_index() == 0:
             target = os.path.join(self.directory, QUARANTINE_DIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -304,6 +349,9 @@ class RunCheckpoints:
         """"latest", "best" or a saved step number -> a saved step (a clear error otherwise)."""
         steps = self.manager.all_steps()
         resolved = {"latest": self.latest_step, "best": self.best_step}.get(str(step), lambda: int(step))()
+        if str(step) == "best" and resolved is None and steps:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}/checkpoints has a dev accuracy (the run saved none at a "
+                                    f"dev evaluation: train.eval_every=0, or a run older than that rule); saved steps: {sorted(steps)}")
         if resolved not in steps:
             raise FileNotFoundError(f"no checkpoint {step!r} under {self.directory}/checkpoints; saved steps: {sorted(steps)}")
         return resolved
@@ -331,6 +379,33 @@ class RunCheckpoints:
         if jax.process_index() == 0:
             with open(os.path.join(self.directory, REFERENCE_DIGESTS), "w") as f:
                 json.dump(digests, f)
+
+    def rebuild_reference(self, params: Any) -> None:
+        """Saves `params`, the reference replayed from the warm start, as the run's reference policy
+        when it matches the saved digests (or none can be read, with a warning). Raises
+        CheckpointError saying what is lost and what to do when it does not match."""
+        path = os.path.join(self.directory, REFERENCE_DIR)
+        digests_path = os.path.join(self.directory, REFERENCE_DIGESTS)
+        try:
+            with open(digests_path) as f:
+                expected = json.load(f)
+        except (OSError, ValueError) as error:
+            expected = None
+            logging.warning("%s cannot be read (%s): the rebuilt reference policy is not checked against the original", digests_path,
+                            _first_line(error))
+        if expected is not None:
+            digests, _ = state_digests(params)
+            differing = [leaf for leaf, digest in digests.items() if expected.get(leaf) != digest]
+            if differing:
+                raise CheckpointError(
+                    f"the run's reference policy is lost: {path} cannot be read, and replaying the warm start gives other weights "
+                    f"(leaf {differing[0]}: digest {digests[differing[0]]}, saved {expected.get(differing[0])}; another machine or "
+                    f"library version computes it differently). The KL term needs the run's own reference: restore {path} and "
+                    f"{digests_path} from a backup, or start a new run with another --config.output_dir")
+        self.save_reference(params)
+        if jax.process_index() == 0:
+            print(f"rebuilt the reference policy under {path} from the warm start"
+                  f"{' (it matches the saved digests)' if expected is not None else ''}", flush=True)
 
     def restore_reference(self, target: Any) -> Any:
         path = os.path.join(self.directory, REFERENCE_DIR)

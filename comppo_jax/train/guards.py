@@ -1,9 +1,11 @@
 """What keeps an unattended run from losing work: preemption signals and the non-finite guard.
 
 - `StopSignals`: SIGTERM (a preempted TPU VM, a scheduler) and SIGINT set a flag instead of
-  killing the process; the train loop reads `requested()` at each step boundary, where every
-  process agrees on it, saves and exits. Repeated signals while it stops are ignored, so a second
-  one cannot interrupt the save.
+  killing the process, from the start of `train()`. The train loop reads `requested()` at each
+  step boundary, where every process agrees on it, saves and exits. Where finishing would take
+  long and save nothing new (the warm start, every dev evaluation, the first step of a process,
+  which compiles), `check(stage)` raises `RunStopped` at the next safe point instead. Repeated
+  signals while it stops are ignored, so a second one cannot interrupt the save.
 - `nonfinite_credit`: which of a step's credit inputs (rewards, values, advantages, returns) hold
   NaN or inf; the loop skips that step's update. Loss and gradient norms are guarded inside the
   jitted update steps (`update._clip_and_apply`).
@@ -27,6 +29,14 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive updates were skipped for non-finite values."""
 
 
+class RunStopped(Exception):
+    """A stop request honoured before the end of a step; `stage` says where."""
+
+    def __init__(self, stage: str):
+        super().__init__(f"stopped during {stage}")
+        self.stage = stage
+
+
 class StopSignals:
     """Within `with StopSignals() as stop:`, SIGTERM / SIGINT request a stop at the next step boundary."""
 
@@ -39,8 +49,9 @@ class StopSignals:
     def _handle(self, signum, frame):
         del frame
         if self.received is None:
-            print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint (further signals are ignored; "
-                  "kill -9 stops at once, and the newest checkpoint stays whole)", file=sys.stderr, flush=True)
+            print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint, or within seconds during "
+                  "the warm start, a dev evaluation or the first step's compiles (further signals are ignored; kill -9 stops at "
+                  "once, and the newest checkpoint stays whole)", file=sys.stderr, flush=True)
         self.received = signum
 
     def __enter__(self) -> "StopSignals":
@@ -55,6 +66,11 @@ class StopSignals:
     def requested(self) -> bool:
         """Whether any process received a signal (a collective: every process must call it at the same step)."""
         return any_process(self.received is not None)
+
+    def check(self, stage: str) -> None:
+        """Raises RunStopped(`stage`) when a stop was requested (a collective, as `requested`)."""
+        if self.requested():
+            raise RunStopped(stage)
 
 
 @jax.jit

@@ -13,8 +13,11 @@
    the phase controller's knobs; the actor waits during the critic warm-up (extra steps on top
    of `steps` unless train.critic_warmup_counts_toward_steps);
 6. the controller reads this step's metrics; metrics go to JSONL and TensorBoard; every
-   `checkpoint.every` steps (and at the end) an async Orbax checkpoint is started.
-At the start: config.json (the whole config; comppo_jax.train.outputs.load_run_config reads it).
+   `checkpoint.every` steps, at every dev evaluation (so keep_best keeps the best evaluated
+   policy) and at the end, an async Orbax checkpoint is started.
+At the start: the run directory's lock and config.json (the whole config;
+comppo_jax.train.outputs.load_run_config reads it; a resume compares against it first,
+comppo_jax.train.run_dir).
 At the end: summary.json, curves.png and gate_profile.json (the run's mean gate per position bin).
 
 Params, optimizer states and batches live on a (data, fsdp, tensor) mesh (comppo_jax.sharding);
@@ -46,13 +49,13 @@ from comppo_jax.data.synthetic import chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
 from comppo_jax.rollout import encode_prompts, engine_options, generate, greedy_accuracy, policy_gate, score_rollout
-from comppo_jax.train import controller, decode_layout
+from comppo_jax.train import controller, decode_layout, run_dir
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
-from comppo_jax.train.guards import SkippedUpdates, StopSignals, nonfinite_credit
+from comppo_jax.train.guards import RunStopped, SkippedUpdates, StopSignals, nonfinite_credit
 from comppo_jax.train.methods import (Recipe, actor_loss_of, behaviour_pass, control_gate, kl_coefficient, kl_term,
                                       recipe as make_recipe, spread_over_sequence)
-from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run, save_run_config
+from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, MetricsWriter, load_run_config, plot_run, save_run_config
 from comppo_jax.train.sampling import Sampled, dynamic_sampling, reward_generation
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.validation import validate_config
@@ -254,6 +257,20 @@ def load_encodable_problems(cfg, tokenizer):
             encodable_problems(tokenizer, dev_problems, f"{where} (dev)", max_prompt_tokens=longest_prompt))
 
 
+def restore_reference(checkpoints: RunCheckpoints, mesh, actor, replay):
+    """The run's saved reference policy. A missing or damaged one is rebuilt from `replay()` (the
+    warm start: read back from its cache, else run again, frozen in the compute dtype) and kept
+    only if it matches the saved digests (RunCheckpoints.rebuild_reference)."""
+    try:
+        return checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: actor))
+    except (FileNotFoundError, CheckpointError) as error:
+        logging.warning("%s: rebuilding it by replaying the warm start", error)
+    rebuilt = replay()
+    rebuilt = sharding.put(rebuilt, sharding.tree_shardings(mesh, rebuilt))
+    checkpoints.rebuild_reference(rebuilt)
+    return rebuilt
+
+
 def restore_for_resume(cfg, checkpoints: RunCheckpoints, state):
     """(state, meta) to continue from: `resume_step`, or the newest checkpoint that verifies."""
     if cfg.resume_step < 0:
@@ -303,25 +320,63 @@ def first_call_notices(enabled: bool):
 
 def train(cfg) -> dict:
     """Runs (or, with `cfg.resume`, continues) the run's steps (`total_steps`); returns the summary,
-    or, when a SIGTERM / SIGINT stopped it, {"stopped_at_step", "checkpoint"}."""
+    or, when a SIGTERM / SIGINT stopped it, {"stopped_at_step", "checkpoint"} ({"stopped_during"}
+    when it stopped before its first checkpoint)."""
     validate_config(cfg)  # every field, before any loading or compiling
     sharding.initialize_distributed(cfg.mesh)
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
     decode_layout.check_config(cfg, mesh)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    # One writer per run directory; from here on a SIGTERM / SIGINT stops the run cleanly.
+    with run_dir.locked(cfg.output_dir), StopSignals() as stop:
+        try:
+            return run_training(cfg, mesh, stop)
+        except RunStopped as error:
+            return stopped_early(cfg, error.stage)
+
+
+def stopped_early(cfg, stage: str) -> dict:
+    """A run stopped before the end of a step: its newest checkpoint (if any) is where it resumes."""
+    directory = os.path.join(os.path.abspath(cfg.output_dir), "checkpoints")
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
+    if not steps:
+        return {"stopped_during": stage}
+    return {"stopped_at_step": max(steps), "stopped_during": stage, "checkpoint": os.path.join(directory, str(max(steps)))}
+
+
+def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
+    """Before anything loads: refuses a resume with nothing to resume, or whose config changes what
+    the run computes (comppo_jax.train.run_dir), and a new run in a directory holding one. Returns
+    the resume's accepted config changes."""
+    if not cfg.resume:
+        if checkpoints.latest_step() is not None:
+            raise FileExistsError(f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
+                                  "pass --config.resume=True to continue that run, or choose another --config.output_dir")
+        if checkpoints.set_aside():
+            raise FileExistsError(f"{cfg.output_dir} holds an earlier run's checkpoints set aside as damaged "
+                                  f"({checkpoints.no_checkpoint_message().split('; ', 1)[1]}")
+        return []
+    if checkpoints.latest_step() is None:
+        raise FileNotFoundError(checkpoints.no_checkpoint_message())
+    if not os.path.exists(os.path.join(cfg.output_dir, CONFIG_FILE)):
+        logging.warning("%s has no %s to compare this resume's config with; it is written now", cfg.output_dir, CONFIG_FILE)
+        return []
+    return run_dir.resume_changes(cfg, load_run_config(cfg.output_dir))
+
+
+def run_training(cfg, mesh, stop: StopSignals) -> dict:
+    """`train` inside the run directory's lock, with the stop signals installed."""
     control_config = controller.controller_config(cfg.controller)
     schedule = controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)
     main_process = jax.process_index() == 0  # the one that writes metrics, summary and plots
     show_progress = cfg.progress and main_process
-    os.makedirs(cfg.output_dir, exist_ok=True)
     checkpoints = RunCheckpoints(cfg.output_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best)
-    if not cfg.resume and checkpoints.latest_step() is not None:
-        raise FileExistsError(f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
-                              "pass --config.resume=True to continue that run, or choose another --config.output_dir")
+    config_changes = resume_check(cfg, checkpoints)
     last_step = total_steps(cfg, make_recipe(cfg.method, cfg.gate, cfg.critic.kind))
     if cfg.resume and (summary := completed_summary(cfg, checkpoints, last_step, main_process)) is not None:
         return summary
-    if main_process:  # after the refusals above, so a refused command leaves the run's record alone
+    if main_process and not cfg.resume:  # a resume writes it once its checkpoint is restored, with its changes recorded
         save_run_config(cfg, cfg.output_dir)
     rng = jax.random.PRNGKey(cfg.seed)
     policy_rng, critic_rng, rng = jax.random.split(rng, 3)
@@ -332,19 +387,22 @@ def train(cfg) -> dict:
     # step: the last step done, the number of the checkpoint that holds this meta.
     meta = {"step": 0, "prompts": [0, 0], "controller": controller.initial_state(), "skipped_updates": SkippedUpdates(0).state(),
             "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS}}
-    if cfg.warm_start.steps and cfg.resume:
-        reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: actor))
-    elif cfg.warm_start.steps:
-        run_warm_start = lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps,
-                                            batch_size=cfg.warm_start.batch_size, learning_rate=cfg.warm_start.learning_rate,
-                                            seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise, progress=show_progress)
-        actor, warm_start_loss = cached_warm_start(cfg.warm_start.cache_dir, warm_start_key(cfg), actor, run_warm_start)
-        meta["warm_start_loss"] = float(warm_start_loss)
-        reference = actor
-    else:
-        reference = actor
+    # The warm start is kept (in the run directory unless cache_dir says otherwise) the moment it ends.
+    run_warm_start = lambda: cached_warm_start(
+        cfg.warm_start.cache_dir or cfg.output_dir, warm_start_key(cfg), actor,
+        lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
+                           learning_rate=cfg.warm_start.learning_rate, seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise,
+                           progress=show_progress, check_stop=stop.check))
     # The reference is frozen in the compute dtype; the actor trains in the master dtype.
-    reference = jax.tree.map(lambda p: jnp.array(p, dtype=model_config.dtype, copy=True), reference)
+    frozen = lambda params: jax.tree.map(lambda p: jnp.array(p, dtype=model_config.dtype, copy=True), params)
+    if cfg.warm_start.steps and cfg.resume:
+        reference = restore_reference(checkpoints, mesh, actor, lambda: frozen(run_warm_start()[0]))
+    elif cfg.warm_start.steps:
+        actor, warm_start_loss = run_warm_start()
+        meta["warm_start_loss"] = float(warm_start_loss)
+        reference = frozen(actor)
+    else:
+        reference = frozen(actor)
     actor = cast_params(actor, cfg.train.master_dtype)
     parts = run_parts(cfg, model_config)
     critic = init_critic(parts, model_config, critic_rng)
@@ -356,6 +414,8 @@ def train(cfg) -> dict:
         state, meta = restore_for_resume(cfg, checkpoints, state)
         if main_process:
             print(f"resuming from step {meta['step']} of {last_step} ({checkpoints.steps_directory}/{meta['step']})", flush=True)
+            save_run_config(cfg, cfg.output_dir)
+            run_dir.record_changes(cfg.output_dir, meta["step"], config_changes)
     reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
     if cfg.warm_start.steps and not cfg.resume:  # saved once it is a global array (every process writes its shards)
         checkpoints.save_reference(reference)
@@ -378,23 +438,24 @@ def train(cfg) -> dict:
     decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"])
     logging.info("decode layout: %s", decode_layout.describe(decode))
 
-    def evaluate(params, pool) -> float:
+    def evaluate(params, pool) -> float:  # a stop request ends it within one batch (RunStopped)
         with jax.set_mesh(decode.mesh):
             return greedy_accuracy(decode.reshard(params), model_config, tokenizer, dev_problems, pool,
-                                   max_new_tokens=cfg.rollout.max_new_tokens, progress="dev eval" * show_progress)
+                                   max_new_tokens=cfg.rollout.max_new_tokens, progress="dev eval" * show_progress,
+                                   after_batch=lambda: stop.check("the dev evaluation"))
 
     writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
     skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
 
     # The mesh is the trace-time context of every sharded call, so Pallas kernels run per shard.
     with (jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
-          StopSignals() as stop,
           checkpoints.completed_on_error()):
         if "warm_start_dev_accuracy" not in meta:
             compiling("the dev evaluation")
             meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
         # Steps count from 1 (comppo_jax.train.outputs): checkpoint N holds the state after step N.
-        progress = tqdm.trange(meta["step"] + 1, last_step + 1, desc=cfg.method, disable=not show_progress)
+        first_step = meta["step"] + 1  # its stages compile: a stop there ends the run at once, as nothing of it is saved
+        progress = tqdm.trange(first_step, last_step + 1, desc=cfg.method, disable=not show_progress)
         for step in progress:
             checkpoints.confirm_saves()  # a failed async save stops the run here, in one line naming it
             started = time.time()
@@ -424,6 +485,8 @@ def train(cfg) -> dict:
             if cfg.rollout.dynamic_sampling:
                 sampled = dynamic_sampling(sampled, sample, group, cfg.rollout.max_refills, cfg.rollout.dynamic_sampling_filter,
                                            len(train_problems))
+            if step == first_step:
+                stop.check(f"step {step}'s first sampling (compiling; the step is not saved)")
             policy = cast_params(actor, model_config.dtype) if decode.resharded else sampler
             del sampler
             # 2, 4. score, credit
@@ -432,6 +495,8 @@ def train(cfg) -> dict:
             scored = score_and_credit(cfg, parts, model_config, steps.values, critic, policy,
                                       fetch(reference) if kl_term(cfg) else None, sampled, gate_key, batch_shardings)
             del policy, sampled  # the compute copy is not kept through the update (launch/plan.py counts on it)
+            if step == first_step:
+                stop.check(f"step {step}'s first scoring (compiling; the step is not saved)")
             host_mask = scored.sampled.host_mask
             lengths = host_mask.sum(axis=1)
             batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
@@ -498,8 +563,12 @@ def train(cfg) -> dict:
                                                   host_mask))
             metrics["actor_updates"] = max(0, step - warmup)
             evaluated = cfg.train.eval_every and step > prepended and (step - prepended) % cfg.train.eval_every == 0
+            stopped_evaluation = False
             if evaluated:
-                metrics["dev_accuracy"] = evaluate(state["actor"], pool)
+                try:
+                    metrics["dev_accuracy"] = evaluate(state["actor"], pool)
+                except RunStopped:  # the step's update stands: it is saved below, without a dev accuracy
+                    stopped_evaluation = True
             if update_actor and not nonfinite:
                 control_state = controller.update(control_state, metrics, control_config)
             metrics["skipped_updates"] = skipped.total
@@ -513,8 +582,9 @@ def train(cfg) -> dict:
             skipped.stop_if_exhausted(step, nonfinite)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                                  gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
-            stopping = stop.requested() and step < last_step  # every process reads it at the same step
-            if step % cfg.checkpoint.every == 0 or step == last_step or stopping:
+            stopping = (stopped_evaluation or stop.requested()) and step < last_step  # every process reads it at the same step
+            # Every evaluated step is saved too, so that keep_best can keep the best evaluated policy.
+            if step % cfg.checkpoint.every == 0 or step == last_step or stopping or evaluated:
                 meta.update(step=step, prompts=prompts.position, controller=control_state, skipped_updates=skipped.state())
                 checkpoints.save(step, state, meta, metrics.get("dev_accuracy"))
             if stopping:
@@ -524,7 +594,8 @@ def train(cfg) -> dict:
     checkpoints.wait()
     summary = {"method": cfg.method, "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"], "final_dev_accuracy": final_accuracy,
                "steps": last_step, "actor_updates": max(0, last_step - warmup), "dev_problems": len(dev_problems),
-               "best_checkpoint_step": checkpoints.best_step()}
+               "best_checkpoint_step": checkpoints.best_step(), "best_dev_accuracy": checkpoints.best_accuracy(),
+               "output_dir": os.path.abspath(cfg.output_dir)}
     checkpoints.close()
     writer.close()
     if "warm_start_loss" in meta:

@@ -7,8 +7,9 @@ evaluates the same way, so a run directory alone is enough to restore and evalua
 `metrics.jsonl` has one JSON object per step (numbers, the phase name and one sampled
 response); TensorBoard event files under `tensorboard/` get every numeric metric. Steps count
 from 1: row `step` N describes the run's N-th step, the state after it is checkpoint N, and step 0
-is the warm-started policy before any RL step. On resume from checkpoint N, rows after step N are
-dropped first, so the file reads as one straight run.
+is the warm-started policy before any RL step. On resume from checkpoint N, rows after step N
+(and a new run's: rows of an attempt that stopped before its first checkpoint) are set aside into
+`metrics.jsonl.set_aside_at_step_N` first, so the file reads as one straight run.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class MetricsWriter:
         if not enabled:
             return
         self.path = os.path.join(output_dir, METRICS_FILE)
-        kept = resumed_rows(self.path, resumed_step) if resumed_step else []
+        kept = resumed_rows(self.path, resumed_step)  # a new run sets an earlier attempt's rows aside, all of them
         self.file = open(self.path, "w")
         for row in kept:
             self.file.write(json.dumps(row) + "\n")

@@ -64,6 +64,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         steps=(200, "actor-update steps (the critic warm-up comes on top unless train.critic_warmup_counts_toward_steps)"),
         resume=(False, "continue the run in output_dir from its newest checkpoint that verifies"),
         resume_step=(-1, "with resume: this checkpoint step instead (-1: the newest that verifies)"),
+        resume_allow_changes=("", "with resume: fields (or sections) that may differ from the run's config.json although they change "
+                                  "what is computed, comma-separated; each change is recorded in config_changes.jsonl"),
         tensorboard=(True, "write TensorBoard events under output_dir/tensorboard"),
         plot=(True, "write curves.png at the end"),
     )
@@ -101,7 +103,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         batch_size=(0, "warm-start batch size"),
         learning_rate=(0.0, "warm-start AdamW learning rate"),
         answer_noise=(0.0, "probability that an odd answer's warm-start Answer line reads answer + 1"),
-        cache_dir=("", "where a warm-started policy is kept, keyed by everything it depends on (\"\": not kept)"),
+        cache_dir=("", "where a warm-started policy is kept, keyed by everything it depends on (\"\": output_dir, for this run "
+                       "alone: a stop after the warm start, or a lost reference/, reuses it)"),
     )
     # Batch / responses / minibatch 4 / 4 / 4 (minibatch counted in responses); 16K responses;
     # temperature / top-p 1.0 / 0.7.

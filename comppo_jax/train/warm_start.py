@@ -14,12 +14,15 @@ import functools
 import hashlib
 import json
 import os
+import socket
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import tqdm
+from absl import logging
 
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
@@ -59,9 +62,10 @@ def supervised_step(params, opt_state, batch, *, config: ModelConfig, tx):
 
 
 def warm_start(params, config: ModelConfig, tokenizer, problems, *, steps: int, batch_size: int, learning_rate: float, seed: int,
-               answer_noise: float = 0.0, progress: bool = False):
+               answer_noise: float = 0.0, progress: bool = False, check_stop=None):
     """`steps` AdamW steps of supervised learning on `problems`' solutions; returns (params, last loss).
-    `progress`: a bar with the loss (read every 20 steps, so dispatch stays ahead of the device)."""
+    `progress`: a bar with the loss (read every 20 steps, so dispatch stays ahead of the device).
+    `check_stop(stage)` runs every 20 steps (the train loop's stop check, which may raise)."""
     tx = optax.adamw(learning_rate, b1=0.9, b2=0.999, weight_decay=0.0)
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
@@ -71,35 +75,43 @@ def warm_start(params, config: ModelConfig, tokenizer, problems, *, steps: int, 
         params, opt_state, loss = supervised_step(params, opt_state, supervised_batch(tokenizer, problems, rng, batch_size, answer_noise), config=config, tx=tx)
         if step % 20 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{float(loss):.3f}")
+            if check_stop is not None:
+                check_stop(f"the warm start (step {step + 1} of {steps}; it starts over when the run is started again)")
     bar.close()
     return params, float(loss)
 
 
 def cached_warm_start(cache_dir: str, key: dict, template, compute):
     """compute() -> (params, loss), kept on disk under `cache_dir` by a hash of `key` (a JSON-able dict
-    of everything the result depends on); "" disables the cache.
+    of everything the result depends on).
 
     The file is an .npz of the params (floats stored as float32, cast back to the template's
     dtypes: exact for float32 and bfloat16) written atomically, so concurrent runs may share it.
+    A file that does not read back (damaged, or missing leaves) is a cache miss: it is set aside
+    as `<file>.damaged-<time>` with a warning naming it, and the result is computed again.
     """
-    if not cache_dir:
-        return compute()
     text = json.dumps(key, sort_keys=True)
     path = os.path.join(cache_dir, f"warm_start_{hashlib.sha256(text.encode()).hexdigest()[:16]}.npz")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     names = [jax.tree_util.keystr(p) for p, _ in leaves]
     if os.path.exists(path):
-        with np.load(path) as stored:
-            missing = [n for n in names if n not in stored.files]
-            if missing or "loss" not in stored.files:
-                raise ValueError(f"warm-start cache {path} does not match this model (missing {missing[:3] or ['loss']}); delete it")
-            params = [jnp.asarray(stored[n]).astype(leaf.dtype) for n, (_, leaf) in zip(names, leaves)]
-            return jax.tree_util.tree_unflatten(treedef, params), float(stored["loss"])
+        try:
+            with np.load(path) as stored:
+                missing = [n for n in names if n not in stored.files] + ([] if "loss" in stored.files else ["loss"])
+                if missing:
+                    raise KeyError(f"no {missing[0]} ({len(missing)} missing)")
+                params = [jnp.asarray(stored[n]).astype(leaf.dtype) for n, (_, leaf) in zip(names, leaves)]
+                return jax.tree_util.tree_unflatten(treedef, params), float(stored["loss"])
+        except Exception as error:  # noqa: BLE001 -- zip, npy and key errors of a damaged file: it is only a cache
+            aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(path, aside)
+            logging.warning("warm-start cache %s cannot be read (%s: %s): set aside as %s; the warm start runs again", path,
+                            type(error).__name__, error, aside)
     params, loss = compute()
     os.makedirs(cache_dir, exist_ok=True)
     arrays = {n: np.asarray(jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
               for n, x in zip(names, jax.tree.leaves(params))}
-    partial = f"{path}.{os.getpid()}.tmp.npz"
+    partial = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp.npz"  # processes of a multi-host run may share the directory
     np.savez(partial, loss=np.float64(loss), **arrays)
     os.replace(partial, path)
     with open(path[: -len(".npz")] + ".json", "w") as f:

@@ -1,4 +1,4 @@
-"""The warm-start cache: computed once per key, restored exactly, refused when it does not fit."""
+"""The warm-start cache: computed once per key, restored exactly; a damaged file is named, set aside and recomputed."""
 
 from __future__ import annotations
 
@@ -26,7 +26,30 @@ def test_cache_computes_once_per_key_and_restores_exactly(tmp_path):
     np.testing.assert_array_equal(first["layers"]["b"], again["layers"]["b"])
     cached_warm_start(str(tmp_path), {"seed": 1}, template, compute)
     assert len(calls) == 2
-    cached_warm_start("", {"seed": 0}, template, compute)  # "" disables the cache
-    assert len(calls) == 3
-    with pytest.raises(ValueError, match="does not match this model"):
-        cached_warm_start(str(tmp_path), {"seed": 0}, {"other": jnp.zeros(1)}, compute)
+
+
+@pytest.mark.parametrize("damage", ["bytes overwritten", "truncated", "another model's leaves"])
+def test_a_damaged_cache_is_named_set_aside_and_recomputed(tmp_path, damage, caplog):
+    template = {"w": jnp.zeros((64, 64), jnp.float32)}
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"w": jnp.full((64, 64), 0.5, jnp.float32)}, 0.5
+
+    cached_warm_start(str(tmp_path), {"seed": 0}, template, compute)
+    (path,) = tmp_path.glob("warm_start_*.npz")
+    data = path.read_bytes()
+    if damage == "bytes overwritten":  # a bad CRC inside the zip
+        path.write_bytes(data[:200] + b"\xff" * 4096 + data[4296:])
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        np.savez(path, loss=np.float64(0.1), other=np.zeros(1))
+    params, loss = cached_warm_start(str(tmp_path), {"seed": 0}, template, compute)
+    assert len(calls) == 2 and loss == 0.5
+    np.testing.assert_array_equal(params["w"], 0.5)
+    (aside,) = tmp_path.glob("warm_start_*.npz.damaged-*")
+    assert f"warm-start cache {path} cannot be read" in caplog.text and str(aside) in caplog.text
+    cached_warm_start(str(tmp_path), {"seed": 0}, template, compute)  # the recomputed file is whole again
+    assert len(calls) == 2
