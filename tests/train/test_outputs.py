@@ -120,3 +120,13 @@ def test_a_resume_without_its_metrics_file_warns_naming_the_missing_steps(tmp_pa
     MetricsWriter(str(tmp_path), resumed_step=7, tensorboard=False).close()
     assert "no rows for step(s) 3-4, 7 of the 7 the run resumes after (lost)" in caplog.text
     assert [row["step"] for row in written_rows(tmp_path)] == [1, 2, 5, 6]
+
+
+def test_a_new_run_sets_an_earlier_attempts_rows_aside_instead_of_truncating_them(tmp_path, caplog):
+    """A run that stopped before its first checkpoint starts again as a new run: its rows are kept aside."""
+    rows = [json.dumps({"step": step}) for step in (1, 2)]
+    (tmp_path / METRICS_FILE).write_text("\n".join(rows) + "\n")
+    MetricsWriter(str(tmp_path), tensorboard=False).close()
+    assert written_rows(tmp_path) == []
+    assert (tmp_path / f"{METRICS_FILE}.set_aside_at_step_0").read_text().splitlines() == rows
+    assert "set aside into" in caplog.text

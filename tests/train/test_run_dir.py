@@ -1,0 +1,300 @@
+"""The run directory against its own user: a resume that changes what is computed, a checkpoint of
+another shape, two commands on one directory, stops before the first checkpoint, a lost reference,
+and the best evaluated checkpoint kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import CPU_ONLY_ENV, REPO, small_train_config, small_train_flags
+
+from comppo_jax.models import CheckpointError, ConfigError
+from comppo_jax.train import loop, run_dir
+from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.train.outputs import save_run_config
+
+
+class Loaded(Exception):
+    """train() got past the run directory's checks to its first load."""
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    def reached(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(loop, "load_tokenizer", reached)
+
+
+def recorded_run(run, **overrides):
+    """A run directory as train() leaves it after checkpoint 1: its config.json and one checkpoint."""
+    save_run_config(small_train_config(run, **overrides), str(run))
+    checkpoints = RunCheckpoints(str(run), keep_last=2, keep_best=0)
+    checkpoints.save(1, {"w": jnp.zeros((4, 3))}, {"step": 1})
+    checkpoints.close()
+
+
+# --- The config is the run's identity ----------------------------------------------------------
+
+
+def test_a_resume_that_changes_what_is_computed_is_refused_listing_each_change_and_writes_nothing(tmp_path, nothing_loads):
+    recorded_run(tmp_path)
+    before = (tmp_path / "config.json").read_text()
+    changed = dict(seed=7, train__actor_lr=2e-5, rollout__samples_per_prompt=8, warm_start__steps=0)
+    with pytest.raises(ConfigError) as refused:
+        loop.train(small_train_config(tmp_path, resume=True, **changed))
+    message = str(refused.value)
+    for change in ("seed: 0 -> 7", "train.actor_lr: 1e-05 -> 2e-05", "rollout.samples_per_prompt: 2 -> 8", "warm_start.steps: 3 -> 0"):
+        assert change in message, message
+    assert "--config.resume_allow_changes=rollout.samples_per_prompt,seed,train.actor_lr,warm_start.steps" in message
+    assert (tmp_path / "config.json").read_text() == before and not (tmp_path / run_dir.CHANGES_FILE).exists()
+    assert not (tmp_path / run_dir.LOCK_FILE).exists()  # released on the way out
+
+    # Harmless fields, a longer run and the named changes pass on to the loading.
+    with pytest.raises(Loaded):
+        loop.train(small_train_config(tmp_path, resume=True, steps=9, progress=True, checkpoint__every=5, reward__workers=2,
+                                      resume_allow_changes="seed,train,rollout.samples_per_prompt,warm_start", **changed))
+
+
+def test_resume_changes_sorts_harmless_allowed_and_refused_fields(tmp_path, caplog):
+    old = small_train_config(tmp_path)
+    new = small_train_config(tmp_path, resume=True, steps=50, train__eval_every=5, mesh__data=2, model__remat="full",
+                             train__lam=0.9, resume_allow_changes="train.lam,critic")
+    changes = {change["field"]: change for change in run_dir.resume_changes(new, old)}
+    assert changes["train.lam"] == dict(field="train.lam", old=0.95, new=0.9, accepted="resume_allow_changes")
+    assert {name: changes[name]["accepted"] for name in ("steps", "train.eval_every", "mesh.data", "model.remat")} == dict.fromkeys(
+        ("steps", "train.eval_every", "mesh.data", "model.remat"), "harmless")
+    assert "names critic, which this resume does not change" in caplog.text
+    run_dir.record_changes(str(tmp_path), 12, list(changes.values()))
+    rows = [json.loads(line) for line in (tmp_path / run_dir.CHANGES_FILE).read_text().splitlines()]
+    assert {"resumed_after_step": 12, "field": "train.lam", "old": 0.95, "new": 0.9, "accepted": "resume_allow_changes"} in rows
+    with pytest.raises(ConfigError, match=r"model.arch.hidden_size: 128 -> 64.*resume_allow_changes=model.arch.hidden_size"):
+        run_dir.resume_changes(small_train_config(tmp_path, model__arch__hidden_size=64), old)
+
+
+# --- A checkpoint of another shape is a mismatch, never damage ------------------------------------
+
+
+def test_a_checkpoint_of_another_shape_or_dtype_is_refused_naming_the_leaf_and_nothing_moves(tmp_path):
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    for step in (1, 2):
+        checkpoints.save(step, {"critic": {"kernel": jnp.zeros((128, 32))}, "count": jnp.int32(step)}, {})
+    checkpoints.close()
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint 2 .* leaf \['critic'\]\['kernel'\] is float32\[128, 32\] but this "
+                                                      r"config's state has float32\[128, 64\].*nothing was moved"):
+        checkpoints.restore_newest_good({"critic": {"kernel": jnp.zeros((128, 64))}, "count": jnp.int32(0)})
+    with pytest.raises(CheckpointMismatchError, match=r"leaf \['count'\] is int32\[\] but this config's state has float32\[\]"):
+        checkpoints.restore_newest_good({"critic": {"kernel": jnp.zeros((128, 32))}, "count": jnp.float32(0)})
+    assert checkpoints.manager.all_steps() == [1, 2] and not (tmp_path / "corrupt_checkpoints").exists()
+    checkpoints.close()
+
+
+def test_no_checkpoint_names_the_set_aside_ones_and_a_new_run_over_them_is_refused(tmp_path, nothing_loads):
+    recorded_run(tmp_path)
+    (tmp_path / "corrupt_checkpoints").mkdir()
+    shutil.move(tmp_path / "checkpoints" / "1", tmp_path / "corrupt_checkpoints" / "1-20261125-101010")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint under .*corrupt_checkpoints holds 1 set aside as damaged "
+                                                r"\(1-20261125-101010\): .*mv .*/corrupt_checkpoints/1-20261125-101010 .*/checkpoints/1"):
+        loop.train(small_train_config(tmp_path, resume=True))
+    with pytest.raises(FileExistsError, match="holds an earlier run's checkpoints set aside as damaged"):
+        loop.train(small_train_config(tmp_path))
+
+
+# --- One writer per run directory -------------------------------------------------------------------
+
+
+def hold_lock(directory) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom comppo_jax.train.run_dir import RunLock\n"
+                               f"RunLock({str(directory)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)"],
+                              cwd=REPO, env=CPU_ONLY_ENV, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_command_refuses_naming_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path, nothing_loads, caplog):
+    holder = hold_lock(tmp_path)
+    try:
+        with pytest.raises(run_dir.RunDirectoryLocked, match=rf"{tmp_path} is in use by pid {holder.pid} on .*delete .*run.lock"):
+            loop.train(small_train_config(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid  # a killed process leaves its lock behind
+    with pytest.raises(Loaded):  # ... which the next command takes over
+        loop.train(small_train_config(tmp_path))
+    assert f"taking over a stale lock (pid {holder.pid}" in caplog.text and not (tmp_path / "run.lock").exists()
+
+
+def test_a_reused_pid_does_not_hold_the_lock(tmp_path, caplog):
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "started": "1"}))
+    with run_dir.RunLock(str(tmp_path)):
+        assert json.loads((tmp_path / "run.lock").read_text())["started"] != "1"
+    assert "stale lock" in caplog.text
+
+
+# --- Stops before the first checkpoint ------------------------------------------------------------
+
+
+def start(run, **overrides) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "launch/train.py", *small_train_flags(run, **overrides)], cwd=REPO, env=CPU_ONLY_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_warm_start_stops_in_seconds_with_one_line(tmp_path, signum):
+    run = start(tmp_path, warm_start__steps=100_000)
+    wait_for(lambda: (tmp_path / "config.json").exists())
+    time.sleep(1)
+    run.send_signal(signum)
+    sent = time.time()
+    stdout, stderr = run.communicate(timeout=120)
+    assert time.time() - sent < 20 and run.returncode == 0, stderr[-2000:]
+    assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr
+    (line,) = [line for line in stdout.splitlines() if line.startswith("stopped")]
+    assert line.startswith("stopped during the warm start (step ") and "nothing to resume; start it again with: python launch/train.py" in line
+    resumed = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(tmp_path, resume=True)], cwd=REPO, env=CPU_ONLY_ENV,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 1 and "no checkpoint under" in resumed.stderr and "yet" in resumed.stderr
+    assert "run the same command without --config.resume" in resumed.stderr and "Traceback" not in resumed.stderr
+
+
+@pytest.mark.slow
+def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_path):
+    run = start(tmp_path, warm_start__steps=200)
+    wait_for(lambda: list(tmp_path.glob("warm_start_*.npz")))
+    cache = next(tmp_path.glob("warm_start_*.npz"))
+    run.send_signal(signal.SIGTERM)
+    sent = time.time()
+    stdout, stderr = run.communicate(timeout=120)
+    # The stop lands at the next stage boundary of the dev evaluation or the first step: one compile at most.
+    assert time.time() - sent < 30 and run.returncode == 0, stderr[-2000:]
+    assert any(line.startswith("stopped during ") and "before the run's first checkpoint" in line for line in stdout.splitlines()), stdout
+    written = cache.stat().st_mtime
+    again = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(tmp_path, warm_start__steps=200)], cwd=REPO,
+                           env=CPU_ONLY_ENV, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert cache.stat().st_mtime == written and json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.slow
+def test_a_signal_before_a_dev_evaluation_ends_it_within_a_batch_and_saves_the_step(tmp_path):
+    # Step 1 is the critic warm-up; step 2 evaluates 256 dev problems in 4 batches. Whether the signal
+    # lands in step 2's sampling or its evaluation, the evaluation stops after its first batch.
+    run = start(tmp_path, data__dev_size=256, train__eval_every=1, checkpoint__every=100)
+    wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 1, timeout=300)
+    time.sleep(0.5)  # past step 1's own stop check
+    run.send_signal(signal.SIGTERM)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-2000:]
+    assert any(line.startswith("stopped: checkpoint 2 saved at ") for line in stdout.splitlines()), stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and "dev_accuracy" not in rows[1]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+# --- The reference policy, rebuilt from the warm start --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A small run (3 steps, checkpoints 1-3) to damage; each test works on its own copy."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    loop.train(small_train_config(run, checkpoint__keep_last=3))
+    return run
+
+
+def copy_of(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "summary.json").unlink()  # as if it died after its last checkpoint: the resume reloads the reference
+    return run
+
+
+REFERENCE_DAMAGE = {
+    "deleted": lambda run: shutil.rmtree(run / "reference"),
+    "digests deleted": lambda run: (run / "reference_digests.json").unlink(),
+    "4 KB overwritten": lambda run: overwrite_largest(run / "reference"),
+}
+
+
+def overwrite_largest(directory):
+    path = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", REFERENCE_DAMAGE)
+def test_a_damaged_reference_is_rebuilt_from_the_warm_start(finished_run, tmp_path, damage, capsys):
+    run = copy_of(finished_run, tmp_path)
+    digests = json.loads((run / "reference_digests.json").read_text())
+    REFERENCE_DAMAGE[damage](run)
+    summary = loop.train(small_train_config(run, resume=True, checkpoint__keep_last=3))
+    assert summary["steps"] == 3 and "rebuilt the reference policy" in capsys.readouterr().out
+    assert json.loads((run / "reference_digests.json").read_text()) == digests  # the same policy, bit for bit
+    with ocp.StandardCheckpointer() as checkpointer:
+        original, rebuilt = checkpointer.restore(finished_run / "reference"), checkpointer.restore(run / "reference")
+    for a, b in zip(jax.tree.leaves(original), jax.tree.leaves(rebuilt), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_reference_the_warm_start_cannot_replay_says_what_is_lost_and_what_to_do(finished_run, tmp_path):
+    run = copy_of(finished_run, tmp_path)
+    shutil.rmtree(run / "reference")
+    digests = json.loads((run / "reference_digests.json").read_text())
+    (run / "reference_digests.json").write_text(json.dumps(dict.fromkeys(digests, "0" * 16)))  # computed elsewhere, differently
+    with pytest.raises(CheckpointError, match=r"reference policy is lost: .* replaying the warm start gives other weights .*restore "
+                                              r".*reference .*from a backup, or start a new run"):
+        loop.train(small_train_config(run, resume=True, checkpoint__keep_last=3))
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3"]
+
+
+# --- The best evaluated policy is a checkpoint ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_dev_evaluation_saves_so_the_best_checkpoint_is_the_best_evaluated_policy(tmp_path):
+    # 1 critic warm-up step, then 4 actor updates evaluated every 2: steps 3 and 5; checkpoints only at the end otherwise.
+    finished = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(
+        tmp_path, steps=4, train__eval_every=2, checkpoint__every=100, checkpoint__keep_last=1, checkpoint__keep_best=1,
+        rollout__temperature=1.0, warm_start__steps=60)], cwd=REPO, env=CPU_ONLY_ENV, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {row["step"]: row["dev_accuracy"] for row in rows if "dev_accuracy" in row}
+    assert sorted(evaluated) == [3, 5]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    best = max(evaluated, key=lambda step: (evaluated[step], step))
+    assert summary["best_checkpoint_step"] == best and summary["best_dev_accuracy"] == evaluated[best]
+    checkpoints = RunCheckpoints(str(tmp_path), read_only=True)
+    assert checkpoints.resolve_step("best") == best and best in checkpoints.manager.all_steps()
+    assert f"best checkpoint: step {best}, dev accuracy {evaluated[best]:.3f}" in finished.stdout
+    assert f"--checkpoint={tmp_path} --step=best" in finished.stdout
+
+
+def test_best_without_an_evaluated_checkpoint_is_refused_not_the_latest(tmp_path):
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=1)
+    checkpoints.save(1, {"w": np.zeros(2)}, {})
+    checkpoints.close()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint under .* has a dev accuracy .*saved steps: \[1\]"):
+        RunCheckpoints(str(tmp_path), read_only=True).resolve_step("best")
