@@ -8,6 +8,13 @@ reaches `main` as an exception (comppo_jax.train.checkpoint raises a failed save
 boundary), so it is printed in that one line. `--verbosity=1` (or any explicit `--verbosity`)
 shows everything, as plain absl would.
 
+A config file flag (ml_collections' `DEFINE_config_file`) that cannot be loaded, or an override of it
+that names no field or does not parse, is reported the same way before `main` runs, as one
+ConfigFileError line naming the file and the field (`_config_problem`). That failure comes where
+absl parses the flags (`_parse_flags`) or, for a flag not named on the command line, where
+launch/<x>.py defines it (`define_config_file`): that loads its default with the command line's
+overrides, at import, before `run`.
+
 A process of a multi-process run (`jax.distributed`) that fails exits at once, without
 `jax.distributed`'s shutdown barrier: there it would wait up to 5 minutes for peers that are
 themselves stuck in a collective waiting for it, and a launcher (or `launch/local_cluster.py`)
@@ -16,12 +23,22 @@ only stops the others once one has exited.
 
 from __future__ import annotations
 
+import difflib
+import importlib.machinery
+import importlib.util
 import logging as std_logging
 import os
+import re
 import sys
 import traceback
 
 from absl import app, flags, logging
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+
+class ConfigFileError(Exception):
+    """A config file flag whose file cannot be loaded, or an override of it that names no field of
+    the config or does not parse as that field's type."""
 
 
 def _not_an_orbax_error(record: std_logging.LogRecord) -> bool:
@@ -50,15 +67,25 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
-def _exit_failed() -> None:
-    """Exit status 1; in a multi-process run without the shutdown barrier (see the module docstring).
+def _verbose(argv: list[str]) -> bool:
+    """Whether `argv` names --verbosity (or -v), read before absl parses the flags: a config flag's
+    error can come first."""
+    return any(re.match(r"--?(verbosity|v)(=|$)", arg) for arg in argv[1:])
+
+
+def _report(error: BaseException) -> None:
+    print(f"error: {_one_line(error)}\n(--verbosity=1 shows the traceback)", file=sys.stderr, flush=True)
+
+
+def _exit_failed(status: int = 1) -> None:
+    """Exit `status`; in a multi-process run without the shutdown barrier (see the module docstring).
     The run's `with` blocks have closed by now (verifier workers, a pending checkpoint save)."""
     jax = sys.modules.get("jax")
     if jax is not None and jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
-    sys.exit(1)
+        os._exit(status)
+    sys.exit(status)
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
@@ -183,13 +210,162 @@ def with_run_config(argv: list[str], run_flag: str) -> list[str]:
     return argv
 
 
+def _named(argv: list[str], name: str) -> str | None:
+    """The value of the last `--<name>=value` (or `--<name> value`) of `argv`."""
+    value = None
+    for index, arg in enumerate(argv[1:], 1):
+        match = re.fullmatch(rf"--?{re.escape(name)}(=(.*))?", arg, re.DOTALL)
+        if match:
+            value = match.group(2) if match.group(1) else (argv[index + 1] if index + 1 < len(argv) else None)
+    return value
+
+
+def _config_files(argv: list[str]) -> dict[str, str]:
+    """{flag name: its argument, "file.py" or "file.py:arg"} of each config file flag: the command
+    line's, else the default it loaded when it was defined (a flag with neither loads nothing)."""
+    files = {}
+    for name in flags.FLAGS:
+        flag = flags.FLAGS[name]
+        if flag.name != name or not isinstance(flag.parser, ConfigFileFlagParser):
+            continue
+        argument = _named(argv, name)
+        if argument is None:
+            try:
+                argument = flag.config_filename
+            except flags.Error:  # no default
+                continue
+        files[name] = argument
+    return files
+
+
+def _config_problem(error: BaseException, argv: list[str], files: dict[str, str]) -> ConfigFileError | None:
+    """What `error`, raised loading the config files `files` ({flag name: argument}) with `argv`'s
+    overrides, comes down to, in one line naming the file and the field; None if it is none of these."""
+    for name, argument in files.items():
+        problem = _file_problem(error, name, argument, argv) or _override_problem(name, argument, argv)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _same_file(path: str | None, file: str) -> bool:
+    return path is not None and os.path.realpath(path) == os.path.realpath(file)
+
+
+def _file_problem(error: BaseException, name: str, argument: str, argv: list[str]) -> ConfigFileError | None:
+    """The config file is missing, does not compile, has no get_config, or raised `error` (or what
+    `error` was raised from: ml_collections re-raises a TypeError or ValueError with the traceback in
+    its message, and absl that as a flag error)."""
+    file = argument.split(":", 1)[0]
+    if not os.path.isfile(file):
+        given = f"--{name}={argument}" if _named(argv, name) is not None else f"the default of --{name}, from {os.getcwd()}"
+        return ConfigFileError(f"{file} does not exist ({given})")
+    cause = error
+    while cause is not None:
+        if isinstance(cause, SyntaxError) and _same_file(cause.filename, file):
+            return ConfigFileError(f"{file} line {cause.lineno}: {type(cause).__name__}: {cause.msg}")
+        if isinstance(cause, AttributeError) and cause.name == "get_config" and _same_file(getattr(cause.obj, "__file__", None), file):
+            return ConfigFileError(f"{file} has no get_config()")
+        lines = [frame.lineno for frame in traceback.extract_tb(cause.__traceback__) if _same_file(frame.filename, file)]
+        if lines:
+            return ConfigFileError(f"{file} line {lines[-1]}: {_one_line(cause)}")
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+# How ml_collections parses an override of a field holding a value of this type.
+_OVERRIDE_PARSERS = {bool: flags.BooleanParser(), int: flags.IntegerParser(), float: flags.FloatParser()}
+
+
+def _override_problem(name: str, argument: str, argv: list[str]) -> ConfigFileError | None:
+    """The first `--<name>.<field>=value` of `argv` that names no field of the config (with the
+    closest field, by difflib) or whose value does not parse as the field's type."""
+    overrides = [arg for arg in argv[1:] if re.match(rf"--?(no)?{re.escape(name)}\.", arg)]
+    if not overrides:
+        return None
+    try:
+        config = _load_config(argument)
+    except Exception:  # noqa: BLE001 -- the error being diagnosed is the one to report
+        return None
+    for arg in overrides:
+        dotted, _, text = arg.split(".", 1)[1].partition("=")
+        parts = dotted.split(".")
+        value = config
+        for index, part in enumerate(parts):
+            if not hasattr(value, "keys"):  # not a section: ml_collections' own error stands
+                return None
+            if part not in value.keys():
+                close = difflib.get_close_matches(part, list(value.keys()), n=1)
+                hint = f"; did you mean {'.'.join([*parts[:index], close[0]])}?" if close else f" (--help lists {argument}'s fields)"
+                return ConfigFileError(f"{arg}: {argument} has no field {'.'.join(parts[:index + 1])}{hint}")
+            value = value[part]
+        parser = _OVERRIDE_PARSERS.get(type(value))
+        if parser is not None and text:
+            try:
+                parser.parse(text)
+            except ValueError:
+                return ConfigFileError(f"{arg}: expected {type(value).__name__} ({argument} has {dotted}={value!r})")
+    return None
+
+
+def _load_config(argument: str):
+    """get_config() of the config file `argument`, "file.py" or "file.py:arg", as its flag loads it."""
+    file, *arg = argument.split(":", 1)
+    loader = importlib.machinery.SourceFileLoader("diagnosed_config", file)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module.get_config(*arg)
+
+
+def _fail_before_main(error: Exception, argv: list[str], files: dict[str, str] | None = None) -> None:
+    """Reports `error`, raised parsing the flags or loading the config files `files` (default: every
+    config file flag's), as `run` reports main's (a config file's as its ConfigFileError); with
+    --verbosity, raises it."""
+    if _verbose(argv):
+        raise error
+    _report(_config_problem(error, argv, _config_files(argv) if files is None else files) or error)
+    _exit_failed()
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """`app.run`'s flags parser: absl's, its errors reported by `_fail_before_main`."""
+    try:
+        remaining = flags.FLAGS(argv)
+        for name in _config_files(argv):
+            # ml_collections defers an OSError loading a config file (the file is missing, or
+            # get_config raised one) to the config's first use: this is one.
+            getattr(flags.FLAGS[name].value, "lock", None)
+    except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
+        _fail_before_main(error, argv)
+    return remaining
+
+
+def define_config_file(name: str, default: str | None, help_string: str):
+    """`config_flags.DEFINE_config_file`, reporting a default that does not load as `run` reports an
+    error. A config flag not named on the command line loads its default, with the command line's
+    overrides, right here, at import, before `run`."""
+    from ml_collections import config_flags
+
+    try:
+        holder = config_flags.DEFINE_config_file(name, default, help_string)
+    except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
+        _fail_before_main(error, sys.argv, {name: default})
+    # Listed under the entry point that defines it (as ml_collections would), not this module: --help reads that.
+    caller = sys._getframe(1).f_globals.get("__name__")
+    flags.FLAGS.register_flag_by_module(sys.argv[0] if caller == "__main__" else caller, flags.FLAGS[name])
+    return holder
+
+
 def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
     """Runs the absl `main(argv)` with the defaults above; `--help` prints `print_help` and exits 0.
     On a machine without an accelerator JAX runs on the CPU without trying the TPU plugin
     (`select_cpu_without_accelerator`)."""
     select_cpu_without_accelerator()
     if any(arg in HELP_FLAGS for arg in sys.argv[1:]):
-        print_help(sys.argv, field_help or {})
+        try:
+            print_help(sys.argv, field_help or {})
+        except Exception as error:  # noqa: BLE001 -- a config file flag that does not load
+            _fail_before_main(error, sys.argv)
         sys.exit(0)
 
     def guarded(argv):
@@ -200,11 +376,14 @@ def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
             sys.unraisablehook = _hide_closed_loop_callbacks(sys.unraisablehook)
         try:
             return main(argv)
+        except KeyboardInterrupt:  # Ctrl-C where train() does not catch it (loading, imports): no traceback either
+            print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            _exit_failed(130)
         except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
             if verbose:
                 traceback.print_exc()
             else:
-                print(f"error: {_one_line(error)}\n(--verbosity=1 shows the traceback)", file=sys.stderr, flush=True)
+                _report(error)
             _exit_failed()
 
-    app.run(guarded)
+    app.run(guarded, flags_parser=_parse_flags)

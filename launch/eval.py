@@ -35,11 +35,10 @@ import os
 import sys
 
 from absl import flags
-from ml_collections import config_flags
 
 from comppo_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "An ml_collections config file (default: the run's own, "
+_CONFIG = cli.define_config_file("config", None, "An ml_collections config file (default: the run's own, "
                                           "configs/run.py:<checkpoint>).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
 _STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")

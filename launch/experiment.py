@@ -19,11 +19,10 @@ import sys
 import threading
 
 from absl import flags
-from ml_collections import config_flags
 
 from comppo_jax import cli
 
-_EXPERIMENT = config_flags.DEFINE_config_file("experiment", None, "configs/experiments.py:NAME (or experiments_tiny.py:NAME).")
+_EXPERIMENT = cli.define_config_file("experiment", None, "configs/experiments.py:NAME (or experiments_tiny.py:NAME).")
 _ROOT = flags.DEFINE_string("root", "runs/experiments", "Where runs (runs/) and reports (<name>/) go.")
 _JOBS = flags.DEFINE_integer("jobs", 1, "Training runs at a time.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Do not train; report the finished runs.")

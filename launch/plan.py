@@ -23,11 +23,10 @@ from __future__ import annotations
 import os
 
 from absl import flags
-from ml_collections import config_flags
 
 from comppo_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
+_CONFIG = cli.define_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
 _STEPS = flags.DEFINE_list("steps", ["reshard", "sample", "score", "actor", "critic"],

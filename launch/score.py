@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
 from comppo_jax import cli, normalized_concentration, retention_gate
 from comppo_jax.models import forward, load_policy
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "ml_collections config file.")
+_CONFIG = cli.define_config_file("config", "configs/tiny.py", "ml_collections config file.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows to score.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 24, "Prompt tokens P per row.")
 _RESPONSE = flags.DEFINE_integer("response_length", 40, "Maximum response tokens T.")

@@ -14,11 +14,10 @@ import json
 import shlex
 import sys
 
-from ml_collections import config_flags
 
 from comppo_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "ml_collections config file.")
+_CONFIG = cli.define_config_file("config", "configs/tiny.py", "ml_collections config file.")
 
 
 def main(argv):

@@ -101,7 +101,7 @@ def _convert_rows(path: str, rows: Iterable[dict], convert: Callable[[int, dict]
     if bad:
         logger.warning("%s: skipped %d malformed %s row(s); first: %s", path, len(bad), source, bad[0])
     if not problems:
-        raise DataError(f"{path}: no usable {source} rows ({len(bad)} malformed)")
+        raise DataError(f"{path}: no usable {source} rows ({len(bad)} malformed" + (f"; first: {bad[0]})" if bad else ")"))
     return problems
 
 
@@ -160,9 +160,16 @@ def _dapo_problem(index: int, row: dict) -> Problem:
     elif "Answer:" not in prompt:
         prompt = DAPO_TEMPLATE.format(problem=prompt.strip())
     reward_model = row.get("reward_model")
-    answer = reward_model["ground_truth"] if isinstance(reward_model, dict) else _text(row, "answer", "solution")
-    if not str(prompt).strip() or not str(answer).strip():
-        raise ValueError("empty prompt or answer")
+    if isinstance(reward_model, dict):
+        answer = reward_model.get("ground_truth")
+        # A row without a gold answer cannot be rewarded (as the answer "None", every reward would be no_answer).
+        if answer is None or not str(answer).strip():
+            found = repr(answer) if "ground_truth" in reward_model else "missing"
+            raise ValueError(f"no gold answer: 'reward_model'.'ground_truth' is {found}")
+    else:
+        answer = _text(row, "answer", "solution")
+    if not str(prompt).strip():
+        raise ValueError("empty prompt")
     return Problem(str(prompt), str(answer).strip(), "", "dapo_math_17k")
 
 

@@ -244,6 +244,9 @@ def validate_config(cfg) -> None:
         problems.number("warm_start.steps", low=0, integer=True)
         problems.number("warm_start.batch_size", low=1, integer=True)
         problems.number("warm_start.learning_rate", low=0, low_open=True)
+        if cfg.data.kind == "dapo_math":  # the warm start reads each problem's solution; DAPO rows carry only the answer
+            problems.add("warm_start.steps", "the supervised warm start trains on worked solutions and data.kind='dapo_math' has "
+                                             "none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)")
     for check in (lambda: controller.controller_config(cfg.controller),
                   lambda: controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)):
         try:

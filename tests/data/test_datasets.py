@@ -72,6 +72,27 @@ def test_dapo_jsonl_with_plain_prompts_gets_the_template_and_bad_rows_are_counte
     assert "skipped 3 malformed DAPO-Math row(s)" in caplog.text and str(path) in caplog.text
 
 
+def test_dapo_rows_without_a_gold_answer_are_skipped_and_counted_and_a_file_of_them_is_refused(tmp_path, caplog):
+    """A null, missing or empty ground truth is not loaded as the answer "None" (no response could
+    be rewarded): the row is skipped like a malformed one, and a file with no gold answers fails."""
+    rows = dapo_rows(10, copies=1)
+    unanswered = [{**rows[0], "prompt": [{"role": "user", "content": f"Unanswered {i}?"}], "reward_model": reward_model}
+                  for i, reward_model in enumerate([{"ground_truth": None, "style": "rule"}, {"style": "rule"},
+                                                    {"ground_truth": " ", "style": "rule"}])]
+    path = str(tmp_path / "dapo.parquet")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows[:3] + unanswered + rows[3:]), path)
+    with caplog.at_level(logging.WARNING):
+        train, dev = load_dapo_math(path, dev_size=2)
+    assert len(train) + len(dev) == 10 and "None" not in {p.answer for p in train + dev}
+    assert f"{path}: skipped 3 malformed DAPO-Math row(s); first: row 3: ValueError no gold answer: " \
+           "'reward_model'.'ground_truth' is None" in caplog.text
+
+    jsonl = write_jsonl(tmp_path / "unanswered.jsonl", [{**row, "reward_model": {"ground_truth": None}} for row in rows])
+    with pytest.raises(DataError, match=r"unanswered\.jsonl: no usable DAPO-Math rows \(10 malformed; first: row 0: "
+                                        r"ValueError no gold answer: 'reward_model'\.'ground_truth' is None\)"):
+        load_dapo_math(jsonl, dev_size=2)
+
+
 def test_missing_file_names_the_path_and_format(tmp_path):
     with pytest.raises(DataError, match=r"nope\.parquet does not exist; expected .*'reward_model'"):
         load_dapo_math(str(tmp_path / "nope.parquet"))

@@ -61,6 +61,9 @@ CASES = {
     "unknown remat": (assign(model__remat="some"), r"config\.model\.remat='some': expected one of"),
     "unknown data kind": (assign(data__kind="gsm8k"), r"config\.data\.kind='gsm8k': expected one of \('synthetic', 'dapo_math'\)"),
     "missing data file": (assign(data__kind="dapo_math", data__path="/nowhere/dapo.parquet"), r"config\.data\.path='/nowhere/dapo\.parquet': does not exist"),
+    "warm start on DAPO-Math": (assign(data__kind="dapo_math", data__path=__file__),  # any existing file: it is not read
+                                r"config\.warm_start\.steps=3: the supervised warm start trains on worked solutions and "
+                                r"data\.kind='dapo_math' has none; pass --config\.warm_start\.steps=0"),
     "missing model": (assign(model__path="/nowhere/qwen3"), r"config\.model\.path='/nowhere/qwen3': does not exist"),
     "minibatch does not divide": (assign(train__minibatch_size=3), r"config\.train\.minibatch_size=3: must divide the 4 responses per step"),
     "top_p zero": (assign(rollout__top_p=0.0), r"config\.rollout\.top_p=0\.0: must be in \(0, 1\]"),
