@@ -3,9 +3,12 @@
 Any config value can be overridden, e.g. `--config.method=grpo --config.steps=10`. Under
 `config.output_dir` it writes metrics.jsonl, TensorBoard events (tensorboard/), Orbax checkpoints
 (checkpoints/, and reference/ after a warm start), summary.json and curves.png.
-`--config.resume=True` continues the run in output_dir from its newest checkpoint that verifies.
-SIGTERM or Ctrl-C stops the run after the current step with a checkpoint, prints where it is
-and the command that resumes it, and exits 0. Multi-host runs: docs/reliability.md.
+`--config.resume=True` continues the run in output_dir from its newest checkpoint that verifies,
+with the config it ran with (config.json): a change to what it computes is refused unless
+`--config.resume_allow_changes=<fields>` names it. One command at a time writes an output_dir.
+SIGTERM or Ctrl-C stops the run after the current step with a checkpoint (within seconds during
+the warm start, a dev evaluation or the first step's compiles), prints where it is and the
+command that resumes it, and exits 0. Multi-host runs and every fault: docs/reliability.md.
 """
 
 from __future__ import annotations

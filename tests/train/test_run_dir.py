@@ -167,7 +167,9 @@ def test_a_signal_during_the_warm_start_stops_in_seconds_with_one_line(tmp_path,
     run.send_signal(signum)
     sent = time.time()
     stdout, stderr = run.communicate(timeout=120)
-    assert time.time() - sent < 20 and run.returncode == 0, stderr[-2000:]
+    # The signal may land before the warm start's first step compiles: the bound leaves room for that on a busy machine
+    # (without the guard the 100,000 steps run for hours).
+    assert time.time() - sent < 60 and run.returncode == 0, stderr[-2000:]
     assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr
     (line,) = [line for line in stdout.splitlines() if line.startswith("stopped")]
     assert line.startswith("stopped during the warm start (step ") and "nothing to resume; start it again with: python launch/train.py" in line
@@ -186,6 +188,7 @@ def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_p
     sent = time.time()
     stdout, stderr = run.communicate(timeout=120)
     # The stop lands at the next stage boundary of the dev evaluation or the first step: one compile at most.
+    print(f"stopped {time.time() - sent:.1f} s after the SIGTERM")
     assert time.time() - sent < 30 and run.returncode == 0, stderr[-2000:]
     assert any(line.startswith("stopped during ") and "before the run's first checkpoint" in line for line in stdout.splitlines()), stdout
     written = cache.stat().st_mtime
