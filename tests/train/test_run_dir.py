@@ -280,7 +280,7 @@ def test_a_reference_the_warm_start_cannot_replay_says_what_is_lost_and_what_to_
 def test_every_dev_evaluation_saves_so_the_best_checkpoint_is_the_best_evaluated_policy(tmp_path):
     # 1 critic warm-up step, then 4 actor updates evaluated every 2: steps 3 and 5; checkpoints only at the end otherwise.
     finished = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(
-        tmp_path, steps=4, train__eval_every=2, checkpoint__every=100, checkpoint__keep_last=1, checkpoint__keep_best=1,
+        tmp_path, steps=4, train__eval_every=2, checkpoint__every=100, checkpoint__keep_last=1, checkpoint__keep_best=2,
         rollout__temperature=1.0, warm_start__steps=60)], cwd=REPO, env=CPU_ONLY_ENV, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -290,7 +290,8 @@ def test_every_dev_evaluation_saves_so_the_best_checkpoint_is_the_best_evaluated
     best = max(evaluated, key=lambda step: (evaluated[step], step))
     assert summary["best_checkpoint_step"] == best and summary["best_dev_accuracy"] == evaluated[best]
     checkpoints = RunCheckpoints(str(tmp_path), read_only=True)
-    assert checkpoints.resolve_step("best") == best and best in checkpoints.manager.all_steps()
+    assert checkpoints.manager.all_steps() == [3, 5]  # both evaluated steps, kept as the 2 best
+    assert checkpoints.resolve_step("best") == best
     assert f"best checkpoint: step {best}, dev accuracy {evaluated[best]:.3f}" in finished.stdout
     assert f"--checkpoint={tmp_path} --step=best" in finished.stdout
 
