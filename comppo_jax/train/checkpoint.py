@@ -326,17 +326,24 @@ class RunCheckpoints:
         directory = os.path.join(self.directory, QUARANTINE_DIR)
         return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
-    def no_checkpoint_message(self) -> str:
-        """Why a resume finds nothing under checkpoints/: none saved yet, or all set aside as damaged."""
+    def set_aside_note(self) -> str:
+        """What corrupt_checkpoints/ holds and how to use one of them ("" when it is empty)."""
         aside = self.set_aside()
         if not aside:
-            return (f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before its first "
-                    "checkpoint): run the same command without --config.resume to start it")
+            return ""
         quarantine = os.path.join(self.directory, QUARANTINE_DIR)
-        return (f"config.resume=True but there is no checkpoint under {self.steps_directory}; {quarantine} holds {len(aside)} set aside "
-                f"as damaged ({', '.join(aside)}): if one is wanted anyway, move it back as its step number "
-                f"(mv {quarantine}/{aside[-1]} {self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to start over, "
-                "choose another --config.output_dir")
+        return (f"{quarantine} holds {len(aside)} set aside as damaged ({', '.join(aside)}): if one is wanted anyway, move it back "
+                f"as its step number (mv {quarantine}/{aside[-1]} {self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to "
+                "start over, choose another --config.output_dir")
+
+    def no_checkpoint_message(self) -> str:
+        """Why a resume finds nothing under checkpoints/: none saved yet, or all set aside as damaged."""
+        note = self.set_aside_note()
+        if note:
+            return f"config.resume=True but there is no checkpoint under {self.steps_directory}; {note}"
+        return (f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before its first "
+                "checkpoint): run the same command without --config.resume to start it")
+
     def _quarantine(self, step: int) -> None:
         if jax.process_index() == 0:
             target = os.path.join(self.directory, QUARANTINE_DIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")

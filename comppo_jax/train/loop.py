@@ -354,8 +354,8 @@ def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
             raise FileExistsError(f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
                                   "pass --config.resume=True to continue that run, or choose another --config.output_dir")
         if checkpoints.set_aside():
-            raise FileExistsError(f"{cfg.output_dir} holds an earlier run's checkpoints set aside as damaged "
-                                  f"({checkpoints.no_checkpoint_message().split('; ', 1)[1]}")
+            raise FileExistsError(f"{cfg.output_dir} holds an earlier run's checkpoints set aside as damaged: "
+                                  f"{checkpoints.set_aside_note()}")
         return []
     if checkpoints.latest_step() is None:
         raise FileNotFoundError(checkpoints.no_checkpoint_message())
