@@ -7,13 +7,14 @@ Any config value can be overridden, e.g. `--config.method=grpo --config.steps=10
 with the config it ran with (config.json): a change to what it computes is refused unless
 `--config.resume_allow_changes=<fields>` names it. One command at a time writes an output_dir.
 SIGTERM or Ctrl-C stops the run after the current step with a checkpoint (within seconds during
-the warm start, a dev evaluation or the first step's compiles), prints where it is and the
+the warm start, the first dev evaluation or the first step's compiles), prints where it is and the
 command that resumes it, and exits 0. Multi-host runs and every fault: docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 
@@ -45,12 +46,12 @@ def main(argv):
               f"with: {command}", flush=True)
         return
     print(json.dumps(summary, indent=2))
-    if summary.get("best_checkpoint_step") is not None:
-        print(f"outputs in {summary['output_dir']}; best checkpoint: step {summary['best_checkpoint_step']}, dev accuracy "
-              f"{summary['best_dev_accuracy']:.3f} (python launch/eval.py --checkpoint={summary['output_dir']} --step=best)", flush=True)
-    elif "output_dir" in summary:
-        print(f"outputs in {summary['output_dir']}; no evaluated checkpoint (train.eval_every=0): the final one is step "
-              f"{summary['steps']}", flush=True)
+    outputs = os.path.abspath(_CONFIG.value.output_dir)
+    if summary.get("best_dev_accuracy") is not None:  # absent from the summaries of runs older than it
+        print(f"outputs in {outputs}; best checkpoint: step {summary['best_checkpoint_step']}, dev accuracy "
+              f"{summary['best_dev_accuracy']:.3f} (python launch/eval.py --checkpoint={outputs} --step=best)", flush=True)
+    else:
+        print(f"outputs in {outputs}; no checkpoint with a dev accuracy: the final one is step {summary['steps']}", flush=True)
 
 
 if __name__ == "__main__":

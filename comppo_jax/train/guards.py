@@ -3,8 +3,9 @@
 - `StopSignals`: SIGTERM (a preempted TPU VM, a scheduler) and SIGINT set a flag instead of
   killing the process, from the start of `train()`. The train loop reads `requested()` at each
   step boundary, where every process agrees on it, saves and exits. Where finishing would take
-  long and save nothing new (the warm start, every dev evaluation, the first step of a process,
-  which compiles), `check(stage)` raises `RunStopped` at the next safe point instead. Repeated
+  long and save nothing new (the warm start, the dev evaluations before the first step and after
+  the last, the first step of a process, which compiles), `check(stage)` raises `RunStopped` at
+  the next safe point instead. Repeated
   signals while it stops are ignored, so a second one cannot interrupt the save.
 - `nonfinite_credit`: which of a step's credit inputs (rewards, values, advantages, returns) hold
   NaN or inf; the loop skips that step's update. Loss and gradient norms are guarded inside the
@@ -50,8 +51,8 @@ class StopSignals:
         del frame
         if self.received is None:
             print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint, or within seconds during "
-                  "the warm start, a dev evaluation or the first step's compiles (further signals are ignored; kill -9 stops at "
-                  "once, and the newest checkpoint stays whole)", file=sys.stderr, flush=True)
+                  "the warm start, the first dev evaluation or the first step's compiles (further signals are ignored; kill -9 "
+                  "stops at once, and the newest checkpoint stays whole)", file=sys.stderr, flush=True)
         self.received = signum
 
     def __enter__(self) -> "StopSignals":

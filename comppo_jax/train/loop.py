@@ -438,11 +438,14 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
     decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"])
     logging.info("decode layout: %s", decode_layout.describe(decode))
 
-    def evaluate(params, pool) -> float:  # a stop request ends it within one batch (RunStopped)
+    def evaluate(params, pool, stoppable: bool) -> float:
+        """Dev accuracy; `stoppable`: a stop request ends it within one batch (RunStopped). An evaluation
+        inside a step is not: its accuracy drives the controller, so the step is saved only with it
+        (and a resumed run equals the straight one)."""
         with jax.set_mesh(decode.mesh):
             return greedy_accuracy(decode.reshard(params), model_config, tokenizer, dev_problems, pool,
                                    max_new_tokens=cfg.rollout.max_new_tokens, progress="dev eval" * show_progress,
-                                   after_batch=lambda: stop.check("the dev evaluation"))
+                                   after_batch=(lambda: stop.check("the dev evaluation")) if stoppable else None)
 
     writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
     skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
@@ -452,7 +455,7 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
           checkpoints.completed_on_error()):
         if "warm_start_dev_accuracy" not in meta:
             compiling("the dev evaluation")
-            meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool)
+            meta["warm_start_dev_accuracy"] = evaluate(state["actor"], pool, stoppable=True)
         # Steps count from 1 (comppo_jax.train.outputs): checkpoint N holds the state after step N.
         first_step = meta["step"] + 1  # its stages compile: a stop there ends the run at once, as nothing of it is saved
         progress = tqdm.trange(first_step, last_step + 1, desc=cfg.method, disable=not show_progress)
@@ -563,12 +566,8 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
                                                   host_mask))
             metrics["actor_updates"] = max(0, step - warmup)
             evaluated = cfg.train.eval_every and step > prepended and (step - prepended) % cfg.train.eval_every == 0
-            stopped_evaluation = False
             if evaluated:
-                try:
-                    metrics["dev_accuracy"] = evaluate(state["actor"], pool)
-                except RunStopped:  # the step's update stands: it is saved below, without a dev accuracy
-                    stopped_evaluation = True
+                metrics["dev_accuracy"] = evaluate(state["actor"], pool, stoppable=False)
             if update_actor and not nonfinite:
                 control_state = controller.update(control_state, metrics, control_config)
             metrics["skipped_updates"] = skipped.total
@@ -582,7 +581,7 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
             skipped.stop_if_exhausted(step, nonfinite)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                                  gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
-            stopping = (stopped_evaluation or stop.requested()) and step < last_step  # every process reads it at the same step
+            stopping = stop.requested() and step < last_step  # every process reads it at the same step
             # Every evaluated step is saved too, so that keep_best can keep the best evaluated policy.
             if step % cfg.checkpoint.every == 0 or step == last_step or stopping or evaluated:
                 meta.update(step=step, prompts=prompts.position, controller=control_state, skipped_updates=skipped.state())
@@ -590,12 +589,11 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
             if stopping:
                 return stopped(cfg, checkpoints, writer, step)
 
-        final_accuracy = evaluate(state["actor"], pool)
+        final_accuracy = evaluate(state["actor"], pool, stoppable=True)  # after the last checkpoint: a resume redoes only this
     checkpoints.wait()
     summary = {"method": cfg.method, "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"], "final_dev_accuracy": final_accuracy,
                "steps": last_step, "actor_updates": max(0, last_step - warmup), "dev_problems": len(dev_problems),
-               "best_checkpoint_step": checkpoints.best_step(), "best_dev_accuracy": checkpoints.best_accuracy(),
-               "output_dir": os.path.abspath(cfg.output_dir)}
+               "best_checkpoint_step": checkpoints.best_step(), "best_dev_accuracy": checkpoints.best_accuracy()}
     checkpoints.close()
     writer.close()
     if "warm_start_loss" in meta:

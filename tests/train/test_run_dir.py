@@ -152,7 +152,7 @@ def start(run, **overrides) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(condition, timeout=120):
+def wait_for(condition, timeout=300):
     deadline = time.time() + timeout
     while not condition():
         assert time.time() < deadline, "timed out"
@@ -196,22 +196,6 @@ def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_p
                            env=CPU_ONLY_ENV, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert cache.stat().st_mtime == written and json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
-
-
-@pytest.mark.slow
-def test_a_signal_before_a_dev_evaluation_ends_it_within_a_batch_and_saves_the_step(tmp_path):
-    # Step 1 is the critic warm-up; step 2 evaluates 256 dev problems in 4 batches. Whether the signal
-    # lands in step 2's sampling or its evaluation, the evaluation stops after its first batch.
-    run = start(tmp_path, data__dev_size=256, train__eval_every=1, checkpoint__every=100)
-    wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 1, timeout=300)
-    time.sleep(0.5)  # past step 1's own stop check
-    run.send_signal(signal.SIGTERM)
-    stdout, stderr = run.communicate(timeout=300)
-    assert run.returncode == 0, stderr[-2000:]
-    assert any(line.startswith("stopped: checkpoint 2 saved at ") for line in stdout.splitlines()), stdout
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2] and "dev_accuracy" not in rows[1]
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
 
 
 # --- The reference policy, rebuilt from the warm start --------------------------------------------
