@@ -197,17 +197,10 @@ def with_run_config(argv: list[str], run_flag: str) -> list[str]:
     on top of the config the run trained with."""
     from comppo_jax.models.loading import PRESET_DIR
 
-    if any(arg == "--config" or arg.startswith("--config=") for arg in argv[1:]):
+    run_dir = _named(argv, run_flag)
+    if _named(argv, "config") is not None or run_dir is None:
         return argv
-    for index, arg in enumerate(argv[1:], 1):
-        if arg.startswith(f"--{run_flag}="):
-            run_dir = arg.split("=", 1)[1]
-        elif arg == f"--{run_flag}" and index + 1 < len(argv):
-            run_dir = argv[index + 1]
-        else:
-            continue
-        return [argv[0], f"--config={PRESET_DIR / 'run.py'}:{run_dir}", *argv[1:]]
-    return argv
+    return [argv[0], f"--config={PRESET_DIR / 'run.py'}:{run_dir}", *argv[1:]]
 
 
 def _named(argv: list[str], name: str) -> str | None:

@@ -52,6 +52,13 @@ REFERENCE_DIGESTS = "reference_digests.json"
 QUARANTINE_DIR = "corrupt_checkpoints"
 
 
+def committed_steps(run_dir: str) -> list[int]:
+    """The step checkpoints whose saves committed under `run_dir`/checkpoints, read from the directory
+    names alone (an unfinished save is a `<step>.orbax-checkpoint-tmp*` directory)."""
+    directory = os.path.join(run_dir, "checkpoints")
+    return [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
+
+
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint whose state structure differs from the run's: not damage, so no fallback."""
 
@@ -231,7 +238,7 @@ class RunCheckpoints:
             self.newest_good.add(step)
 
     def _committed_steps(self) -> list[int]:
-        return [int(name) for name in os.listdir(self.steps_directory) if name.isdigit()] if os.path.isdir(self.steps_directory) else []
+        return committed_steps(self.directory)
 
     def _remove_partial(self, step: int) -> None:
         """Deletes what a failed save of `step` left behind (Orbax writes into a temporary directory first)."""

@@ -50,7 +50,7 @@ from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy
 from comppo_jax.rollout import encode_prompts, engine_options, generate, greedy_accuracy, policy_gate, score_rollout
 from comppo_jax.train import controller, decode_layout, run_dir
-from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.checkpoint import RunCheckpoints, committed_steps
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import RunStopped, SkippedUpdates, StopSignals, nonfinite_credit
 from comppo_jax.train.methods import (Recipe, actor_loss_of, behaviour_pass, control_gate, kl_coefficient, kl_term,
@@ -338,11 +338,11 @@ def train(cfg) -> dict:
 
 def stopped_early(cfg, stage: str) -> dict:
     """A run stopped before the end of a step: its newest checkpoint (if any) is where it resumes."""
-    directory = os.path.join(os.path.abspath(cfg.output_dir), "checkpoints")
-    steps = [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
+    steps = committed_steps(os.path.abspath(cfg.output_dir))
     if not steps:
         return {"stopped_during": stage}
-    return {"stopped_at_step": max(steps), "stopped_during": stage, "checkpoint": os.path.join(directory, str(max(steps)))}
+    return {"stopped_at_step": max(steps), "stopped_during": stage,
+            "checkpoint": os.path.join(os.path.abspath(cfg.output_dir), "checkpoints", str(max(steps)))}
 
 
 def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
