@@ -70,7 +70,7 @@ def main(argv):
     from comppo_jax.eval.restore import restore_actor
     from comppo_jax.train import decode_layout
     from comppo_jax.train.checkpoint import RunCheckpoints
-    from comppo_jax.train.loop import load_problems
+    from comppo_jax.train.rollout_stage import load_problems
 
     cfg = _CONFIG.value
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)

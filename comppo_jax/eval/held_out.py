@@ -24,11 +24,13 @@ from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.restore import actor_target
 from comppo_jax.models import init_params, load_policy, model_config
-from comppo_jax.rollout import encode_prompts, engine_options, generate
+from comppo_jax.rollout import encode_prompts, engine_options, generate, score_rollout
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import reward_schedule
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
-from comppo_jax.train.loop import init_critic, load_problems, run_parts, schedule_step, score_and_credit
+from comppo_jax.train.learner import credit
+from comppo_jax.train.methods import init_critic, run_parts, schedule_step, scoring_options
+from comppo_jax.train.rollout_stage import load_problems
 from comppo_jax.train.sampling import reward_generation
 from comppo_jax.train.update import cast_params, critic_values, minibatch_shardings
 
@@ -82,8 +84,9 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
                                       eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
                                       **engine_options(cfg.rollout))
                 sampled = reward_generation(tokenizer, pool, generation, chunk, group, coefficients)
-                return score_and_credit(cfg, parts, policy_config, values_fn, critic, policy, reference, sampled,
-                                        jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start), batch_shardings)
+                rollout = score_rollout(policy, reference, policy_config, generation, **scoring_options(cfg, parts))
+                return credit(cfg, parts, values_fn, critic, rollout, sampled, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start),
+                              batch_shardings)
 
             mine = score(policy, jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), start))
             own["kappa"].append(sharding.to_host(mine.rollout.kappa))

@@ -21,10 +21,12 @@ refresh per epoch (`ActorLoss`, `config.gate_statistic`, `config.gate_refresh`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from comppo_jax.credit import FIXED_GATE, apply_position_schedule, fixed_gate, shuffle_gate
+from comppo_jax.credit import FIXED_GATE, apply_position_schedule, fixed_gate, load_position_schedule, shuffle_gate
+from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac
 from comppo_jax.rollout import response_positions
 
 METHODS = ("comppo", "grpo", "ppo")
@@ -144,3 +146,67 @@ def spread_over_sequence(per_token, prompt_lengths, sequence_length: int):
     return out.at[jnp.arange(batch)[:, None], jnp.where(inside, positions, 0)].add(jnp.where(inside, per_token, 0))
 
 
+
+
+# --- What a run config fixes about scoring, credit and the step count -------------------------------
+
+
+class RunParts(NamedTuple):
+    """What a config fixes about scoring and credit: the recipe, the critic's features and module."""
+
+    recipe: Recipe
+    hidden_layers: tuple[int, ...]  # HF hidden states the critic reads
+    top_k: int | None  # TAC routing width (None: no routing)
+    critic_module: Any  # the TAC module, or None
+    position_schedule: Any  # the position-only control's schedule, or None
+
+
+def run_parts(cfg, model_config) -> RunParts:
+    made = recipe(cfg.method, cfg.gate, cfg.critic.kind)
+    n = model_config.num_layers
+    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "none": ()}[made.critic]
+    position_schedule = load_position_schedule(cfg.position_schedule) if made.gate == "position" else None
+    return RunParts(made, hidden_layers, cfg.critic.top_k if made.critic == "tac" else None,
+                    critic_from_config(cfg.critic) if made.critic == "tac" else None, position_schedule)
+
+
+def init_critic(parts: RunParts, model_config, rng):
+    """Fresh critic params for the recipe (None without a critic)."""
+    if parts.recipe.critic == "tac":
+        return init_tac(parts.critic_module, rng, len(parts.hidden_layers), model_config.hidden_size, parts.top_k)
+    return init_standard_value_head(model_config.hidden_size) if parts.recipe.critic == "standard" else None
+
+
+def gate_options(cfg) -> dict:
+    """The gate's keywords for a config (`policy_gate`'s, and part of `score_rollout`'s)."""
+    return dict(window=cfg.rollout.window, gate_statistic=cfg.gate_statistic, sink_tokens=cfg.sink_tokens, **cfg.gate_envelope.to_dict())
+
+
+def scoring_options(cfg, parts: RunParts) -> dict:
+    """`score_rollout`'s keywords for a config (all but the kernel backend)."""
+    return dict(temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
+                old_log_probs=cfg.rollout.old_log_probs, behaviour_pass=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
+                **gate_options(cfg))
+
+
+def critic_warmup(cfg, made: Recipe) -> int:
+    """Critic-only steps at the start of the run (none without a critic)."""
+    return cfg.train.critic_warmup_steps if made.critic != "none" else 0
+
+
+def total_steps(cfg, made: Recipe) -> int:
+    """The run's loop steps: `steps` actor updates after the critic warm-up, or, with
+    train.critic_warmup_counts_toward_steps (the paper's literal reading), `steps` in all."""
+    return cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + critic_warmup(cfg, made)
+
+
+def prepended_warmup(cfg, made: Recipe) -> int:
+    """Warm-up steps added on top of `steps`: the reward schedule, the knobs' drift and the dev
+    evaluations count from the first actor update after them, as in a run without a critic."""
+    return total_steps(cfg, made) - cfg.steps
+
+
+def schedule_step(cfg, made: Recipe, step: int) -> int:
+    """What the reward schedule and the knobs' drift read at step `step` (1-based): the steps
+    after the prepended critic warm-up that came before it."""
+    return max(step - 1 - prepended_warmup(cfg, made), 0)

@@ -51,7 +51,8 @@ from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs, decode_layout
-from comppo_jax.train.loop import check_batch, init_critic, run_parts, scoring_options
+from comppo_jax.train.loop import check_batch
+from comppo_jax.train.methods import init_critic, run_parts, scoring_options
 from comppo_jax.train.methods import actor_loss_of, behaviour_pass, kl_term
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS

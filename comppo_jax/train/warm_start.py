@@ -111,8 +111,10 @@ def cached_warm_start(cache_dir: str, key: dict, template, compute):
     os.makedirs(cache_dir, exist_ok=True)
     arrays = {n: np.asarray(jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
               for n, x in zip(names, jax.tree.leaves(params))}
-    partial = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp.npz"  # processes of a multi-host run may share the directory
-    np.savez(partial, loss=np.float64(loss), **arrays)
+    # Processes of a multi-host run may share the directory; the partial name never matches warm_start_*.npz.
+    partial = f"{path}.partial-{socket.gethostname()}-{os.getpid()}"
+    with open(partial, "wb") as f:
+        np.savez(f, loss=np.float64(loss), **arrays)
     os.replace(partial, path)
     with open(path[: -len(".npz")] + ".json", "w") as f:
         f.write(text)

@@ -29,7 +29,7 @@ from comppo_jax import sharding
 from comppo_jax.models import to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
 from comppo_jax.train import cost as costs, plan
-from comppo_jax.train.loop import take_rows
+from comppo_jax.train.learner import take_rows
 from comppo_jax.train.update import Minibatch
 
 QWEN3_0_6B = dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,

@@ -167,7 +167,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_restored(tmp_path
     checkpoints.close()
     DAMAGE[damage](tmp_path, 2)
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
-    with pytest.raises(CheckpointError, match=r"checkpoint 2 " + ("item state leaf \['ids'\]: content digest" if damage == "overwritten in place" else "")):
+    with pytest.raises(CheckpointError, match=r"checkpoint 2 " + (r"item state leaf \['ids'\]: content digest" if damage == "overwritten in place" else "")):
         checkpoints.restore(small_state(0), step=2)
     state, meta, step = checkpoints.restore_newest_good(small_state(0))
     assert step == 1 and meta == {"next_step": 1}

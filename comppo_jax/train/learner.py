@@ -1,0 +1,198 @@
+"""The learner stage: credit -> update epochs -> guards -> controller.
+
+`credit` turns one scored `Experience` into a `Scored` batch: the method's gate control, the
+critic's values V_t on the behaviour features, the estimator's advantages (whitened) and returns.
+`Learner.update` then runs E epochs of shuffled minibatches (the actor's clipped PPO + KL with the
+phase controller's knobs, the critic's clipped value regression), refreshing the gate each epoch
+with gate_refresh=epoch, and records non-finite credit or updates with the skipped-update guard.
+`Learner.control` feeds the step's metrics to the phase controller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from comppo_jax import sharding
+from comppo_jax.credit import clip_advantages, comp_gae, gae, grpo_advantages, masked_mean, whiten_advantages
+from comppo_jax.rollout import policy_gate
+from comppo_jax.train import controller
+from comppo_jax.train.guards import SkippedUpdates, nonfinite_credit
+from comppo_jax.train.methods import (Recipe, RunParts, control_gate, critic_warmup, gate_options, kl_coefficient, schedule_step,
+                                      spread_over_sequence)
+from comppo_jax.train.sampling import Sampled
+from comppo_jax.train.update import Minibatch, UpdateSteps, cast_params
+
+
+class Scored(NamedTuple):
+    """A sampled batch after score -> reward -> credit (advantages whitened, not yet clipped)."""
+
+    batch: Minibatch
+    rollout: Any  # comppo_jax.rollout.Rollout without the critic's features (kappa: the policy's own gate)
+    sampled: Sampled  # the generation, its problems, texts, rewards and verdicts
+    kappa: jax.Array  # [B, T] the gate the estimator and critic read (after the control)
+
+
+def estimate_credit(cfg, recipe: Recipe, rewards, reward_tokens, values, kappa, mask):
+    """(advantages, returns) [B, T] of the recipe's estimator: group-relative for GRPO (Dr.GRPO
+    without the std with train.group_std_normalization=False), else GAE / Comp-GAE on `values`,
+    whitened."""
+    if recipe.estimator == "grpo":
+        advantages = grpo_advantages(jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask,
+                                     normalize_std=cfg.train.group_std_normalization)
+        return advantages, jnp.zeros(mask.shape)
+    if recipe.estimator == "gae":
+        advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
+    else:
+        advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
+    return whiten_advantages(advantages, mask), returns
+
+
+def credit(cfg, parts: RunParts, values_fn, critic, rollout, sampled: Sampled, rng, batch_shardings) -> Scored:
+    """The credit of a scored batch: the gate control on the behaviour policy's own kappa, V_t
+    from `critic` on the behaviour features, the recipe's advantages and returns."""
+    generation, mask = sampled.generation, rollout.response_mask
+    kappa = control_gate(parts.recipe, rollout.kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
+    zeros = jnp.zeros(mask.shape)
+    batch = sharding.put(Minibatch(
+        generation.tokens, generation.attention_mask, generation.prompt_lengths, generation.response_tokens, mask,
+        rollout.log_probs, zeros if rollout.ref_log_probs is None else rollout.ref_log_probs, zeros, zeros, zeros,
+        spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
+    ), batch_shardings)
+    values = zeros if parts.recipe.estimator == "grpo" else values_fn(critic, batch)
+    advantages, returns = estimate_credit(cfg, parts.recipe, sampled.rewards, sampled.reward_tokens, values, kappa, mask)
+    batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
+    # The critic's features live on in `batch` only (no second copy through the update).
+    return Scored(batch, rollout._replace(hidden_states=None, routing=None), sampled, kappa)
+
+
+def refreshed_credit(cfg, parts: RunParts, model_config, actor, scored: Scored, rng, advantage_clip) -> tuple[dict, jax.Array]:
+    """gate_refresh=epoch: the current actor's gate on the stored batch (H -> c -> kappa, no
+    gradient), through the gate control, and Comp-GAE rerun with the stored values and rewards.
+    Returns (the Minibatch fields that change: advantages (whitened, clipped), returns and
+    kappa_sequence; the new kappa [B, T])."""
+    batch, mask = scored.batch, scored.batch.response_mask
+    own = policy_gate(cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
+                      mask, length=mask.shape[1], **gate_options(cfg))
+    kappa = control_gate(parts.recipe, own, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
+    advantages, returns = estimate_credit(cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values,
+                                          kappa, mask)
+    fields = dict(advantages=clip_advantages(advantages, advantage_clip), returns=returns,
+                  kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]))
+    return fields, kappa
+
+
+def take_rows(batch: Minibatch, rows) -> Minibatch:
+    """The minibatch of `rows` (hidden states carry the batch on axis 1)."""
+    pick = lambda x: None if x is None else x[rows]
+    return batch._replace(
+        **{name: pick(getattr(batch, name)) for name in batch._fields if name not in ("hidden_states", "routing")},
+        hidden_states=batch.hidden_states[:, rows],
+        routing=None if batch.routing is None else jax.tree.map(lambda x: x[rows], batch.routing),
+    )
+
+
+class Offload(NamedTuple):
+    """train.offload_idle: what the next program does not read waits in host memory."""
+
+    park: Callable  # tree -> host memory
+    fetch: Callable  # tree -> device memory
+    to_update: Callable  # the update's batch: read one minibatch at a time, the rest waits on the host
+
+    @classmethod
+    def of(cls, enabled: bool) -> "Offload":
+        if not enabled:
+            same = lambda tree: tree
+            return cls(same, same, same)
+        return cls(lambda tree: sharding.to_memory(tree, "pinned_host"), lambda tree: sharding.to_memory(tree, "device"),
+                   lambda tree: jax.tree.map(sharding.to_host, tree))
+
+
+class Learned(NamedTuple):
+    """What one update leaves for the recorder."""
+
+    scored: Scored
+    batch: Minibatch  # the batch the last epoch read (advantages clipped)
+    metrics: dict  # the minibatches' mean losses, norms and clip fractions
+    gate_change: float | None  # gate_refresh=epoch: the refreshed gate's mean |change| from the rollout's
+    nonfinite: list[str]  # what was not finite (the update skipped), empty when it applied
+    applied_actor: bool  # the actor updated (past the critic warm-up)
+
+
+class Learner:
+    """Credit and update epochs for each Experience, the guards and the controller (module
+    docstring). `control_state` and `skipped` are checkpointed in the run's meta."""
+
+    def __init__(self, cfg, model_config, parts: RunParts, steps: UpdateSteps, batch_shardings, offload: Offload, meta: dict,
+                 compiling: Callable[[str], None]):
+        self.cfg, self.model_config, self.parts, self.steps = cfg, model_config, parts, steps
+        self.batch_shardings, self.offload, self.compiling = batch_shardings, offload, compiling
+        self.control_config = controller.controller_config(cfg.controller)
+        self.control_state = meta["controller"]
+        self.skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
+        self.warmup = critic_warmup(cfg, parts.recipe)
+
+    def meta(self) -> dict:
+        return {"controller": self.control_state, "skipped_updates": self.skipped.state()}
+
+    def update(self, state: dict, experience, step: int, step_rng) -> tuple[dict, Learned]:
+        """Credit and the update epochs of batch `step` (step_rng: the step's key)."""
+        cfg, steps, offload = self.cfg, self.steps, self.offload
+        knobs = controller.knobs(self.control_state, schedule_step(cfg, self.parts.recipe, step), self.control_config)
+        gate_key = jax.random.fold_in(step_rng, 1)
+        scored = credit(cfg, self.parts, steps.values, state["critic"], experience.rollout, experience.sampled, gate_key,
+                        self.batch_shardings)
+        batch = offload.to_update(scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"])))
+        state["actor_opt"] = offload.fetch(state["actor_opt"])
+        actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
+                           kl_coef=kl_coefficient(cfg) * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
+        critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
+                            grad_clip=knobs["critic_grad_clip"])
+        update_actor = step > self.warmup
+        update_metrics, gate_changes = [], []
+        rows = batch.response_mask.shape[0]
+        # A non-finite reward, value, advantage or return skips the whole update.
+        nonfinite = nonfinite_credit(scored.sampled.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
+        for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
+            # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
+            if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
+                self.compiling("the gate refresh")
+                fresh, kappa = refreshed_credit(cfg, self.parts, self.model_config, state["actor"], scored, gate_key, knobs["advantage_clip"])
+                gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
+                # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).
+                batch = batch._replace(**offload.to_update(fresh))
+            # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
+            order = np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
+            for start in range(0, rows, cfg.train.minibatch_size):
+                minibatch = sharding.put(take_rows(batch, order[start : start + cfg.train.minibatch_size]), self.batch_shardings)
+                out = {}
+                if update_actor:
+                    self.compiling("the actor update")
+                    state["actor"], state["actor_opt"], out = steps.actor(state["actor"], state["actor_opt"], minibatch, actor_hyper)
+                if state["critic"] is not None:
+                    self.compiling("the critic update")
+                    state["critic"], state["critic_opt"], critic_out = steps.critic(state["critic"], state["critic_opt"], minibatch,
+                                                                                    critic_hyper)
+                    out = {**out, **critic_out}
+                update_metrics.append({k: float(v) for k, v in out.items()})
+        state["actor_opt"] = offload.park(state["actor_opt"])
+        for name, quantity in (("actor_finite", "actor loss or gradient norm"), ("critic_finite", "critic loss or gradient norm")):
+            unapplied = sum(m.pop(name, 1.0) == 0.0 for m in update_metrics)
+            if unapplied:  # those minibatches' updates were skipped inside the jitted step
+                nonfinite.append(f"{quantity} ({unapplied} of {len(update_metrics)} minibatches)")
+        self.skipped.record(nonfinite)
+        metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
+        gate_change = float(np.mean(gate_changes)) if gate_changes else None
+        return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor)
+
+    def control(self, metrics: dict, learned: Learned) -> None:
+        """The phase controller reads the step's metrics (only after an applied actor update)."""
+        if learned.applied_actor and not learned.nonfinite:
+            self.control_state = controller.update(self.control_state, metrics, self.control_config)
+
+    @property
+    def phase(self) -> str:
+        return controller.PHASES[int(self.control_state["phase"])]

@@ -1,0 +1,133 @@
+"""The recorder: each step's metrics, the checkpoints, and the run's summary and plots.
+
+`Recorder.step_metrics` gathers a step's numbers from the rollout (rewards, lengths, the policy's
+own gate) and the learner (losses, norms, the critic's diagnostics); `Recorder.record` writes them
+(metrics.jsonl, TensorBoard) and saves an async Orbax checkpoint every `checkpoint.every` steps,
+at every dev evaluation (so keep_best keeps the best evaluated policy), at the last step and when
+a stop was requested. `Recorder.meta` is what a checkpoint holds beside the state: the step, the
+stages' own state (the prompt stream's position, the controller, the skipped-update guard) and the
+run's gate profile. `Recorder.finish` writes summary.json, gate_profile.json and curves.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from comppo_jax import sharding
+from comppo_jax.credit import position_bin_totals, save_position_schedule, schedule_from_totals
+from comppo_jax.credit.schedule import DEFAULT_BINS
+from comppo_jax.data.rewards import Verdict
+from comppo_jax.train import controller
+from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
+from comppo_jax.train.guards import SkippedUpdates
+from comppo_jax.train.methods import critic_warmup, prepended_warmup, recipe as make_recipe, total_steps
+from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
+
+# The rollouts' own gates averaged per bin of t/T over the whole run (a comppo_jax.credit position
+# schedule): the position-only control of a later run reads it (config.position_schedule).
+GATE_PROFILE_FILE = "gate_profile.json"
+
+
+def initial_meta() -> dict:
+    """A new run's meta. step: the last step done, the number of the checkpoint that holds it;
+    gate_profile: per-bin sums of the rollouts' own kappa over t/T (the position-only control's fit)."""
+    return {"step": 0, "prompts": [0, 0], "controller": controller.initial_state(), "skipped_updates": SkippedUpdates(0).state(),
+            "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS}}
+
+
+class Recorder:
+    """Metrics, checkpoints and the summary of one run (module docstring)."""
+
+    def __init__(self, cfg, checkpoints: RunCheckpoints, meta: dict, *, main_process: bool):
+        self.cfg, self.checkpoints, self.meta, self.main_process = cfg, checkpoints, meta, main_process
+        made = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
+        self.last_step, self.warmup, self.prepended = total_steps(cfg, made), critic_warmup(cfg, made), prepended_warmup(cfg, made)
+        self.has_critic = made.critic != "none"
+        self.writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
+
+    def evaluates(self, step: int) -> bool:
+        """Whether step `step` ends with a dev evaluation (every train.eval_every actor-update steps)."""
+        every = self.cfg.train.eval_every
+        return bool(every) and step > self.prepended and (step - self.prepended) % every == 0
+
+    def step_metrics(self, step: int, experience, learned) -> dict:
+        """The step's numbers from its experience and its update (adds the rollouts' gates to the run's profile)."""
+        sampled, scored, batch = experience.sampled, learned.scored, learned.batch
+        host_mask, host = sampled.host_mask, sharding.to_host
+        lengths = host_mask.sum(axis=1)
+        metrics = dict(learned.metrics)
+        metrics.update(sampled.reward_metrics)
+        if learned.gate_change is not None:
+            metrics["gate_refresh/mean_abs_change"] = learned.gate_change
+        metrics["response_clip_ratio"] = float(np.mean(lengths >= self.cfg.rollout.max_new_tokens))
+        metrics["response_length"] = float(lengths.mean())
+        correct = np.asarray([v is Verdict.CORRECT for v in sampled.verdicts])
+        if scored.rollout.kappa is not None:  # the policy's own gate, every method that ran the behaviour pass
+            own_kappa = host(scored.rollout.kappa)
+            metrics.update(gate_statistics(own_kappa, host_mask, correct))
+            profile = self.meta["gate_profile"]
+            for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
+                profile[name] = (np.asarray(profile[name]) + totals).tolist()
+        if self.has_critic:
+            metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), sampled.reward_tokens, host(scored.kappa),
+                                              host_mask))
+        metrics["actor_updates"] = max(0, step - self.warmup)
+        return metrics
+
+    def record(self, step: int, metrics: dict, experience, learned, *, skipped: SkippedUpdates, phase: str, started: float) -> None:
+        """Writes step `step`'s metrics (after its dev evaluation and the controller), with its first response as a sample."""
+        metrics["skipped_updates"] = skipped.total
+        if learned.nonfinite:
+            metrics["nonfinite"] = ", ".join(learned.nonfinite)
+        sampled = experience.sampled
+        metrics.update(step=step, phase=phase, seconds=time.time() - started, reshard_seconds=experience.reshard_seconds,
+                       sample={"prompt": sampled.problems[0].prompt, "response": sampled.texts[0], "reward": float(sampled.rewards[0])})
+        self.writer.write(metrics)
+
+    def checkpoint(self, step: int, state: dict, metrics: dict, stages_meta: dict, *, stopping: bool) -> None:
+        """Starts step `step`'s checkpoint when it is due (module docstring); `stages_meta`: the
+        prompt stream's position, the controller's and the guard's state."""
+        if step % self.cfg.checkpoint.every == 0 or step == self.last_step or stopping or "dev_accuracy" in metrics:
+            self.meta.update(step=step, **stages_meta)
+            self.checkpoints.save(step, state, self.meta, metrics.get("dev_accuracy"))
+
+    def stopped(self, step: int) -> dict:
+        """Finishes a run stopped by a signal after `step`: its checkpoint is confirmed written."""
+        self.checkpoints.close()  # waits for the save and raises if it failed
+        self.writer.close()
+        return {"stopped_at_step": step, "checkpoint": os.path.join(self.checkpoints.steps_directory, str(step))}
+
+    def finish(self, final_accuracy: float, dev_problems: int, skipped: SkippedUpdates) -> dict:
+        """The run's summary, written with its gate profile and curves by the main process."""
+        cfg, meta, checkpoints = self.cfg, self.meta, self.checkpoints
+        checkpoints.wait()
+        summary = {"method": cfg.method, "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"], "final_dev_accuracy": final_accuracy,
+                   "steps": self.last_step, "actor_updates": max(0, self.last_step - self.warmup), "dev_problems": dev_problems,
+                   "best_checkpoint_step": checkpoints.best_step(), "best_dev_accuracy": checkpoints.best_accuracy()}
+        checkpoints.close()
+        self.writer.close()
+        if "warm_start_loss" in meta:
+            summary["warm_start_loss"] = meta["warm_start_loss"]
+        gated = np.sum(meta["gate_profile"]["counts"]) > 0  # no gate without the behaviour pass (rollout.old_log_probs=sampler)
+        if gated:
+            summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
+        summary["skipped_updates"] = skipped.total
+        if not self.main_process:
+            return summary
+        if gated:
+            profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
+                                           {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": self.last_step,
+                                            "seed": cfg.seed})
+            save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if cfg.plot:
+            plot_run(os.path.join(cfg.output_dir, METRICS_FILE), os.path.join(cfg.output_dir, "curves.png"),
+                     title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
+                     warm_start_accuracy=meta["warm_start_dev_accuracy"])
+        return summary

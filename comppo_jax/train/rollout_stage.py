@@ -1,0 +1,140 @@
+"""The rollout stage: prompts -> sample -> reward -> dynamic sampling -> behaviour scoring.
+
+Its output is one `Experience` per step: the rewarded generation, scored by the policy that
+generated it (the behaviour policy: its log-probs, its own gate kappa, the critic's features) and
+by the frozen reference, with the version of that policy (how many updates it had). The stage
+owns what only it reads: the prompt stream, the tokenizer, the reward schedule and verifier pool,
+the reference and the decode layout the sampler runs in. The dev evaluation decodes greedily in
+the same layout (`RolloutStage.evaluate`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from comppo_jax.data.datasets import encodable_problems, load_dapo_math
+from comppo_jax.data.synthetic import chained_arithmetic
+from comppo_jax.rollout import encode_prompts, engine_options, generate, greedy_accuracy, score_rollout
+from comppo_jax.train.decode_layout import DecodeLayout
+from comppo_jax.train.methods import RunParts, schedule_step, scoring_options
+from comppo_jax.train.sampling import Sampled, dynamic_sampling, reward_generation
+from comppo_jax.train.update import cast_params
+
+
+def load_problems(data, seed: int):
+    """(train, dev) problems for the config's `data` section."""
+    if data.kind == "synthetic":
+        problems = chained_arithmetic(data.train_size + data.dev_size, seed=seed, min_steps=data.min_steps,
+                                      max_steps=data.max_steps, operations=data.operations)
+        return problems[: data.train_size], problems[data.train_size :]
+    if data.kind == "dapo_math":
+        return load_dapo_math(data.path, dev_size=data.dev_size, seed=seed)
+    raise ValueError(f"config.data.kind={data.kind!r}; expected 'synthetic' or 'dapo_math'")
+
+
+def load_encodable_problems(cfg, tokenizer):
+    """(train, dev) problems without the rows the tokenizer cannot encode (skipped and counted)."""
+    train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
+    where = cfg.data.path or f"the {cfg.data.kind} data"
+    longest_prompt = cfg.model.arch.max_position_embeddings - cfg.rollout.max_new_tokens
+    return (encodable_problems(tokenizer, train_problems, f"{where} (train)", max_prompt_tokens=longest_prompt),
+            encodable_problems(tokenizer, dev_problems, f"{where} (dev)", max_prompt_tokens=longest_prompt))
+
+
+class PromptIterator:
+    """Deterministic epochs of shuffled prompts; `position` (epoch, index) is checkpointable."""
+
+    def __init__(self, count: int, batch_size: int, seed: int, position=(0, 0)):
+        self.count, self.batch_size, self.seed = count, batch_size, seed
+        self.epoch, self.index = position
+
+    @property
+    def position(self) -> list[int]:
+        return [self.epoch, self.index]
+
+    def next(self) -> list[int]:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
+        if self.index + self.batch_size > self.count:
+            self.epoch, self.index = self.epoch + 1, 0
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.count)
+        chosen = order[self.index : self.index + self.batch_size]
+        self.index += self.batch_size
+        return [int(i) for i in chosen]
+
+
+class Experience(NamedTuple):
+    """One step's batch as the rollout stage leaves it."""
+
+    step: int
+    version: int  # updates the generating (behaviour) policy had: its checkpoint step
+    sampled: Sampled  # the generation, its problems, texts, rewards and verdicts
+    rollout: Any  # comppo_jax.rollout.Rollout: behaviour and reference log-probs, own kappa, the critic's features
+    reshard_seconds: float  # moving the weights into the decode layout
+
+
+class RolloutStage:
+    """Samples, rewards and scores one batch per step (module docstring).
+
+    `prompts` is the stream's checkpointable position; `stop` (StopSignals) ends a first step
+    while it compiles; `compiling(what)` says so the first time."""
+
+    def __init__(self, cfg, mesh, model_config, tokenizer, problems: tuple[list, list], parts: RunParts, decode: DecodeLayout,
+                 reference, schedule, pool, *, prompt_position, stop, compiling: Callable[[str], None], show_progress: bool):
+        self.cfg, self.mesh, self.model_config, self.tokenizer = cfg, mesh, model_config, tokenizer
+        self.train_problems, self.dev_problems = problems
+        self.parts, self.decode, self.reference, self.schedule, self.pool = parts, decode, reference, schedule, pool
+        self.prompts = PromptIterator(len(self.train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=prompt_position)
+        self.stop, self.compiling, self.show_progress = stop, compiling, show_progress
+
+    def collect(self, step: int, actor, version: int, step_rng, *, first: bool) -> Experience:
+        """Batch `step`, generated by `actor` (after `version` updates) with keys from `step_rng`.
+        `first`: the run's first step, whose programs compile; a stop request ends it."""
+        cfg, decode = self.cfg, self.decode
+        coefficients = self.schedule.at(schedule_step(cfg, self.parts.recipe, step))
+        resharding = time.time()
+        sampler = jax.block_until_ready(decode.reshard(actor))  # the compute copy in the decode layout
+        reshard_seconds = time.time() - resharding
+
+        # Sample and reward before scoring, so that dynamic sampling scores only the groups it keeps.
+        def sample(round_index: int) -> Sampled:  # round 0: the step's batch; later: dynamic sampling's refills
+            key = step_rng if round_index == 0 else jax.random.fold_in(step_rng, 1 + round_index)  # 1: the gate control's
+            chosen = [self.train_problems[i] for i in self.prompts.next()]
+            prompt_tokens, prompt_mask = encode_prompts(self.tokenizer, chosen)
+            self.compiling("the sampler")
+            with jax.set_mesh(decode.mesh):
+                generation = generate(sampler, self.model_config, prompt_tokens, prompt_mask, decode.replicated(key),
+                                      max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                      top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt,
+                                      eos_token_ids=(self.tokenizer.eos_token_id,), pad_token_id=self.tokenizer.pad_token_id,
+                                      **engine_options(cfg.rollout))
+            generation = decode.to_training(generation, self.mesh)
+            return reward_generation(self.tokenizer, self.pool, generation, chosen, cfg.rollout.samples_per_prompt, coefficients)
+
+        sampled = sample(0)
+        if cfg.rollout.dynamic_sampling:
+            sampled = dynamic_sampling(sampled, sample, cfg.rollout.samples_per_prompt, cfg.rollout.max_refills,
+                                       cfg.rollout.dynamic_sampling_filter, len(self.train_problems))
+        if first:
+            self.stop.check(f"step {step}'s first sampling (compiling; the step is not saved)")
+        policy = cast_params(actor, self.model_config.dtype) if decode.resharded else sampler
+        sampler = None  # scoring reads `policy`; the decode copy is freed unless it is the same arrays
+        # Behaviour and reference scoring (detached): the generating policy's log-probs, gate and features.
+        self.compiling("the scoring pass and credit")
+        rollout = score_rollout(policy, self.reference(), self.model_config, sampled.generation, **scoring_options(cfg, self.parts))
+        del policy  # the compute copy is not kept through the update (launch/plan.py counts on it)
+        if first:
+            self.stop.check(f"step {step}'s first scoring (compiling; the step is not saved)")
+        return Experience(step, version, sampled, rollout, reshard_seconds)
+
+    def evaluate(self, params, stoppable: bool) -> float:
+        """Dev accuracy (greedy, in the decode layout); `stoppable`: a stop request ends it within
+        one batch (RunStopped). An evaluation inside a step is not: its accuracy drives the
+        controller, so the step is saved only with it (and a resumed run equals the straight one)."""
+        with jax.set_mesh(self.decode.mesh):
+            return greedy_accuracy(self.decode.reshard(params), self.model_config, self.tokenizer, self.dev_problems, self.pool,
+                                   max_new_tokens=self.cfg.rollout.max_new_tokens, progress="dev eval" * self.show_progress,
+                                   after_batch=(lambda: self.stop.check("the dev evaluation")) if stoppable else None)
