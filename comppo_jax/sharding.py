@@ -70,6 +70,58 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
+def split_devices(rollout_devices: int, devices=None) -> tuple[list, list]:
+    """(training devices, rollout devices) of a run with its own rollout devices
+    (mesh.rollout_devices): the last `rollout_devices` local devices of every process roll out,
+    the others train; both lists in process order, so a batch's rows fall on the same process in
+    either."""
+    devices = jax.devices() if devices is None else devices
+    processes = sorted({d.process_index for d in devices})
+    local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in processes}
+    counts = {len(ds) for ds in local.values()}
+    if len(counts) != 1 or not 0 < rollout_devices < min(counts):
+        raise ValueError(f"config.mesh.rollout_devices={rollout_devices} must leave every process devices for both stages "
+                         f"(devices per process: {sorted(counts)})")
+    return ([d for p in processes for d in local[p][:-rollout_devices]], [d for p in processes for d in local[p][-rollout_devices:]])
+
+
+def move(tree: Any, shardings: Any) -> Any:
+    """`tree` placed with `shardings` on another set of devices, device to device. In one process
+    that is `jax.device_put`; across processes (where JAX's runtime here moves arrays only between
+    shardings of the same devices) each process copies, from its own shards, the block each of its
+    target devices holds: that block must lie in one of its source shards (a batch whose rows stay
+    on their process, weights laid out alike on both device sets)."""
+    if jax.process_count() == 1:
+        return jax.tree.map(jax.device_put, tree, shardings)
+    return jax.tree.map(_move_array, tree, shardings)
+
+
+def _within(inner: tuple, outer: tuple, shape) -> tuple | None:
+    """`inner`'s index as a slice of the block `outer` (None when it is not inside it)."""
+    relative = []
+    for a, b, size in zip(inner, outer, shape):
+        a_start, a_stop, _ = a.indices(size)
+        b_start, b_stop, _ = b.indices(size)
+        if a_start < b_start or a_stop > b_stop:
+            return None
+        relative.append(slice(a_start - b_start, a_stop - b_start))
+    return tuple(relative)
+
+
+def _move_array(x: jax.Array, target: NamedSharding) -> jax.Array:
+    pieces = []
+    for device, index in target.addressable_devices_indices_map(x.shape).items():
+        for shard in x.addressable_shards:
+            inside = _within(index, shard.index, x.shape)
+            if inside is not None:
+                pieces.append(jax.device_put(shard.data[inside], device))
+                break
+        else:
+            raise ValueError(f"an array {x.shape} sharded {x.sharding.spec} holds no block on process {jax.process_index()} that "
+                             f"contains {index}, which {device} needs under {target.spec}")
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
+
+
 def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
     """The rollout's decode layout on `mesh`'s devices: tensor-parallel groups of `tensor`
     consecutive devices (in the training mesh's order, whose last axis is `tensor`), replicated

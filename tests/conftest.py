@@ -190,7 +190,8 @@ SMALL_TRAIN_RUN = {
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WALL_CLOCK = ("seconds", "reshard_seconds")  # metrics.jsonl fields that differ between identical runs
+WALL_CLOCK = ("seconds", "reshard_seconds", "timing/rollout_seconds", "timing/update_seconds", "timing/generation_seconds",
+              "timing/generation_overlap")  # metrics.jsonl fields that differ between identical runs
 
 
 def _small_train_values(output_dir, overrides) -> dict:

@@ -33,6 +33,7 @@ from comppo_jax.credit.gate import (
 from comppo_jax.credit.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
+    decoupled_ppo_inputs,
     entropy_from_logits,
     gspo_loss,
     kl_penalty,
@@ -57,6 +58,7 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "PositionSchedule",
     "aggregate_loss",
+    "decoupled_ppo_inputs",
     "apply_position_schedule",
     "clip_advantages",
     "comp_gae",

@@ -66,9 +66,14 @@ def checked_tensor(value, config: ModelConfig, devices: int) -> str | int:
     return choice
 
 
-def check_config(cfg, mesh: Mesh) -> None:
-    """Refuses a run config's rollout.mesh.tensor that `mesh` cannot take, before anything loads."""
-    checked_tensor(cfg.rollout.mesh.tensor, model_config(cfg.model), mesh.devices.size)
+def check_config(cfg, mesh: Mesh, rollout_devices: list | None = None) -> None:
+    """Refuses a run config's rollout.mesh.tensor that `mesh` (or the rollout stage's own
+    devices) cannot take, before anything loads."""
+    checked_tensor(cfg.rollout.mesh.tensor, model_config(cfg.model), len(rollout_devices) if rollout_devices else mesh.devices.size)
+    if rollout_devices and jax.process_count() > 1 and len(rollout_devices) != mesh.devices.size:
+        raise ConfigError(f"config.mesh.rollout_devices={cfg.mesh.rollout_devices}: a multi-process run needs as many rollout devices as "
+                          f"training devices ({len(rollout_devices)} vs {mesh.devices.size}): the weights move between the two sets "
+                          "shard by shard (sharding.move); pass half of each process's devices")
 
 
 def group_sizes(config: ModelConfig, devices: int) -> list[int]:
@@ -162,24 +167,34 @@ class DecodeLayout(NamedTuple):
     mesh: Mesh  # the sampler's mesh (the training mesh itself when `resharded` is False)
     tensor: int  # G, the tensor-parallel group
     resharded: bool  # False: the sampler reads the training layout (rollout.mesh.tensor=train, or the same layout)
-    reshard: Callable  # actor -> the sampler's params, cast to the compute dtype, in the decode layout (one program)
+    reshard: Callable  # actor -> the sampler's params, cast to the compute dtype, in the decode layout
     floor: DecodeFloor | None  # G's floor on the run's chip (None: no published peaks)
     candidates: tuple = ()  # every G's floor, as auto compared them
+    separate: bool = False  # the decode mesh is the rollout stage's own devices (mesh.rollout_devices)
 
     def replicated(self, tree):
         """Small inputs (the sampling key) on every device of the decode mesh."""
-        return jax.device_put(tree, NamedSharding(self.mesh, P())) if self.resharded else tree
+        if not self.resharded:
+            return tree
+        target = NamedSharding(self.mesh, P())
+        return sharding.move(tree, target) if self.separate else jax.device_put(tree, target)
 
     def to_training(self, tree, train_mesh: Mesh):
         """A generation (rows first in every field) on the training mesh's batch sharding."""
-        return jax.device_put(tree, sharding.batch_sharding(train_mesh)) if self.resharded else tree
+        if not self.resharded:
+            return tree
+        rows = sharding.batch_sharding(train_mesh)
+        return sharding.move(tree, jax.tree.map(lambda _: rows, tree)) if self.separate else jax.device_put(tree, rows)
 
 
 def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: costs.Chip | None, budget: float | None,
-                       rollout: dict) -> DecodeLayout:
+                       rollout: dict, rollout_devices: list | None = None) -> DecodeLayout:
     """The decode layout `value` (rollout.mesh.tensor) names on `mesh` for params shaped like
     `actor` (arrays or ShapeDtypeStructs; any dtype); `chip`, `budget` (bytes per chip free for
-    the decode weights and page pool, None: unknown) and `rollout` (`rollout_shapes`) settle auto."""
+    the decode weights and page pool, None: unknown) and `rollout` (`rollout_shapes`) settle auto.
+    With `rollout_devices` (mesh.rollout_devices) the layout is on those devices instead."""
+    if rollout_devices:
+        return _separate_layout(value, mesh, config, actor, chip=chip, budget=budget, rollout=rollout, devices=rollout_devices)
     choice = checked_tensor(value, config, mesh.devices.size)
     devices = mesh.devices.size
     candidates = tuple(floors(config, chip, devices, **rollout)) if chip is not None else ()
@@ -199,6 +214,34 @@ def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: c
     return DecodeLayout(decode, tensor, True, reshard, floor, candidates)
 
 
+def _separate_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip, budget, rollout: dict, devices: list) -> DecodeLayout:
+    """The decode layout on the rollout stage's own `devices`. After each update the weights move
+    there in one transfer: cast to the compute dtype on the training mesh, then copied device to
+    device (`sharding.move`); across processes they are first laid out on the training devices
+    exactly as on their rollout twins, so each process copies only its own shards."""
+    choice = checked_tensor(value, config, len(devices))
+    candidates = tuple(floors(config, chip, len(devices), **rollout)) if chip is not None else ()
+    if choice == "auto":
+        tensor = fastest(list(candidates), budget).tensor if candidates else 1
+    elif choice == "train":
+        tensor = mesh.shape["tensor"]
+        if tensor not in group_sizes(config, len(devices)):
+            raise ConfigError(f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
+                              f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto")
+    else:
+        tensor = choice
+    decode = sharding.decode_mesh(Mesh(np.asarray(devices).reshape(len(devices), 1, 1), sharding.AXES), tensor)
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), config.dtype), actor)
+    target = sharding.tree_shardings(decode, compute)
+    if jax.process_count() == 1:
+        cast = jax.jit(lambda actor: cast_params(actor, config.dtype))
+    else:  # the decode layout on the training devices (the twins of the rollout devices, position by position)
+        twin = Mesh(mesh.devices.reshape(-1).reshape(decode.devices.shape), sharding.AXES)
+        cast = jax.jit(lambda actor: cast_params(actor, config.dtype), out_shardings=sharding.tree_shardings(twin, compute))
+    floor = next((c for c in candidates if c.tensor == tensor), None)
+    return DecodeLayout(decode, tensor, True, lambda actor: sharding.move(cast(actor), target), floor, candidates, separate=True)
+
+
 def local_chip_and_budget(mesh: Mesh) -> tuple[costs.Chip | None, float | None]:
     """The published peaks of the mesh's devices (None on CPU), and 90% of the HBM a device has
     free now, the least over processes (None where devices report no limit)."""
@@ -209,10 +252,12 @@ def local_chip_and_budget(mesh: Mesh) -> tuple[costs.Chip | None, float | None]:
     return chip, (0.9 * free if free >= 0 else None)
 
 
-def for_run(cfg, mesh: Mesh, config: ModelConfig, actor) -> DecodeLayout:
-    """The decode layout of a run (`rollout.mesh.tensor`), on the devices of its training mesh."""
+def for_run(cfg, mesh: Mesh, config: ModelConfig, actor, rollout_devices: list | None = None) -> DecodeLayout:
+    """The decode layout of a run (`rollout.mesh.tensor`), on the devices of its training mesh or
+    on the rollout stage's own (`rollout_devices`, mesh.rollout_devices)."""
     chip, budget = local_chip_and_budget(mesh)
-    return make_decode_layout(cfg.rollout.mesh.tensor, mesh, config, actor, chip=chip, budget=budget, rollout=rollout_shapes(cfg))
+    return make_decode_layout(cfg.rollout.mesh.tensor, mesh, config, actor, chip=chip, budget=budget, rollout=rollout_shapes(cfg),
+                              rollout_devices=rollout_devices)
 
 
 def describe(layout: DecodeLayout) -> str:
@@ -220,6 +265,8 @@ def describe(layout: DecodeLayout) -> str:
     devices = layout.mesh.devices.size
     text = (f"tensor-parallel groups of {layout.tensor}, {devices // layout.tensor} replica(s)" if layout.resharded
             else f"the training mesh {dict(layout.mesh.shape)}")
+    if layout.separate:
+        text += f" on the rollout stage's own {devices} devices"
     if layout.floor is not None:
         text += f"; decode floor {layout.floor.seconds:.3g} s per rollout ({layout.floor.step_seconds * 1e3:.3g} ms per token step)"
     return text

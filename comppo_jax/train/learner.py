@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from comppo_jax import sharding
-from comppo_jax.credit import clip_advantages, comp_gae, gae, grpo_advantages, masked_mean, whiten_advantages
-from comppo_jax.rollout import policy_gate
+from comppo_jax.credit import clip_advantages, comp_gae, decoupled_ppo_inputs, gae, grpo_advantages, masked_mean, whiten_advantages
+from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.train import controller
 from comppo_jax.train.guards import SkippedUpdates, nonfinite_credit
 from comppo_jax.train.methods import (Recipe, RunParts, control_gate, critic_warmup, gate_options, kl_coefficient, schedule_step,
@@ -95,6 +95,16 @@ def take_rows(batch: Minibatch, rows) -> Minibatch:
     )
 
 
+def importance_metrics(weights, mask, cap: float) -> dict:
+    """The behaviour -> proximal importance weights' token mean, max and truncated fraction (host floats)."""
+    valid = jax.device_get(mask).astype(bool)
+    values = jax.device_get(weights)[valid]
+    if not values.size:
+        return {}
+    return {"importance_weight/mean": float(values.mean()), "importance_weight/max": float(values.max()),
+            "importance_weight/truncated_fraction": float((values > cap).mean())}
+
+
 class Offload(NamedTuple):
     """train.offload_idle: what the next program does not read waits in host memory."""
 
@@ -120,6 +130,7 @@ class Learned(NamedTuple):
     gate_change: float | None  # gate_refresh=epoch: the refreshed gate's mean |change| from the rollout's
     nonfinite: list[str]  # what was not finite (the update skipped), empty when it applied
     applied_actor: bool  # the actor updated (past the critic warm-up)
+    importance: dict  # train.proximal=recompute: importance_weight/mean, /max, /truncated_fraction (behaviour -> proximal)
 
 
 class Learner:
@@ -134,6 +145,9 @@ class Learner:
         self.control_state = meta["controller"]
         self.skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
         self.warmup = critic_warmup(cfg, parts.recipe)
+        self.log_probs = jax.jit(lambda actor, batch: policy_token_stats(
+            cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
+            batch.response_tokens, cfg.rollout.temperature)[0])
 
     def meta(self) -> dict:
         return {"controller": self.control_state, "skipped_updates": self.skipped.state()}
@@ -145,7 +159,18 @@ class Learner:
         gate_key = jax.random.fold_in(step_rng, 1)
         scored = credit(cfg, self.parts, steps.values, state["critic"], experience.rollout, experience.sampled, gate_key,
                         self.batch_shardings)
-        batch = offload.to_update(scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"])))
+        batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
+        weigh, importance, weights = (lambda advantages: advantages), {}, None
+        if cfg.train.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
+            self.compiling("the proximal log-probs")
+            proximal = self.log_probs(state["actor"], batch)
+            old_log_probs, advantages, weights = decoupled_ppo_inputs(batch.old_log_probs, proximal, batch.advantages,
+                                                                      batch.response_mask, cfg.train.importance_weight_cap)
+            truncated = jnp.minimum(weights, cfg.train.importance_weight_cap)
+            weigh = lambda advantages: advantages * truncated
+            batch = batch._replace(old_log_probs=old_log_probs, advantages=advantages)
+            importance = importance_metrics(weights, batch.response_mask, cfg.train.importance_weight_cap)
+        batch = offload.to_update(batch)
         state["actor_opt"] = offload.fetch(state["actor_opt"])
         actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
                            kl_coef=kl_coefficient(cfg) * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
@@ -155,12 +180,14 @@ class Learner:
         update_metrics, gate_changes = [], []
         rows = batch.response_mask.shape[0]
         # A non-finite reward, value, advantage or return skips the whole update.
-        nonfinite = nonfinite_credit(scored.sampled.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
+        nonfinite = nonfinite_credit(scored.sampled.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns,
+                                     **({} if weights is None else {"importance weights": weights}))
         for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
             # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
             if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
                 self.compiling("the gate refresh")
                 fresh, kappa = refreshed_credit(cfg, self.parts, self.model_config, state["actor"], scored, gate_key, knobs["advantage_clip"])
+                fresh["advantages"] = weigh(fresh["advantages"])
                 gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
                 # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).
                 batch = batch._replace(**offload.to_update(fresh))
@@ -186,7 +213,7 @@ class Learner:
         self.skipped.record(nonfinite)
         metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
-        return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor)
+        return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
 
     def control(self, metrics: dict, learned: Learned) -> None:
         """The phase controller reads the step's metrics (only after an applied actor update)."""

@@ -52,6 +52,7 @@ from comppo_jax.train.methods import RunParts, actor_loss_of, init_critic, kl_te
 from comppo_jax.train.outputs import CONFIG_FILE, load_run_config, save_run_config
 from comppo_jax.train.recorder import Recorder, initial_meta
 from comppo_jax.train.rollout_stage import RolloutStage, load_encodable_problems
+from comppo_jax.train.staleness import RolloutQueue
 from comppo_jax.train.update import adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.validation import validate_config
 from comppo_jax.train.warm_start import cached_warm_start, warm_start
@@ -132,14 +133,14 @@ def train(cfg) -> dict:
     when it stopped before its first checkpoint)."""
     validate_config(cfg)  # every field, before any loading or compiling
     sharding.initialize_distributed(cfg.mesh)
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh, rollout_devices = training_mesh(cfg)
     check_batch(cfg, mesh)
-    decode_layout.check_config(cfg, mesh)
+    decode_layout.check_config(cfg, mesh, rollout_devices)
     os.makedirs(cfg.output_dir, exist_ok=True)
     # One writer per run directory; from here on a SIGTERM / SIGINT stops the run cleanly.
     with run_dir.locked(cfg.output_dir), StopSignals() as stop:
         try:
-            return run_training(cfg, mesh, stop)
+            return run_training(cfg, mesh, rollout_devices, stop)
         except RunStopped as error:
             return stopped_early(cfg, error.stage)
 
@@ -173,7 +174,19 @@ def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
     return run_dir.resume_changes(cfg, load_run_config(cfg.output_dir))
 
 
-def run_training(cfg, mesh, stop: StopSignals) -> dict:
+def training_mesh(cfg) -> tuple:
+    """(the training mesh, the rollout stage's own devices or None): with mesh.rollout_devices = r
+    the last r devices of every process roll out and `config.mesh` lays out the others."""
+    if not cfg.mesh.rollout_devices:
+        return sharding.make_mesh(cfg.mesh), None
+    try:
+        train_devices, rollout_devices = sharding.split_devices(cfg.mesh.rollout_devices)
+        return sharding.make_mesh(cfg.mesh, train_devices), rollout_devices
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
     """`train` inside the run directory's lock, with the stop signals installed: the state, the
     stages, then their schedule."""
     main_process = jax.process_index() == 0  # the one that writes metrics, summary and plots
@@ -194,7 +207,7 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
                              actor_loss=actor_loss_of(cfg))
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     # The sampler's weights move into its own layout once per step (rollout.mesh; comppo_jax.train.decode_layout).
-    decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"])
+    decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"], rollout_devices)
     logging.info("decode layout: %s", decode_layout.describe(decode))
     reference = (lambda: start.offload.fetch(start.reference)) if kl_term(cfg) else (lambda: None)
 
@@ -204,17 +217,20 @@ def run_training(cfg, mesh, stop: StopSignals) -> dict:
         rollout = RolloutStage(cfg, mesh, model_config, start.tokenizer, start.problems, parts, decode, reference,
                                controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens), pool, prompt_position=meta["prompts"],
                                stop=stop, compiling=compiling, show_progress=show_progress)
+        rollouts = RolloutQueue(rollout, cfg.rollout.staleness, total_steps(cfg, parts.recipe), state["rng"], start.snapshot)
+        rollouts.restore(meta.get("in_flight", []), start.behaviour)
         learner = Learner(cfg, model_config, parts, steps, batch_shardings, start.offload, meta, compiling)
         recorder = Recorder(cfg, checkpoints, meta, main_process=main_process)
-        return schedule(cfg, stop, state, rollout, learner, recorder, show_progress, compiling)
+        return schedule(cfg, stop, state, rollouts, learner, recorder, show_progress, compiling)
 
 
-def schedule(cfg, stop: StopSignals, state: dict, rollout: RolloutStage, learner: Learner, recorder: Recorder, show_progress: bool,
+def schedule(cfg, stop: StopSignals, state: dict, rollouts: RolloutQueue, learner: Learner, recorder: Recorder, show_progress: bool,
              compiling) -> dict:
-    """The run as a schedule of its stages: each step the rollout stage generates, rewards and
-    scores a batch with the current policy, the learner assigns credit and updates, the recorder
-    logs and checkpoints; a dev evaluation before the first step and after the last."""
-    meta, last_step = recorder.meta, recorder.last_step
+    """The run as a schedule of its stages: each step the rollout stage hands over a batch
+    generated, rewarded and scored by the policy after update max(0, step - 1 - staleness) (and
+    starts the later ones), the learner assigns credit and updates, the recorder logs and
+    checkpoints; a dev evaluation before the first step and after the last."""
+    meta, last_step, rollout = recorder.meta, recorder.last_step, rollouts.stage
     if "warm_start_dev_accuracy" not in meta:
         compiling("the dev evaluation")
         meta["warm_start_dev_accuracy"] = rollout.evaluate(state["actor"], stoppable=True)
@@ -224,10 +240,11 @@ def schedule(cfg, stop: StopSignals, state: dict, rollout: RolloutStage, learner
     for step in progress:
         recorder.checkpoints.confirm_saves()  # a failed async save stops the run here, in one line naming it
         started = time.time()
-        step_rng = jax.random.fold_in(state["rng"], step)
-        experience = rollout.collect(step, state["actor"], step - 1, step_rng, first=step == first_step)
-        state, learned = learner.update(state, experience, step, step_rng)
+        experience = rollouts.take(step, state["actor"], first=step == first_step)
+        updating = time.time()
+        state, learned = learner.update(state, experience, step, rollouts.key(step))
         metrics = recorder.step_metrics(step, experience, learned)
+        recorder.timeline(metrics, experience, (started, updating), (updating, time.time()))
         if recorder.evaluates(step):
             metrics["dev_accuracy"] = rollout.evaluate(state["actor"], stoppable=False)
         learner.control(metrics, learned)
@@ -236,7 +253,9 @@ def schedule(cfg, stop: StopSignals, state: dict, rollout: RolloutStage, learner
         progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
                              gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
         stopping = stop.requested() and step < last_step  # every process reads it at the same step
-        recorder.checkpoint(step, state, metrics, {"prompts": rollout.prompts.position, **learner.meta()}, stopping=stopping)
+        in_flight, in_flight_meta = rollouts.saved(state["actor"])
+        recorder.checkpoint(step, {**state, **in_flight}, metrics, {"prompts": rollout.prompts.position, **learner.meta(), **in_flight_meta},
+                            stopping=stopping)
         if stopping:
             return recorder.stopped(step)
     final_accuracy = rollout.evaluate(state["actor"], stoppable=True)  # after the last checkpoint: a resume redoes only this
@@ -253,6 +272,8 @@ class StartingPoint(NamedTuple):
     state: dict  # actor, actor_opt, critic, critic_opt, rng: on the training mesh
     meta: dict  # recorder.initial_meta()'s fields, as restored
     reference: Any  # the frozen reference policy (parked in host memory with train.offload_idle)
+    snapshot: Any  # actor -> a fresh compute-dtype copy on the training mesh (the generating policy of a batch started ahead)
+    behaviour: list  # a resumed run's policies of the batches in flight (rollout.staleness), else []
     actor_tx: Any
     critic_tx: Any
     offload: Offload
@@ -292,8 +313,13 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
     state = {"actor": actor, "actor_opt": actor_tx.init(actor), "critic": critic,
              "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}
     state = sharding.put(state, sharding.tree_shardings(mesh, state))
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, model_config.dtype), state["actor"])
+    snapshot = jax.jit(lambda actor: cast_params(actor, model_config.dtype), out_shardings=sharding.tree_shardings(mesh, compute))
+    behaviour = []
     if cfg.resume:  # into the mesh's shardings: every process reads its own shards
-        state, meta = restore_for_resume(cfg, checkpoints, state)
+        in_flight = {"behaviour": [snapshot(state["actor"])] * cfg.rollout.staleness} if cfg.rollout.staleness else {}
+        state, meta = restore_for_resume(cfg, checkpoints, {**state, **in_flight})
+        behaviour = state.pop("behaviour", [])
         if main_process:
             print(f"resuming from step {meta['step']} of {total_steps(cfg, parts.recipe)} ({checkpoints.steps_directory}/{meta['step']})",
                   flush=True)
@@ -304,5 +330,5 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
         checkpoints.save_reference(reference)
     offload = Offload.of(cfg.train.offload_idle)
     reference, state["actor_opt"] = offload.park(reference), offload.park(state["actor_opt"])
-    return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, reference, actor_tx, critic_tx,
-                         offload)
+    return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, reference, snapshot, behaviour,
+                         actor_tx, critic_tx, offload)

@@ -35,6 +35,7 @@ CRITICS = ("tac", "standard", "none")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
 GATE_REFRESH = ("rollout", "epoch")
 KL_AGGREGATIONS = ("token-mean", "policy")
+PROXIMAL = ("behaviour", "recompute")  # train.proximal: the policy the PPO ratio is clipped against
 
 
 @dataclasses.dataclass(frozen=True)

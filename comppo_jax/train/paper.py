@@ -128,6 +128,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         max_refills=(3, "dynamic_sampling: extra sampling rounds per step at most; groups still missing then are filled with "
                         "dropped ones (-1: draw until the batch is full, stopping the run if a whole pass over the training "
                         "prompts cannot fill it, as DAPO)"),
+        staleness=(0, "bounded staleness k: batch n is generated and behaviour-scored by the policy after update "
+                      "max(0, n-1-k), so the rollout of later batches runs during earlier updates (0: the synchronous loop)"),
     )
     # The sampler's own layout (comppo_jax.train.decode_layout): weights split over a tensor-parallel
     # group, replicated over the rest, moved there once per step.
@@ -166,6 +168,10 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         offload_idle=(False, "keep idle state in host memory: the AdamW moments outside the update, the reference between "
                              "scoring passes, the rollout batch during the update (launch/plan.py shows the HBM freed and the "
                              "transfer time)"),
+        proximal=("behaviour", "the policy the PPO ratio is clipped against: behaviour (the generating policy, the paper's) | "
+                               "recompute (AReaL's decoupled objective: a proximal policy recomputed with the current params "
+                               "before the update, importance weights behaviour -> proximal truncated at importance_weight_cap)"),
+        importance_weight_cap=(5.0, "proximal=recompute: the behaviour -> proximal importance weight's truncation"),
     )
     config.critic = _section(
         "critic.",
@@ -204,6 +210,7 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         coordinator_address=("", "multi-host: host:port of process 0 (\"\": found by JAX, e.g. on TPU pods)"),
         num_processes=(0, "multi-host: processes (0: found by JAX)"),
         process_id=(0, "multi-host: this process's index"),
+        rollout_devices=(0, "devices of every process the rollout stage runs on, training on the rest (0: both on every device)"),
     )
     # Every checkpoint carries per-leaf content digests, verified on restore.
     config.checkpoint = _section(

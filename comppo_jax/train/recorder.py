@@ -48,6 +48,7 @@ class Recorder:
         made = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
         self.last_step, self.warmup, self.prepended = total_steps(cfg, made), critic_warmup(cfg, made), prepended_warmup(cfg, made)
         self.has_critic = made.critic != "none"
+        self.update_windows: list[tuple[float, float]] = []  # the last updates' (start, end) wall times
         self.writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
 
     def evaluates(self, step: int) -> bool:
@@ -76,8 +77,21 @@ class Recorder:
         if self.has_critic:
             metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), sampled.reward_tokens, host(scored.kappa),
                                               host_mask))
+        metrics.update(learned.importance)
         metrics["actor_updates"] = max(0, step - self.warmup)
+        metrics["staleness"] = step - 1 - experience.version  # updates between the generating policy and the learner's
         return metrics
+
+    def timeline(self, metrics: dict, experience, rollout_window: tuple[float, float], update_window: tuple[float, float]) -> None:
+        """Adds the step's wall times: the rollout stage's host time, the update's, the generation
+        of this step's batch (dispatch to ready) and the fraction of it that ran during updates."""
+        self.update_windows = (self.update_windows + [update_window])[-(self.cfg.rollout.staleness + 2):]
+        started, ready = experience.generation_window
+        overlapped = sum(max(0.0, min(ready, end) - max(started, begin)) for begin, end in self.update_windows)
+        metrics.update({"timing/rollout_seconds": rollout_window[1] - rollout_window[0],
+                        "timing/update_seconds": update_window[1] - update_window[0],
+                        "timing/generation_seconds": ready - started,
+                        "timing/generation_overlap": overlapped / max(ready - started, 1e-9)})
 
     def record(self, step: int, metrics: dict, experience, learned, *, skipped: SkippedUpdates, phase: str, started: float) -> None:
         """Writes step `step`'s metrics (after its dev evaluation and the controller), with its first response as a sample."""

@@ -23,7 +23,7 @@ from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
 from comppo_jax.train.decode_layout import parse_tensor
-from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES
+from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES, PROXIMAL
 from comppo_jax.train.sampling import DYNAMIC_SAMPLING_FILTERS
 
 CRITIC_KINDS = ("tac", "standard")
@@ -162,6 +162,9 @@ def _check_combinations(problems: _Problems, cfg) -> None:
     if not cfg.train.group_std_normalization and cfg.method != "grpo":
         problems.add("train.group_std_normalization", f"only GRPO's group-relative advantages divide by a group std "
                                                       f"(method={cfg.method!r}); pass --config.train.group_std_normalization=True")
+    if cfg.train.proximal == "recompute" and cfg.train.policy_loss != "ppo":
+        problems.add("train.proximal", f"the decoupled objective weights per-token ratios; {cfg.train.policy_loss} clips a sequence "
+                                       "ratio: pass --config.train.proximal=behaviour or --config.train.policy_loss=ppo")
     if cfg.rollout.dynamic_sampling and cfg.rollout.samples_per_prompt < 2:
         problems.add("rollout.dynamic_sampling", "a group of one response always has equal rewards, so every group would be "
                                                  "dropped; raise rollout.samples_per_prompt or pass --config.rollout.dynamic_sampling=False")
@@ -198,6 +201,10 @@ def validate_config(cfg) -> None:
     problems.number("train.gspo_clip_low", low=0, high=1, low_open=True)
     problems.number("train.gspo_clip_high", low=0, low_open=True)
     problems.number("rollout.max_refills", low=-1, integer=True)
+    problems.number("rollout.staleness", low=0, integer=True)
+    problems.enum("train.proximal", PROXIMAL)
+    problems.number("train.importance_weight_cap", low=1)
+    problems.number("mesh.rollout_devices", low=0, integer=True)
     try:
         parse_tensor(problems.value("rollout.mesh.tensor"))
     except ValueError:

@@ -1,0 +1,120 @@
+"""Bounded staleness: which policy generates each batch, checkpoints of the batches in flight, and
+runs at staleness 1 and 2 that resume bitwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from comppo_jax.train import loop
+from comppo_jax.train.staleness import RolloutQueue, generating_version
+from conftest import WALL_CLOCK, small_train_config
+
+
+def test_batch_n_is_generated_after_update_max_0_n_minus_1_minus_k():
+    assert [generating_version(n, 0) for n in range(1, 6)] == [0, 1, 2, 3, 4]
+    assert [generating_version(n, 1) for n in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [generating_version(n, 2) for n in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+class FakeStage:
+    """Records what the queue asks of the rollout stage: a policy is the actor's version as a string."""
+
+    def __init__(self):
+        self.calls, self.next_prompt = [], 0
+
+    def start(self, step, policy, version, key, prompts=None):
+        if prompts is None:
+            prompts, self.next_prompt = [self.next_prompt], self.next_prompt + 1
+        self.calls.append(("start", step, policy, version))
+        return SimpleNamespace(step=step, policy=policy, version=version, prompts=prompts)
+
+    def finish(self, started, key, *, first):
+        self.calls.append(("finish", started.step))
+        return SimpleNamespace(step=started.step, version=started.version, policy=started.policy, prompts=started.prompts)
+
+
+def run_queue(staleness, steps, last_step, queue=None):
+    """Takes batches `steps`; the actor after update v is "v" (its snapshot "copy of v")."""
+    queue = queue or RolloutQueue(FakeStage(), staleness, last_step, jax.random.PRNGKey(0), lambda actor: f"copy of {actor}")
+    taken = [queue.take(step, str(step - 1), first=step == steps[0]) for step in steps]
+    return queue, taken
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_the_queue_starts_batch_n_with_that_policy_before_update_n_minus_k_and_finishes_it_at_step_n(staleness):
+    queue, taken = run_queue(staleness, range(1, 7), last_step=6)
+    assert [batch.version for batch in taken] == [generating_version(n, staleness) for n in range(1, 7)]
+    # Staleness 0: the actor itself, started and finished in its own step (the synchronous loop).
+    assert [batch.policy for batch in taken] == [str(v) if staleness == 0 else f"copy of {v}" for v in (b.version for b in taken)]
+    assert [batch.prompts for batch in taken] == [[n - 1] for n in range(1, 7)]  # the stream in batch order
+    starts = [call for call in queue.stage.calls if call[0] == "start"]
+    assert [call[1] for call in starts] == list(range(1, 7)) and not queue.pending  # none past the last step
+    if staleness:  # batch n + k is started right after batch n is finished, before update n
+        calls = queue.stage.calls
+        for n in range(2, 7 - staleness):
+            assert calls.index(("start", n + staleness, f"copy of {n - 1}", n - 1)) == calls.index(("finish", n)) + 1
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_queue_restored_from_what_a_checkpoint_saves_continues_as_the_straight_one(staleness):
+    _, straight = run_queue(staleness, range(1, 7), last_step=6)
+    first, _ = run_queue(staleness, range(1, 4), last_step=6)
+    state, meta = first.saved("3")
+    assert len(state["behaviour"]) == staleness  # fixed by k: the checkpoint's structure does not change
+    assert [entry["step"] for entry in meta["in_flight"]] == list(range(4, 4 + staleness))
+    assert [entry["version"] for entry in meta["in_flight"]] == [generating_version(n, staleness) for n in range(4, 4 + staleness)]
+    stage = FakeStage()
+    stage.next_prompt = first.stage.next_prompt  # the prompt stream's checkpointed position
+    resumed = RolloutQueue(stage, staleness, 6, jax.random.PRNGKey(0), lambda actor: f"copy of {actor}")
+    resumed.restore(json.loads(json.dumps(meta["in_flight"])), state["behaviour"])
+    _, rest = run_queue(staleness, range(4, 7), last_step=6, queue=resumed)
+    assert [vars(b) for b in rest] == [vars(b) for b in straight[3:]]
+    # Near the end fewer batches are in flight; the saved policies are padded to k.
+    last_state, last_meta = run_queue(staleness, range(1, 7), last_step=6)[0].saved("6")
+    assert len(last_state["behaviour"]) == staleness and last_meta["in_flight"] == []
+
+
+def metric_rows(run):
+    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def restored_state(run, step):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(run / "checkpoints" / str(step) / "state")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness, settings", [
+    (1, dict(rollout__dynamic_sampling=True, train__eval_every=2)),
+    (2, dict(train__proximal="recompute", gate_refresh="epoch")),
+])
+def test_a_stale_run_resumed_from_a_mid_run_checkpoint_equals_the_straight_run_bitwise(tmp_path, staleness, settings):
+    # Steps 1..5 (a critic warm-up step, then 4 actor updates), a checkpoint after each.
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    config = lambda run, **more: small_train_config(run, steps=4, rollout__staleness=staleness, checkpoint__keep_last=10, **settings,
+                                                    **more)
+    loop.train(config(straight))
+    rows = metric_rows(straight)
+    assert [row["staleness"] for row in rows] == [min(staleness, n - 1) for n in range(1, 6)]
+    if settings.get("train__proximal") == "recompute":
+        # Batch 1 is on-policy: the proximal log-probs recompute the behaviour's (another program: rounding apart).
+        assert rows[0]["importance_weight/max"] == pytest.approx(1.0, abs=1e-5)
+        assert all(row["importance_weight/mean"] > 0 for row in rows)
+    # The run as if it had stopped after step 2: checkpoints 3.. and the summary gone, then resumed.
+    shutil.copytree(straight, resumed)
+    for step in (3, 4, 5):
+        shutil.rmtree(resumed / "checkpoints" / str(step))
+    (resumed / "summary.json").unlink()
+    loop.train(config(resumed, resume=True))
+    assert metric_rows(resumed) == rows
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(straight, 5))[0],
+                            jax.tree.leaves(restored_state(resumed, 5))):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
