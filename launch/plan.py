@@ -16,6 +16,13 @@ its roofline time on the chip's published peaks, how often a train step runs it,
 total and MFU (comppo_jax.train.cost). `--markdown=FILE` / `--time_markdown=FILE` append the
 tables as markdown, `--summary_markdown=FILE` one row per topology (decode beside its floor, the
 step, MFU); `--decode_layouts=train,4` also compiles the sampler in those layouts, side by side.
+
+`--overlap` prints instead, without compiling, the overlapped step (rollout.staleness >= 1 with
+mesh.rollout_devices) beside the synchronous colocated one for every rollout / learner split of
+the slice, with every response at the limit and with a real run's long-tailed lengths
+(comppo_jax.train.overlap):
+
+    python launch/plan.py --config=configs/qwen3_4b.py --topology=v5p:2x2x2,v6e:4x4 --overlap
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ _TIME_MARKDOWN = flags.DEFINE_string("time_markdown", "", "Append the step-time 
 _DECODE_LAYOUTS = flags.DEFINE_list("decode_layouts", [], "Also compile the sampler in these decode layouts (rollout.mesh.tensor "
                                     "values: train, auto, a group size) and report each beside the config's own, the other "
                                     "programs compiled once.")
+_OVERLAP = flags.DEFINE_bool("overlap", False, "Print the overlapped step's cost model for every rollout / learner split "
+                             "(no compiles).")
 _SUMMARY_MARKDOWN = flags.DEFINE_string("summary_markdown", "", "Append one row per topology as markdown to this file: the decode "
                                         "layout, each program's seconds per step, decode beside its floor, the step and its MFU.")
 
@@ -46,6 +55,10 @@ def main(argv):
 
     cfg = _CONFIG.value
     name = os.path.basename(flags.FLAGS["config"].config_filename)
+    if _OVERLAP.value:
+        for topology in _TOPOLOGY.value:
+            print_overlap(cfg, name, topology)
+        return
     for topology in _TOPOLOGY.value:
         log = lambda m: print(m, flush=True)
         result = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=log)
@@ -64,6 +77,28 @@ def main(argv):
                 total = ["**step**" + label, "", "", "", "", "", "", f"**{summary.seconds:.3g}**", f"MFU **{summary.mfu:.1%}**"]
                 write_rows(_TIME_MARKDOWN.value, prefix, plan.time_rows(result) + [total])
             write_rows(_SUMMARY_MARKDOWN.value, prefix, [plan.summary_row(result)])
+
+
+def print_overlap(cfg, name: str, topology: str) -> None:
+    """The overlapped step's splits on `topology` (its chips counted from the shape, e.g. 2x2x2 = 8)."""
+    import math
+
+    import numpy as np
+
+    from comppo_jax.models import model_config
+    from comppo_jax.train import controller, cost as costs, overlap, plan
+
+    family, shape = topology.split(":")
+    chips = math.prod(int(d) for d in shape.split("x"))
+    config, rows, limit = model_config(cfg.model), cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens
+    epochs = max(controller.KNOBS["actor_epochs"])  # the phase controller's epochs per step (2 but in its last phase)
+    for label, lengths in (("every response at the limit", np.full(rows, limit)),
+                           ("long-tailed lengths", overlap.long_tail_lengths(rows, limit))):
+        results = overlap.splits(config, costs.CHIPS[family], chips, lengths, prompt_length=_PROMPT.value, epochs=epochs,
+                                 remat=cfg.model.remat == "full")
+        print(f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, longest {lengths.max()}), "
+              f"{epochs} epochs:")
+        print("\n".join(plan.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
 
 
 def write_rows(path: str, prefix: list[str], rows: list[list[str]]) -> None:

@@ -504,7 +504,7 @@ def table_rows(result: Plan) -> list[list[str]]:
             for step in result.steps]
 
 
-def _aligned(header, rows) -> list[str]:
+def aligned(header, rows) -> list[str]:
     """`rows` under `header` as right-aligned text lines."""
     rows = [list(header)] + rows
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -520,9 +520,9 @@ def format_plan(result: Plan) -> str:
              + (f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
                 if result.transfer_bytes else "")]
     lines += format_decode(result)
-    lines += _aligned(TABLE_COLUMNS, table_rows(result))
+    lines += aligned(TABLE_COLUMNS, table_rows(result))
     lines += ["step time per chip (roofline: comppo_jax.train.cost):"]
-    lines += _aligned(TIME_COLUMNS, time_rows(result))
+    lines += aligned(TIME_COLUMNS, time_rows(result))
     return "\n".join(lines + [format_summary(result)])
 
 

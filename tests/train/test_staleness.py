@@ -118,3 +118,57 @@ def test_a_stale_run_resumed_from_a_mid_run_checkpoint_equals_the_straight_run_b
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(straight, 5))[0],
                             jax.tree.leaves(restored_state(resumed, 5))):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+SEPARATE = dict(steps=3, rollout__prompts_per_step=4, train__minibatch_size=4, train__eval_every=2, mesh__data=2, mesh__fsdp=2,
+                mesh__tensor=1, rollout__staleness=1, checkpoint__keep_last=10)
+
+
+def launch(run, *, processes=1, **overrides):
+    """launch/train.py on 8 fake CPU devices: one process, or `processes` x 8 / processes (launch/local_cluster.py)."""
+    import subprocess
+    import sys
+
+    from conftest import CPU_ONLY_ENV, REPO, small_train_flags
+
+    flags = small_train_flags(run, **{**SEPARATE, **overrides})
+    if processes == 1:
+        command, env = [sys.executable, "launch/train.py", *flags], dict(CPU_ONLY_ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    else:
+        command = [sys.executable, "launch/local_cluster.py", f"--processes={processes}", f"--devices_per_process={8 // processes}",
+                   "--collective_timeout_s=120", "--", "launch/train.py", *flags]
+        env = CPU_ONLY_ENV
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+@pytest.mark.slow
+def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_run_bitwise(tmp_path):
+    # 8 devices: the rollout stage decodes on 4, the learner trains on the other 4 (data 2 x fsdp 2, which 8 devices would refuse).
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(straight, mesh__rollout_devices=4)
+    shutil.copytree(straight, resumed)
+    for step in (3, 4):
+        shutil.rmtree(resumed / "checkpoints" / str(step))
+    (resumed / "summary.json").unlink()
+    launch(resumed, mesh__rollout_devices=4, resume=True)
+    assert metric_rows(resumed) == metric_rows(straight) and [row["staleness"] for row in metric_rows(straight)] == [0, 1, 1, 1]
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(straight, 4))[0], jax.tree.leaves(restored_state(resumed, 4))):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_two_processes_with_their_own_rollout_devices_sample_and_reward_as_one_process(tmp_path):
+    # 2 processes x 4 devices (2 rollout + 2 training each) against 1 process x 8 (4 + 4). The same
+    # batches are sampled and rewarded; the learner's float sums round differently across the two
+    # processes' gloo all-reduces here (up to ~1e-5 relative on this CPU; not yet bitwise).
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(one, mesh__rollout_devices=4)
+    launch(two, processes=2, mesh__rollout_devices=2)
+    exact = ("reward/mean", "response_length", "response_clip_ratio", "staleness", "step", "actor_updates", "sample")
+    for a, b in zip(metric_rows(one), metric_rows(two), strict=True):
+        assert {k: a[k] for k in exact if k in a} == {k: b[k] for k in exact if k in b}
+        for key in ("gate/mean", "value_loss", "entropy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4), key

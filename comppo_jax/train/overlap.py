@@ -1,0 +1,135 @@
+"""The overlapped step's cost model: how to split a slice between the rollout and the learner.
+
+With rollout.staleness >= 1 and mesh.rollout_devices = r, the rollout stage decodes on r chips
+while the learner scores and updates on the other N - r, so a step costs the longer of the two
+plus the weights' move to the rollout chips; the synchronous colocated step pays both in turn on
+all N chips. Both are rooflines, as the plan's:
+
+- decoding (`rollout_seconds`): per token step, each chip reads its share of the weights (groups
+  of G chips, `decode_layout`) and the live rows' KV cache, and its group pays the per-layer
+  collectives' latency; rows end at their own lengths, so with a long-tailed length distribution
+  (`long_tail_lengths`: most responses far below the limit, a few clipped at it, as in a real 16K
+  run) the cache shrinks as the step goes on, but the loop runs to the longest row;
+- the learner (`learner_seconds`): the scoring pass (behaviour and reference forwards) and the
+  actor's epochs of forward + backward over the batch padded to its longest row, at the chips'
+  peak (the compiled actor update is compute-bound in the plan), on the learner's chips. The
+  scoring pass stays on the learner's side: it needs the batch's generating policy, which the
+  learner's chips hold (a copy of the actor before its update), and it moves only token ids
+  across instead of the critic's features (layers x rows x length x hidden);
+- the move (`transfer_seconds`): the compute-dtype weights sent once over the interconnect.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from comppo_jax.models.config import ModelConfig
+from comppo_jax.train import cost as costs
+from comppo_jax.train.decode_layout import group_sizes, pool_heads_per_chip, weight_bytes_per_chip
+
+# A 16K run's response lengths: log-normal around 30% of the limit, 5% clipped at it (DAPO-style
+# math runs clip a few percent; most responses end far earlier).
+TAIL_MEDIAN, TAIL_SIGMA, TAIL_CLIPPED = 0.3, 0.6, 0.05
+
+
+def long_tail_lengths(rows: int, max_new_tokens: int, *, median=TAIL_MEDIAN, sigma=TAIL_SIGMA, clipped=TAIL_CLIPPED) -> np.ndarray:
+    """[rows] response lengths at evenly spaced quantiles of the log-normal (deterministic), the
+    top `clipped` fraction (at least one row) at the limit."""
+    quantiles = (np.arange(rows) + 0.5) / rows
+    from statistics import NormalDist
+
+    normal = np.asarray([NormalDist().inv_cdf(q) for q in quantiles])
+    lengths = np.minimum(np.exp(np.log(median * max_new_tokens) + sigma * normal), max_new_tokens)
+    lengths[-max(1, int(round(clipped * rows))):] = max_new_tokens
+    return np.maximum(lengths.astype(int), 1)
+
+
+def rollout_seconds(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, prompt_length: int) -> tuple[float, int]:
+    """(the decode roofline of rows of `lengths` on `devices` chips, the group size G it takes:
+    the fastest `group_sizes` allows). Rows are dealt to the devices / G replicas in turn."""
+    itemsize = np.dtype(config.dtype).itemsize
+    best = None
+    for tensor in group_sizes(config, devices):
+        replicas = devices // tensor
+        _, read = weight_bytes_per_chip(config, tensor)
+        kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
+        hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps("all-gather", tensor)
+        steps = np.arange(int(lengths.max()))
+        per_replica = []
+        for replica in range(replicas):
+            mine = np.sort(lengths[replica::replicas])
+            live = len(mine) - np.searchsorted(mine, steps, side="right")  # rows still decoding at each step
+            context = live * (prompt_length + steps)  # positions their attention reads
+            flops = 2 * live * read / itemsize
+            per_replica.append(np.maximum(flops / costs.peak_flops(chip, config.dtype), (read + context * kv_per_position) / chip.hbm_bytes))
+        seconds = float(np.sum(np.max(per_replica, axis=0)) + len(steps) * hops * chip.hop_latency)
+        if best is None or seconds < best[0]:
+            best = (seconds, tensor)
+    return best
+
+
+def learner_seconds(config: ModelConfig, chip: costs.Chip, devices: int, *, rows: int, length: int, epochs: int,
+                    reference: bool = True, behaviour: bool = True, remat: bool = True) -> float:
+    """Scoring (behaviour and reference forwards) and `epochs` forward + backward passes over
+    `rows` rows of `length` tokens (padded to the longest), at `devices` chips' peak; `remat`
+    (model.remat=full) recomputes each forward in the backward pass."""
+    from comppo_jax.train.plan import matmul_params
+
+    n = matmul_params(config)
+    forward = rows * length * (2 * n + 4 * config.num_layers * config.num_heads * config.head_dim * length / 2)
+    flops = (int(reference) + int(behaviour)) * forward + epochs * (4 if remat else 3) * forward
+    return flops / (devices * costs.peak_flops(chip, config.dtype))
+
+
+def transfer_seconds(config: ModelConfig, chip: costs.Chip, devices: int) -> float:
+    """The compute-dtype weights sent to `devices` rollout chips over the interconnect (each chip
+    receives at least its share, at its link rate)."""
+    held, _ = weight_bytes_per_chip(config, 1)
+    return held / devices / chip.ici_bytes if devices else 0.0
+
+
+class Split(NamedTuple):
+    rollout_devices: int  # 0: the synchronous colocated step
+    group: int  # G of the rollout
+    rollout: float
+    learner: float
+    transfer: float
+
+    @property
+    def seconds(self) -> float:
+        if not self.rollout_devices:
+            return self.rollout + self.learner
+        return max(self.rollout, self.learner) + self.transfer
+
+
+def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, *, prompt_length: int, epochs: int,
+           reference: bool = True, remat: bool = True) -> list[Split]:
+    """The synchronous colocated step (rollout_devices 0), then every split r = 1 .. devices - 1."""
+    length = prompt_length + int(lengths.max())
+    learner = lambda chips: learner_seconds(config, chip, chips, rows=len(lengths), length=length, epochs=epochs, reference=reference,
+                                            remat=remat)
+    rollout, group = rollout_seconds(config, chip, devices, lengths, prompt_length)
+    result = [Split(0, group, rollout, learner(devices), 0.0)]
+    for r in range(1, devices):
+        if not group_sizes(config, r):
+            continue
+        rollout, group = rollout_seconds(config, chip, r, lengths, prompt_length)
+        result.append(Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r)))
+    return result
+
+
+COLUMNS = ("rollout chips", "G", "rollout s", "learner s", "weights move s", "step s", "vs synchronous")
+
+
+def split_rows(results: list[Split]) -> list[list[str]]:
+    """One row per split (COLUMNS), the synchronous step first; the best split marked."""
+    synchronous = results[0].seconds
+    best = min(results[1:], key=lambda s: s.seconds, default=None)
+    rows = []
+    for s in results:
+        label = "synchronous" if not s.rollout_devices else str(s.rollout_devices) + (" (best)" if s is best else "")
+        rows.append([label, str(s.group), f"{s.rollout:.3g}", f"{s.learner:.3g}", f"{s.transfer:.2g}", f"{s.seconds:.3g}",
+                     f"{synchronous / s.seconds:.2f}x"])
+    return rows

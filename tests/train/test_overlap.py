@@ -1,0 +1,46 @@
+"""The overlapped step's cost model: consistent with the decode floor, and the prediction the docs quote."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from comppo_jax.models import load_config_file, model_config
+from comppo_jax.train import cost as costs, decode_layout, overlap
+from conftest import REPO
+
+
+def qwen3_4b():
+    return model_config(load_config_file(f"{REPO}/configs/qwen3_4b.py").model)
+
+
+def test_every_row_at_the_limit_decodes_in_the_decode_floor_of_its_best_group():
+    config, chip = qwen3_4b(), costs.CHIPS["v5p"]
+    seconds, group = overlap.rollout_seconds(config, chip, 8, np.full(16, 16384), 512)
+    floors = decode_layout.floors(config, chip, 8, num_prompts=4, samples=4, prompt_length=512, max_new_tokens=16384, page_size=64,
+                                  decode_slots=None)
+    best = min(floors, key=lambda f: f.seconds)
+    assert group == best.tensor and seconds == pytest.approx(best.seconds, rel=0.02)
+
+
+def test_long_tailed_lengths_are_mostly_short_with_a_few_at_the_limit():
+    lengths = overlap.long_tail_lengths(16, 16384)
+    assert lengths.max() == 16384 and (lengths == 16384).sum() == 1 and np.median(lengths) < 0.4 * 16384
+
+
+def test_the_learner_halves_on_twice_the_chips_and_the_split_pays_the_longer_stage():
+    config, chip = qwen3_4b(), costs.CHIPS["v5p"]
+    one = overlap.learner_seconds(config, chip, 4, rows=16, length=16896, epochs=2)
+    assert overlap.learner_seconds(config, chip, 8, rows=16, length=16896, epochs=2) == pytest.approx(one / 2)
+    split = overlap.Split(4, 4, rollout=10.0, learner=7.0, transfer=0.5)
+    assert split.seconds == 10.5 and overlap.Split(0, 4, 10.0, 7.0, 0.0).seconds == 17.0
+
+
+def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_1_30x_docs_quote():
+    # docs/benchmarks.md quotes this prediction: 1.297x (the goal, >= 1.3x, missed by a hair).
+    lengths = overlap.long_tail_lengths(16, 16384)
+    results = overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2)
+    best = min(results[1:], key=lambda s: s.seconds)
+    assert best.rollout_devices == 4 and results[0].seconds / best.seconds == pytest.approx(1.297, abs=0.001)
+    rows = overlap.split_rows(results)
+    assert rows[0][0] == "synchronous" and "(best)" in rows[4][0]
