@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
@@ -96,30 +97,44 @@ def move(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(_move_array, tree, shardings)
 
 
-def _within(inner: tuple, outer: tuple, shape) -> tuple | None:
-    """`inner`'s index as a slice of the block `outer` (None when it is not inside it)."""
-    relative = []
-    for a, b, size in zip(inner, outer, shape):
-        a_start, a_stop, _ = a.indices(size)
-        b_start, b_stop, _ = b.indices(size)
-        if a_start < b_start or a_stop > b_stop:
-            return None
-        relative.append(slice(a_start - b_start, a_stop - b_start))
-    return tuple(relative)
+def _bounds(index: tuple, shape) -> list[tuple[int, int]]:
+    return [block.indices(size)[:2] for block, size in zip(index, shape)]
 
 
 def _move_array(x: jax.Array, target: NamedSharding) -> jax.Array:
+    """`x` with sharding `target`, each target block stitched from this process's source blocks."""
+    local = {}  # this process's distinct source blocks (replicas hold the same one)
+    for shard in x.addressable_shards:
+        local.setdefault(tuple(_bounds(shard.index, x.shape)), shard.data)
     pieces = []
     for device, index in target.addressable_devices_indices_map(x.shape).items():
-        for shard in x.addressable_shards:
-            inside = _within(index, shard.index, x.shape)
-            if inside is not None:
-                pieces.append(jax.device_put(shard.data[inside], device))
-                break
-        else:
-            raise ValueError(f"an array {x.shape} sharded {x.sharding.spec} holds no block on process {jax.process_index()} that "
-                             f"contains {index}, which {device} needs under {target.spec}")
+        block = _bounds(index, x.shape)
+        parts = []
+        for bounds, data in local.items():
+            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(block, bounds)]
+            if all(lo < hi for lo, hi in overlap) or not block:
+                parts.append((overlap, bounds, data))
+        volume = lambda region: int(np.prod([hi - lo for lo, hi in region]))
+        if sum(volume(region) for region, _, _ in parts) != volume(block):
+            raise ValueError(f"an array {x.shape} sharded {x.sharding.spec} holds on process {jax.process_index()} only part of the "
+                             f"block {index} that {device} needs under {target.spec}")
+        if len(parts) == 1 and parts[0][0] == parts[0][1] == block:
+            pieces.append(jax.device_put(parts[0][2], device))
+            continue
+        with _on(device):  # slicing and placing are programs on one device, outside any context mesh's devices
+            out = jnp.zeros([hi - lo for lo, hi in block], x.dtype, device=device)
+        for region, bounds, data in parts:
+            with _on(next(iter(data.devices()))):
+                piece = data[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(region, bounds))]
+            with _on(device):
+                out = out.at[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(region, block))].set(jax.device_put(piece, device))
+        pieces.append(out)
     return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
+
+
+def _on(device):
+    """`device`'s own one-device mesh as the context mesh (a program on it runs whatever mesh encloses it)."""
+    return jax.set_mesh(Mesh(np.asarray([device]).reshape((1,) * len(AXES)), AXES))
 
 
 def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:

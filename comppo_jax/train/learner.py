@@ -180,8 +180,9 @@ class Learner:
         update_metrics, gate_changes = [], []
         rows = batch.response_mask.shape[0]
         # A non-finite reward, value, advantage or return skips the whole update.
-        nonfinite = nonfinite_credit(scored.sampled.rewards, values=batch.old_values, advantages=batch.advantages, returns=batch.returns,
-                                     **({} if weights is None else {"importance weights": weights}))
+        # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
+        nonfinite = nonfinite_credit(scored.sampled.rewards, **({} if weights is None else {"importance weights": weights}),
+                                     values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
         for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
             # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
             if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
