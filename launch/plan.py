@@ -99,6 +99,11 @@ def print_overlap(cfg, name: str, topology: str) -> None:
         print(f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, longest {lengths.max()}), "
               f"{epochs} epochs:")
         print("\n".join(plan.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
+        moved = overlap.splits(config, costs.CHIPS[family], chips, lengths, prompt_length=_PROMPT.value, epochs=epochs,
+                               remat=cfg.model.remat == "full", scoring="rollout")
+        best = min(moved[1:], key=lambda s: s.seconds)
+        print(f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} rollout chips, "
+              f"{best.seconds:.3g} s, {moved[0].seconds / best.seconds:.2f}x", flush=True)
 
 
 def write_rows(path: str, prefix: list[str], rows: list[list[str]]) -> None:

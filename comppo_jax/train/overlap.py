@@ -12,11 +12,13 @@ all N chips. Both are rooflines, as the plan's:
   run) the cache shrinks as the step goes on, but the loop runs to the longest row;
 - the learner (`learner_seconds`): the scoring pass (behaviour and reference forwards) and the
   actor's epochs of forward + backward over the batch padded to its longest row, at the chips'
-  peak (the compiled actor update is compute-bound in the plan), on the learner's chips. The
-  scoring pass stays on the learner's side: it needs the batch's generating policy, which the
-  learner's chips hold (a copy of the actor before its update), and it moves only token ids
-  across instead of the critic's features (layers x rows x length x hidden);
+  peak (the compiled actor update is compute-bound in the plan), on the learner's chips;
 - the move (`transfer_seconds`): the compute-dtype weights sent once over the interconnect.
+
+Where the scoring pass runs is a choice (`splits(scoring=...)`): on the learner's chips (what
+the loop does: they hold the generating policy, and only token ids cross) or on the rollout's
+(then the critic's features, layers x rows x length x hidden, cross instead, `feature_bytes`).
+It belongs to the shorter stage; at 16K the rollout is the longer one (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -83,6 +85,17 @@ def learner_seconds(config: ModelConfig, chip: costs.Chip, devices: int, *, rows
     return flops / (devices * costs.peak_flops(chip, config.dtype))
 
 
+def scoring_seconds(config: ModelConfig, chip: costs.Chip, devices: int, *, rows: int, length: int, reference: bool = True) -> float:
+    """The scoring pass alone (behaviour and reference forwards) on `devices` chips."""
+    return learner_seconds(config, chip, devices, rows=rows, length=length, epochs=0, reference=reference)
+
+
+def feature_bytes(config: ModelConfig, *, rows: int, length: int, fused_layers: int = 4) -> float:
+    """What crosses when the rollout's chips score: TAC's fused hidden states (compute dtype) and
+    the per-token log-probs, reference log-probs and gate (float32)."""
+    return rows * length * (fused_layers * config.hidden_size * np.dtype(config.dtype).itemsize + 3 * 4)
+
+
 def transfer_seconds(config: ModelConfig, chip: costs.Chip, devices: int) -> float:
     """The compute-dtype weights sent to `devices` rollout chips over the interconnect (each chip
     receives at least its share, at its link rate)."""
@@ -105,10 +118,11 @@ class Split(NamedTuple):
 
 
 def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, *, prompt_length: int, epochs: int,
-           reference: bool = True, remat: bool = True) -> list[Split]:
-    """The synchronous colocated step (rollout_devices 0), then every split r = 1 .. devices - 1."""
-    length = prompt_length + int(lengths.max())
-    learner = lambda chips: learner_seconds(config, chip, chips, rows=len(lengths), length=length, epochs=epochs, reference=reference,
+           reference: bool = True, remat: bool = True, scoring: str = "learner") -> list[Split]:
+    """The synchronous colocated step (rollout_devices 0), then every split r = 1 .. devices - 1,
+    the scoring pass on the `scoring` ("learner" or "rollout") side."""
+    rows, length = len(lengths), prompt_length + int(lengths.max())
+    learner = lambda chips: learner_seconds(config, chip, chips, rows=rows, length=length, epochs=epochs, reference=reference,
                                             remat=remat)
     rollout, group = rollout_seconds(config, chip, devices, lengths, prompt_length)
     result = [Split(0, group, rollout, learner(devices), 0.0)]
@@ -116,7 +130,13 @@ def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndar
         if not group_sizes(config, r):
             continue
         rollout, group = rollout_seconds(config, chip, r, lengths, prompt_length)
-        result.append(Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r)))
+        split = Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r))
+        if scoring == "rollout":
+            moved = scoring_seconds(config, chip, r, rows=rows, length=length, reference=reference)
+            kept = scoring_seconds(config, chip, devices - r, rows=rows, length=length, reference=reference)
+            split = split._replace(rollout=rollout + moved, learner=split.learner - kept,
+                                   transfer=split.transfer + feature_bytes(config, rows=rows, length=length) / (devices - r) / chip.ici_bytes)
+        result.append(split)
     return result
 
 

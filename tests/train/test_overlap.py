@@ -44,3 +44,11 @@ def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_1_30x_docs_quote():
     assert best.rollout_devices == 4 and results[0].seconds / best.seconds == pytest.approx(1.297, abs=0.001)
     rows = overlap.split_rows(results)
     assert rows[0][0] == "synchronous" and "(best)" in rows[4][0]
+
+
+def test_scoring_on_the_learners_chips_beats_moving_the_critics_features_at_16k():
+    lengths = overlap.long_tail_lengths(16, 16384)
+    best = lambda scoring: min(overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2,
+                                              scoring=scoring)[1:], key=lambda s: s.seconds).seconds
+    assert best("learner") < best("rollout")
+    assert overlap.feature_bytes(qwen3_4b(), rows=16, length=16896) == pytest.approx(5.54e9, rel=0.01)

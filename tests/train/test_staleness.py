@@ -129,10 +129,13 @@ SEPARATE = dict(steps=3, rollout__prompts_per_step=4, train__minibatch_size=4, t
                 mesh__tensor=1, rollout__staleness=1, checkpoint__keep_last=10)
 
 
-def launch(run, *, processes=1, **overrides):
-    """launch/train.py on 8 fake CPU devices: one process, or `processes` x 8 / processes (launch/local_cluster.py)."""
+def launch(run, *, processes=1, sigterm_after_rows=None, **overrides):
+    """launch/train.py on 8 fake CPU devices: one process, or `processes` x 8 / processes
+    (launch/local_cluster.py); optionally SIGTERM once metrics.jsonl has that many rows."""
+    import signal
     import subprocess
     import sys
+    import time
 
     from conftest import CPU_ONLY_ENV, REPO, small_train_flags
 
@@ -143,9 +146,16 @@ def launch(run, *, processes=1, **overrides):
         command = [sys.executable, "launch/local_cluster.py", f"--processes={processes}", f"--devices_per_process={8 // processes}",
                    "--collective_timeout_s=120", "--", "launch/train.py", *flags]
         env = CPU_ONLY_ENV
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return result
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 500
+    while sigterm_after_rows is not None and process.poll() is None and time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= sigterm_after_rows:
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    return output
 
 
 @pytest.mark.slow
@@ -164,7 +174,7 @@ def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_
 
 
 @pytest.mark.slow
-def test_two_processes_with_their_own_rollout_devices_equal_one_process_bitwise(tmp_path):
+def test_two_processes_with_their_own_rollout_devices_equal_one_process_and_resume_after_sigterm_bitwise(tmp_path):
     # 2 processes x 4 devices (2 rollout + 2 training each) against 1 process x 8 (4 + 4), from one
     # warm start (its own numerics depend on the process layout). Training on data 2 (across the
     # processes) x tensor 2 (within each), as on a pod: every all-reduce has two participants, so
@@ -175,6 +185,15 @@ def test_two_processes_with_their_own_rollout_devices_equal_one_process_bitwise(
     launch(two, processes=2, mesh__rollout_devices=2, **layout)
     assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(one, 4))[0], jax.tree.leaves(restored_state(two, 4))):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+    # The 2-process run stopped by SIGTERM once a step is logged (its batch in flight checkpointed), then resumed.
+    stopped = tmp_path / "stopped"
+    output = launch(stopped, processes=2, mesh__rollout_devices=2, sigterm_after_rows=1, **layout)
+    assert "saved at" in output and not (stopped / "summary.json").exists(), output[-3000:]
+    launch(stopped, processes=2, mesh__rollout_devices=2, resume=True, **layout)
+    assert metric_rows(stopped) == metric_rows(two)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(two, 4))[0], jax.tree.leaves(restored_state(stopped, 4))):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 

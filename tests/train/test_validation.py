@@ -95,6 +95,14 @@ CASES = {
                                        r"config\.rollout\.mesh\.tensor='half': expected auto, train or a positive number"),
     "unknown KL aggregation": (assign(train__kl_aggregation="seq"), r"config\.train\.kl_aggregation='seq': expected one of"),
     "negative sink tokens": (assign(sink_tokens=-1), r"config\.sink_tokens=-1: must be >= 0"),
+    "negative staleness": (assign(rollout__staleness=-1), r"config\.rollout\.staleness=-1: must be >= 0"),
+    "unknown proximal policy": (assign(train__proximal="current"), r"config\.train\.proximal='current': expected one of"),
+    "decoupled objective on a sequence ratio": (assign(train__proximal="recompute", train__policy_loss="gspo_token"),
+                                                r"config\.train\.proximal='recompute': the decoupled objective weights per-token "
+                                                r"ratios; gspo_token clips a sequence ratio"),
+    "importance weight cap below one": (assign(train__importance_weight_cap=0.5), r"config\.train\.importance_weight_cap=0\.5: must be >= 1"),
+    "rollout devices leave none to train": (assign(mesh__rollout_devices=1),
+                                            r"config\.mesh\.rollout_devices=1 must leave every process devices for both stages"),
 }
 
 
