@@ -71,6 +71,16 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
+def run_meshes(mesh_config) -> tuple[Mesh, list | None]:
+    """(the training mesh, the rollout stage's own devices or None): with mesh.rollout_devices = r
+    the last r devices of every process roll out (`split_devices`) and `mesh_config` lays out the
+    others."""
+    if not mesh_config.get("rollout_devices", 0):
+        return make_mesh(mesh_config), None
+    train_devices, rollout_devices = split_devices(mesh_config.rollout_devices)
+    return make_mesh(mesh_config, train_devices), rollout_devices
+
+
 def split_devices(rollout_devices: int, devices=None) -> tuple[list, list]:
     """(training devices, rollout devices) of a run with its own rollout devices
     (mesh.rollout_devices): the last `rollout_devices` local devices of every process roll out,

@@ -102,7 +102,8 @@ def main(argv):
 
     policy_config, params = restore_actor(cfg, checkpoints, step)
     # Decoded in the run's decode layout (rollout.mesh), as its training rollouts were.
-    decode = decode_layout.for_run(cfg, sharding.make_mesh(cfg.mesh), policy_config, params)
+    mesh, rollout_devices = sharding.run_meshes(cfg.mesh)
+    decode = decode_layout.for_run(cfg, mesh, policy_config, params, rollout_devices)
     params = decode.reshard(params)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     rows = []

@@ -48,7 +48,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
     cfg = cfg.copy_and_resolve_references()
     cfg.rollout.old_log_probs = "rescore"  # the gate needs the behaviour pass, whatever the run skipped
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = sharding.run_meshes(cfg.mesh)[0]  # the training devices of a run with its own rollout devices
     policy_config = model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     step = checkpoints.resolve_step(step)

@@ -38,7 +38,7 @@ def actor_target(mesh, cfg, policy_config: ModelConfig):
 def restore_actor(cfg, checkpoints: RunCheckpoints, step: int) -> tuple[ModelConfig, dict]:
     """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `cfg.mesh`."""
     policy_config = model_config(cfg.model)
-    target = actor_target(sharding.make_mesh(cfg.mesh), cfg, policy_config)
+    target = actor_target(sharding.run_meshes(cfg.mesh)[0], cfg, policy_config)
     return policy_config, cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], policy_config.dtype)
 
 
