@@ -45,6 +45,8 @@ _DECODE_LAYOUTS = flags.DEFINE_list("decode_layouts", [], "Also compile the samp
                                     "programs compiled once.")
 _OVERLAP = flags.DEFINE_bool("overlap", False, "Print the overlapped step's cost model for every rollout / learner split "
                              "(no compiles).")
+_CALIBRATE = flags.DEFINE_bool("calibrate_learner", False, "--overlap: compile the learner's programs (score, actor, critic) "
+                               "on the slice and scale the learner's roofline by their predicted time over it.")
 _SUMMARY_MARKDOWN = flags.DEFINE_string("summary_markdown", "", "Append one row per topology as markdown to this file: the decode "
                                         "layout, each program's seconds per step, decode beside its floor, the step and its MFU.")
 
@@ -92,15 +94,23 @@ def print_overlap(cfg, name: str, topology: str) -> None:
     chips = math.prod(int(d) for d in shape.split("x"))
     config, rows, limit = model_config(cfg.model), cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens
     epochs = max(controller.KNOBS["actor_epochs"])  # the phase controller's epochs per step (2 but in its last phase)
+    chip, remat = costs.CHIPS[family], cfg.model.remat == "full"
+    scale = 1.0
+    if _CALIBRATE.value:
+        compiled = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=("score", "actor", "critic"), log=lambda m: None)
+        seconds = sum(t.seconds * t.runs for t in plan.step_times(compiled))
+        roofline = overlap.learner_seconds(config, chip, chips, rows=rows, length=_PROMPT.value + limit, epochs=epochs, remat=remat)
+        scale = seconds / roofline
+        print(f"learner calibrated on the compiled programs: {seconds:.3g} s against the roofline's {roofline:.3g} s (x{scale:.2f})")
     for label, lengths in (("every response at the limit", np.full(rows, limit)),
                            ("long-tailed lengths", overlap.long_tail_lengths(rows, limit))):
-        results = overlap.splits(config, costs.CHIPS[family], chips, lengths, prompt_length=_PROMPT.value, epochs=epochs,
-                                 remat=cfg.model.remat == "full")
+        results = overlap.splits(config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat,
+                                 learner_scale=scale)
         print(f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, longest {lengths.max()}), "
               f"{epochs} epochs:")
         print("\n".join(plan.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
-        moved = overlap.splits(config, costs.CHIPS[family], chips, lengths, prompt_length=_PROMPT.value, epochs=epochs,
-                               remat=cfg.model.remat == "full", scoring="rollout")
+        moved = overlap.splits(config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat,
+                               scoring="rollout", learner_scale=scale)
         best = min(moved[1:], key=lambda s: s.seconds)
         print(f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} rollout chips, "
               f"{best.seconds:.3g} s, {moved[0].seconds / best.seconds:.2f}x", flush=True)

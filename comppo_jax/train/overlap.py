@@ -118,12 +118,13 @@ class Split(NamedTuple):
 
 
 def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, *, prompt_length: int, epochs: int,
-           reference: bool = True, remat: bool = True, scoring: str = "learner") -> list[Split]:
+           reference: bool = True, remat: bool = True, scoring: str = "learner", learner_scale: float = 1.0) -> list[Split]:
     """The synchronous colocated step (rollout_devices 0), then every split r = 1 .. devices - 1,
-    the scoring pass on the `scoring` ("learner" or "rollout") side."""
+    the scoring pass on the `scoring` ("learner" or "rollout") side; `learner_scale` calibrates
+    the learner's roofline (the compiled programs' time over it, `launch/plan.py --calibrate_learner`)."""
     rows, length = len(lengths), prompt_length + int(lengths.max())
-    learner = lambda chips: learner_seconds(config, chip, chips, rows=rows, length=length, epochs=epochs, reference=reference,
-                                            remat=remat)
+    learner = lambda chips: learner_scale * learner_seconds(config, chip, chips, rows=rows, length=length, epochs=epochs,
+                                                            reference=reference, remat=remat)
     rollout, group = rollout_seconds(config, chip, devices, lengths, prompt_length)
     result = [Split(0, group, rollout, learner(devices), 0.0)]
     for r in range(1, devices):
@@ -132,8 +133,8 @@ def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndar
         rollout, group = rollout_seconds(config, chip, r, lengths, prompt_length)
         split = Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r))
         if scoring == "rollout":
-            moved = scoring_seconds(config, chip, r, rows=rows, length=length, reference=reference)
-            kept = scoring_seconds(config, chip, devices - r, rows=rows, length=length, reference=reference)
+            moved = learner_scale * scoring_seconds(config, chip, r, rows=rows, length=length, reference=reference)
+            kept = learner_scale * scoring_seconds(config, chip, devices - r, rows=rows, length=length, reference=reference)
             split = split._replace(rollout=rollout + moved, learner=split.learner - kept,
                                    transfer=split.transfer + feature_bytes(config, rows=rows, length=length) / (devices - r) / chip.ici_bytes)
         result.append(split)

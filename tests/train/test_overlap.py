@@ -36,8 +36,8 @@ def test_the_learner_halves_on_twice_the_chips_and_the_split_pays_the_longer_sta
     assert split.seconds == 10.5 and overlap.Split(0, 4, 10.0, 7.0, 0.0).seconds == 17.0
 
 
-def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_1_30x_docs_quote():
-    # docs/benchmarks.md quotes this prediction: 1.297x (the goal, >= 1.3x, missed by a hair).
+def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_docs_quote_with_the_learner_at_peak():
+    # docs/benchmarks.md quotes this prediction with the learner at peak FLOPs: 1.297x (1.39x calibrated on the compiled programs).
     lengths = overlap.long_tail_lengths(16, 16384)
     results = overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2)
     best = min(results[1:], key=lambda s: s.seconds)
@@ -52,3 +52,11 @@ def test_scoring_on_the_learners_chips_beats_moving_the_critics_features_at_16k(
                                               scoring=scoring)[1:], key=lambda s: s.seconds).seconds
     assert best("learner") < best("rollout")
     assert overlap.feature_bytes(qwen3_4b(), rows=16, length=16896) == pytest.approx(5.54e9, rel=0.01)
+
+
+def test_a_calibrated_learner_scales_every_learner_term_and_leaves_the_rollout():
+    lengths = overlap.long_tail_lengths(16, 16384)
+    plain, scaled = (overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, learner_scale=scale)
+                     for scale in (1.0, 1.24))
+    for a, b in zip(plain, scaled):
+        assert b.learner == pytest.approx(1.24 * a.learner) and b.rollout == a.rollout and b.rollout_devices == a.rollout_devices
