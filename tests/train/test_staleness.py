@@ -129,8 +129,8 @@ SEPARATE = dict(steps=3, rollout__prompts_per_step=4, train__minibatch_size=4, t
                 mesh__tensor=1, rollout__staleness=1, checkpoint__keep_last=10)
 
 
-def launch(run, *, processes=1, sigterm_after_rows=None, **overrides):
-    """launch/train.py on 8 fake CPU devices: one process, or `processes` x 8 / processes
+def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides):
+    """launch/train.py on `devices` fake CPU devices: one process, or `processes` x devices / processes
     (launch/local_cluster.py); optionally SIGTERM once metrics.jsonl has that many rows."""
     import signal
     import subprocess
@@ -141,9 +141,10 @@ def launch(run, *, processes=1, sigterm_after_rows=None, **overrides):
 
     flags = small_train_flags(run, **{**SEPARATE, **overrides})
     if processes == 1:
-        command, env = [sys.executable, "launch/train.py", *flags], dict(CPU_ONLY_ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        command = [sys.executable, "launch/train.py", *flags]
+        env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     else:
-        command = [sys.executable, "launch/local_cluster.py", f"--processes={processes}", f"--devices_per_process={8 // processes}",
+        command = [sys.executable, "launch/local_cluster.py", f"--processes={processes}", f"--devices_per_process={devices // processes}",
                    "--collective_timeout_s=120", "--", "launch/train.py", *flags]
         env = CPU_ONLY_ENV
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -214,3 +215,50 @@ def test_a_stale_batch_whose_importance_weights_are_not_finite_is_skipped_and_na
         loop.train(config)
     rows = metric_rows(tmp_path)
     assert [row["nonfinite"].split(",")[0] for row in rows] == ["importance weights"] * 2 and [row["skipped_updates"] for row in rows] == [1, 2]
+
+
+def test_a_multi_process_split_into_unequal_halves_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    from comppo_jax.models import ConfigError
+    from comppo_jax.sharding import make_mesh
+    from comppo_jax.train import decode_layout
+
+    config = small_train_config(tmp_path, mesh__rollout_devices=1)
+    mesh = make_mesh(config.mesh)  # 1 training device here; 2 rollout devices below
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"a multi-process run needs as many rollout devices as training devices \(2 vs 1\)"):
+        decode_layout.check_config(config, mesh, [jax.devices()[0]] * 2)
+
+
+@pytest.mark.slow
+def test_two_processes_sharing_their_devices_at_staleness_1_take_turns_and_equal_one_process(tmp_path):
+    # On shared devices the generation runs before the update is dispatched: XLA:CPU may run two
+    # independent programs in either order, and two processes ordering their collectives
+    # differently deadlock (a gloo timeout without the wait).
+    # 4 devices: data 2 (across the processes) x tensor 2 (within each).
+    one, two, cache = tmp_path / "one", tmp_path / "two", tmp_path / "warm_start"
+    layout = dict(mesh__fsdp=1, mesh__tensor=2, warm_start__cache_dir=str(cache))
+    launch(one, devices=4, **layout)
+    launch(two, processes=2, devices=4, **layout)
+    assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_on_shared_devices_a_started_generation_is_computed_before_start_returns(tmp_path, monkeypatch, separate):
+    """The wait that keeps two processes' collectives in one order (the slow test above shows the
+    run; this one fails at once when the wait is removed). On its own devices it is only dispatched."""
+    import jax.numpy as jnp
+
+    from comppo_jax.sharding import make_mesh
+    from comppo_jax.train import rollout_stage
+
+    cfg = small_train_config(tmp_path)
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y), x))  # about a second here
+    monkeypatch.setattr(rollout_stage, "generate", lambda *args, **kwargs: slow(jnp.ones((384, 384)) / 384))
+    monkeypatch.setattr(rollout_stage, "encode_prompts", lambda tokenizer, chosen: (np.zeros((1, 1), np.int32), np.ones((1, 1), bool)))
+    decode = SimpleNamespace(reshard=lambda params: params, replicated=lambda key: key, mesh=make_mesh(cfg.mesh), separate=separate)
+    stage = rollout_stage.RolloutStage(cfg, decode.mesh, None, SimpleNamespace(eos_token_id=2, pad_token_id=0), ([None] * 8, []),
+                                       None, decode, lambda: None, None, None, prompt_position=(0, 0), stop=None,
+                                       compiling=lambda what: None, show_progress=False)
+    slow(jnp.ones((384, 384))).block_until_ready()  # compiled before the timed call
+    started = stage.start(1, {}, 0, jax.random.PRNGKey(0))
+    assert started.generation.is_ready() != separate
