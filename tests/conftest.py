@@ -241,3 +241,25 @@ def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     longest = {os.path.join(REPO, "tests", name): rank for rank, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: (longest.get(str(item.path), len(longest)), item.path not in slow_files))
+
+
+def restored_on_one_device(run_dir, step):
+    """Checkpoint `step`'s state on this process's first device, whatever mesh (or processes) saved it."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import SingleDeviceSharding
+
+    path = os.path.join(run_dir, "checkpoints", str(step), "state")
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+        device = SingleDeviceSharding(jax.devices()[0])
+        return checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree))
+
+
+def assert_same_checkpoint_state(a_dir, b_dir, step):
+    """Both runs' checkpoint `step` hold the same arrays, bitwise, leaf by leaf."""
+    import jax
+
+    a, b = restored_on_one_device(a_dir, step), restored_on_one_device(b_dir, step)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))

@@ -14,10 +14,8 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, small_train_flags
-from jax.sharding import SingleDeviceSharding
+from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, assert_same_checkpoint_state, restored_on_one_device, small_train_flags
 
 # One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
 # time, so rewards, advantages and gradients carry signal (not rounding noise) to compare. Dynamic
@@ -103,15 +101,6 @@ def _cluster_once(script_flags, signal_after_rows, signum, metrics, script):
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
-def restored(run_dir, step):
-    """A checkpoint's state on this process's one device (it was saved from a 2-process mesh)."""
-    path = run_dir / "checkpoints" / str(step) / "state"
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path).item_metadata.tree
-        device = SingleDeviceSharding(jax.devices()[0])
-        return checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree))
-
-
 def rows(run_dir):
     return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -141,7 +130,7 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache
                 np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=f"step {a['step']} {name}")
             else:
                 assert a[name] == b[name], (a["step"], name)
-    a, b = restored(two, LAST_CHECKPOINT), restored(one, LAST_CHECKPOINT)
+    a, b = restored_on_one_device(two, LAST_CHECKPOINT), restored_on_one_device(one, LAST_CHECKPOINT)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     # Only process 0 writes: one TensorBoard event file, the summary printed once, the same files as one process.
@@ -174,9 +163,7 @@ def test_two_process_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path
     finished = cluster(flags(split, warm_cache, resume=True))
     assert finished.returncode == 0, tail(finished)
     assert rows(split) == rows(straight)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(restored(straight, LAST_CHECKPOINT))[0],
-                            jax.tree.leaves(restored(split, LAST_CHECKPOINT)), strict=True):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    assert_same_checkpoint_state(straight, split, LAST_CHECKPOINT)
     assert json.loads((split / "summary.json").read_text()) == json.loads((straight / "summary.json").read_text())
 
 

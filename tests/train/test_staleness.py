@@ -13,7 +13,7 @@ import pytest
 
 from comppo_jax.train import loop
 from comppo_jax.train.staleness import RolloutQueue, generating_version
-from conftest import WALL_CLOCK, small_train_config
+from conftest import WALL_CLOCK, assert_same_checkpoint_state, small_train_config
 
 
 def test_batch_n_is_generated_after_update_max_0_n_minus_1_minus_k():
@@ -84,18 +84,6 @@ def metric_rows(run):
     return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def restored_state(run, step):
-    """A checkpoint's state on this process's first device (whatever mesh saved it)."""
-    import orbax.checkpoint as ocp
-    from jax.sharding import SingleDeviceSharding
-
-    path = run / "checkpoints" / str(step) / "state"
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path).item_metadata.tree
-        device = SingleDeviceSharding(jax.devices()[0])
-        return checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness, settings", [
     (1, dict(rollout__dynamic_sampling=True, train__eval_every=2)),
@@ -120,9 +108,7 @@ def test_a_stale_run_resumed_from_a_mid_run_checkpoint_equals_the_straight_run_b
     (resumed / "summary.json").unlink()
     loop.train(config(resumed, resume=True))
     assert metric_rows(resumed) == rows
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(straight, 5))[0],
-                            jax.tree.leaves(restored_state(resumed, 5))):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_checkpoint_state(straight, resumed, 5)
 
 
 SEPARATE = dict(steps=3, rollout__prompts_per_step=4, train__minibatch_size=4, train__eval_every=2, mesh__data=2, mesh__fsdp=2,
@@ -170,8 +156,7 @@ def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_
     (resumed / "summary.json").unlink()
     launch(resumed, mesh__rollout_devices=4, resume=True)
     assert metric_rows(resumed) == metric_rows(straight) and [row["staleness"] for row in metric_rows(straight)] == [0, 1, 1, 1]
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(straight, 4))[0], jax.tree.leaves(restored_state(resumed, 4))):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_checkpoint_state(straight, resumed, 4)
 
 
 @pytest.mark.slow
@@ -185,8 +170,7 @@ def test_two_processes_with_their_own_rollout_devices_equal_one_process_and_resu
     launch(one, mesh__rollout_devices=4, **layout)
     launch(two, processes=2, mesh__rollout_devices=2, **layout)
     assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(one, 4))[0], jax.tree.leaves(restored_state(two, 4))):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_checkpoint_state(one, two, 4)
 
     # The 2-process run stopped by SIGTERM once a step is logged (its batch in flight checkpointed), then resumed.
     stopped = tmp_path / "stopped"
@@ -194,8 +178,7 @@ def test_two_processes_with_their_own_rollout_devices_equal_one_process_and_resu
     assert "saved at" in output and not (stopped / "summary.json").exists(), output[-3000:]
     launch(stopped, processes=2, mesh__rollout_devices=2, resume=True, **layout)
     assert metric_rows(stopped) == metric_rows(two)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored_state(two, 4))[0], jax.tree.leaves(restored_state(stopped, 4))):
-        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    assert_same_checkpoint_state(two, stopped, 4)
 
 
 @pytest.mark.slow
