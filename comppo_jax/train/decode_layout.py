@@ -187,6 +187,21 @@ class DecodeLayout(NamedTuple):
         return sharding.move(tree, jax.tree.map(lambda _: rows, tree)) if self.separate else jax.device_put(tree, rows)
 
 
+def _chosen_group(value, mesh: Mesh, config: ModelConfig, devices: int, *, chip, budget, rollout: dict, fallback: int):
+    """(the checked choice, G, G's floor or None, every G's floor) of rollout.mesh.tensor=`value` on
+    `devices` chips: auto takes the fastest floor that fits `budget` (`fallback` on a chip without
+    published peaks), train the training mesh's tensor axis."""
+    choice = checked_tensor(value, config, devices)
+    candidates = tuple(floors(config, chip, devices, **rollout)) if chip is not None else ()
+    if choice == "auto":
+        tensor = fastest(list(candidates), budget).tensor if candidates else fallback
+    elif choice == "train":
+        tensor = mesh.shape["tensor"]
+    else:
+        tensor = choice
+    return choice, tensor, next((c for c in candidates if c.tensor == tensor), None), candidates
+
+
 def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: costs.Chip | None, budget: float | None,
                        rollout: dict, rollout_devices: list | None = None) -> DecodeLayout:
     """The decode layout `value` (rollout.mesh.tensor) names on `mesh` for params shaped like
@@ -195,16 +210,9 @@ def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: c
     With `rollout_devices` (mesh.rollout_devices) the layout is on those devices instead."""
     if rollout_devices:
         return _separate_layout(value, mesh, config, actor, chip=chip, budget=budget, rollout=rollout, devices=rollout_devices)
-    choice = checked_tensor(value, config, mesh.devices.size)
     devices = mesh.devices.size
-    candidates = tuple(floors(config, chip, devices, **rollout)) if chip is not None else ()
-    if choice == "auto":
-        tensor = fastest(list(candidates), budget).tensor if candidates else mesh.shape["tensor"]
-    elif choice == "train":
-        tensor = mesh.shape["tensor"]
-    else:
-        tensor = choice
-    floor = next((c for c in candidates if c.tensor == tensor), None)
+    choice, tensor, floor, candidates = _chosen_group(value, mesh, config, devices, chip=chip, budget=budget, rollout=rollout,
+                                                      fallback=mesh.shape["tensor"])
     same = dict(mesh.shape) == {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
     if choice == "train" or same:
         return DecodeLayout(mesh, tensor, False, lambda actor: cast_params(actor, config.dtype), floor, candidates)
@@ -219,17 +227,11 @@ def _separate_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip, bud
     there in one transfer: cast to the compute dtype on the training mesh, then copied device to
     device (`sharding.move`); across processes they are first laid out on the training devices
     exactly as on their rollout twins, so each process copies only its own shards."""
-    choice = checked_tensor(value, config, len(devices))
-    candidates = tuple(floors(config, chip, len(devices), **rollout)) if chip is not None else ()
-    if choice == "auto":
-        tensor = fastest(list(candidates), budget).tensor if candidates else 1
-    elif choice == "train":
-        tensor = mesh.shape["tensor"]
-        if tensor not in group_sizes(config, len(devices)):
-            raise ConfigError(f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
-                              f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto")
-    else:
-        tensor = choice
+    choice, tensor, floor, candidates = _chosen_group(value, mesh, config, len(devices), chip=chip, budget=budget, rollout=rollout,
+                                                      fallback=1)
+    if choice == "train" and tensor not in group_sizes(config, len(devices)):
+        raise ConfigError(f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
+                          f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto")
     decode = sharding.decode_mesh(Mesh(np.asarray(devices).reshape(len(devices), 1, 1), sharding.AXES), tensor)
     compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), config.dtype), actor)
     target = sharding.tree_shardings(decode, compute)
@@ -238,7 +240,6 @@ def _separate_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip, bud
     else:  # the decode layout on the training devices (the twins of the rollout devices, position by position)
         twin = Mesh(mesh.devices.reshape(-1).reshape(decode.devices.shape), sharding.AXES)
         cast = jax.jit(lambda actor: cast_params(actor, config.dtype), out_shardings=sharding.tree_shardings(twin, compute))
-    floor = next((c for c in candidates if c.tensor == tensor), None)
     return DecodeLayout(decode, tensor, True, lambda actor: sharding.move(cast(actor), target), floor, candidates, separate=True)
 
 
