@@ -42,6 +42,9 @@ PARAM_RULES: dict[str, tuple] = {
     "up_proj": (None, "fsdp", "tensor"),
     "down_proj": (None, "tensor", "fsdp"),
 }
+# A LoRA adapter follows its base weight: A [N, in, r] splits `in` as the weight does, B [N, r, out] `out`.
+PARAM_RULES |= {f"{name}_lora_{part}": (None, rule[1], None) if part == "a" else (None, None, rule[2])
+                for name, rule in PARAM_RULES.items() if len(rule) == 3 for part in "ab"}
 
 
 def initialize_distributed(mesh_config) -> None:

@@ -4,7 +4,8 @@
         --experiment.overrides='("model.path=/ckpt/Qwen3-4B", "data.path=/data/dapo_math_17k.parquet")'
 
 Names: main | factorial | controls | stress | group, and beyond the paper: statistics (the gate's
-concentration statistic) | variants (CompPO beside GRPO, DAPO, GSPO and Dr.GRPO). Semantics of the fields (arms, grids, screens,
+concentration statistic) | variants (CompPO beside GRPO, DAPO, GSPO and Dr.GRPO) | lora (LoRA beside full
+fine-tuning, for CompPO and GRPO). Semantics of the fields (arms, grids, screens,
 `{mean_gate:ARM}` / `{gate_profile:ARM}` references) are in comppo_jax.eval.experiment.
 configs/experiments_tiny.py scales these down to the CPU default (configs/tiny.py).
 
@@ -88,4 +89,10 @@ def get_config(name: str):
             ("gspo", ("method=grpo", "train.policy_loss=gspo")),
             ("dr_grpo", ("method=grpo", "train.group_std_normalization=False")),
         ])
-    raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics or variants")
+    if name == "lora":  # LoRA adapters on the frozen base (which is also the reference) beside full fine-tuning,
+        # at 10x the full fine-tuning learning rate (the usual LoRA rule; the main screen's centre is 1e-6)
+        lora = ("model.lora.rank=64", "model.lora.alpha=128", "train.actor_lr=1e-5")
+        return experiment("lora", "lora", [
+            ("comppo", FULL), ("comppo_lora", FULL + lora), ("grpo", ("method=grpo",)), ("grpo_lora", ("method=grpo",) + lora),
+        ])
+    raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics, variants or lora")

@@ -37,6 +37,10 @@ def get_config(name: str):
     if name == "variants":  # DAPO's overlong buffer inside the tiny responses (40 tokens); dynamic sampling's refills
         exp.overrides += ("reward.overlong_buffer=10",)  # cost up to 4 sampling rounds a step: two seeds
         exp.seeds = SEEDS[:2]
+    if name == "lora":  # rank 8 of the tiny model's width 128 (as 64 of a few thousand), at 10x the tiny full fine-tuning rate 1e-5
+        tiny = {"model.lora.rank": "8", "model.lora.alpha": "16", "train.actor_lr": "1e-4"}
+        exp.arms = tuple((arm, tuple(f"{o.split('=')[0]}={tiny[o.split('=')[0]]}" if o.split("=")[0] in tiny else o for o in overrides))
+                         for arm, overrides in exp.arms)
     if name == "stress":
         grid = ("train.actor_lr=1e-5,3e-5,1e-4", "train.kl_coef=0,1e-2")
         exp.grids = (("ppo", grid), ("comppo", grid))

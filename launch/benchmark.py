@@ -8,6 +8,7 @@
     python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
     python launch/benchmark.py step      # a train step's programs: predicted (launch/plan.py's cost model) vs measured
     python launch/benchmark.py step --peer=tunix --tunix_python=/tmp/tunix_venv/bin/python  # a GRPO step: ours vs tunix
+    python launch/benchmark.py lora      # LoRA vs full fine-tuning: actor state, update time, decoding merged or not
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -20,7 +21,7 @@ from absl import app, flags
 
 from comppo_jax import cli
 
-SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step")
+SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step", "lora")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")

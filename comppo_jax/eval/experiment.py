@@ -39,7 +39,7 @@ import numpy as np
 
 from comppo_jax.train.outputs import METRICS_FILE, read_metrics
 
-KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants")
+KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora")
 SUMMARY_FILE = "summary.json"
 HELD_OUT_FILE = "held_out.json"  # written by launch/eval.py --held_out_problems
 _REFERENCE = re.compile(r"\{(mean_gate|gate_profile):([A-Za-z0-9_]+)\}")

@@ -22,8 +22,9 @@ import numpy as np
 from comppo_jax import sharding
 from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.eval.restore import actor_target
-from comppo_jax.models import init_params, load_policy, model_config
+from comppo_jax.eval.restore import actor_target, run_base, with_run_base
+from comppo_jax.models import lora, model_config
+from comppo_jax.models.lora import LoraConfig
 from comppo_jax.rollout import encode_prompts, engine_options, generate, score_rollout
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.controller import reward_schedule
@@ -57,12 +58,8 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     if parts.recipe.critic != "none":
         targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, policy_config, jax.random.PRNGKey(0)))
     restored = checkpoints.restore_params(targets, step)
-    policy = cast_params(restored["actor"], policy_config.dtype)
-    if cfg.warm_start.steps:
-        reference = checkpoints.restore_reference(sharding.abstract_sharded(mesh, lambda: init_params(policy_config, jax.random.PRNGKey(0))))
-    else:
-        reference = load_policy(cfg.model, jax.random.PRNGKey(0))[1]
-    reference = cast_params(reference, policy_config.dtype)
+    policy = cast_params(with_run_base(cfg, checkpoints, mesh, policy_config, restored["actor"]), policy_config.dtype)
+    reference = lora.base(policy) if LoraConfig.of(cfg.model).enabled else run_base(cfg, checkpoints, mesh, policy_config)
     dev = load_problems(cfg.data, cfg.seed)[1][:problems]
     if not dev:
         raise ValueError(f"{checkpoints.directory}: the config's dev split is empty; held-out diagnostics need dev problems")

@@ -250,4 +250,5 @@ def group_report(exp, outcome: Outcome):
 
 REPORTS = {"main": main_report, "factorial": factorial_report, "controls": controls_report, "stress": stress_report, "group": group_report,
            "statistics": lambda exp, outcome: comparison_report(exp, outcome, "gate statistics and controls"),
-           "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants")}
+           "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants"),
+           "lora": lambda exp, outcome: comparison_report(exp, outcome, "LoRA and full fine-tuning")}

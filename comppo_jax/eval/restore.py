@@ -3,8 +3,9 @@
     run = restore_policy("runs/tiny", step="best")   # the run's own config.json, its best checkpoint
     run.params, run.model_config, run.tokenizer, run.cfg, run.step
 
-Only the actor params are read (verified against their digests, into `cfg.mesh`'s shardings) and
-cast to the compute dtype; optimizer states and the critic stay on disk. `restore_actor` does the
+Only the actor params are read (verified against their digests, into `cfg.mesh`'s shardings; a
+LoRA run's adapters joined to its verified base) and cast to the compute dtype; optimizer states
+and the critic stay on disk. `restore_actor` does the
 same from a `RunCheckpoints` the caller already holds (launch/eval.py).
 """
 
@@ -16,8 +17,10 @@ import jax
 
 from comppo_jax import sharding
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.models import ModelConfig, init_params, model_config
+from comppo_jax.models import ModelConfig, init_params, load_policy, lora, model_config
+from comppo_jax.models.lora import LoraConfig
 from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.methods import base_source, initial_keys
 from comppo_jax.train.outputs import load_run_config
 from comppo_jax.train.update import cast_params
 
@@ -31,15 +34,42 @@ class RestoredPolicy(NamedTuple):
 
 
 def actor_target(mesh, cfg, policy_config: ModelConfig):
-    """The abstract actor a checkpoint holds: the policy's shapes in the master dtype, sharded on `mesh`."""
+    """The abstract actor a checkpoint holds, sharded on `mesh` in the master dtype: the policy's
+    weights, or a LoRA run's adapters (comppo_jax.models.lora)."""
+    adapters = LoraConfig.of(cfg.model)
+    if adapters.enabled:
+        return sharding.abstract_sharded(mesh, lambda: lora.init_adapters(policy_config, adapters, jax.random.PRNGKey(0), cfg.train.master_dtype))
     return sharding.abstract_sharded(mesh, lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
 
 
+def run_base(cfg, checkpoints: RunCheckpoints, mesh, policy_config: ModelConfig) -> dict:
+    """The frozen policy a run started from, in the compute dtype on `mesh` (the reference policy;
+    a LoRA run's base): its saved warm-started policy, else model.path or model.arch at random
+    from the run's seed, as train() built it."""
+    shapes = sharding.abstract_sharded(mesh, lambda: init_params(policy_config, jax.random.PRNGKey(0)))
+    if cfg.warm_start.steps:
+        return checkpoints.restore_reference(shapes)
+    params = cast_params(load_policy(cfg.model, initial_keys(cfg.seed)[0])[1], policy_config.dtype)
+    return sharding.put(params, jax.tree.map(lambda x: x.sharding, shapes))
+
+
+def with_run_base(cfg, checkpoints: RunCheckpoints, mesh, policy_config: ModelConfig, actor: dict) -> dict:
+    """A restored actor entry as a whole policy: a LoRA run's adapters joined to its base, which
+    must be the one they were trained on (base.json); full fine-tuning's weights as they are."""
+    if not LoraConfig.of(cfg.model).enabled:
+        return actor
+    base = run_base(cfg, checkpoints, mesh, policy_config)
+    checkpoints.verify_base(base, base_source(cfg))
+    return lora.join(base, actor)
+
+
 def restore_actor(cfg, checkpoints: RunCheckpoints, step: int) -> tuple[ModelConfig, dict]:
-    """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `cfg.mesh`."""
+    """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `cfg.mesh`
+    (a LoRA run's adapters on their base, unmerged)."""
     policy_config = model_config(cfg.model)
-    target = actor_target(sharding.run_meshes(cfg.mesh)[0], cfg, policy_config)
-    return policy_config, cast_params(checkpoints.restore_params({"actor": target}, step)["actor"], policy_config.dtype)
+    mesh = sharding.run_meshes(cfg.mesh)[0]
+    actor = checkpoints.restore_params({"actor": actor_target(mesh, cfg, policy_config)}, step)["actor"]
+    return policy_config, cast_params(with_run_base(cfg, checkpoints, mesh, policy_config, actor), policy_config.dtype)
 
 
 def restore_policy(run_dir: str, step: str | int = "best", cfg=None) -> RestoredPolicy:

@@ -53,6 +53,8 @@ class ModelConfig:
     attention: str = "auto"
     remat: str = "none"
     logits_chunk: int = 0
+    # LoRA adapters in the params (comppo_jax.models.lora) add (lora_alpha / rank) * x @ A @ B (config `model.lora.alpha`).
+    lora_alpha: float = 64.0
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES.values():

@@ -206,6 +206,41 @@ def to_hf(config: ModelConfig, params: dict, path: str, max_shard_bytes: int | N
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def to_peft(config: ModelConfig, adapters: dict, path: str, *, base_model: str) -> None:
+    """Writes LoRA adapters ({"layers": {"q_proj_lora_a": [N, in, r], ...}}, comppo_jax.models.lora)
+    as a PEFT adapter directory: adapter_config.json (r, lora_alpha = config.lora_alpha, the
+    target modules, `base_model` as base_model_name_or_path) and adapter_model.safetensors with
+    PEFT's names, lora_A [r, in] and lora_B [out, r] per layer and module, e.g.
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight. Loads with
+    `peft.PeftModel.from_pretrained(<the base>, path)`."""
+    layers = jax.tree.map(np.asarray, jax.device_get(adapters["layers"]))
+    tensors, modules, ranks = {}, [], set()
+    for name, lora_a in layers.items():
+        if not name.endswith("_lora_a"):
+            continue
+        weight = name[: -len("_lora_a")]
+        module = _LAYER_NAMES[weight].removesuffix(".weight")
+        modules.append(module.split(".")[-1])
+        ranks.add(lora_a.shape[-1])
+        for index in range(config.num_layers):
+            prefix = f"base_model.model.model.layers.{index}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(lora_a[index].T)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(layers[weight + "_lora_b"][index].T)
+    if len(ranks) != 1:
+        raise CheckpointError(f"expected LoRA adapters of one rank, got ranks {sorted(ranks)} ({len(modules)} adapted modules)")
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, PEFT_WEIGHTS), metadata={"format": "pt"})
+    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": ranks.pop(),
+                      "lora_alpha": config.lora_alpha, "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none",
+                      "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "modules_to_save": None}
+    with open(os.path.join(path, PEFT_CONFIG), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+
+
 def _shard(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[dict[str, np.ndarray]]:
     if max_shard_bytes is None:
         return [tensors]
@@ -219,4 +254,4 @@ def _shard(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[
     return shards + [current]
 
 
-__all__ = ["from_hf", "to_hf", "tensor_layout", "CheckpointError", "ConfigError"]
+__all__ = ["from_hf", "to_hf", "to_peft", "tensor_layout", "CheckpointError", "ConfigError"]

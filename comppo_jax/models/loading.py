@@ -34,6 +34,8 @@ def model_config(model_section: Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig of a config's `model` section: `model.arch` plus the execution fields."""
     section = _section_dict(model_section)
     execution = {name: section[name] for name in EXECUTION_FIELDS if name in section}
+    if "lora" in section:
+        execution["lora_alpha"] = float(section["lora"]["alpha"])
     return ModelConfig.from_dict({**section["arch"], **execution})
 
 
@@ -48,7 +50,7 @@ def load_policy(model_section: Mapping[str, Any], rng: jax.Array) -> tuple[Model
     if not section.get("path"):
         return arch, init_params(arch, rng)
     config, params = from_hf(section["path"], dtype=arch.dtype)
-    config = config.replace(**{name: getattr(arch, name) for name in EXECUTION_FIELDS})
+    config = config.replace(**{name: getattr(arch, name) for name in (*EXECUTION_FIELDS, "lora_alpha")})
     for field in _ARCHITECTURE_FIELDS:
         if getattr(config, field) != getattr(arch, field):
             raise ConfigError(

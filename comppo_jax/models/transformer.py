@@ -8,7 +8,8 @@ Params are a plain dict of arrays; the decoder layers are stacked on a leading a
             o_proj [N, Hq*hd, D], q_norm / k_norm [N, hd] (Qwen3 only), mlp_norm [N, D],
             gate_proj / up_proj [N, D, F], down_proj [N, F, D]
 
-Matrices are stored [in, out] (x @ W). Matmuls run in `config.dtype` with float32
+LoRA adapters, when present, sit beside the weight they adapt (`q_proj_lora_a` [N, D, r],
+`q_proj_lora_b` [N, r, Hq*hd], ...; comppo_jax.models.lora). Matrices are stored [in, out] (x @ W). Matmuls run in `config.dtype` with float32
 accumulation; RMSNorm, RoPE, softmax and the logits are float32.
 
 Memory at long lengths: attention runs `config.attention` (comppo_jax.models.attention: splash on
@@ -136,13 +137,36 @@ def _project(x, weight):
     return jnp.einsum("bld,de->ble", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+# A LoRA adapter of layer weight W sits beside it as W + LORA_A [in, r] and W + LORA_B [r, out]
+# (comppo_jax.models.lora); the layer adds (alpha / r) * (x @ A) @ B to x @ W.
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+
+
+def lora_scale(config: ModelConfig, lora_a) -> float:
+    """alpha / r (PEFT's scaling) for an adapter whose A has rank r on its last axis."""
+    return config.lora_alpha / lora_a.shape[-1]
+
+
+def _adapted(y, x, layer, name: str, config: ModelConfig):
+    """y = x @ W plus W's low-rank adapter term, when W = layer[name] has one."""
+    if name + LORA_A not in layer:
+        return y
+    low_rank = _project(_project(x, layer[name + LORA_A].astype(x.dtype)), layer[name + LORA_B].astype(x.dtype))
+    return y + (low_rank * lora_scale(config, layer[name + LORA_A])).astype(y.dtype)
+
+
+def _linear(x, layer, name: str, config: ModelConfig):
+    return _adapted(_project(x, layer[name]), x, layer, name, config)
+
+
 def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     batch, length, _ = x.shape
     hd = config.head_dim
     if "qkv_proj" in layer:  # one matmul (`fuse_projections`)
-        q, k, v = jnp.split(_project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1)
+        fused = jnp.split(_project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1)
+        q, k, v = (_adapted(y, x, layer, name, config) for y, name in zip(fused, ("q_proj", "k_proj", "v_proj")))
     else:
-        q, k, v = (_project(x, layer[name]) for name in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (_linear(x, layer, name, config) for name in ("q_proj", "k_proj", "v_proj"))
     q = q.reshape(batch, length, config.num_heads, hd)
     k = k.reshape(batch, length, config.num_kv_heads, hd)
     v = v.reshape(batch, length, config.num_kv_heads, hd)
@@ -152,12 +176,13 @@ def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _mlp(layer, x):
+def _mlp(layer, x, config: ModelConfig):
     if "gate_up_proj" in layer:  # one matmul (`fuse_projections`)
-        gate, up = jnp.split(_project(x, layer["gate_up_proj"]), 2, axis=-1)
+        gate, up = (_adapted(y, x, layer, name, config) for y, name in zip(jnp.split(_project(x, layer["gate_up_proj"]), 2, axis=-1),
+                                                                            ("gate_proj", "up_proj")))
     else:
-        gate, up = _project(x, layer["gate_proj"]), _project(x, layer["up_proj"])
-    return _project(jax.nn.silu(gate) * up, layer["down_proj"])
+        gate, up = _linear(x, layer, "gate_proj", config), _linear(x, layer, "up_proj", config)
+    return _linear(jax.nn.silu(gate) * up, layer, "down_proj", config)
 
 
 def _decoder_layer(layer, x, positions, config, inv_freq, attention):
@@ -165,8 +190,8 @@ def _decoder_layer(layer, x, positions, config, inv_freq, attention):
     batch, length, _ = x.shape
     q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, config, inv_freq)
     attn, statistics = attention(q, k, v)
-    x = x + _project(attn.reshape(batch, length, -1), layer["o_proj"])
-    x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps))
+    x = x + _linear(attn.reshape(batch, length, -1), layer, "o_proj", config)
+    x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], config.rms_norm_eps), config)
     return x, statistics
 
 

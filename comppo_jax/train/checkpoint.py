@@ -6,8 +6,11 @@ the base rng key) and `meta` (JSON: the step, prompt-iterator position, controll
 warm-start accuracy, and `digests`: one content digest per state leaf). The frozen reference
 policy is saved once, beside the steps, when it is not the loaded checkpoint (the tiny default's
 warm-started policy), with its digests in reference_digests.json; otherwise it is reloaded from
-`config.model.path` on resume. Restores go into the shardings of a target state built the usual
-way, so a restored run is sharded like a fresh one.
+`config.model.path` on resume. A LoRA run's checkpoints hold the adapters (the `actor` entry) and
+their optimizer state only; the frozen base they sit on is recorded once in base.json (where it
+came from and its digests), and a resume or restore refuses a base with other digests.
+Restores go into the shardings of a target state built the usual way, so a restored run is
+sharded like a fresh one.
 
 Integrity:
 - A state with a non-finite leaf is never saved (`NonFiniteStateError` names the leaves).
@@ -49,6 +52,7 @@ from comppo_jax.sharding import any_process, to_memory
 
 REFERENCE_DIR = "reference"
 REFERENCE_DIGESTS = "reference_digests.json"
+BASE_RECORD = "base.json"  # a LoRA run's frozen base: {"source": ..., "digests": {leaf: digest}}
 QUARANTINE_DIR = "corrupt_checkpoints"
 
 
@@ -393,6 +397,32 @@ class RunCheckpoints:
         if jax.process_index() == 0:
             with open(os.path.join(self.directory, REFERENCE_DIGESTS), "w") as f:
                 json.dump(digests, f)
+
+    def record_base(self, params: Any, source: str) -> None:
+        """Writes base.json: where a LoRA run's frozen base came from and its digests."""
+        digests, _ = state_digests(params)
+        if jax.process_index() == 0:
+            with open(os.path.join(self.directory, BASE_RECORD), "w") as f:
+                json.dump({"source": source, "digests": digests}, f, indent=1)
+
+    def verify_base(self, params: Any, source: str) -> None:
+        """Raises CheckpointError when `params` (the base loaded from `source`) is not the base the
+        run's adapters were trained on (base.json's digests)."""
+        path = os.path.join(self.directory, BASE_RECORD)
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            expected = record["digests"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{path} cannot be read ({_first_line(error)}): the run's LoRA adapters cannot be checked against "
+                                  f"their base; restore it from a backup") from error
+        digests, _ = state_digests(params)
+        differing = [leaf for leaf, digest in digests.items() if expected.get(leaf) != digest]
+        if differing or set(expected) != set(digests):
+            leaf = differing[0] if differing else sorted(set(expected) ^ set(digests))[0]
+            raise CheckpointError(f"the base policy from {source} is not the one this run's LoRA adapters were trained on "
+                                  f"({record.get('source')}; leaf {leaf}: digest {digests.get(leaf)}, recorded {expected.get(leaf)} in "
+                                  f"{path}): point config.model.path at the original base")
 
     def rebuild_reference(self, params: Any) -> None:
         """Saves `params`, the reference replayed from the warm start, as the run's reference policy

@@ -24,6 +24,7 @@ beside the compiled sampler's own prediction.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -33,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from comppo_jax import sharding
-from comppo_jax.models import ConfigError, model_config
+from comppo_jax.models import ConfigError, lora, model_config
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import param_shapes
 from comppo_jax.rollout import engine, engine_options
@@ -187,6 +188,12 @@ class DecodeLayout(NamedTuple):
         return sharding.move(tree, jax.tree.map(lambda _: rows, tree)) if self.separate else jax.device_put(tree, rows)
 
 
+def decode_weights(actor, config: ModelConfig):
+    """The weights the sampler decodes with: the actor in the compute dtype, LoRA adapters merged
+    into their base weights (one matmul per projection and token instead of three)."""
+    return cast_params(lora.merged(actor, config), config.dtype)
+
+
 def _chosen_group(value, mesh: Mesh, config: ModelConfig, devices: int, *, chip, budget, rollout: dict, fallback: int):
     """(the checked choice, G, G's floor or None, every G's floor) of rollout.mesh.tensor=`value` on
     `devices` chips: auto takes the fastest floor that fits `budget` (`fallback` on a chip without
@@ -214,11 +221,11 @@ def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: c
     choice, tensor, floor, candidates = _chosen_group(value, mesh, config, devices, chip=chip, budget=budget, rollout=rollout,
                                                       fallback=mesh.shape["tensor"])
     same = dict(mesh.shape) == {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
-    if choice == "train" or same:
-        return DecodeLayout(mesh, tensor, False, lambda actor: cast_params(actor, config.dtype), floor, candidates)
+    weights = functools.partial(decode_weights, config=config)
+    if choice == "train" or same:  # a LoRA actor's merge is one program; a cast to the same dtype returns the arrays themselves
+        return DecodeLayout(mesh, tensor, False, jax.jit(weights) if lora.has_adapters(actor) else weights, floor, candidates)
     decode = sharding.decode_mesh(mesh, tensor)
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), config.dtype), actor)
-    reshard = jax.jit(lambda actor: cast_params(actor, config.dtype), out_shardings=sharding.tree_shardings(decode, compute))
+    reshard = jax.jit(weights, out_shardings=sharding.tree_shardings(decode, jax.eval_shape(weights, actor)))
     return DecodeLayout(decode, tensor, True, reshard, floor, candidates)
 
 
@@ -233,13 +240,14 @@ def _separate_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip, bud
         raise ConfigError(f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
                           f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto")
     decode = sharding.decode_mesh(Mesh(np.asarray(devices).reshape(len(devices), 1, 1), sharding.AXES), tensor)
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), config.dtype), actor)
+    weights = functools.partial(decode_weights, config=config)
+    compute = jax.eval_shape(weights, actor)
     target = sharding.tree_shardings(decode, compute)
     if jax.process_count() == 1:
-        cast = jax.jit(lambda actor: cast_params(actor, config.dtype))
+        cast = jax.jit(weights)
     else:  # the decode layout on the training devices (the twins of the rollout devices, position by position)
         twin = Mesh(mesh.devices.reshape(-1).reshape(decode.devices.shape), sharding.AXES)
-        cast = jax.jit(lambda actor: cast_params(actor, config.dtype), out_shardings=sharding.tree_shardings(twin, compute))
+        cast = jax.jit(weights, out_shardings=sharding.tree_shardings(twin, compute))
     return DecodeLayout(decode, tensor, True, lambda actor: sharding.move(cast(actor), target), floor, candidates, separate=True)
 
 

@@ -24,7 +24,7 @@ from comppo_jax.train.guards import SkippedUpdates, nonfinite_credit
 from comppo_jax.train.methods import (Recipe, RunParts, control_gate, critic_warmup, gate_options, kl_coefficient, schedule_step,
                                       spread_over_sequence)
 from comppo_jax.train.sampling import Sampled
-from comppo_jax.train.update import Minibatch, UpdateSteps, cast_params
+from comppo_jax.train.update import Minibatch, UpdateSteps, apply_actor_step, cast_params
 
 
 class Scored(NamedTuple):
@@ -199,7 +199,7 @@ class Learner:
                 out = {}
                 if update_actor:
                     self.compiling("the actor update")
-                    state["actor"], state["actor_opt"], out = steps.actor(state["actor"], state["actor_opt"], minibatch, actor_hyper)
+                    state["actor"], state["actor_opt"], out = apply_actor_step(steps, state["actor"], state["actor_opt"], minibatch, actor_hyper)
                 if state["critic"] is not None:
                     self.compiling("the critic update")
                     state["critic"], state["critic_opt"], critic_out = steps.critic(state["critic"], state["critic_opt"], minibatch,

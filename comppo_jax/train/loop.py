@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +46,14 @@ from absl import logging
 from comppo_jax import sharding
 from comppo_jax.data.rewards import VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.models import CheckpointError, ConfigError, load_policy
+from comppo_jax.models import CheckpointError, ConfigError, load_policy, lora
+from comppo_jax.models.lora import LoraConfig
 from comppo_jax.train import controller, decode_layout, run_dir
 from comppo_jax.train.checkpoint import RunCheckpoints, committed_steps
 from comppo_jax.train.guards import RunStopped, StopSignals
 from comppo_jax.train.learner import Learner, Offload
-from comppo_jax.train.methods import RunParts, actor_loss_of, init_critic, kl_term, recipe as make_recipe, run_parts, total_steps
+from comppo_jax.train.methods import (RunParts, actor_loss_of, base_source, init_critic, initial_keys, kl_term, recipe as make_recipe,
+                                      run_parts, total_steps)
 from comppo_jax.train.outputs import CONFIG_FILE, load_run_config, save_run_config
 from comppo_jax.train.recorder import Recorder, initial_meta
 from comppo_jax.train.rollout_stage import RolloutStage, load_encodable_problems
@@ -71,9 +73,11 @@ def check_batch(cfg, mesh) -> None:
 
 
 def warm_start_key(cfg) -> dict:
-    """Everything the warm-started policy depends on (its cache key)."""
+    """Everything the warm-started policy depends on (its cache key): not LoRA, whose adapters
+    train on top of it, so runs of any rank share one warm start."""
     settings = {k: v for k, v in cfg.warm_start.to_dict().items() if k != "cache_dir"}
-    return {"model": cfg.model.to_dict(), "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
+    model = {k: v for k, v in cfg.model.to_dict().items() if k != "lora"}
+    return {"model": model, "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
 
 
 def restore_reference(checkpoints: RunCheckpoints, mesh, actor, replay):
@@ -208,7 +212,7 @@ def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
     # The sampler's weights move into its own layout once per step (rollout.mesh; comppo_jax.train.decode_layout).
     decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"], rollout_devices)
     logging.info("decode layout: %s", decode_layout.describe(decode))
-    reference = (lambda: start.offload.fetch(start.reference)) if kl_term(cfg) else (lambda: None)
+    reference = start.reference if kl_term(cfg) else (lambda: None)
 
     # The mesh is the trace-time context of every sharded call, so Pallas kernels run per shard.
     with (jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
@@ -253,12 +257,29 @@ def schedule(cfg, stop: StopSignals, state: dict, rollouts: RolloutQueue, learne
                              gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
         stopping = stop.requested() and step < last_step  # every process reads it at the same step
         in_flight, in_flight_meta = rollouts.saved(state["actor"])
-        recorder.checkpoint(step, {**state, **in_flight}, metrics, {"prompts": rollout.prompts.position, **learner.meta(), **in_flight_meta},
-                            stopping=stopping)
+        recorder.checkpoint(step, checkpointed({**state, **in_flight}), metrics,
+                            {"prompts": rollout.prompts.position, **learner.meta(), **in_flight_meta}, stopping=stopping)
         if stopping:
             return recorder.stopped(step)
     final_accuracy = rollout.evaluate(state["actor"], stoppable=True)  # after the last checkpoint: a resume redoes only this
     return recorder.finish(final_accuracy, len(rollout.dev_problems), learner.skipped)
+
+
+def checkpointed(state: dict) -> dict:
+    """What a checkpoint holds of `state`: the actor's and the in-flight policies' trainable part
+    (a LoRA run's adapters; its frozen base is recorded once, comppo_jax.train.checkpoint)."""
+    saved = {**state, "actor": lora.trainable(state["actor"])}
+    if "behaviour" in state:
+        saved["behaviour"] = [lora.trainable(policy) for policy in state["behaviour"]]
+    return saved
+
+
+def with_base(state: dict, base) -> dict:
+    """`checkpointed`'s inverse: a restored state's policies on the frozen `base` (None: full fine-tuning)."""
+    joined = {**state, "actor": lora.join(base, state["actor"])}
+    if "behaviour" in state:
+        joined["behaviour"] = [lora.join(base, policy) for policy in state["behaviour"]]
+    return joined
 
 
 class StartingPoint(NamedTuple):
@@ -270,8 +291,8 @@ class StartingPoint(NamedTuple):
     parts: RunParts
     state: dict  # actor, actor_opt, critic, critic_opt, rng: on the training mesh
     meta: dict  # recorder.initial_meta()'s fields, as restored
-    reference: Any  # the frozen reference policy (parked in host memory with train.offload_idle)
-    snapshot: Any  # actor -> a fresh compute-dtype copy on the training mesh (the generating policy of a batch started ahead)
+    reference: Callable  # () -> the frozen reference policy (fetched from host memory with train.offload_idle; a LoRA run's base)
+    snapshot: Callable  # actor -> a fresh compute-dtype copy on the training mesh (the generating policy of a batch started ahead)
     behaviour: list  # a resumed run's policies of the batches in flight (rollout.staleness), else []
     actor_tx: Any
     critic_tx: Any
@@ -283,8 +304,7 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
     """Loads the data and the policy, runs (or reads back) the warm start, and builds the state: a
     new run's, or a resumed run's from its checkpoint (config.json rewritten with its changes)."""
     main_process = jax.process_index() == 0
-    rng = jax.random.PRNGKey(cfg.seed)
-    policy_rng, critic_rng, rng = jax.random.split(rng, 3)
+    policy_rng, critic_rng, rng = initial_keys(cfg.seed)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)  # "" and no path: the character tokenizer
     train_problems, dev_problems = load_encodable_problems(cfg, tokenizer)
     model_config, actor = load_policy(cfg.model, policy_rng)
@@ -295,7 +315,8 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
         lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
                            learning_rate=cfg.warm_start.learning_rate, seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise,
                            progress=show_progress, check_stop=stop.check))
-    # The reference is frozen in the compute dtype; the actor trains in the master dtype.
+    # The reference is frozen in the compute dtype; the actor trains in the master dtype. With LoRA
+    # the reference is also the base the adapters (in the master dtype) train beside.
     frozen = lambda params: jax.tree.map(lambda p: jnp.array(p, dtype=model_config.dtype, copy=True), params)
     if cfg.warm_start.steps and cfg.resume:
         reference = restore_reference(checkpoints, mesh, actor, lambda: frozen(run_warm_start()[0]))
@@ -305,29 +326,42 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
         reference = frozen(actor)
     else:
         reference = frozen(actor)
-    actor = cast_params(actor, cfg.train.master_dtype)
+    adapters = LoraConfig.of(cfg.model)
+    if adapters.enabled:
+        actor = lora.join(reference, lora.init_adapters(model_config, adapters, jax.random.fold_in(policy_rng, 1), cfg.train.master_dtype))
+    else:
+        actor = cast_params(actor, cfg.train.master_dtype)
     parts = run_parts(cfg, model_config)
     critic = init_critic(parts, model_config, critic_rng)
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
-    state = {"actor": actor, "actor_opt": actor_tx.init(actor), "critic": critic,
+    state = {"actor": actor, "actor_opt": actor_tx.init(lora.trainable(actor)), "critic": critic,
              "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}
     state = sharding.put(state, sharding.tree_shardings(mesh, state))
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, model_config.dtype), state["actor"])
-    snapshot = jax.jit(lambda actor: cast_params(actor, model_config.dtype), out_shardings=sharding.tree_shardings(mesh, compute))
+    base = lora.split(state["actor"])[1]  # None without adapters
+    if base is not None:
+        (checkpoints.verify_base if cfg.resume else checkpoints.record_base)(base, base_source(cfg))
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, model_config.dtype), lora.trainable(state["actor"]))
+    cast = jax.jit(lambda trainable: cast_params(trainable, model_config.dtype), out_shardings=sharding.tree_shardings(mesh, compute))
+    snapshot = lambda actor: lora.join(base, cast(lora.trainable(actor)))  # a LoRA run's snapshots share its frozen base
     behaviour = []
     if cfg.resume:  # into the mesh's shardings: every process reads its own shards
         in_flight = {"behaviour": [snapshot(state["actor"])] * cfg.rollout.staleness} if cfg.rollout.staleness else {}
-        state, meta = restore_for_resume(cfg, checkpoints, {**state, **in_flight})
+        state, meta = restore_for_resume(cfg, checkpoints, checkpointed({**state, **in_flight}))
+        state = with_base(state, base)
         behaviour = state.pop("behaviour", [])
         if main_process:
             print(f"resuming from step {meta['step']} of {total_steps(cfg, parts.recipe)} ({checkpoints.steps_directory}/{meta['step']})",
                   flush=True)
             save_run_config(cfg, cfg.output_dir)
             run_dir.record_changes(cfg.output_dir, meta["step"], config_changes)
-    reference = sharding.put(reference, sharding.tree_shardings(mesh, reference))
+    reference = base if base is not None else sharding.put(reference, sharding.tree_shardings(mesh, reference))
     if cfg.warm_start.steps and not cfg.resume:  # saved once it is a global array (every process writes its shards)
         checkpoints.save_reference(reference)
     offload = Offload.of(cfg.train.offload_idle)
-    reference, state["actor_opt"] = offload.park(reference), offload.park(state["actor_opt"])
-    return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, reference, snapshot, behaviour,
-                         actor_tx, critic_tx, offload)
+    state["actor_opt"] = offload.park(state["actor_opt"])
+    if base is not None:  # the actor's own base: nothing to park or fetch
+        return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, lambda: base, snapshot,
+                             behaviour, actor_tx, critic_tx, offload)
+    reference = offload.park(reference)
+    return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, lambda: offload.fetch(reference),
+                         snapshot, behaviour, actor_tx, critic_tx, offload)

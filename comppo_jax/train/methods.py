@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from comppo_jax.credit import FIXED_GATE, apply_position_schedule, fixed_gate, load_position_schedule, shuffle_gate
@@ -149,7 +150,18 @@ def spread_over_sequence(per_token, prompt_lengths, sequence_length: int):
 
 
 
-# --- What a run config fixes about scoring, credit and the step count -------------------------------
+# --- What a run config fixes about its start, scoring, credit and the step count --------------------
+
+
+def initial_keys(seed: int):
+    """(the policy's init key, the critic's init key, the run's key) of `config.seed`."""
+    return jax.random.split(jax.random.PRNGKey(seed), 3)
+
+
+def base_source(cfg) -> str:
+    """Where a run's starting policy (a LoRA run's frozen base) comes from, in words."""
+    loaded = cfg.model.path or f"model.arch at random (seed {cfg.seed})"
+    return loaded + (f", warm-started {cfg.warm_start.steps} steps" if cfg.warm_start.steps else "")
 
 
 class RunParts(NamedTuple):

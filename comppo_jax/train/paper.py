@@ -79,6 +79,12 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         logits_chunk=(1024, "response tokens per chunk of the vocabulary projection (0: all at once)"),
     )
     config.model.arch = config_dict.ConfigDict(arch)  # the architecture, when no path is given
+    config.model.lora = _section(
+        "model.lora.",
+        rank=(0, "LoRA rank (0: full fine-tuning): adapters train beside the frozen base, which is also the reference policy"),
+        alpha=(64.0, "LoRA scale numerator: the adapter term is (alpha / rank) * x @ A @ B (PEFT's lora_alpha)"),
+        targets=("q,k,v,o,gate,up,down", "the adapted projections, comma-separated: any of q, k, v, o, gate, up, down"),
+    )
     FIELD_HELP.update({f"model.arch.{name}": text for name, text in ARCH_HELP.items()})
     config.gate_envelope = _section(
         "gate_envelope.",

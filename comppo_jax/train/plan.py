@@ -34,6 +34,7 @@ the decode loop's prediction beside its floor.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from typing import NamedTuple
@@ -45,8 +46,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from comppo_jax import sharding
 from comppo_jax.critic import routing
-from comppo_jax.models import init_params, model_config
+from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.attention import resolve_implementation
+from comppo_jax.models.lora import LoraConfig
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
@@ -208,12 +210,16 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     key = jax.random.PRNGKey(0)
     abstract = lambda make: sharding.abstract_sharded(mesh, make)
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
-    master = lambda: cast_params(init_params(config, key), cfg.train.master_dtype)
+    adapters = LoraConfig.of(cfg.model)
+    if adapters.enabled:  # the frozen base in the compute dtype, the adapters in the master dtype
+        master = lambda: lora.join(init_params(config, key), lora.init_adapters(config, adapters, key, cfg.train.master_dtype))
+    else:
+        master = lambda: cast_params(init_params(config, key), cfg.train.master_dtype)
     state = {
         "actor": abstract(master),
-        "actor_opt": abstract(lambda: actor_tx.init(master())),
-        "policy": abstract(lambda: init_params(config, key)),  # the compute-dtype copy the scoring pass uses
-        "reference": abstract(lambda: init_params(config, key)),
+        "actor_opt": abstract(lambda: actor_tx.init(lora.trainable(master()))),
+        "policy": abstract(lambda: cast_params(master(), config.dtype)),  # the compute-dtype copy the scoring pass uses
+        "reference": abstract(lambda: init_params(config, key)),  # a LoRA run's: the actor's own base
         "critic": abstract(lambda: init_critic(parts, config, key)),
     }
     state["critic_opt"] = None if state["critic"] is None else abstract(lambda: critic_tx.init(init_critic(parts, config, key)))
@@ -252,6 +258,8 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
                               actor_loss=actor_loss_of(cfg))
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
+    if adapters.enabled:  # the reference is the actor's base, and the scoring copy shares it too
+        bytes_of.update(reference=0, policy=tree_bytes_per_chip(lora.trainable(state["policy"])))
     # train.offload_idle: what each program does not read waits in host memory (train() moves it).
     on_host = OFFLOADED if cfg.train.get("offload_idle", False) else {}
     held = lambda program, *names: sum(bytes_of[name] for name in names if name not in on_host.get(program, ()))
@@ -275,10 +283,14 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op).
     beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(decode.mesh, P()))
+    weights = jax.eval_shape(functools.partial(decode_layout.decode_weights, config=config), state["actor"])  # a LoRA actor's merged
     if decode.resharded:  # the training-layout compute copy is made after sampling, for the scoring pass
-        state["sampler"] = _with_shardings(state["policy"], sharding.tree_shardings(decode.mesh, state["policy"]))
+        state["sampler"] = _with_shardings(weights, sharding.tree_shardings(decode.mesh, weights))
         bytes_of["sampler"] = tree_bytes_per_chip(state["sampler"])
         sampling = (sample, (state["sampler"], prompts, prompts.update(dtype=jnp.bool_), rng), beside_sampler)
+    elif adapters.enabled:  # the merged weights, a copy beside the actor's base
+        sampling = (sample, (_with_shardings(weights, sharding.tree_shardings(mesh, weights)), prompts, prompts.update(dtype=jnp.bool_), rng),
+                    beside_sampler)
     else:
         sampling = (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
                     held("sample", *beside_policy, "actor_opt", "reference", "critic", "critic_opt"))
@@ -288,8 +300,8 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         "sample": sampling,
         "score": (score, (state["policy"], state["reference"], generation(rows)),
                   held("score", *beside_policy, "actor_opt", "critic", "critic_opt")),
-        "actor": (update.actor, (state["actor"], state["actor_opt"], train_rows,
-                                 dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar)),
+        "actor": (update.actor, (lora.trainable(state["actor"]), state["actor_opt"], train_rows,
+                                 dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar), lora.split(state["actor"])[1]),
                   held("actor", "reference", "critic", "critic_opt", "rollout_batch")),
         "critic": None if update.critic is None else (
             update.critic, (state["critic"], state["critic_opt"], train_rows,
@@ -304,7 +316,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
                         epochs=epochs, reference=kl_term(cfg),
                         behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
-                        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0)
+                        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0, frozen_base=adapters.enabled)
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
@@ -390,22 +402,23 @@ def matmul_params(config) -> int:
 
 
 def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool,
-                behaviour: bool = True, gate_refreshes: int = 0) -> float:
+                behaviour: bool = True, gate_refreshes: int = 0, frozen_base: bool = False) -> float:
     """One train step's model FLOPs, the numerator of MFU: a forward pass costs 2N per token plus
     causal attention 4 x layers x heads x head_dim x (mean keys, half the row) per token, a
     forward and backward 3x that. Prefill (each prompt once) and decoding (each response token,
     with the prompt and half the response as mean context), the scoring pass (the behaviour policy
     unless skipped, `methods.behaviour_pass`, and with a KL term the reference) and the actor's
     `epochs` passes over the rollout, and gate_refresh=epoch's forward before each later epoch
-    (`gate_refreshes`; no vocabulary projection). Rematerialized forwards and the critic are not
-    model FLOPs."""
+    (`gate_refreshes`; no vocabulary projection). With a `frozen_base` (LoRA) the backward pass
+    computes no weight gradients: 2x a forward instead of 3x (the adapters' own FLOPs are
+    negligible at rank << width). Rematerialized forwards and the critic are not model FLOPs."""
     n = matmul_params(config)
     attention = lambda keys: 4 * config.num_layers * config.num_heads * config.head_dim * keys
     length = prompt_length + response
     sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (2 * n + attention(prompt_length + response / 2))
     forward = rows * length * (2 * n + attention(length / 2))
     gate_forward = forward - rows * length * 2 * config.hidden_size * config.vocab_size
-    return sample + (int(reference) + int(behaviour)) * forward + epochs * 3 * forward + gate_refreshes * gate_forward
+    return sample + (int(reference) + int(behaviour)) * forward + epochs * (2 if frozen_base else 3) * forward + gate_refreshes * gate_forward
 
 
 class ProgramTime(NamedTuple):

@@ -8,7 +8,8 @@ live in the optax state (`inject_hyperparams`), so they are checkpointed with it
 
 Mixed precision: the actor's params may be kept in a wider master dtype (float32) than the
 model's compute dtype (`config.dtype`, bfloat16 in the presets); the loss casts them down, so
-gradients and AdamW moments stay in the master dtype.
+gradients and AdamW moments stay in the master dtype. With LoRA (comppo_jax.models.lora) only the
+adapters are trained, kept in the master dtype; the frozen base stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax.sharding import Mesh
 
 from comppo_jax.credit import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss, value_loss
 from comppo_jax.critic import Routing, standard_value_head
-from comppo_jax.models import ModelConfig
+from comppo_jax.models import ModelConfig, lora
 from comppo_jax.rollout import gather_response, policy_token_stats
 from comppo_jax.sharding import batch_sharding, replicated, tree_shardings
 from comppo_jax.train.methods import ActorLoss
@@ -105,11 +106,13 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, tem
     return policy_loss + kl_coef * kl, {**metrics, "kl_loss": kl}
 
 
-def actor_step(params, opt_state, batch: Minibatch, hyper: dict, *, config: ModelConfig, tx, temperature: float,
+def actor_step(params, opt_state, batch: Minibatch, hyper: dict, frozen=None, *, config: ModelConfig, tx, temperature: float,
                loss: ActorLoss = ActorLoss()):
-    """One actor update; hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
+    """One actor update of `params` (every weight, or a LoRA run's adapters beside the `frozen`
+    base: comppo_jax.models.lora); hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
     Skipped (params and optimizer state unchanged, actor_finite=False) on a non-finite loss or gradient."""
-    grads, metrics = jax.grad(actor_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss)
+    policy_loss = lambda params, *args: actor_loss(lora.join(frozen, params), *args)
+    grads, metrics = jax.grad(policy_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss)
     losses = (metrics["policy_loss"],) + ((metrics["kl_loss"],) if loss.kl_term else ())
     params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"], losses)
     return params, opt_state, {**metrics, "grad_norm": grad_norm, "actor_finite": finite}
@@ -142,9 +145,17 @@ def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_modu
 class UpdateSteps(NamedTuple):
     """The jitted, sharded steps of one run (critic entries are None without a critic)."""
 
-    actor: Callable  # (params, opt_state, minibatch, hyper) -> (params, opt_state, metrics)
+    actor: Callable  # (trainable, opt_state, minibatch, hyper, frozen) -> (trainable, opt_state, metrics); see `apply_actor_step`
     critic: Callable | None  # (params, opt_state, minibatch, hyper) -> (params, opt_state, metrics)
     values: Callable | None  # (params, batch) -> V [B, T]
+
+
+def apply_actor_step(steps: UpdateSteps, actor, opt_state, minibatch: Minibatch, hyper: dict):
+    """(actor, opt_state, metrics) after `steps.actor` on the actor's trainable part (all of it, or
+    its LoRA adapters), the frozen base passed beside it unchanged."""
+    trainable, frozen = lora.split(actor)
+    trainable, opt_state, metrics = steps.actor(trainable, opt_state, minibatch, hyper, frozen)
+    return lora.join(frozen, trainable), opt_state, metrics
 
 
 def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: float, actor, actor_opt, actor_tx,
@@ -154,9 +165,10 @@ def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: floa
     with in/out shardings on `mesh`."""
     rep = replicated(mesh)
     batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac")
-    actor_sh, actor_opt_sh = tree_shardings(mesh, actor), tree_shardings(mesh, actor_opt)
+    (trainable_sh, frozen_sh), actor_opt_sh = (tree_shardings(mesh, part) for part in lora.split(actor)), tree_shardings(mesh, actor_opt)
+    # The frozen base is read, never donated: the reference policy is the same arrays.
     actor_fn = jax.jit(functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),
-                       in_shardings=(actor_sh, actor_opt_sh, batch, rep), out_shardings=(actor_sh, actor_opt_sh, rep),
+                       in_shardings=(trainable_sh, actor_opt_sh, batch, rep, frozen_sh), out_shardings=(trainable_sh, actor_opt_sh, rep),
                        donate_argnums=(0, 1))
     if critic is None:
         return UpdateSteps(actor_fn, None, None)

@@ -15,6 +15,7 @@ Models: `tiny` (`configs/tiny.py`) and `qwen3_0.6b` (Qwen3-0.6B's shapes, bf16, 
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from typing import NamedTuple
@@ -26,9 +27,9 @@ import numpy as np
 from benchmarks.sampler import TunixWorker
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
-from comppo_jax.models import to_hf
+from comppo_jax.models import lora, to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.train import cost as costs, plan
+from comppo_jax.train import cost as costs, decode_layout, plan
 from comppo_jax.train.learner import take_rows
 from comppo_jax.train.update import Minibatch
 
@@ -123,9 +124,12 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
     prompts = jax.device_put(host_prompts, sample_args[1].sharding)
     mask = jax.device_put(np.ones(prompts.shape, bool), sample_args[2].sharding)
     key = jax.device_put(np.asarray(jax.random.PRNGKey(0)), sample_args[3].sharding)
+    weights = state["policy"]
+    if lora.has_adapters(weights):  # train() decodes with a LoRA actor's adapters merged
+        weights = state["sampler"] = jax.jit(functools.partial(decode_layout.decode_weights, config=step.config))(weights)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = {"sample": sample.lower(state["policy"], prompts, mask, key).compile()}
-        generation = compiled["sample"](state["policy"], prompts, mask, key)
+        compiled = {"sample": sample.lower(weights, prompts, mask, key).compile()}
+        generation = compiled["sample"](weights, prompts, mask, key)
         compiled["score"] = score.lower(state["policy"], state["reference"], generation).compile()
         rollout = compiled["score"](state["policy"], state["reference"], generation)
         per_token = jnp.asarray(rng.standard_normal(generation.response_tokens.shape), jnp.float32)
@@ -138,18 +142,26 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
                  "critic": dict(learning_rate=1e-5, value_clip=0.5, grad_clip=1.0)}
         hyper = {name: {k: jnp.float32(v) for k, v in values.items()} for name, values in hyper.items()}
         owners = {"actor": ("actor", "actor_opt"), "critic": ("critic", "critic_opt")}
+
+        def arguments(name):  # the actor step takes its trainable part and, apart, a LoRA run's frozen base
+            if name == "actor":
+                trainable, frozen = lora.split(state["actor"])
+                return trainable, state["actor_opt"], minibatch, hyper[name], frozen
+            return state["critic"], state["critic_opt"], minibatch, hyper[name]
+
         for name in ("actor", "critic"):
             if step.programs[name] is not None:
-                compiled[name] = step.programs[name][0].lower(*(state[o] for o in owners[name]), minibatch, hyper[name]).compile()
+                compiled[name] = step.programs[name][0].lower(*arguments(name)).compile()
 
     def update(name):
         def call():  # the update donates its state: carry the new one
-            params, opt, out = compiled[name](*(state[o] for o in owners[name]), minibatch, hyper[name])
-            state[owners[name][0]], state[owners[name][1]] = params, opt
+            params, opt, out = compiled[name](*arguments(name))
+            state[owners[name][0]] = lora.join(lora.split(state["actor"])[1], params) if name == "actor" else params
+            state[owners[name][1]] = opt
             jax.block_until_ready(out)
         return call
 
-    calls = {"sample": lambda: jax.block_until_ready(compiled["sample"](state["policy"], prompts, mask, key)),
+    calls = {"sample": lambda: jax.block_until_ready(compiled["sample"](weights, prompts, mask, key)),
              "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
              **{name: update(name) for name in ("actor", "critic") if name in compiled}}
     return OnDevice(step, compiled, calls, state, host_prompts, generation)

@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, require_libtpu, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, cluster_tail, on_local_cluster, require_libtpu, small_train_config, small_train_flags
 
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, preset_model_config
@@ -88,9 +88,8 @@ def test_every_layout_samples_as_the_training_mesh_on_eight_devices():
 
 @pytest.mark.slow
 def test_every_layout_samples_as_the_training_mesh_on_two_processes():
-    output = run_payload([sys.executable, "launch/local_cluster.py", "--processes=2", "--devices_per_process=4", "--collective_timeout_s=120",
-                          "--", "tests/rollout/decode_layouts.py"], CPU_ONLY_ENV)
-    assert output.count("decode layouts ok") == 2, output[-3000:]
+    result = on_local_cluster([], script="tests/rollout/decode_layouts.py")
+    assert result.returncode == 0 and result.stdout.count("decode layouts ok") == 2, cluster_tail(result)
 
 
 @pytest.mark.slow

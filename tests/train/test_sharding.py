@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from jax.sharding import PartitionSpec as P
     from comppo_jax import sharding
-    from comppo_jax.train.update import jit_update_steps, minibatch_shardings
+    from comppo_jax.train.update import apply_actor_step, jit_update_steps, minibatch_shardings
     from update_inputs import CONFIG, HYPER, update_inputs
 
     assert len(jax.devices()) == 8
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
         actor, actor_opt, critic, critic_opt = sharding.put(state, sharding.tree_shardings(mesh, state))
         batch = sharding.put(batch, minibatch_shardings(mesh, with_routing=True))
         values = steps.values(critic, batch)
-        actor, actor_opt, actor_metrics = steps.actor(actor, actor_opt, batch, HYPER["actor"])
+        actor, actor_opt, actor_metrics = apply_actor_step(steps, actor, actor_opt, batch, HYPER["actor"])
         critic, critic_opt, critic_metrics = steps.critic(critic, critic_opt, batch, HYPER["critic"])
         return (values, actor, actor_opt, critic, critic_opt, actor_metrics, critic_metrics), actor, batch
 
@@ -97,7 +97,7 @@ def test_tiny_train_step_compiles_for_a_tpu_topology(chip):
     steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
                              critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind="tac")
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        actor_step = steps.actor.trace(*abstract((actor, actor_opt, batch, HYPER["actor"]))).lower().compile()
+        actor_step = steps.actor.trace(*abstract((actor, actor_opt, batch, HYPER["actor"], None))).lower().compile()
         critic_step = steps.critic.trace(*abstract((critic, critic_opt, batch, HYPER["critic"]))).lower().compile()
     for compiled in (actor_step, critic_step):
         assert compiled.memory_analysis() is not None

@@ -117,32 +117,25 @@ SEPARATE = dict(steps=3, rollout__prompts_per_step=4, train__minibatch_size=4, t
 
 def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides):
     """launch/train.py on `devices` fake CPU devices: one process, or `processes` x devices / processes
-    (launch/local_cluster.py); optionally SIGTERM once metrics.jsonl has that many rows."""
+    (launch/local_cluster.py, rerun after a gloo timeout, optionally sent SIGTERM once metrics.jsonl
+    has `sigterm_after_rows` rows)."""
     import signal
     import subprocess
     import sys
-    import time
 
-    from conftest import CPU_ONLY_ENV, REPO, small_train_flags
+    from conftest import CPU_ONLY_ENV, REPO, cluster_tail, on_local_cluster, small_train_flags
 
     flags = small_train_flags(run, **{**SEPARATE, **overrides})
-    if processes == 1:
-        command = [sys.executable, "launch/train.py", *flags]
-        env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    else:
-        command = [sys.executable, "launch/local_cluster.py", f"--processes={processes}", f"--devices_per_process={devices // processes}",
-                   "--collective_timeout_s=120", "--", "launch/train.py", *flags]
-        env = CPU_ONLY_ENV
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics, deadline = run / "metrics.jsonl", time.time() + 500
-    while sigterm_after_rows is not None and process.poll() is None and time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= sigterm_after_rows:
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.05)
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output[-4000:]
-    return output
+    if processes > 1:
+        result = on_local_cluster(flags, processes=processes, devices_per_process=devices // processes, signal_after_rows=sigterm_after_rows,
+                                  signum=signal.SIGTERM if sigterm_after_rows is not None else None, metrics=run / "metrics.jsonl")
+        assert result.returncode == 0, cluster_tail(result)
+        return result.stdout
+    assert sigterm_after_rows is None, "a signal is sent to multi-process runs only"
+    result = subprocess.run([sys.executable, "launch/train.py", *flags], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env=dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout + result.stderr
 
 
 @pytest.mark.slow

@@ -121,3 +121,25 @@ def test_dapo_clips_higher_and_drops_the_kl_term_from_one_config():
     # verl's convention: the KL aggregated as the policy loss is.
     assert loop_surrogate(train__policy_loss="gspo", train__kl_aggregation="policy")[1].kl_aggregation == "seq-mean-token-mean"
     assert loop_surrogate(train__policy_loss="gspo")[1].kl_aggregation == "token-mean"
+
+
+def test_a_lora_step_trains_only_the_adapters_and_leaves_the_base_arrays_in_place():
+    from comppo_jax.models import lora
+    from comppo_jax.train.update import apply_actor_step, jit_update_steps
+
+    base, _, actor_tx, *_, batch = update_inputs()
+    actor = lora.join(base, lora.init_adapters(CONFIG, lora.LoraConfig(rank=4, targets=("q", "v", "down")), jax.random.PRNGKey(1)))
+    actor_opt = actor_tx.init(lora.trainable(actor))
+    assert jax.tree.structure(actor_opt.inner_state[0].mu) == jax.tree.structure(lora.trainable(actor))  # AdamW moments: adapters only
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx)
+    before = jax.tree.map(np.asarray, lora.trainable(actor)["layers"])  # the step donates the adapters
+    with jax.set_mesh(mesh):
+        new_actor, new_opt, metrics = apply_actor_step(steps, actor, actor_opt, batch, HYPER["actor"])
+    assert bool(metrics["actor_finite"]) and float(metrics["grad_norm"]) > 0
+    # The base is read, not donated: the same arrays, still alive (the reference policy of a LoRA run is them).
+    assert all(a is b and not a.is_deleted() for a, b in zip(jax.tree.leaves(lora.base(new_actor)), jax.tree.leaves(base)))
+    after = lora.trainable(new_actor)["layers"]
+    changed = {name for name in before if np.any(before[name] != np.asarray(after[name]))}
+    assert changed == {f"{w}_lora_b" for w in ("q_proj", "v_proj", "down_proj")}  # B = 0 at the start: A's gradient is zero
+    assert jax.tree.structure(new_opt.inner_state[0].mu) == jax.tree.structure(lora.trainable(new_actor))

@@ -1,0 +1,81 @@
+"""A training run's checkpoint as files other tools serve: Hugging Face weights or PEFT adapters.
+
+    export_run("runs/tiny_lora", "best", "exported/", "hf")    # merged safetensors + config.json + tokenizer
+    export_run("runs/tiny_lora", "best", "adapters/", "peft")  # adapter_config.json + adapter_model.safetensors
+
+`hf` loads with `transformers.AutoModelForCausalLM.from_pretrained(out)` (and vLLM): a LoRA run's
+adapters merged into its base, in the compute dtype. `peft` loads with
+`peft.PeftModel.from_pretrained(base, out)`: the adapters alone, on the base named in
+adapter_config.json. That is `model.path` when the run trained on it as loaded; a base the run
+made itself (warm-started, or random) is written beside them under `out/base` in `hf` format, so
+the adapters always come with the weights they were trained on. A full fine-tuning run has no
+adapters and exports `hf` only.
+
+The checkpoint is restored onto one device of this machine (verified against its digests; a LoRA
+run's base against base.json), whatever mesh the run trained on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from comppo_jax import sharding
+from comppo_jax.data.tokenizers import load_tokenizer
+from comppo_jax.eval.restore import actor_target, with_run_base
+from comppo_jax.models import ConfigError, lora, model_config, to_hf
+from comppo_jax.models.hf import to_peft
+from comppo_jax.models.lora import LoraConfig
+from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.outputs import load_run_config
+from comppo_jax.train.update import cast_params
+
+FORMATS = ("hf", "peft")
+
+
+def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> list[str]:
+    """Writes checkpoint `step` (latest, best or N) of the run in `run_dir` to `out` as `format`
+    (module docstring); returns what it wrote, one line each."""
+    if format not in FORMATS:
+        raise ConfigError(f"--format={format!r}: expected one of {', '.join(FORMATS)}")
+    cfg = load_run_config(run_dir)
+    adapters = LoraConfig.of(cfg.model)
+    if format == "peft" and not adapters.enabled:
+        raise ConfigError(f"{run_dir} is a full fine-tuning run (model.lora.rank=0): it has no adapters to export as PEFT; "
+                          "export its weights with --format=hf")
+    if os.path.isdir(out) and os.listdir(out):
+        raise FileExistsError(f"{out} exists and is not empty: choose another --out, or remove it")
+    config = model_config(cfg.model)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
+    checkpoints = RunCheckpoints(run_dir, read_only=True)
+    try:
+        step = checkpoints.resolve_step(step)
+        actor = checkpoints.restore_params({"actor": actor_target(mesh, cfg, config)}, step)["actor"]
+        params = with_run_base(cfg, checkpoints, mesh, config, actor)  # adapters in the master dtype on the compute-dtype base
+    finally:
+        checkpoints.close()
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    written = [f"step {step} of {run_dir}"]
+    if format == "hf":
+        to_hf(config, cast_params(lora.merged(params, config), config.dtype), out)
+        written.append(f"{out}: {'merged ' if adapters.enabled else ''}weights ({config.dtype}), config.json" + _tokenizer_files(tokenizer, out))
+        return written
+    base_model = os.path.abspath(cfg.model.path) if cfg.model.path and not cfg.warm_start.steps else os.path.join(os.path.abspath(out), "base")
+    to_peft(config, lora.trainable(params), out, base_model=base_model)
+    written.append(f"{out}: adapter_config.json, adapter_model.safetensors (rank {adapters.rank}, alpha {adapters.alpha}, "
+                   f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, out))
+    if base_model != os.path.abspath(cfg.model.path or ""):  # the run made its base (warm start or random init): it goes along
+        to_hf(config, lora.base(params), base_model)
+        written.append(f"{base_model}: the base the adapters were trained on (the run's own, not model.path), weights and "
+                       f"config.json" + _tokenizer_files(tokenizer, base_model))
+    return written
+
+
+def _tokenizer_files(tokenizer, out: str) -> str:
+    """Saves a Hugging Face tokenizer's files into `out`; says what was written."""
+    if not hasattr(tokenizer, "tokenizer"):
+        return " (no tokenizer files: the run uses the character tokenizer, which Hugging Face does not know)"
+    tokenizer.tokenizer.save_pretrained(out)
+    return ", tokenizer files"
