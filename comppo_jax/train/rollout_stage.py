@@ -20,6 +20,7 @@ import numpy as np
 
 from comppo_jax.data.datasets import encodable_problems, load_dapo_math
 from comppo_jax.data.synthetic import chained_arithmetic
+from comppo_jax.models import lora
 from comppo_jax.rollout import encode_prompts, engine_options, generate, greedy_accuracy, score_rollout
 from comppo_jax.train.decode_layout import DecodeLayout
 from comppo_jax.train.methods import RunParts, schedule_step, scoring_options
@@ -170,8 +171,11 @@ class RolloutStage:
                                        len(self.train_problems))
         if first:
             self.stop.check(f"step {step}'s first sampling (compiling; the step is not saved)")
-        policy = cast_params(started.policy, self.model_config.dtype) if decode.resharded else started.sampler
-        started.sampler = started.policy = None  # scoring reads `policy`; the decode copy is freed unless it is the same arrays
+        # Scoring reads `policy` (a LoRA policy's adapters unmerged, as the update reads them, on its
+        # own base); the decode copy is freed unless it is the same arrays.
+        unmerged = decode.resharded or lora.has_adapters(started.policy)
+        policy = cast_params(started.policy, self.model_config.dtype) if unmerged else started.sampler
+        started.sampler = started.policy = None
         # Behaviour and reference scoring (detached): the generating policy's log-probs, gate and features.
         self.compiling("the scoring pass and credit")
         rollout = score_rollout(policy, self.reference(), self.model_config, sampled.generation, **scoring_options(cfg, self.parts))

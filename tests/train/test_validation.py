@@ -65,6 +65,10 @@ CASES = {
                                 r"config\.warm_start\.steps=3: the supervised warm start trains on worked solutions and "
                                 r"data\.kind='dapo_math' has none; pass --config\.warm_start\.steps=0"),
     "missing model": (assign(model__path="/nowhere/qwen3"), r"config\.model\.path='/nowhere/qwen3': does not exist"),
+    "negative LoRA rank": (assign(model__lora__rank=-8), r"config\.model\.lora\.rank=-8: must be >= 0"),
+    "zero LoRA alpha": (assign(model__lora__rank=8, model__lora__alpha=0.0), r"config\.model\.lora\.alpha=0\.0: must be > 0"),
+    "unknown LoRA target": (assign(model__lora__rank=8, model__lora__targets="q,qkv"),
+                            r"config\.model\.lora\.targets='q,qkv': expected a comma-separated subset of q, k, v, o, gate, up, down"),
     "minibatch does not divide": (assign(train__minibatch_size=3), r"config\.train\.minibatch_size=3: must divide the 4 responses per step"),
     "top_p zero": (assign(rollout__top_p=0.0), r"config\.rollout\.top_p=0\.0: must be in \(0, 1\]"),
     "unknown old log-probs": (assign(rollout__old_log_probs="stored"),
