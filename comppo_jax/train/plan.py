@@ -235,9 +235,11 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
                             jax.ShapeDtypeStruct((batch, response), jnp.bool_), jax.ShapeDtypeStruct((batch, response), jnp.float32))
         return _with_shardings(shapes, Generation(*[batch_sharding] * len(Generation._fields)))
 
-    # Without a KL term the scoring pass runs no reference forward (train() passes None).
+    # Without a KL term the scoring pass runs no reference forward (train() passes None). A LoRA
+    # run's reference is the policy's own base: the same arrays, not a second argument.
+    frozen_reference = lambda policy, reference: lora.base(policy) if adapters.enabled else reference
     score = jax.jit(lambda policy, reference, generation: score_rollout(
-        policy, reference if kl_term(cfg) else None, config, generation, backend=PLATFORM_BACKENDS[platform],
+        policy, frozen_reference(policy, reference) if kl_term(cfg) else None, config, generation, backend=PLATFORM_BACKENDS[platform],
         **scoring_options(cfg, parts)))
 
     def minibatch(batch):
@@ -280,8 +282,12 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         **options))
     # The actor and its optimizer, the reference and the critic stay on device all step; during
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
-    # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op).
+    # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op); a
+    # LoRA policy shares the actor's base, so only the actor's master-dtype adapters lie beside it.
     beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
+    if adapters.enabled:
+        bytes_of["adapters"] = tree_bytes_per_chip(lora.trainable(state["actor"]))
+        beside_policy = ("adapters",)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(decode.mesh, P()))
     weights = jax.eval_shape(functools.partial(decode_layout.decode_weights, config=config), state["actor"])  # a LoRA actor's merged
     if decode.resharded:  # the training-layout compute copy is made after sampling, for the scoring pass
