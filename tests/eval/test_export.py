@@ -76,6 +76,7 @@ def lora_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_a_lora_run_exports_to_peft_with_its_own_base_and_to_merged_hf_weights(lora_run, tmp_path):
     from comppo_jax.eval.restore import restore_policy
 
@@ -103,6 +104,7 @@ def test_a_lora_run_exports_to_peft_with_its_own_base_and_to_merged_hf_weights(l
     assert result.returncode != 0 and "exists and is not empty" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_full_fine_tuning_run_exports_hf_and_says_why_not_peft(tmp_path):
     run = tmp_path / "full"
     result = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(run, steps=1, train__critic_warmup_steps=0)], cwd=REPO,
