@@ -24,7 +24,7 @@ import numpy as np
 
 from comppo_jax import sharding
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.eval.restore import actor_target, with_run_base
+from comppo_jax.eval.restore import restored_actor
 from comppo_jax.models import ConfigError, lora, model_config, to_hf
 from comppo_jax.models.hf import to_peft
 from comppo_jax.models.lora import LoraConfig
@@ -52,8 +52,7 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
     checkpoints = RunCheckpoints(run_dir, read_only=True)
     try:
         step = checkpoints.resolve_step(step)
-        actor = checkpoints.restore_params({"actor": actor_target(mesh, cfg, config)}, step)["actor"]
-        params = with_run_base(cfg, checkpoints, mesh, config, actor)  # adapters in the master dtype on the compute-dtype base
+        params = restored_actor(cfg, checkpoints, step, mesh, config)  # adapters in the master dtype on the compute-dtype base
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
@@ -62,11 +61,12 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
         to_hf(config, cast_params(lora.merged(params, config), config.dtype), out)
         written.append(f"{out}: {'merged ' if adapters.enabled else ''}weights ({config.dtype}), config.json" + _tokenizer_files(tokenizer, out))
         return written
-    base_model = os.path.abspath(cfg.model.path) if cfg.model.path and not cfg.warm_start.steps else os.path.join(os.path.abspath(out), "base")
+    own_base = not cfg.model.path or cfg.warm_start.steps  # the run made its base (warm start or random init): it goes along
+    base_model = os.path.join(os.path.abspath(out), "base") if own_base else os.path.abspath(cfg.model.path)
     to_peft(config, lora.trainable(params), out, base_model=base_model)
     written.append(f"{out}: adapter_config.json, adapter_model.safetensors (rank {adapters.rank}, alpha {adapters.alpha}, "
                    f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, out))
-    if base_model != os.path.abspath(cfg.model.path or ""):  # the run made its base (warm start or random init): it goes along
+    if own_base:
         to_hf(config, lora.base(params), base_model)
         written.append(f"{base_model}: the base the adapters were trained on (the run's own, not model.path), weights and "
                        f"config.json" + _tokenizer_files(tokenizer, base_model))

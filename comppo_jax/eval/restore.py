@@ -63,13 +63,19 @@ def with_run_base(cfg, checkpoints: RunCheckpoints, mesh, policy_config: ModelCo
     return lora.join(base, actor)
 
 
+def restored_actor(cfg, checkpoints: RunCheckpoints, step: int, mesh, policy_config: ModelConfig) -> dict:
+    """The actor of saved checkpoint `step` on `mesh`, as saved (the master dtype; a LoRA run's
+    adapters joined, unmerged, to its verified base)."""
+    actor = checkpoints.restore_params({"actor": actor_target(mesh, cfg, policy_config)}, step)["actor"]
+    return with_run_base(cfg, checkpoints, mesh, policy_config, actor)
+
+
 def restore_actor(cfg, checkpoints: RunCheckpoints, step: int) -> tuple[ModelConfig, dict]:
     """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `cfg.mesh`
     (a LoRA run's adapters on their base, unmerged)."""
     policy_config = model_config(cfg.model)
-    mesh = sharding.run_meshes(cfg.mesh)[0]
-    actor = checkpoints.restore_params({"actor": actor_target(mesh, cfg, policy_config)}, step)["actor"]
-    return policy_config, cast_params(with_run_base(cfg, checkpoints, mesh, policy_config, actor), policy_config.dtype)
+    actor = restored_actor(cfg, checkpoints, step, sharding.run_meshes(cfg.mesh)[0], policy_config)
+    return policy_config, cast_params(actor, policy_config.dtype)
 
 
 def restore_policy(run_dir: str, step: str | int = "best", cfg=None) -> RestoredPolicy:

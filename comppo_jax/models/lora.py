@@ -42,11 +42,7 @@ class LoraConfig:
         section = model_section.get("lora")
         if section is None:
             return cls()
-        targets = tuple(name.strip() for name in str(section["targets"]).split(",") if name.strip())
-        unknown = [name for name in targets if name not in TARGETS]
-        if unknown:
-            raise ConfigError(f"config.model.lora.targets: {unknown[0]!r} is not one of {', '.join(TARGETS)}")
-        return cls(int(section["rank"]), float(section["alpha"]), targets)
+        return cls(int(section["rank"]), float(section["alpha"]), parse_targets(section["targets"]))
 
     @property
     def enabled(self) -> bool:
@@ -56,6 +52,15 @@ class LoraConfig:
     def weights(self) -> tuple[str, ...]:
         """The adapted layer weights, e.g. ("q_proj", "v_proj")."""
         return tuple(TARGETS[name] for name in self.targets)
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """`model.lora.targets` ("q, v") as names of TARGETS; ConfigError naming the first other one."""
+    targets = tuple(name.strip() for name in str(text).split(","))
+    unknown = [name for name in targets if name not in TARGETS]
+    if unknown:
+        raise ConfigError(f"config.model.lora.targets: {unknown[0]!r} is not one of {', '.join(TARGETS)}")
+    return targets
 
 
 def adapter_shapes(config: ModelConfig, lora: LoraConfig) -> dict:

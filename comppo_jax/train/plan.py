@@ -260,8 +260,9 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
                               actor_loss=actor_loss_of(cfg))
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
-    if adapters.enabled:  # the reference is the actor's base, and the scoring copy shares it too
-        bytes_of.update(reference=0, policy=tree_bytes_per_chip(lora.trainable(state["policy"])))
+    if adapters.enabled:  # the reference is the actor's base, and the scoring copy shares it too (beside it: the adapters)
+        bytes_of.update(reference=0, policy=tree_bytes_per_chip(lora.trainable(state["policy"])),
+                        adapters=tree_bytes_per_chip(lora.trainable(state["actor"])))
     # train.offload_idle: what each program does not read waits in host memory (train() moves it).
     on_host = OFFLOADED if cfg.train.get("offload_idle", False) else {}
     held = lambda program, *names: sum(bytes_of[name] for name in names if name not in on_host.get(program, ()))
@@ -284,10 +285,10 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
     # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op); a
     # LoRA policy shares the actor's base, so only the actor's master-dtype adapters lie beside it.
-    beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
     if adapters.enabled:
-        bytes_of["adapters"] = tree_bytes_per_chip(lora.trainable(state["actor"]))
         beside_policy = ("adapters",)
+    else:
+        beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(decode.mesh, P()))
     weights = jax.eval_shape(functools.partial(decode_layout.decode_weights, config=config), state["actor"])  # a LoRA actor's merged
     if decode.resharded:  # the training-layout compute copy is made after sampling, for the scoring pass

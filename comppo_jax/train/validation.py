@@ -18,7 +18,7 @@ from comppo_jax.credit import GATE_STATISTICS, LOSS_AGGREGATIONS
 from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
-from comppo_jax.models.lora import TARGETS as LORA_TARGETS
+from comppo_jax.models.lora import TARGETS as LORA_TARGETS, parse_targets as parse_lora_targets
 from comppo_jax.models.paged_cache import PAGED_ATTENTION
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
@@ -208,8 +208,9 @@ def validate_config(cfg) -> None:
     problems.number("mesh.rollout_devices", low=0, integer=True)
     problems.number("model.lora.rank", low=0, integer=True)
     problems.number("model.lora.alpha", low=0, low_open=True)
-    targets = [name.strip() for name in str(problems.value("model.lora.targets")).split(",")]
-    if not all(name in LORA_TARGETS for name in targets):
+    try:
+        parse_lora_targets(problems.value("model.lora.targets"))
+    except ConfigError:
         problems.add("model.lora.targets", f"expected a comma-separated subset of {', '.join(LORA_TARGETS)}, e.g. q,v")
     try:
         parse_tensor(problems.value("rollout.mesh.tensor"))

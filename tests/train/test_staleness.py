@@ -152,17 +152,25 @@ def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_
     assert_same_checkpoint_state(straight, resumed, 4)
 
 
+def one_and_two_processes(tmp_path, one_process: dict, two_processes: dict):
+    """(one, two, layout): the run launched on one process and on two (`launch`'s extra arguments
+    each), both on data 2 (across the processes) x tensor 2 from one warm start, whose logged rows
+    are asserted equal, staleness 1 from the second step."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    layout = dict(mesh__fsdp=1, mesh__tensor=2, warm_start__cache_dir=str(tmp_path / "warm_start"))
+    launch(one, **one_process, **layout)
+    launch(two, processes=2, **two_processes, **layout)
+    assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
+    return one, two, layout
+
+
 @pytest.mark.slow
 def test_two_processes_with_their_own_rollout_devices_equal_one_process_and_resume_after_sigterm_bitwise(tmp_path):
     # 2 processes x 4 devices (2 rollout + 2 training each) against 1 process x 8 (4 + 4), from one
     # warm start (its own numerics depend on the process layout). Training on data 2 (across the
     # processes) x tensor 2 (within each), as on a pod: every all-reduce has two participants, so
     # gloo's order and the in-process order sum alike (a 4-way data x fsdp sum rounds differently).
-    one, two, cache = tmp_path / "one", tmp_path / "two", tmp_path / "warm_start"
-    layout = dict(mesh__fsdp=1, mesh__tensor=2, warm_start__cache_dir=str(cache))
-    launch(one, mesh__rollout_devices=4, **layout)
-    launch(two, processes=2, mesh__rollout_devices=2, **layout)
-    assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
+    one, two, layout = one_and_two_processes(tmp_path, dict(mesh__rollout_devices=4), dict(mesh__rollout_devices=2))
     assert_same_checkpoint_state(one, two, 4)
 
     # The 2-process run stopped by SIGTERM once a step is logged (its batch in flight checkpointed), then resumed.
@@ -211,11 +219,7 @@ def test_two_processes_sharing_their_devices_at_staleness_1_take_turns_and_equal
     # independent programs in either order, and two processes ordering their collectives
     # differently deadlock (a gloo timeout without the wait).
     # 4 devices: data 2 (across the processes) x tensor 2 (within each).
-    one, two, cache = tmp_path / "one", tmp_path / "two", tmp_path / "warm_start"
-    layout = dict(mesh__fsdp=1, mesh__tensor=2, warm_start__cache_dir=str(cache))
-    launch(one, devices=4, **layout)
-    launch(two, processes=2, devices=4, **layout)
-    assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
+    one_and_two_processes(tmp_path, dict(devices=4), dict(devices=4))
 
 
 @pytest.mark.parametrize("separate", [False, True])
