@@ -8,6 +8,7 @@
     python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
     python launch/benchmark.py step      # a train step's programs: predicted (launch/plan.py's cost model) vs measured
     python launch/benchmark.py step --peer=tunix --tunix_python=/tmp/tunix_venv/bin/python  # a GRPO step: ours vs tunix
+    python launch/benchmark.py step --peer=tunix --method=ppo --tunix_python=...  # CompPO, PPO, GRPO vs tunix's PPO, per phase
     python launch/benchmark.py lora      # LoRA vs full fine-tuning: actor state, update time, decoding merged or not
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
@@ -28,7 +29,9 @@ _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite defau
 _TUNIX = flags.DEFINE_string("tunix_python", None, "sampler and step suites: the python of a venv with google-tunix.")
 _TABLES = flags.DEFINE_string("tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed.")
 _MODEL = flags.DEFINE_string("model", None, "step suite: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU).")
-_PEER = flags.DEFINE_string("peer", None, "step suite: tunix = one GRPO step of ours and of tunix side by side (needs --tunix_python).")
+_PEER = flags.DEFINE_string("peer", None, "step suite: tunix = one step of ours and of tunix side by side (needs --tunix_python).")
+_METHOD = flags.DEFINE_string("method", None, "step suite with --peer: grpo (default; a GRPO step each) or ppo (our CompPO, PPO, "
+                              "PPO with a full critic and GRPO beside tunix's PPO, phase by phase).")
 
 
 def main(argv):
@@ -36,7 +39,8 @@ def main(argv):
         raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
     suite = importlib.import_module(f"benchmarks.{argv[1]}")
     overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value,
-                 "tables": _TABLES.value, "model": _MODEL.value, "peer": _PEER.value}
+                 "tables": _TABLES.value, "model": _MODEL.value, "peer": _PEER.value,
+                 "method": _METHOD.value}
     suite.run(**{name: value for name, value in overrides.items() if value is not None})
 
 

@@ -6,7 +6,7 @@ Needs libtpu (`pip install -e .[tpu]`), not a TPU. Builds `config.mesh` on the t
 chips, the run's params, optimizer states, reference params, critic and batches as sharded
 shapes (nothing is allocated), compiles the resharding into the sampler's decode layout
 (rollout.mesh.tensor; the layout auto picks, every group size's decode floor and the decode loop's
-collectives are printed), the sampler, the scoring pass, the actor update and the critic update
+collectives are printed), the sampler, the scoring pass, the critic's values, the actor update and the critic update
 with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
 take, temporaries, generated code, the compiler's peak, the conservative args + out + temp + code, the verdict
 against the chip's HBM and the compile time (comppo_jax.train.plan). A program that exceeds HBM
@@ -36,8 +36,9 @@ from comppo_jax import cli
 _CONFIG = cli.define_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
-_STEPS = flags.DEFINE_list("steps", ["reshard", "sample", "score", "actor", "critic"],
-                          "Programs to compile: reshard (the weights into the decode layout), sample, score, actor, critic.")
+_STEPS = flags.DEFINE_list("steps", ["reshard", "sample", "score", "values", "actor", "critic"],
+                          "Programs to compile: reshard (the weights into the decode layout), sample, score, values (the "
+                          "critic's V_t for the credit), actor, critic.")
 _MARKDOWN = flags.DEFINE_string("markdown", "", "Append the memory table's rows as markdown to this file.")
 _TIME_MARKDOWN = flags.DEFINE_string("time_markdown", "", "Append the step-time rows (and a `step` row: total, MFU) as markdown to this file.")
 _DECODE_LAYOUTS = flags.DEFINE_list("decode_layouts", [], "Also compile the sampler in these decode layouts (rollout.mesh.tensor "

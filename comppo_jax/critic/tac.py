@@ -18,7 +18,9 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from comppo_jax import sharding
 from comppo_jax.critic.routing import Routing
 from comppo_jax.models.transformer import rms_norm
 
@@ -79,8 +81,8 @@ def _pool_gathered(gathered, block_inputs, eps):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _pool_row(keys, indices, block_inputs, eps):
-    """Pooled history of one row, block by block. keys: three [L, d] arrays; indices [nb, bq, K]."""
+def _pool_blocks(keys, indices, block_inputs, eps):
+    """Pooled history of query blocks. keys: three [N, d] tables; indices [nb, bq, K] into them."""
 
     def one_block(inputs):
         block_indices, block = inputs
@@ -89,14 +91,14 @@ def _pool_row(keys, indices, block_inputs, eps):
     return jax.lax.map(one_block, (indices, block_inputs))
 
 
-def _pool_row_forward(keys, indices, block_inputs, eps):
-    return _pool_row(keys, indices, block_inputs, eps), (keys, indices, block_inputs)
+def _pool_blocks_forward(keys, indices, block_inputs, eps):
+    return _pool_blocks(keys, indices, block_inputs, eps), (keys, indices, block_inputs)
 
 
-def _pool_row_backward(eps, residuals, pooled_cotangent):
-    # The keys' cotangents are scatter-added into one carried [L, d] buffer per block, so the
+def _pool_blocks_backward(eps, residuals, pooled_cotangent):
+    # The keys' cotangents are scatter-added into one carried [N, d] buffer per block, so the
     # backward pass costs O(L K d) like the forward (the default scan transpose would add a full
-    # [L, d] cotangent per block, O(L^2 d / block)).
+    # [N, d] cotangent per block, O(L^2 d / block)).
     keys, indices, block_inputs = residuals
 
     def step(key_cotangents, inputs):
@@ -112,7 +114,7 @@ def _pool_row_backward(eps, residuals, pooled_cotangent):
     return key_cotangents, None, block_cotangents
 
 
-_pool_row.defvjp(_pool_row_forward, _pool_row_backward)
+_pool_blocks.defvjp(_pool_blocks_forward, _pool_blocks_backward)
 
 
 def routed_pool(routing: Routing, beta_query, beta_key, relevance_query, relevance_key, values, *, eps, block):
@@ -120,21 +122,31 @@ def routed_pool(routing: Routing, beta_query, beta_key, relevance_query, relevan
 
     Per-position projections are [B, L, d]; each query block gathers its K routed keys, so time
     is O(L K d) forward and backward and memory O(L (K + d)) plus one [block, K, d] tile: never
-    [L, L] nor [L, K, d].
+    [L, L] nor [L, K, d]. The rows' keys form one [B L, d] table that every row's blocks gather
+    from in one loop (a gather with a batch dimension, as vmap makes it, runs several times
+    slower on CPU); under a mesh each batch shard pools its own rows (`sharding.per_shard`), so
+    no gather crosses devices.
     """
-    batch, length, top_k = routing.indices.shape
-    padded = -(-length // block) * block
 
-    def blocks(x):  # [B, L, ...] -> [B, nb, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-        return x.reshape(batch, padded // block, block, *x.shape[2:])
+    def local(routing, beta_query, beta_key, relevance_query, relevance_key, values):
+        batch, length, _ = routing.indices.shape
+        padded = -(-length // block) * block
 
-    pooled = jax.vmap(functools.partial(_pool_row, eps=eps))(
-        (beta_key, relevance_key, values),
-        blocks(routing.indices),
-        tuple(blocks(x) for x in (routing.weights, routing.valid, beta_query, relevance_query)),
-    )
-    return pooled.reshape(batch, padded, -1)[:, :length]
+        def blocks(x):  # [B, L, ...] -> [B * nb, block, ...]
+            x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+            return x.reshape(batch * (padded // block), block, *x.shape[2:])
+
+        table = lambda x: x.reshape(batch * length, x.shape[-1])
+        indices = routing.indices + (jnp.arange(batch, dtype=routing.indices.dtype) * length)[:, None, None]  # into the table
+        pooled = _pool_blocks(
+            (table(beta_key), table(relevance_key), table(values)), blocks(indices),
+            tuple(blocks(x) for x in (routing.weights, routing.valid, beta_query, relevance_query)), eps,
+        )
+        return pooled.reshape(batch, padded, -1)[:, :length]
+
+    rows = P(sharding.BATCH)
+    return sharding.per_shard(local, in_specs=(Routing(rows, rows, rows),) + (rows,) * 5, out_specs=rows)(
+        routing, beta_query, beta_key, relevance_query, relevance_key, values)
 
 
 class TransportAlignedCritic(nn.Module):

@@ -23,7 +23,7 @@ from comppo_jax import sharding
 from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.restore import actor_target, run_base, with_run_base
-from comppo_jax.models import lora, model_config
+from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.lora import LoraConfig
 from comppo_jax.rollout import encode_prompts, engine_options, generate, score_rollout
 from comppo_jax.train.checkpoint import RunCheckpoints
@@ -56,7 +56,9 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     parts = run_parts(cfg, policy_config)
     targets = {"actor": actor_target(mesh, cfg, policy_config)}
     if parts.recipe.critic != "none":
-        targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, policy_config, jax.random.PRNGKey(0)))
+        key = jax.random.PRNGKey(0)  # shapes only: abstract_sharded computes nothing
+        targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, policy_config, key, policy=init_params(policy_config, key),
+                                                                                master_dtype=cfg.train.master_dtype))
     restored = checkpoints.restore_params(targets, step)
     policy = cast_params(with_run_base(cfg, checkpoints, mesh, policy_config, restored["actor"]), policy_config.dtype)
     reference = lora.base(policy) if LoraConfig.of(cfg.model).enabled else run_base(cfg, checkpoints, mesh, policy_config)
@@ -64,7 +66,8 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     if not dev:
         raise ValueError(f"{checkpoints.directory}: the config's dev split is empty; held-out diagnostics need dev problems")
     group = cfg.rollout.samples_per_prompt
-    values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic))
+    values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic,
+                                          model_config=policy_config))
     batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
     coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(schedule_step(cfg, parts.recipe, step + 1))  # as the step after checkpoint `step` reads it
     critic = restored.get("critic")

@@ -332,7 +332,7 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
     else:
         actor = cast_params(actor, cfg.train.master_dtype)
     parts = run_parts(cfg, model_config)
-    critic = init_critic(parts, model_config, critic_rng)
+    critic = init_critic(parts, model_config, critic_rng, policy=reference, master_dtype=cfg.train.master_dtype)
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
     state = {"actor": actor, "actor_opt": actor_tx.init(lora.trainable(actor)), "critic": critic,
              "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}

@@ -11,6 +11,9 @@ cell of the paper's 2x2 factorial and the signal controls (sections 6.2-6.4):
 | ppo    | gamma (= 1) everywhere                 | standard    | gae (kappa = gamma)            |
 | grpo   | -                                      | none        | group-relative (eq. group_broadcast) |
 
+Beyond the paper, `critic.kind=full` gives PPO (or CompPO) the critic PPO usually trains: a full
+copy of the policy with a value head (`comppo_jax.critic.value_model`), for cost comparisons.
+
 Beyond the paper, the policy-loss variants compose with every method where they make sense
 (`comppo_jax.train.validation` rejects the others): the surrogate (`train.policy_loss`: ppo, gspo
 for GRPO, gspo_token), the loss aggregation, DAPO's decoupled clip, dynamic sampling and overlong
@@ -27,12 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from comppo_jax.credit import FIXED_GATE, apply_position_schedule, fixed_gate, load_position_schedule, shuffle_gate
-from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac
+from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac, init_value_model
 from comppo_jax.rollout import response_positions
 
 METHODS = ("comppo", "grpo", "ppo")
 GATES = ("attention", "fixed", "shuffle", "position")
-CRITICS = ("tac", "standard", "none")
+CRITICS = ("tac", "standard", "full", "none")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
 GATE_REFRESH = ("rollout", "epoch")
 KL_AGGREGATIONS = ("token-mean", "policy")
@@ -101,24 +104,26 @@ class Recipe:
 
 
 def recipe(method: str, gate: str = "attention", critic: str = "tac") -> Recipe:
-    """The recipe of `method`; `gate` and `critic` apply to CompPO (its factorial and controls)."""
+    """The recipe of `method`; `gate` and `critic` apply to CompPO (its factorial and controls); PPO's
+    critic is the standard head unless `critic` is "full"."""
     if method not in METHODS:
         raise ValueError(f"config.method={method!r}; expected one of {METHODS}")
     if method == "grpo":
         return Recipe(gate="none", critic="none", estimator="grpo")
     if method == "ppo":
-        return Recipe(gate="gamma", critic="standard", estimator="gae")
+        return Recipe(gate="gamma", critic="full" if critic == "full" else "standard", estimator="gae")
     if gate not in GATES:
         raise ValueError(f"config.gate={gate!r}; expected one of {GATES}")
-    if critic not in ("tac", "standard"):
-        raise ValueError(f"config.critic.kind={critic!r}; CompPO takes 'tac' or 'standard'")
+    if critic not in ("tac", "standard", "full"):
+        raise ValueError(f"config.critic.kind={critic!r}; CompPO takes 'tac', 'standard' or 'full'")
     return Recipe(gate=gate, critic=critic, estimator="comp_gae")
 
 
 def behaviour_pass(recipe: Recipe, old_log_probs: str) -> bool:
     """Whether the scoring pass runs the behaviour policy's forward: for rescored old log-probs,
-    the gate or the critic's features. GRPO with the sampler's log-probs reads none of them."""
-    return old_log_probs == "rescore" or recipe.gate != "none" or recipe.critic != "none"
+    the attention gate or the actor features a critic reads. GRPO, and PPO with the full value
+    model, with the sampler's log-probs read none of them."""
+    return old_log_probs == "rescore" or recipe.gate not in ("none", "gamma") or recipe.critic in ("tac", "standard")
 
 
 def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None, fixed_value: float = FIXED_GATE):
@@ -177,16 +182,19 @@ class RunParts(NamedTuple):
 def run_parts(cfg, model_config) -> RunParts:
     made = recipe(cfg.method, cfg.gate, cfg.critic.kind)
     n = model_config.num_layers
-    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "none": ()}[made.critic]
+    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "full": (), "none": ()}[made.critic]
     position_schedule = load_position_schedule(cfg.position_schedule) if made.gate == "position" else None
     return RunParts(made, hidden_layers, cfg.critic.top_k if made.critic == "tac" else None,
                     critic_from_config(cfg.critic) if made.critic == "tac" else None, position_schedule)
 
 
-def init_critic(parts: RunParts, model_config, rng):
-    """Fresh critic params for the recipe (None without a critic)."""
+def init_critic(parts: RunParts, model_config, rng, policy=None, master_dtype="float32"):
+    """Fresh critic params for the recipe (None without a critic); the full value model copies the
+    starting `policy`'s trunk into `master_dtype`."""
     if parts.recipe.critic == "tac":
         return init_tac(parts.critic_module, rng, len(parts.hidden_layers), model_config.hidden_size, parts.top_k)
+    if parts.recipe.critic == "full":
+        return init_value_model(policy, master_dtype)
     return init_standard_value_head(model_config.hidden_size) if parts.recipe.critic == "standard" else None
 
 

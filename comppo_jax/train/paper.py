@@ -181,7 +181,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     )
     config.critic = _section(
         "critic.",
-        kind=("tac", "tac (paper section 4.3) | standard (a linear value head)"),
+        kind=("tac", "tac (paper section 4.3) | standard (a linear value head) | full (a copy of the policy with a value "
+                     "head, all of it trained: PPO's usual critic, for comparison). PPO takes standard unless full"),
         fused_layers=(4, "TAC: the last this many HF hidden states are fused"),
         bottleneck=(128, "TAC: width d"),
         top_k=(64, "TAC: routed positions per token (K)"),

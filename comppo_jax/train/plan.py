@@ -13,7 +13,9 @@ concentration kernel):
   decoding over the paged KV cache with the ragged paged attention kernel; the page pool is
   reported apart, the collectives of its decode loop listed);
 - `actor`: `update.actor_step` (clipped PPO + reference KL, AdamW on the fp32 master params);
-- `critic`: `update.critic_step` (TAC or the standard head);
+- `values`: `update.critic_values` over the whole rollout batch, the critic's V_t for the credit
+  (TAC, the standard head, or the full value model's forward);
+- `critic`: `update.critic_step` (TAC, the standard head or the full value model);
 - `score`: `rollout.score_rollout` on the whole rollout batch (behaviour and reference policies,
   the concentration kernel, the critic's features).
 
@@ -63,7 +65,7 @@ GIB = 2**30
 # Per-chip HBM (GiB) and the chip configuration `get_topology_desc` needs, per TPU family.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
-STEPS = ("reshard", "sample", "score", "actor", "critic")
+STEPS = ("reshard", "sample", "score", "values", "actor", "critic")
 
 
 def topology_devices(topology: str) -> list:
@@ -194,8 +196,8 @@ class TrainStepPrograms(NamedTuple):
 
 # train.offload_idle: the state each program leaves in host memory. The moments wait there outside
 # the update, the reference between scoring passes, the rollout batch during the update.
-OFFLOADED = {"reshard": ("actor_opt", "reference"), "sample": ("actor_opt", "reference"), "score": ("actor_opt",), "actor": ("reference", "rollout_batch"),
-             "critic": ("reference", "rollout_batch")}
+OFFLOADED = {"reshard": ("actor_opt", "reference"), "sample": ("actor_opt", "reference"), "score": ("actor_opt",),
+             "values": ("actor_opt", "reference"), "actor": ("reference", "rollout_batch"), "critic": ("reference", "rollout_batch")}
 
 
 def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: costs.Chip | None = None,
@@ -215,14 +217,15 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         master = lambda: lora.join(init_params(config, key), lora.init_adapters(config, adapters, key, cfg.train.master_dtype))
     else:
         master = lambda: cast_params(init_params(config, key), cfg.train.master_dtype)
+    new_critic = lambda: init_critic(parts, config, key, policy=init_params(config, key), master_dtype=cfg.train.master_dtype)
     state = {
         "actor": abstract(master),
         "actor_opt": abstract(lambda: actor_tx.init(lora.trainable(master()))),
         "policy": abstract(lambda: cast_params(master(), config.dtype)),  # the compute-dtype copy the scoring pass uses
         "reference": abstract(lambda: init_params(config, key)),  # a LoRA run's: the actor's own base
-        "critic": abstract(lambda: init_critic(parts, config, key)),
+        "critic": abstract(lambda: new_critic()),
     }
-    state["critic_opt"] = None if state["critic"] is None else abstract(lambda: critic_tx.init(init_critic(parts, config, key)))
+    state["critic_opt"] = None if state["critic"] is None else abstract(lambda: critic_tx.init(new_critic()))
 
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     response = cfg.rollout.max_new_tokens
@@ -310,6 +313,8 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         "actor": (update.actor, (lora.trainable(state["actor"]), state["actor_opt"], train_rows,
                                  dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar), lora.split(state["actor"])[1]),
                   held("actor", "reference", "critic", "critic_opt", "rollout_batch")),
+        "values": None if update.values is None else (
+            update.values, (state["critic"], state["rollout_batch"]), held("values", "actor", "actor_opt", "reference", "critic_opt")),
         "critic": None if update.critic is None else (
             update.critic, (state["critic"], state["critic_opt"], train_rows,
                             dict.fromkeys(("learning_rate", "value_clip", "grad_clip"), scalar)),
@@ -323,13 +328,14 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
                         epochs=epochs, reference=kl_term(cfg),
                         behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
-                        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0, frozen_base=adapters.enabled)
+                        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0, frozen_base=adapters.enabled,
+                        value_model=parts.recipe.critic == "full")
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
     moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + (1 + epochs) * bytes_of["rollout_batch"] if on_host else 0
     return TrainStepPrograms(config, state, bytes_of, programs, {"sample": decode.mesh}, decode, layout, rows,
-                             {"reshard": 1, "sample": 1, "score": 1, "actor": updates, "critic": updates}, flops, host, moved)
+                             {"reshard": 1, "sample": 1, "score": 1, "values": 1, "actor": updates, "critic": updates}, flops, host, moved)
 
 
 def _compile_steps(cfg, step: TrainStepPrograms, mesh, names, *, prompt_length: int, log) -> list[StepPlan]:
@@ -409,7 +415,7 @@ def matmul_params(config) -> int:
 
 
 def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool,
-                behaviour: bool = True, gate_refreshes: int = 0, frozen_base: bool = False) -> float:
+                behaviour: bool = True, gate_refreshes: int = 0, frozen_base: bool = False, value_model: bool = False) -> float:
     """One train step's model FLOPs, the numerator of MFU: a forward pass costs 2N per token plus
     causal attention 4 x layers x heads x head_dim x (mean keys, half the row) per token, a
     forward and backward 3x that. Prefill (each prompt once) and decoding (each response token,
@@ -418,14 +424,18 @@ def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response
     `epochs` passes over the rollout, and gate_refresh=epoch's forward before each later epoch
     (`gate_refreshes`; no vocabulary projection). With a `frozen_base` (LoRA) the backward pass
     computes no weight gradients: 2x a forward instead of 3x (the adapters' own FLOPs are
-    negligible at rank << width). Rematerialized forwards and the critic are not model FLOPs."""
+    negligible at rank << width). A full `value_model` critic is a model too: its forward for the
+    values and a forward and backward per epoch (no vocabulary projection). Rematerialized forwards
+    and a critic on the actor's features (TAC, the standard head) are not model FLOPs."""
     n = matmul_params(config)
     attention = lambda keys: 4 * config.num_layers * config.num_heads * config.head_dim * keys
     length = prompt_length + response
     sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (2 * n + attention(prompt_length + response / 2))
     forward = rows * length * (2 * n + attention(length / 2))
-    gate_forward = forward - rows * length * 2 * config.hidden_size * config.vocab_size
-    return sample + (int(reference) + int(behaviour)) * forward + epochs * (2 if frozen_base else 3) * forward + gate_refreshes * gate_forward
+    trunk_forward = forward - rows * length * 2 * config.hidden_size * config.vocab_size  # no vocabulary projection
+    critic = (1 + 3 * epochs) * trunk_forward if value_model else 0
+    return (sample + (int(reference) + int(behaviour)) * forward + epochs * (2 if frozen_base else 3) * forward
+            + gate_refreshes * trunk_forward + critic)
 
 
 class ProgramTime(NamedTuple):

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh
 
 from comppo_jax.credit import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss, value_loss
-from comppo_jax.critic import Routing, standard_value_head
+from comppo_jax.critic import Routing, standard_value_head, value_model_values
 from comppo_jax.models import ModelConfig, lora
 from comppo_jax.rollout import gather_response, policy_token_stats
 from comppo_jax.sharding import batch_sharding, replicated, tree_shardings
@@ -118,21 +118,24 @@ def actor_step(params, opt_state, batch: Minibatch, hyper: dict, frozen=None, *,
     return params, opt_state, {**metrics, "grad_norm": grad_norm, "actor_finite": finite}
 
 
-def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str):
-    """V_t [B, T] at the response positions, from TAC or the standard head (both clamped)."""
+def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str, model_config: ModelConfig | None = None):
+    """V_t [B, T] at the response positions, from TAC, the standard head on the actor's features, or
+    the full value model on the tokens (`model_config`: its architecture); all clamped."""
     if kind == "tac":
         sequence = critic_module.apply({"params": critic_params}, batch.hidden_states, batch.routing, batch.kappa_sequence).value
+    elif kind == "full":
+        sequence = value_model_values(critic_params, model_config, batch.tokens, batch.attention_mask)
     else:
         sequence = standard_value_head(critic_params, batch.hidden_states[-1])
     return gather_response(sequence, batch.prompt_lengths, batch.response_mask.shape[1])
 
 
-def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_module, kind: str, tx):
+def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_module, kind: str, tx, model_config: ModelConfig | None = None):
     """One critic update toward the detached G_t; hyper: learning_rate, value_clip, grad_clip.
     Skipped (critic_finite=False) on a non-finite loss or gradient, as `actor_step`."""
 
     def loss(params):
-        values = critic_values(params, batch, critic_module=critic_module, kind=kind)
+        values = critic_values(params, batch, critic_module=critic_module, kind=kind, model_config=model_config)
         return value_loss(values, batch.old_values, batch.returns, batch.response_mask, hyper["value_clip"])
 
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -173,9 +176,9 @@ def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: floa
     if critic is None:
         return UpdateSteps(actor_fn, None, None)
     critic_sh, critic_opt_sh = tree_shardings(mesh, critic), tree_shardings(mesh, critic_opt)
-    critic_fn = jax.jit(functools.partial(critic_step, critic_module=critic_module, kind=critic_kind, tx=critic_tx),
+    critic_fn = jax.jit(functools.partial(critic_step, critic_module=critic_module, kind=critic_kind, tx=critic_tx, model_config=model_config),
                         in_shardings=(critic_sh, critic_opt_sh, batch, rep), out_shardings=(critic_sh, critic_opt_sh, rep),
                         donate_argnums=(0, 1))
-    values_fn = jax.jit(functools.partial(critic_values, critic_module=critic_module, kind=critic_kind),
+    values_fn = jax.jit(functools.partial(critic_values, critic_module=critic_module, kind=critic_kind, model_config=model_config),
                         in_shardings=(critic_sh, batch), out_shardings=batch.advantages)
     return UpdateSteps(actor_fn, critic_fn, values_fn)

@@ -27,7 +27,7 @@ from comppo_jax.train.decode_layout import parse_tensor
 from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES, PROXIMAL
 from comppo_jax.train.sampling import DYNAMIC_SAMPLING_FILTERS
 
-CRITIC_KINDS = ("tac", "standard")
+CRITIC_KINDS = ("tac", "standard", "full")
 DATA_KINDS = ("synthetic", "dapo_math")
 
 

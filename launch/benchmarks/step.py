@@ -29,8 +29,10 @@ from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
 from comppo_jax.models import lora, to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
+from comppo_jax.data.rewards import terminal_reward_tokens
 from comppo_jax.train import cost as costs, decode_layout, plan
-from comppo_jax.train.learner import take_rows
+from comppo_jax.train.learner import estimate_credit, take_rows
+from comppo_jax.train.methods import control_gate, run_parts
 from comppo_jax.train.update import Minibatch
 
 QWEN3_0_6B = dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
@@ -110,17 +112,21 @@ class OnDevice(NamedTuple):
     state: dict  # the arrays the programs read
     prompts: np.ndarray  # [prompts_per_step, prompt_length] int32
     generation: object  # the sampler's output the scoring pass reads (comppo_jax.rollout.Generation)
+    rollout: object  # the scoring pass's output (comppo_jax.rollout.Rollout)
+    batch: Minibatch  # every rollout row as the learner's credit reads it (random advantages and returns)
 
 
 def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevice:
-    """Compiles `cfg`'s sampler, scoring pass and updates for `mesh` (kernels of its platform) and
-    runs each once: random weights and prompts, the updates on a minibatch of the scored rollout."""
+    """Compiles `cfg`'s sampler, scoring pass, critic values and updates for `mesh` (kernels of its
+    platform) and runs each once: random weights and prompts (the same for every config of one
+    model from the same `rng` state), the values on the whole scored rollout, the updates on a
+    minibatch of it."""
     step = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=mesh.devices.flat[0].platform)
+    host_prompts = rng.integers(3, step.config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32)
     state = {name: _materialize(tree, rng, zeros=name.endswith("_opt")) for name, tree in step.state.items() if name != "rollout_batch"}
     sample, sample_args, _ = step.programs["sample"]
     score, _, _ = step.programs["score"]
     actor_args = step.programs["actor"][1]
-    host_prompts = rng.integers(3, step.config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32)
     prompts = jax.device_put(host_prompts, sample_args[1].sharding)
     mask = jax.device_put(np.ones(prompts.shape, bool), sample_args[2].sharding)
     key = jax.device_put(np.asarray(jax.random.PRNGKey(0)), sample_args[3].sharding)
@@ -138,6 +144,10 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
                           jnp.full(rollout.tokens.shape, 0.9, jnp.float32), rollout.hidden_states, rollout.routing)
         minibatch = sharding.put(take_rows(batch, np.arange(cfg.train.minibatch_size)),
                                  jax.tree.map(lambda x: x.sharding, actor_args[2]))
+        if step.programs["values"] is not None:
+            values, values_args, _ = step.programs["values"]
+            batch = sharding.put(batch, jax.tree.map(lambda x: x.sharding, values_args[1]))
+            compiled["values"] = values.lower(state["critic"], batch).compile()
         hyper = {"actor": dict(learning_rate=1e-6, clip=0.2, kl_coef=0.002, grad_clip=1.0),
                  "critic": dict(learning_rate=1e-5, value_clip=0.5, grad_clip=1.0)}
         hyper = {name: {k: jnp.float32(v) for k, v in values.items()} for name, values in hyper.items()}
@@ -164,12 +174,15 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
     calls = {"sample": lambda: jax.block_until_ready(compiled["sample"](weights, prompts, mask, key)),
              "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
              **{name: update(name) for name in ("actor", "critic") if name in compiled}}
-    return OnDevice(step, compiled, calls, state, host_prompts, generation)
+    if "values" in compiled:
+        calls["values"] = lambda: jax.block_until_ready(compiled["values"](state["critic"], batch))
+    return OnDevice(step, compiled, calls, state, host_prompts, generation, rollout, batch)
 
 
-def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | None = None, tunix_python: str | None = None) -> None:
+def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | None = None, tunix_python: str | None = None,
+        method: str = "grpo") -> None:
     if peer is not None:
-        return peer_step(peer, tunix_python, repeats)
+        return peer_step(peer, tunix_python, repeats, method)
     cfg, prompt_length = step_config(model, length)
     devices = jax.devices()
     mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -203,22 +216,42 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | N
           f"predicted {mfu(predicted_step):.1%}")
 
 
-def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
-    """One GRPO step of the tiny config, ours and tunix's (launch/benchmarks/tunix_grpo_worker.py in
-    its own venv), on the same random weights, prompts, samples and lengths, side by side. Both
-    update once over the whole batch (tunix: one iteration, the batch as its minibatch). Ours
-    takes the sampler's log-probs (`rollout.old_log_probs=sampler`), so its scoring pass runs the
-    reference alone, as tunix's does; our default scoring pass (rescored log-probs and the gate
-    statistics) is timed in the same rounds and reported beside it."""
+def peer_step(peer: str, tunix_python: str | None, repeats: int, method: str = "grpo") -> None:
+    """`method`'s step of the tiny config side by side with tunix's (launch/benchmarks/tunix_step_worker.py
+    in its own venv): grpo = `grpo_peer`, ppo = `credit_peer`."""
     if peer != "tunix":
         raise ValueError(f"--peer={peer!r}: the only peer is tunix")
     if not tunix_python:
         raise ValueError("--peer=tunix needs --tunix_python=PATH, the python of a venv with google-tunix")
+    if method not in ("grpo", "ppo"):
+        raise ValueError(f"--method={method!r}: the tunix comparison runs grpo or ppo")
+    (grpo_peer if method == "grpo" else credit_peer)(tunix_python, repeats)
+
+
+def peer_config(method: str, critic: str = "tac"):
+    """(config, prompt length) of a peer comparison: the tiny config sampled from the plain
+    categorical (as tunix samples), one update over the whole batch."""
     cfg, prompt_length = step_config("tiny", 0)
-    cfg.method = "grpo"
-    cfg.rollout.top_p = 1.0  # tunix samples from the plain categorical
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    cfg.train.minibatch_size = rows
+    cfg.method, cfg.critic.kind = method, critic
+    cfg.rollout.top_p = 1.0
+    cfg.train.minibatch_size = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    return cfg, prompt_length
+
+
+def tunix_medians(replies: list[dict], repeats: int, phases) -> dict:
+    """The median of each phase over the timed calls (the first calls compile and size the rounds)."""
+    return {phase: float(np.median([reply[f"{phase}_s"] for reply in replies[-repeats:]])) for phase in phases}
+
+
+def grpo_peer(tunix_python: str, repeats: int) -> None:
+    """One GRPO step of the tiny config, ours and tunix's, on the same random weights, prompts,
+    samples and lengths, side by side. Both update once over the whole batch (tunix: one
+    iteration, the batch as its minibatch). Ours takes the sampler's log-probs
+    (`rollout.old_log_probs=sampler`), so its scoring pass runs the reference alone, as tunix's
+    does; our default scoring pass (rescored log-probs and the gate statistics) is timed in the
+    same rounds and reported beside it."""
+    cfg, prompt_length = peer_config("grpo")
+    rows = cfg.train.minibatch_size
     mesh = sharding.make_mesh(cfg.mesh, jax.devices())
     # Our default scoring pass (rescored old log-probs and the gate statistics), timed beside the
     # step that matches tunix's work: the sampler's log-probs, the reference pass alone.
@@ -228,12 +261,12 @@ def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         default_score = default_score.lower(ours.state["policy"], ours.state["reference"], ours.generation).compile()
     rescore = lambda: jax.block_until_ready(default_score(ours.state["policy"], ours.state["reference"], ours.generation))
-    request = {"prompts": ours.prompts.tolist(), "samples": cfg.rollout.samples_per_prompt,
+    request = {"algo": "grpo", "prompts": ours.prompts.tolist(), "samples": cfg.rollout.samples_per_prompt,
                "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
     replies = []
     with tempfile.TemporaryDirectory() as model_dir:
         to_hf(ours.step.config, jax.device_get(ours.state["policy"]), model_dir)
-        worker = TunixWorker(tunix_python, model_dir, script="tunix_grpo_worker.py")
+        worker = TunixWorker(tunix_python, model_dir, script="tunix_step_worker.py")
         try:
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 medians = interleaved_medians({"sample": ours.calls["sample"], "score": ours.calls["score"], "rescore": rescore,
@@ -241,8 +274,7 @@ def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
                                               repeats)
         finally:
             worker.close()
-    timed = replies[-repeats:]  # the first calls compile and size the rounds
-    theirs = {phase: float(np.median([reply[f"{phase}_s"] for reply in timed])) for phase in ("rollout", "scoring", "update")}
+    theirs = tunix_medians(replies, repeats, ("rollout", "scoring", "update"))
     phases = {"rollout": medians["sample"], "scoring": medians["score"], "update": medians["actor"]}
     phases["step"] = sum(phases.values())
     phases["scoring, rescored (default)"] = medians["rescore"]
@@ -256,3 +288,79 @@ def peer_step(peer: str, tunix_python: str | None, repeats: int) -> None:
           f"(jax {worker.ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}")
     print_table(table, ["phase", "comppo_jax s", "tunix s", "tunix / ours"])
 
+
+# Our arms of the credit comparison: (method, critic.kind), each with its default scoring pass.
+CREDIT_ARMS = {"CompPO": ("comppo", "tac"), "PPO": ("ppo", "standard"), "PPO, full critic": ("ppo", "full"), "GRPO": ("grpo", "tac")}
+# Phase -> our program (a credit call for "credit"); tunix's worker reports the same phases.
+CREDIT_PHASES = {"rollout": "sample", "scoring": "score", "values": "values", "credit": "credit", "update": "actor",
+                 "critic_update": "critic"}
+
+
+def credit_call(cfg, ours: OnDevice, rng: np.random.Generator):
+    """Blocking call of what the learner's `credit` computes besides the critic's values: the
+    method's gate control and its estimator (Comp-GAE, GAE or group-relative) with whitening, on
+    the values of the scored rollout and uniform random rewards at each row's last token."""
+    parts = run_parts(cfg, ours.step.config)
+    mask = ours.rollout.response_mask
+    rewards = rng.random(mask.shape[0]).astype(np.float32)
+    reward_tokens = terminal_reward_tokens(rewards, sharding.to_host(mask))
+    values = ours.compiled["values"](ours.state["critic"], ours.batch) if "values" in ours.compiled else jnp.zeros(mask.shape)
+    key = jax.random.PRNGKey(1)
+
+    def call():
+        kappa = control_gate(parts.recipe, ours.rollout.kappa, mask, key, parts.position_schedule, fixed_value=cfg.fixed_gate)
+        jax.block_until_ready(estimate_credit(cfg, parts.recipe, rewards, reward_tokens, values, kappa, mask))
+
+    return call
+
+
+def credit_peer(tunix_python: str, repeats: int) -> None:
+    """One step of CompPO (attention gate, TAC, Comp-GAE), of PPO (the standard value head), of
+    PPO with a full-copy critic and of GRPO, ours, beside one step of tunix's `PPOLearner` (its
+    critic a full copy of the same weights), phase by phase, medians of interleaved rounds. All
+    on the same random tiny weights and prompts, every row to max_new_tokens, one update over the
+    whole batch; ours with the default scoring pass (rescored log-probs, the gate, the critic's
+    features, and the reference). tunix's PPO samples each prompt once, so it gets each of our
+    prompts `samples_per_prompt` times."""
+    arms, rng = {}, np.random.default_rng(1)
+    for arm, (method, critic) in CREDIT_ARMS.items():
+        cfg, prompt_length = peer_config(method, critic)
+        mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+        ours = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
+        arms[arm] = (cfg, ours, {**ours.calls, "credit": credit_call(cfg, ours, rng)})
+    cfg, ours, _ = arms["CompPO"]
+    group = cfg.rollout.samples_per_prompt
+    request = {"algo": "ppo", "prompts": np.repeat(ours.prompts, group, axis=0).tolist(), "samples": 1,
+               "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
+    candidates = {f"{arm}/{phase}": calls[program] for arm, (_, _, calls) in arms.items()
+                  for phase, program in CREDIT_PHASES.items() if program in calls}
+    replies = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        to_hf(ours.step.config, jax.device_get(ours.state["policy"]), model_dir)
+        worker = TunixWorker(tunix_python, model_dir, script="tunix_step_worker.py")
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                medians = interleaved_medians({**candidates, "tunix": lambda: replies.append(worker.call(request))}, repeats)
+        finally:
+            worker.close()
+    columns = {arm: {phase: medians.get(f"{arm}/{phase}", 0.0) for phase in CREDIT_PHASES} for arm in arms}
+    columns["tunix PPO"] = tunix_medians(replies, repeats, CREDIT_PHASES)
+    tunix_total = float(np.median([reply["total_s"] for reply in replies[-repeats:]]))
+    for phases in columns.values():
+        phases["step"] = sum(phases.values())
+    table = [{"phase": phase, **{arm: f"{phases[phase]:.4f}" for arm, phases in columns.items()},
+              "tunix PPO / CompPO": ratio(columns["tunix PPO"][phase], columns["CompPO"][phase]),
+              "CompPO / GRPO": ratio(columns["CompPO"][phase], columns["GRPO"][phase])}
+             for phase in (*CREDIT_PHASES, "step")]
+    rows = cfg.train.minibatch_size
+    print(f"credit step, tiny: {cfg.rollout.prompts_per_step} prompts x {group} samples (tunix PPO: {rows} prompts x 1), "
+          f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; seconds, medians of {repeats} "
+          f"interleaved rounds; tunix {worker.ready['tunix']} (jax {worker.ready['jax']}), comppo_jax on jax {jax.__version__}, on "
+          f"{jax.devices()[0].device_kind}")
+    print_table(table, ["phase", *columns, "tunix PPO / CompPO", "CompPO / GRPO"])
+    print(f"tunix PPO's whole train call: {tunix_total:.3f} s (its host work around the phases: "
+          f"{tunix_total - columns['tunix PPO']['step']:.3f} s)")
+
+
+def ratio(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.2f}x" if numerator and denominator else "-"

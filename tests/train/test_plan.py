@@ -92,3 +92,29 @@ def test_offloading_idle_state_frees_its_hbm_and_the_plan_counts_the_transfers()
     assert results[True].host_bytes == state["actor_opt"] + state["reference"]
     assert results[True].transfer_bytes == 2 * (state["actor_opt"] + state["reference"]) + 3 * state["rollout_batch"]  # 2 epochs
     assert "host transfers" in plan.format_plan(results[True]) and "host transfers" not in plan.format_plan(results[False])
+
+
+@pytest.mark.slow
+def test_a_full_copy_critic_is_planned_as_a_second_model():
+    """PPO's usual critic beside the standard head: its state is the policy's trunk again (AdamW
+    moments twice that), and its value pass is a full forward, as the compiled HLO's FLOPs show."""
+    require_libtpu()
+    results = {}
+    for kind in ("standard", "full"):
+        cfg = tiny_config()
+        cfg.method, cfg.critic.kind = "ppo", kind
+        results[kind] = plan.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("values", "critic"), log=lambda message: None)
+    full, standard = results["full"], results["standard"]
+    config = model_config(tiny_config().model)
+    count = lambda tree: sum(int(np.prod(shape)) for shape in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+    trunk = count(param_shapes(config)) - count(param_shapes(config).get("lm_head", ()))
+    assert full.state["critic"] == pytest.approx((trunk + config.hidden_size + 1) * 4 / full.chips, rel=0.01)
+    assert full.state["critic_opt"] == pytest.approx(2 * full.state["critic"], rel=0.01)
+    assert standard.state["critic"] < full.state["critic"] / 100
+    values = {kind: next(s for s in result.steps if s.step == "values") for kind, result in results.items()}
+    cfg = tiny_config()
+    tokens = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt * (PROMPT + cfg.rollout.max_new_tokens) / full.chips
+    trunk_matmuls = plan.matmul_params(config) - config.hidden_size * config.vocab_size
+    assert values["full"].cost.flops >= 2 * trunk_matmuls * tokens  # a whole forward pass per value pass
+    assert values["standard"].cost.flops < values["full"].cost.flops / 100
+    assert all(plan.verdict(step, result.hbm) == "fits" for result in results.values() for step in result.steps)

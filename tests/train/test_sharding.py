@@ -22,29 +22,39 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 SCRIPT = textwrap.dedent(
     """
-    import jax, numpy as np
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
     from comppo_jax import sharding
+    from comppo_jax.critic import init_value_model
     from comppo_jax.train.update import apply_actor_step, jit_update_steps, minibatch_shardings
     from update_inputs import CONFIG, HYPER, update_inputs
 
     assert len(jax.devices()) == 8
+    KIND = sys.argv[1]  # the critic: tac, or the full value model
 
     def one_step(mesh_sizes, devices):
         mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_sizes)), devices)
         actor, actor_opt, actor_tx, module, critic, critic_opt, critic_tx, batch = update_inputs()
+        if KIND == "full":
+            critic = init_value_model(actor, jnp.float32)
+            critic_opt = critic_tx.init(critic)
         steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
-                                 critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind="tac")
+                                 critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind=KIND)
         state = (actor, actor_opt, critic, critic_opt)
         actor, actor_opt, critic, critic_opt = sharding.put(state, sharding.tree_shardings(mesh, state))
         batch = sharding.put(batch, minibatch_shardings(mesh, with_routing=True))
         values = steps.values(critic, batch)
         actor, actor_opt, actor_metrics = apply_actor_step(steps, actor, actor_opt, batch, HYPER["actor"])
         critic, critic_opt, critic_metrics = steps.critic(critic, critic_opt, batch, HYPER["critic"])
-        return (values, actor, actor_opt, critic, critic_opt, actor_metrics, critic_metrics), actor, batch
+        # twice: a full critic's first step moves only its zero-initialised head
+        critic, critic_opt, critic_metrics = steps.critic(critic, critic_opt, batch, HYPER["critic"])
+        return (values, actor, actor_opt, critic, critic_opt, actor_metrics, critic_metrics), actor, critic, batch
 
-    single, _, _ = one_step((1, 1, 1), jax.devices()[:1])
-    sharded, actor, batch = one_step((2, 2, 2), jax.devices())
+    single, _, _, _ = one_step((1, 1, 1), jax.devices()[:1])
+    sharded, actor, critic, batch = one_step((2, 2, 2), jax.devices())
+    if KIND == "full":  # the value model's trunk is sharded as the policy's weights
+        assert critic["trunk"]["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor"), critic["trunk"]["layers"]["q_proj"].sharding
     assert actor["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor"), actor["layers"]["q_proj"].sharding
     assert actor["embed"].sharding.spec == P("tensor", "fsdp")
     assert len(actor["layers"]["q_proj"].addressable_shards) == 8
@@ -58,10 +68,11 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_update_step_on_a_2x2x2_mesh_equals_one_device():
+@pytest.mark.parametrize("critic", ["tac", "full"])
+def test_update_step_on_a_2x2x2_mesh_equals_one_device(critic):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, critic], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "sharded == single device" in result.stdout
 

@@ -1,0 +1,69 @@
+"""The full-copy critic (critic.kind=full): a fresh copy of the policy's trunk with a zero value head,
+every weight trained by the critic step, started from the policy by the train loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import small_train_config
+from update_inputs import CONFIG, HYPER, update_inputs
+
+from comppo_jax.critic import init_value_model, value_model_values
+from comppo_jax.critic.value_model import TRUNK
+from comppo_jax.sharding import make_mesh
+from comppo_jax.train.update import adamw, jit_update_steps
+
+
+def test_the_value_model_is_a_fresh_copy_of_the_policy_trunk_with_a_zero_head():
+    actor, *_, minibatch = update_inputs()
+    critic = init_value_model(actor, jnp.float32)
+    assert set(critic["trunk"]) == set(TRUNK) and "lm_head" in actor  # no vocabulary projection
+    for copied, original in zip(jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: actor[name] for name in TRUNK})):
+        np.testing.assert_array_equal(copied, original)
+        assert copied.unsafe_buffer_pointer() != original.unsafe_buffer_pointer()  # donating one never frees the other
+    values = value_model_values(critic, CONFIG, minibatch.tokens, minibatch.attention_mask)
+    assert values.shape == minibatch.tokens.shape and not np.any(values)  # the zero head: V = 0 before training
+
+
+def test_the_critic_step_trains_every_weight_of_the_value_model_and_leaves_the_actor_alone():
+    actor, actor_opt, actor_tx, _, _, _, _, minibatch = update_inputs()
+    critic, critic_tx = init_value_model(actor, jnp.float32), adamw(1e-2)
+    before = jax.tree.map(np.asarray, critic)
+    mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
+                             critic=critic, critic_opt=critic_tx.init(critic), critic_tx=critic_tx, critic_kind="full")
+    hyper = {k: jnp.float32(v) for k, v in HYPER["critic"].items()}
+    params, opt = critic, critic_tx.init(critic)
+    losses = []
+    for _ in range(3):  # the first step moves the head only (the trunk's gradient is w = 0), the next ones every weight
+        params, opt, out = steps.critic(params, opt, minibatch, hyper)
+        losses.append(float(out["value_loss"]))
+    changed = jax.tree.map(lambda new, old: not np.array_equal(np.asarray(new), old), params, before)
+    assert all(jax.tree.leaves(changed)), changed
+    assert losses[-1] < losses[0]
+    values = steps.values(params, minibatch)
+    assert values.shape == minibatch.response_mask.shape and np.all(np.abs(values) <= 1.0)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(actor))  # the trunk was a copy: the donated critic freed nothing of the actor
+
+
+def test_ppo_with_critic_kind_full_starts_its_critic_from_the_policy_and_scores_without_actor_features(tmp_path):
+    from comppo_jax.train.checkpoint import RunCheckpoints
+    from comppo_jax.train.loop import starting_point, training_mesh
+    from comppo_jax.train.methods import behaviour_pass, scoring_options
+
+    cfg = small_train_config(tmp_path, method="ppo", critic__kind="full", warm_start__steps=0, train__master_dtype="float32",
+                             model__arch__dtype="bfloat16", rollout__old_log_probs="sampler")
+    mesh, _ = training_mesh(cfg)
+    checkpoints = RunCheckpoints(cfg.output_dir)
+    start = starting_point(cfg, mesh, None, checkpoints, [], show_progress=False)
+    critic, reference = start.state["critic"], start.reference()
+    assert start.parts.recipe.critic == "full" and start.parts.hidden_layers == ()
+    for copied, policy in zip(jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: reference[name] for name in TRUNK})):
+        assert copied.dtype == jnp.float32  # trained in the master dtype, from the bf16 starting policy
+        np.testing.assert_array_equal(copied, policy.astype(jnp.float32))
+    assert jax.tree.structure(start.state["critic_opt"].inner_state[0].mu) == jax.tree.structure(critic)
+    # With the sampler's log-probs nothing reads the behaviour policy's forward: no scoring pass of its own.
+    assert not behaviour_pass(start.parts.recipe, cfg.rollout.old_log_probs)
+    assert scoring_options(cfg, start.parts)["behaviour_pass"] is False
+    checkpoints.close()
