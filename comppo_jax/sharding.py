@@ -249,9 +249,26 @@ def kv_head_repeat(num_heads: int, num_kv_heads: int) -> int:
     return 1
 
 
-def batch_sharding(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
-    """Splits `batch_axis` over (data, fsdp); the other dims are replicated."""
-    return NamedSharding(mesh, P(*([None] * batch_axis), BATCH))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Splits the leading (batch) dim over (data, fsdp); the other dims are replicated."""
+    return NamedSharding(mesh, P(BATCH))
+
+
+def features_spec(tensor: int, hidden_size: int) -> P:
+    """The critic's features [L', B, L, D]: rows over (data, fsdp) and, where D divides, D over
+    `tensor`. A TAC run keeps them for the whole rollout batch through the update; split, each
+    chip holds 1/tensor of them (the critic's projections contract D: a small all-reduce)."""
+    return P(None, BATCH, None, "tensor") if tensor > 1 and hidden_size % tensor == 0 else P(None, BATCH)
+
+
+def features_sharding(mesh: Mesh, hidden_size: int) -> NamedSharding:
+    return NamedSharding(mesh, features_spec(mesh.shape["tensor"], hidden_size))
+
+
+def constrain_features(hidden_states):
+    """`features_spec` under the context mesh (the scoring pass's output); unchanged without one."""
+    tensor = jax.sharding.get_abstract_mesh().shape.get("tensor", 1)
+    return constrain(hidden_states, features_spec(tensor, hidden_states.shape[-1]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

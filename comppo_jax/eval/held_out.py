@@ -68,7 +68,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     group = cfg.rollout.samples_per_prompt
     values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic,
                                           model_config=policy_config))
-    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
+    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=policy_config.hidden_size)
     coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(schedule_step(cfg, parts.recipe, step + 1))  # as the step after checkpoint `step` reads it
     critic = restored.get("critic")
     own, shared = {"kappa": [], "mask": [], "correct": []}, {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []}

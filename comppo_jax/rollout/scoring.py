@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from comppo_jax import sharding
 from comppo_jax.credit import GATE_STATISTICS, entropy_from_logits, retention_gate, statistic_concentration
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
@@ -216,5 +217,5 @@ def score_rollout(
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)
     return jax.lax.stop_gradient(Rollout(
         generation.tokens, mask, generation.prompt_lengths, response_mask, zero(log_probs), ref_log_probs,
-        zero(herfindahl), zero(window_size), zero(kappa), out.hidden_states[: len(hidden_layers)], routing,
+        zero(herfindahl), zero(window_size), zero(kappa), sharding.constrain_features(out.hidden_states[: len(hidden_layers)]), routing,
     ))

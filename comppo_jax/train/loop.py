@@ -208,7 +208,7 @@ def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
                              actor_opt=state["actor_opt"], actor_tx=start.actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
                              critic_tx=start.critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic,
                              actor_loss=actor_loss_of(cfg))
-    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac")
+    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=model_config.hidden_size)
     # The sampler's weights move into its own layout once per step (rollout.mesh; comppo_jax.train.decode_layout).
     decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"], rollout_devices)
     logging.info("decode layout: %s", decode_layout.describe(decode))

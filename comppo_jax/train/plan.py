@@ -254,7 +254,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         fields = Minibatch(rollout.tokens, rollout.attention_mask, rollout.prompt_lengths, generation(batch).response_tokens,
                            rollout.response_mask, rollout.log_probs, reference_log_probs, per_token, per_token, per_token,
                            jax.ShapeDtypeStruct((batch, length), jnp.float32), rollout.hidden_states, rollout.routing)
-        return _with_shardings(fields, minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac"))
+        return _with_shardings(fields, minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=config.hidden_size))
 
     state["rollout_batch"] = minibatch(rows)
     update = jit_update_steps(mesh, model_config=config, temperature=cfg.rollout.temperature, actor=state["actor"],
@@ -588,7 +588,7 @@ def layout_label(result: Plan) -> str:
 
 
 SUMMARY_COLUMNS = ("decode layout", "reshard s", "prefill s", "decode s", "decode floor s (best G)", "decode / floor",
-                   "decode HBM / ICI GB per token step", "score s", "actor s (x runs)", "critic s (x runs)", "host transfers s", "step s",
+                   "decode HBM / ICI GB per token step", "score s", "values s", "actor s (x runs)", "critic s (x runs)", "host transfers s", "step s",
                    "decode share", "MFU")
 
 
@@ -608,5 +608,5 @@ def summary_row(result: Plan, chip: costs.Chip | None = None) -> list[str]:
                 if decode and steps else "-")
     return [layout_label(result), seconds("reshard"), seconds("sample prefill"), seconds("sample decode"),
             f"{floor.seconds:.3g}" if floor else "-", f"{decode.seconds / floor.seconds:.2f}x" if decode and floor else "-", per_step,
-            seconds("score"), runs("actor"), runs("critic"), seconds("host transfers"), f"**{summary.seconds:.3g}**",
+            seconds("score"), seconds("values"), runs("actor"), runs("critic"), seconds("host transfers"), f"**{summary.seconds:.3g}**",
             f"{decode.seconds / summary.seconds:.0%}" if decode and summary.seconds else "-", f"**{summary.mfu:.1%}**"]

@@ -26,7 +26,7 @@ from comppo_jax.credit import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss,
 from comppo_jax.critic import Routing, standard_value_head, value_model_values
 from comppo_jax.models import ModelConfig, lora
 from comppo_jax.rollout import gather_response, policy_token_stats
-from comppo_jax.sharding import batch_sharding, replicated, tree_shardings
+from comppo_jax.sharding import batch_sharding, features_sharding, replicated, tree_shardings
 from comppo_jax.train.methods import ActorLoss
 
 
@@ -48,11 +48,12 @@ class Minibatch(NamedTuple):
     routing: Routing | None
 
 
-def minibatch_shardings(mesh: Mesh, with_routing: bool) -> Minibatch:
-    """Rows split over (data, fsdp); hidden states carry the batch on axis 1."""
+def minibatch_shardings(mesh: Mesh, with_routing: bool, hidden_size: int) -> Minibatch:
+    """Rows split over (data, fsdp); the hidden states carry the batch on axis 1 and their width
+    over `tensor` (`sharding.features_spec`)."""
     rows = batch_sharding(mesh)
     fields = dict.fromkeys(Minibatch._fields, rows)
-    fields.update(hidden_states=batch_sharding(mesh, batch_axis=1), routing=Routing(rows, rows, rows) if with_routing else None)
+    fields.update(hidden_states=features_sharding(mesh, hidden_size), routing=Routing(rows, rows, rows) if with_routing else None)
     return Minibatch(**fields)
 
 
@@ -167,7 +168,7 @@ def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: floa
     """`actor_step` (with the surrogate `actor_loss`), `critic_step` and `critic_values` as jax.jit
     with in/out shardings on `mesh`."""
     rep = replicated(mesh)
-    batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac")
+    batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac", hidden_size=model_config.hidden_size)
     (trainable_sh, frozen_sh), actor_opt_sh = (tree_shardings(mesh, part) for part in lora.split(actor)), tree_shardings(mesh, actor_opt)
     # The frozen base is read, never donated: the reference policy is the same arrays.
     actor_fn = jax.jit(functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),

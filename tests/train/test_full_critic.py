@@ -11,19 +11,21 @@ from update_inputs import CONFIG, HYPER, update_inputs
 
 from comppo_jax.critic import init_value_model, value_model_values
 from comppo_jax.critic.value_model import TRUNK
+from comppo_jax.models import init_params
 from comppo_jax.sharding import make_mesh
 from comppo_jax.train.update import adamw, jit_update_steps
 
 
 def test_the_value_model_is_a_fresh_copy_of_the_policy_trunk_with_a_zero_head():
-    actor, *_, minibatch = update_inputs()
+    actor = init_params(CONFIG, jax.random.PRNGKey(0))
     critic = init_value_model(actor, jnp.float32)
     assert set(critic["trunk"]) == set(TRUNK) and "lm_head" in actor  # no vocabulary projection
     for copied, original in zip(jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: actor[name] for name in TRUNK})):
         np.testing.assert_array_equal(copied, original)
         assert copied.unsafe_buffer_pointer() != original.unsafe_buffer_pointer()  # donating one never frees the other
-    values = value_model_values(critic, CONFIG, minibatch.tokens, minibatch.attention_mask)
-    assert values.shape == minibatch.tokens.shape and not np.any(values)  # the zero head: V = 0 before training
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, CONFIG.vocab_size)
+    values = value_model_values(critic, CONFIG, tokens, jnp.ones(tokens.shape, bool))
+    assert values.shape == tokens.shape and not np.any(values)  # the zero head: V = 0 before training
 
 
 def test_the_critic_step_trains_every_weight_of_the_value_model_and_leaves_the_actor_alone():

@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
                                  critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind=KIND)
         state = (actor, actor_opt, critic, critic_opt)
         actor, actor_opt, critic, critic_opt = sharding.put(state, sharding.tree_shardings(mesh, state))
-        batch = sharding.put(batch, minibatch_shardings(mesh, with_routing=True))
+        batch = sharding.put(batch, minibatch_shardings(mesh, with_routing=True, hidden_size=CONFIG.hidden_size))
         values = steps.values(critic, batch)
         actor, actor_opt, actor_metrics = apply_actor_step(steps, actor, actor_opt, batch, HYPER["actor"])
         critic, critic_opt, critic_metrics = steps.critic(critic, critic_opt, batch, HYPER["critic"])
@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent(
     assert actor["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor"), actor["layers"]["q_proj"].sharding
     assert actor["embed"].sharding.spec == P("tensor", "fsdp")
     assert len(actor["layers"]["q_proj"].addressable_shards) == 8
-    assert batch.tokens.sharding.spec == P(("data", "fsdp")) and batch.hidden_states.sharding.spec == P(None, ("data", "fsdp"))
+    assert batch.tokens.sharding.spec == P(("data", "fsdp")) and batch.hidden_states.sharding.spec == P(None, ("data", "fsdp"), None, "tensor")
     paths = jax.tree_util.tree_flatten_with_path(jax.device_get(single))[0]
     for (path, a), b in zip(paths, jax.tree.leaves(jax.device_get(sharded))):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
@@ -123,3 +123,11 @@ def test_to_memory_moves_arrays_between_host_and_device_memory_keeping_their_val
     back = sharding.to_memory(parked, "device")
     assert back["moments"].sharding.memory_kind == "device"
     np.testing.assert_array_equal(back["moments"], tree["moments"])
+
+
+def test_the_critics_features_split_their_width_over_tensor_where_it_divides():
+    rows = ("data", "fsdp")
+    assert sharding.features_spec(4, 2560) == P(None, rows, None, "tensor")  # Qwen3-4B on a tensor-4 mesh: a quarter per chip
+    assert sharding.features_spec(4, 30) == P(None, rows)  # does not divide: replicated over tensor
+    assert sharding.features_spec(1, 2560) == P(None, rows)
+    assert sharding.constrain_features(jnp.ones((2, 4, 3, 8))).shape == (2, 4, 3, 8)  # no mesh: unchanged

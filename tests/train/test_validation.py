@@ -56,7 +56,7 @@ CASES = {
     "negative learning rate": (assign(train__actor_lr=-1e-6), r"config\.train\.actor_lr=-1e-06: must be > 0"),
     "lam above one": (assign(train__lam=1.5), r"config\.train\.lam=1\.5: must be in \(0, 1\]"),
     "negative steps": (assign(steps=-3), r"config\.steps=-3: must be >= 1"),
-    "unknown critic": (assign(critic__kind="big"), r"config\.critic\.kind='big': expected one of \('tac', 'standard'\)"),
+    "unknown critic": (assign(critic__kind="big"), r"config\.critic\.kind='big': expected one of \('tac', 'standard', 'full'\)"),
     "unknown attention": (assign(model__attention="flash"), r"config\.model\.attention='flash': expected one of"),
     "unknown remat": (assign(model__remat="some"), r"config\.model\.remat='some': expected one of"),
     "unknown data kind": (assign(data__kind="gsm8k"), r"config\.data\.kind='gsm8k': expected one of \('synthetic', 'dapo_math'\)"),
