@@ -3,8 +3,9 @@
 `credit` turns one scored `Experience` into a `Scored` batch: the method's gate control, the
 critic's values V_t on the behaviour features, the estimator's advantages (whitened) and returns.
 `Learner.update` then runs E epochs of shuffled minibatches (the actor's clipped PPO + KL with the
-phase controller's knobs, the critic's clipped value regression), refreshing the gate each epoch
-with gate_refresh=epoch, and records non-finite credit or updates with the skipped-update guard.
+phase controller's knobs, the critic's clipped value regression: the critic's epochs first, then
+its features are freed, unless gate_refresh=epoch refreshes the gate between epochs), and records
+non-finite credit or updates with the skipped-update guard.
 `Learner.control` feeds the step's metrics to the phase controller.
 """
 
@@ -21,8 +22,8 @@ from comppo_jax.credit import clip_advantages, comp_gae, decoupled_ppo_inputs, g
 from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.train import controller
 from comppo_jax.train.guards import SkippedUpdates, nonfinite_credit
-from comppo_jax.train.methods import (Recipe, RunParts, control_gate, critic_warmup, gate_options, kl_coefficient, schedule_step,
-                                      spread_over_sequence)
+from comppo_jax.train.methods import (Recipe, RunParts, control_gate, critic_epochs_first, critic_warmup, gate_options, kl_coefficient,
+                                      schedule_step, spread_over_sequence)
 from comppo_jax.train.sampling import Sampled
 from comppo_jax.train.update import Minibatch, UpdateSteps, apply_actor_step, cast_params
 
@@ -93,6 +94,20 @@ def take_rows(batch: Minibatch, rows) -> Minibatch:
         hidden_states=batch.hidden_states[:, rows],
         routing=None if batch.routing is None else jax.tree.map(lambda x: x[rows], batch.routing),
     )
+
+
+def without_features(batch: Minibatch) -> Minibatch:
+    """`batch` with zero layers of the critic's features and zero routed keys (the actor's
+    minibatches never read them)."""
+    routing = None if batch.routing is None else jax.tree.map(lambda x: x[..., :0], batch.routing)
+    return batch._replace(hidden_states=batch.hidden_states[:0], routing=routing)
+
+
+def free_device_arrays(*arrays) -> None:
+    """Deletes each distinct device array of `arrays`, however many references remain (host copies
+    are left to the garbage collector)."""
+    for x in {id(x): x for x in arrays if isinstance(x, jax.Array)}.values():
+        x.delete()
 
 
 def importance_metrics(weights, mask, cap: float) -> dict:
@@ -183,7 +198,21 @@ class Learner:
         # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
         nonfinite = nonfinite_credit(scored.sampled.rewards, **({} if weights is None else {"importance weights": weights}),
                                      values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
-        for epoch in range(0 if nonfinite else int(knobs["actor_epochs"])):
+        size = cfg.train.minibatch_size
+        # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
+        orders = [np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
+                  for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))]
+        minibatch_of = lambda picked: sharding.put(take_rows(batch, picked), self.batch_shardings)
+        critic_first = critic_epochs_first(cfg, self.parts.recipe)
+        critic_metrics = []
+        if critic_first:  # the critic's epochs, then its features go: the actor's epochs hold no more than GRPO's
+            for order in orders:
+                for start in range(0, rows, size):
+                    critic_metrics.append(self.critic_step(state, minibatch_of(order[start : start + size]), critic_hyper))
+            features = [x for source in (batch, scored.batch, experience.rollout) for x in (source.hidden_states, source.routing)]
+            batch, scored = without_features(batch), scored._replace(batch=without_features(scored.batch))
+            free_device_arrays(*jax.tree.leaves(features))  # every device copy, though the caller's experience still names one
+        for epoch, order in enumerate(orders):
             # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
             if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
                 self.compiling("the gate refresh")
@@ -192,20 +221,19 @@ class Learner:
                 gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
                 # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).
                 batch = batch._replace(**offload.to_update(fresh))
-            # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
-            order = np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
-            for start in range(0, rows, cfg.train.minibatch_size):
-                minibatch = sharding.put(take_rows(batch, order[start : start + cfg.train.minibatch_size]), self.batch_shardings)
+            for start in range(0, rows, size):
                 out = {}
+                if update_actor or (state["critic"] is not None and not critic_first):
+                    minibatch = minibatch_of(order[start : start + size])
                 if update_actor:
                     self.compiling("the actor update")
                     state["actor"], state["actor_opt"], out = apply_actor_step(steps, state["actor"], state["actor_opt"], minibatch, actor_hyper)
-                if state["critic"] is not None:
-                    self.compiling("the critic update")
-                    state["critic"], state["critic_opt"], critic_out = steps.critic(state["critic"], state["critic_opt"], minibatch,
-                                                                                    critic_hyper)
-                    out = {**out, **critic_out}
-                update_metrics.append({k: float(v) for k, v in out.items()})
+                if state["critic"] is not None and not critic_first:
+                    out = {**out, **self.critic_step(state, minibatch, critic_hyper)}
+                update_metrics.append(out)
+        if critic_first:  # one entry per minibatch, actor's then critic's, as the interleaved order gives them
+            update_metrics = [{**actor, **critic} for actor, critic in zip(update_metrics, critic_metrics)]
+        update_metrics = [{k: float(v) for k, v in out.items()} for out in update_metrics]
         state["actor_opt"] = offload.park(state["actor_opt"])
         for name, quantity in (("actor_finite", "actor loss or gradient norm"), ("critic_finite", "critic loss or gradient norm")):
             unapplied = sum(m.pop(name, 1.0) == 0.0 for m in update_metrics)
@@ -215,6 +243,12 @@ class Learner:
         metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
         return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
+
+    def critic_step(self, state: dict, minibatch: Minibatch, hyper: dict) -> dict:
+        """One critic update on `minibatch` (state["critic"] and its optimizer state replaced); its metrics."""
+        self.compiling("the critic update")
+        state["critic"], state["critic_opt"], out = self.steps.critic(state["critic"], state["critic_opt"], minibatch, hyper)
+        return out
 
     def control(self, metrics: dict, learned: Learned) -> None:
         """The phase controller reads the step's metrics (only after an applied actor update)."""

@@ -210,6 +210,14 @@ def scoring_options(cfg, parts: RunParts) -> dict:
                 **gate_options(cfg))
 
 
+def critic_epochs_first(cfg, made: Recipe) -> bool:
+    """Whether a step runs all of the critic's epochs before the actor's. Within a step the two
+    are independent (the critic's targets and the values are fixed at the credit), so the order
+    changes nothing, unless gate_refresh=epoch recomputes the returns and the gate from each
+    epoch's actor. First, the critic's features can be freed before the actor's epochs."""
+    return made.critic != "none" and cfg.gate_refresh != "epoch"
+
+
 def critic_warmup(cfg, made: Recipe) -> int:
     """Critic-only steps at the start of the run (none without a critic)."""
     return cfg.train.critic_warmup_steps if made.critic != "none" else 0

@@ -57,7 +57,7 @@ from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs, decode_layout
 from comppo_jax.train.loop import check_batch
 from comppo_jax.train.methods import init_critic, run_parts, scoring_options
-from comppo_jax.train.methods import actor_loss_of, behaviour_pass, kl_term
+from comppo_jax.train.methods import actor_loss_of, behaviour_pass, critic_epochs_first, kl_term
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -197,7 +197,7 @@ class TrainStepPrograms(NamedTuple):
 # train.offload_idle: the state each program leaves in host memory. The moments wait there outside
 # the update, the reference between scoring passes, the rollout batch during the update.
 OFFLOADED = {"reshard": ("actor_opt", "reference"), "sample": ("actor_opt", "reference"), "score": ("actor_opt",),
-             "values": ("actor_opt", "reference"), "actor": ("reference", "rollout_batch"), "critic": ("reference", "rollout_batch")}
+             "values": ("actor_opt", "reference"), "actor": ("reference", "actor_batch"), "critic": ("reference", "rollout_batch")}
 
 
 def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: costs.Chip | None = None,
@@ -270,6 +270,14 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     on_host = OFFLOADED if cfg.train.get("offload_idle", False) else {}
     held = lambda program, *names: sum(bytes_of[name] for name in names if name not in on_host.get(program, ()))
     train_rows = minibatch(cfg.train.minibatch_size)
+    # The learner runs the critic's epochs first where it can and then frees the critic's
+    # features: the actor's epochs hold the rollout batch and read minibatches without them.
+    critic_first = critic_epochs_first(cfg, parts.recipe)
+    lean = lambda batch: batch._replace(
+        hidden_states=batch.hidden_states.update(shape=(0, *batch.hidden_states.shape[1:])),
+        routing=None if batch.routing is None else jax.tree.map(lambda x: x.update(shape=(*x.shape[:-1], 0)), batch.routing))
+    actor_rows = lean(train_rows) if critic_first else train_rows
+    bytes_of["actor_batch"] = tree_bytes_per_chip(lean(state["rollout_batch"]) if critic_first else state["rollout_batch"])
     # The sampler's weights in its decode layout: auto picks the fastest that fits beside the state it holds.
     beside_sampler = held("sample", "actor", "actor_opt", "reference", "critic", "critic_opt")
     decode = decode_layout.make_decode_layout(cfg.rollout.mesh.tensor, mesh, config, state["actor"], chip=chip,
@@ -310,9 +318,9 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         "sample": sampling,
         "score": (score, (state["policy"], state["reference"], generation(rows)),
                   held("score", *beside_policy, "actor_opt", "critic", "critic_opt")),
-        "actor": (update.actor, (lora.trainable(state["actor"]), state["actor_opt"], train_rows,
+        "actor": (update.actor, (lora.trainable(state["actor"]), state["actor_opt"], actor_rows,
                                  dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar), lora.split(state["actor"])[1]),
-                  held("actor", "reference", "critic", "critic_opt", "rollout_batch")),
+                  held("actor", "reference", "critic", "critic_opt", "actor_batch")),
         "values": None if update.values is None else (
             update.values, (state["critic"], state["rollout_batch"]), held("values", "actor", "actor_opt", "reference", "critic_opt")),
         "critic": None if update.critic is None else (
@@ -333,7 +341,9 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
-    moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + (1 + epochs) * bytes_of["rollout_batch"] if on_host else 0
+    # With the critic's epochs first, the actor's epochs fetch the minibatches again, without the features.
+    fetched = epochs * (bytes_of["rollout_batch"] + bytes_of["actor_batch"]) if critic_first else epochs * bytes_of["rollout_batch"]
+    moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + bytes_of["rollout_batch"] + fetched if on_host else 0
     return TrainStepPrograms(config, state, bytes_of, programs, {"sample": decode.mesh}, decode, layout, rows,
                              {"reshard": 1, "sample": 1, "score": 1, "values": 1, "actor": updates, "critic": updates}, flops, host, moved)
 

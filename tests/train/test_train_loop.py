@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import WALL_CLOCK, small_train_config
+from conftest import WALL_CLOCK, assert_same_checkpoint_state, small_train_config
 
 from comppo_jax import sharding
 from comppo_jax.credit import load_position_schedule
@@ -98,6 +98,28 @@ def test_offloading_idle_state_to_host_changes_no_number(tmp_path, monkeypatch):
         rows[offload] = [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in lines], summary["final_dev_accuracy"]
     assert rows[True] == rows[False]
     assert {"pinned_host", "device"} <= set(kinds)  # the offloaded run did move state between memories
+
+
+@pytest.mark.slow
+def test_the_critics_epochs_first_change_no_number_and_free_its_features(tmp_path, monkeypatch):
+    """The learner runs the critic's epochs before the actor's and then frees the critic's
+    features: the same metrics and checkpoints as the interleaved order, bitwise."""
+    from comppo_jax.train import learner
+
+    freed = []
+    free = learner.free_device_arrays
+    monkeypatch.setattr(learner, "free_device_arrays", lambda *arrays: freed.append(arrays) or free(*arrays))
+    rows = {}
+    for first in (True, False):
+        if not first:
+            monkeypatch.setattr(learner, "critic_epochs_first", lambda cfg, made: False)
+        train(small_train_config(tmp_path / str(first), method="comppo"))
+        rows[first] = [{k: v for k, v in row.items() if k not in WALL_CLOCK} for row in _rows(tmp_path / str(first))]
+    assert rows[True] == rows[False]
+    assert_same_checkpoint_state(tmp_path / "True", tmp_path / "False", 3)
+    # Each step of the first run freed the critic's features and routing, every device copy.
+    assert len(freed) == 3 and all(x.is_deleted() for arrays in freed for x in arrays)
+    assert all(any(x.ndim == 4 and x.shape[0] == 4 for x in arrays) for arrays in freed)  # TAC's 4 fused layers
 
 
 @pytest.mark.slow
