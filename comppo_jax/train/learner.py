@@ -204,6 +204,7 @@ class Learner:
                   for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))]
         minibatch_of = lambda picked: sharding.put(take_rows(batch, picked), self.batch_shardings)
         critic_first = critic_epochs_first(cfg, self.parts.recipe)
+        interleaved = state["critic"] is not None and not critic_first  # a critic step after each actor step
         critic_metrics = []
         if critic_first:  # the critic's epochs, then its features go: the actor's epochs hold no more than GRPO's
             for order in orders:
@@ -223,12 +224,12 @@ class Learner:
                 batch = batch._replace(**offload.to_update(fresh))
             for start in range(0, rows, size):
                 out = {}
-                if update_actor or (state["critic"] is not None and not critic_first):
+                if update_actor or interleaved:
                     minibatch = minibatch_of(order[start : start + size])
                 if update_actor:
                     self.compiling("the actor update")
                     state["actor"], state["actor_opt"], out = apply_actor_step(steps, state["actor"], state["actor_opt"], minibatch, actor_hyper)
-                if state["critic"] is not None and not critic_first:
+                if interleaved:
                     out = {**out, **self.critic_step(state, minibatch, critic_hyper)}
                 update_metrics.append(out)
         if critic_first:  # one entry per minibatch, actor's then critic's, as the interleaved order gives them

@@ -55,6 +55,7 @@ from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, cost as costs, decode_layout
+from comppo_jax.train.learner import without_features
 from comppo_jax.train.loop import check_batch
 from comppo_jax.train.methods import init_critic, run_parts, scoring_options
 from comppo_jax.train.methods import actor_loss_of, behaviour_pass, critic_epochs_first, kl_term
@@ -223,7 +224,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
         "actor_opt": abstract(lambda: actor_tx.init(lora.trainable(master()))),
         "policy": abstract(lambda: cast_params(master(), config.dtype)),  # the compute-dtype copy the scoring pass uses
         "reference": abstract(lambda: init_params(config, key)),  # a LoRA run's: the actor's own base
-        "critic": abstract(lambda: new_critic()),
+        "critic": abstract(new_critic),
     }
     state["critic_opt"] = None if state["critic"] is None else abstract(lambda: critic_tx.init(new_critic()))
 
@@ -273,9 +274,7 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     # The learner runs the critic's epochs first where it can and then frees the critic's
     # features: the actor's epochs hold the rollout batch and read minibatches without them.
     critic_first = critic_epochs_first(cfg, parts.recipe)
-    lean = lambda batch: batch._replace(
-        hidden_states=batch.hidden_states.update(shape=(0, *batch.hidden_states.shape[1:])),
-        routing=None if batch.routing is None else jax.tree.map(lambda x: x.update(shape=(*x.shape[:-1], 0)), batch.routing))
+    lean = lambda batch: _with_shardings(jax.eval_shape(without_features, batch), jax.tree.map(lambda x: x.sharding, batch))
     actor_rows = lean(train_rows) if critic_first else train_rows
     bytes_of["actor_batch"] = tree_bytes_per_chip(lean(state["rollout_batch"]) if critic_first else state["rollout_batch"])
     # The sampler's weights in its decode layout: auto picks the fastest that fits beside the state it holds.

@@ -238,6 +238,22 @@ def peer_config(method: str, critic: str = "tac"):
     return cfg, prompt_length
 
 
+def beside_tunix(tunix_python: str, ours: OnDevice, mesh, candidates: dict, request: dict, repeats: int):
+    """(medians, tunix's replies, its ready line): `candidates` and one tunix train step on `ours`'s
+    policy weights (written with `to_hf`, loaded by tunix_step_worker.py in tunix's venv), timed in
+    interleaved rounds."""
+    replies = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        to_hf(ours.step.config, jax.device_get(ours.state["policy"]), model_dir)
+        worker = TunixWorker(tunix_python, model_dir, script="tunix_step_worker.py")
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                medians = interleaved_medians({**candidates, "tunix": lambda: replies.append(worker.call(request))}, repeats)
+        finally:
+            worker.close()
+    return medians, replies, worker.ready
+
+
 def tunix_medians(replies: list[dict], repeats: int, phases) -> dict:
     """The median of each phase over the timed calls (the first calls compile and size the rounds)."""
     return {phase: float(np.median([reply[f"{phase}_s"] for reply in replies[-repeats:]])) for phase in phases}
@@ -263,17 +279,8 @@ def grpo_peer(tunix_python: str, repeats: int) -> None:
     rescore = lambda: jax.block_until_ready(default_score(ours.state["policy"], ours.state["reference"], ours.generation))
     request = {"algo": "grpo", "prompts": ours.prompts.tolist(), "samples": cfg.rollout.samples_per_prompt,
                "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
-    replies = []
-    with tempfile.TemporaryDirectory() as model_dir:
-        to_hf(ours.step.config, jax.device_get(ours.state["policy"]), model_dir)
-        worker = TunixWorker(tunix_python, model_dir, script="tunix_step_worker.py")
-        try:
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                medians = interleaved_medians({"sample": ours.calls["sample"], "score": ours.calls["score"], "rescore": rescore,
-                                               "actor": ours.calls["actor"], "tunix": lambda: replies.append(worker.call(request))},
-                                              repeats)
-        finally:
-            worker.close()
+    candidates = {"sample": ours.calls["sample"], "score": ours.calls["score"], "rescore": rescore, "actor": ours.calls["actor"]}
+    medians, replies, ready = beside_tunix(tunix_python, ours, mesh, candidates, request, repeats)
     theirs = tunix_medians(replies, repeats, ("rollout", "scoring", "update"))
     phases = {"rollout": medians["sample"], "scoring": medians["score"], "update": medians["actor"]}
     phases["step"] = sum(phases.values())
@@ -284,8 +291,8 @@ def grpo_peer(tunix_python: str, repeats: int) -> None:
     table = [{"phase": phase, "comppo_jax s": f"{seconds:.3f}", "tunix s": f"{theirs[phase]:.3f}",
               "tunix / ours": f"{theirs[phase] / seconds:.2f}x"} for phase, seconds in phases.items()]
     print(f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, {prompt_length} + "
-          f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {worker.ready['tunix']} "
-          f"(jax {worker.ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}")
+          f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {ready['tunix']} "
+          f"(jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}")
     print_table(table, ["phase", "comppo_jax s", "tunix s", "tunix / ours"])
 
 
@@ -334,15 +341,7 @@ def credit_peer(tunix_python: str, repeats: int) -> None:
                "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
     candidates = {f"{arm}/{phase}": calls[program] for arm, (_, _, calls) in arms.items()
                   for phase, program in CREDIT_PHASES.items() if program in calls}
-    replies = []
-    with tempfile.TemporaryDirectory() as model_dir:
-        to_hf(ours.step.config, jax.device_get(ours.state["policy"]), model_dir)
-        worker = TunixWorker(tunix_python, model_dir, script="tunix_step_worker.py")
-        try:
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                medians = interleaved_medians({**candidates, "tunix": lambda: replies.append(worker.call(request))}, repeats)
-        finally:
-            worker.close()
+    medians, replies, ready = beside_tunix(tunix_python, ours, mesh, candidates, request, repeats)
     columns = {arm: {phase: medians.get(f"{arm}/{phase}", 0.0) for phase in CREDIT_PHASES} for arm in arms}
     columns["tunix PPO"] = tunix_medians(replies, repeats, CREDIT_PHASES)
     tunix_total = float(np.median([reply["total_s"] for reply in replies[-repeats:]]))
@@ -355,7 +354,7 @@ def credit_peer(tunix_python: str, repeats: int) -> None:
     rows = cfg.train.minibatch_size
     print(f"credit step, tiny: {cfg.rollout.prompts_per_step} prompts x {group} samples (tunix PPO: {rows} prompts x 1), "
           f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; seconds, medians of {repeats} "
-          f"interleaved rounds; tunix {worker.ready['tunix']} (jax {worker.ready['jax']}), comppo_jax on jax {jax.__version__}, on "
+          f"interleaved rounds; tunix {ready['tunix']} (jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on "
           f"{jax.devices()[0].device_kind}")
     print_table(table, ["phase", *columns, "tunix PPO / CompPO", "CompPO / GRPO"])
     print(f"tunix PPO's whole train call: {tunix_total:.3f} s (its host work around the phases: "
