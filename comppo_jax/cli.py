@@ -112,8 +112,10 @@ def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
             continue
         config = _with_shown_overrides(config, flag.name, argv)
         source = getattr(flag, "config_filename", "") or "the entry point"
-        print(f"\n--{flag.name} fields (from {source}, with the overrides given); override any as "
-              f"--{flag.name}.<section>.<field>=value:")
+        print(
+            f"\n--{flag.name} fields (from {source}, with the overrides given); override any as "
+            f"--{flag.name}.<section>.<field>=value:"
+        )
         resolved = {} if flag.name in field_help else _resolved_fields(config)
         for section, fields in _config_rows(config, field_help.get(flag.name, FIELD_HELP), resolved).items():
             print(f"\n[{section or 'top level'}]")
@@ -160,7 +162,7 @@ def _with_shown_overrides(config, flag_name: str, argv: list[str]):
     for arg in argv[1:]:
         if not arg.startswith(prefix) or "=" not in arg:
             continue
-        dotted, text = arg[len(prefix):].split("=", 1)
+        dotted, text = arg[len(prefix) :].split("=", 1)
         *sections, name = dotted.split(".")
         section = config
         for part in sections:
@@ -184,8 +186,11 @@ def select_cpu_without_accelerator() -> None:
         return
     from jax._src import hardware_utils  # JAX's own TPU detection; imports no backend
 
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0 and not hardware_utils.has_visible_nvidia_gpu() and (
-            hardware_utils.num_available_amd_gpus(stop_at=1) == 0):
+    if (
+        hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0
+        and not hardware_utils.has_visible_nvidia_gpu()
+        and (hardware_utils.num_available_amd_gpus(stop_at=1) == 0)
+    ):
         import jax
 
         jax.config.update("jax_platforms", "cpu")
@@ -251,15 +256,23 @@ def _file_problem(error: BaseException, name: str, argument: str, argv: list[str
     its message, and absl that as a flag error)."""
     file = argument.split(":", 1)[0]
     if not os.path.isfile(file):
-        given = f"--{name}={argument}" if _named(argv, name) is not None else f"the default of --{name}, from {os.getcwd()}"
+        given = (
+            f"--{name}={argument}" if _named(argv, name) is not None else f"the default of --{name}, from {os.getcwd()}"
+        )
         return ConfigFileError(f"{file} does not exist ({given})")
     cause = error
     while cause is not None:
         if isinstance(cause, SyntaxError) and _same_file(cause.filename, file):
             return ConfigFileError(f"{file} line {cause.lineno}: {type(cause).__name__}: {cause.msg}")
-        if isinstance(cause, AttributeError) and cause.name == "get_config" and _same_file(getattr(cause.obj, "__file__", None), file):
+        if (
+            isinstance(cause, AttributeError)
+            and cause.name == "get_config"
+            and _same_file(getattr(cause.obj, "__file__", None), file)
+        ):
             return ConfigFileError(f"{file} has no get_config()")
-        lines = [frame.lineno for frame in traceback.extract_tb(cause.__traceback__) if _same_file(frame.filename, file)]
+        lines = [
+            frame.lineno for frame in traceback.extract_tb(cause.__traceback__) if _same_file(frame.filename, file)
+        ]
         if lines:
             return ConfigFileError(f"{file} line {lines[-1]}: {_one_line(cause)}")
         cause = cause.__cause__ or cause.__context__
@@ -289,8 +302,12 @@ def _override_problem(name: str, argument: str, argv: list[str]) -> ConfigFileEr
                 return None
             if part not in value.keys():
                 close = difflib.get_close_matches(part, list(value.keys()), n=1)
-                hint = f"; did you mean {'.'.join([*parts[:index], close[0]])}?" if close else f" (--help lists {argument}'s fields)"
-                return ConfigFileError(f"{arg}: {argument} has no field {'.'.join(parts[:index + 1])}{hint}")
+                hint = (
+                    f"; did you mean {'.'.join([*parts[:index], close[0]])}?"
+                    if close
+                    else f" (--help lists {argument}'s fields)"
+                )
+                return ConfigFileError(f"{arg}: {argument} has no field {'.'.join(parts[: index + 1])}{hint}")
             value = value[part]
         parser = _OVERRIDE_PARSERS.get(type(value))
         if parser is not None and text:

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
@@ -43,8 +44,12 @@ PARAM_RULES: dict[str, tuple] = {
     "down_proj": (None, "tensor", "fsdp"),
 }
 # A LoRA adapter follows its base weight: A [N, in, r] splits `in` as the weight does, B [N, r, out] `out`.
-PARAM_RULES |= {f"{name}_lora_{part}": (None, rule[1], None) if part == "a" else (None, None, rule[2])
-                for name, rule in PARAM_RULES.items() if len(rule) == 3 for part in "ab"}
+PARAM_RULES |= {
+    f"{name}_lora_{part}": (None, rule[1], None) if part == "a" else (None, None, rule[2])
+    for name, rule in PARAM_RULES.items()
+    if len(rule) == 3
+    for part in "ab"
+}
 
 
 def initialize_distributed(mesh_config) -> None:
@@ -53,8 +58,11 @@ def initialize_distributed(mesh_config) -> None:
         return
     kwargs = {}
     if mesh_config.coordinator_address:
-        kwargs = dict(coordinator_address=mesh_config.coordinator_address, num_processes=mesh_config.num_processes,
-                      process_id=mesh_config.process_id)
+        kwargs = dict(
+            coordinator_address=mesh_config.coordinator_address,
+            num_processes=mesh_config.num_processes,
+            process_id=mesh_config.process_id,
+        )
     jax.distributed.initialize(**kwargs)
 
 
@@ -67,10 +75,14 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"config.mesh {dict(zip(AXES, sizes))}: {len(devices)} devices are not a multiple of {known}")
+            raise ValueError(
+                f"config.mesh {dict(zip(AXES, sizes))}: {len(devices)} devices are not a multiple of {known}"
+            )
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"config.mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, found {len(devices)}")
+        raise ValueError(
+            f"config.mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, found {len(devices)}"
+        )
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
@@ -94,9 +106,14 @@ def split_devices(rollout_devices: int, devices=None) -> tuple[list, list]:
     local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in processes}
     counts = {len(ds) for ds in local.values()}
     if len(counts) != 1 or not 0 < rollout_devices < min(counts):
-        raise ValueError(f"config.mesh.rollout_devices={rollout_devices} must leave every process devices for both stages "
-                         f"(devices per process: {sorted(counts)})")
-    return ([d for p in processes for d in local[p][:-rollout_devices]], [d for p in processes for d in local[p][-rollout_devices:]])
+        raise ValueError(
+            f"config.mesh.rollout_devices={rollout_devices} must leave every process devices for both stages "
+            f"(devices per process: {sorted(counts)})"
+        )
+    return (
+        [d for p in processes for d in local[p][:-rollout_devices]],
+        [d for p in processes for d in local[p][-rollout_devices:]],
+    )
 
 
 def move(tree: Any, shardings: Any) -> Any:
@@ -129,8 +146,10 @@ def _move_array(x: jax.Array, target: NamedSharding) -> jax.Array:
                 parts.append((overlap, bounds, data))
         volume = lambda region: int(np.prod([hi - lo for lo, hi in region]))
         if sum(volume(region) for region, _, _ in parts) != volume(block):
-            raise ValueError(f"an array {x.shape} sharded {x.sharding.spec} holds on process {jax.process_index()} only part of the "
-                             f"block {index} that {device} needs under {target.spec}")
+            raise ValueError(
+                f"an array {x.shape} sharded {x.sharding.spec} holds on process {jax.process_index()} only part of the "
+                f"block {index} that {device} needs under {target.spec}"
+            )
         if len(parts) == 1 and parts[0][0] == parts[0][1] == block:
             pieces.append(jax.device_put(parts[0][2], device))
             continue
@@ -140,7 +159,9 @@ def _move_array(x: jax.Array, target: NamedSharding) -> jax.Array:
             with _on(next(iter(data.devices()))):
                 piece = data[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(region, bounds))]
             with _on(device):
-                out = out.at[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(region, block))].set(jax.device_put(piece, device))
+                out = out.at[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(region, block))].set(
+                    jax.device_put(piece, device)
+                )
         pieces.append(out)
     return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 
@@ -181,8 +202,13 @@ def leaf_spec(mesh: Mesh, path, shape) -> P:
     axes = []
     for axis, size in zip(rule, shape):
         if axis is not None and size % mesh.shape[axis]:
-            logging.warning("%s: dim %d not divisible by mesh axis %s=%d; replicated", jax.tree_util.keystr(path), size, axis,
-                            mesh.shape[axis])
+            logging.warning(
+                "%s: dim %d not divisible by mesh axis %s=%d; replicated",
+                jax.tree_util.keystr(path),
+                size,
+                axis,
+                mesh.shape[axis],
+            )
             axis = None
         axes.append(axis)
     return P(*axes)
@@ -190,13 +216,17 @@ def leaf_spec(mesh: Mesh, path, shape) -> P:
 
 def tree_shardings(mesh: Mesh, tree: Any) -> Any:
     """NamedShardings for a params or optimizer-state pytree (arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, leaf_spec(mesh, path, np.shape(x))), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, leaf_spec(mesh, path, np.shape(x))), tree
+    )
 
 
 def abstract_sharded(mesh: Mesh, make) -> Any:
     """The shapes and dtypes of `make()` (not computed), with this file's shardings: a restore target."""
     tree = jax.eval_shape(make)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, tree_shardings(mesh, tree))
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, tree_shardings(mesh, tree)
+    )
 
 
 def per_shard(fn, in_specs, out_specs):

@@ -22,12 +22,21 @@ FULL = ("method=comppo", "gate=attention", "critic.kind=tac")
 MATCHED_BUDGET = ("train.critic_warmup_counts_toward_steps=False",)
 # DAPO (Yu et al. 2025) on top of a method: the decoupled clip 0.2 / 0.28, dynamic sampling on accuracy,
 # overlong shaping on every response from the first step, and no KL term (so no reference forward pass).
-DAPO = ("train.clip_high_scale=1.4", "rollout.dynamic_sampling=True", "rollout.dynamic_sampling_filter=accuracy",
-        "reward.length_penalty=overlong", "reward.length_penalty_on=all", "reward.length_penalty_schedule=constant",
-        "train.kl_coef=0", "train.kl_coef_grpo=0")
+DAPO = (
+    "train.clip_high_scale=1.4",
+    "rollout.dynamic_sampling=True",
+    "rollout.dynamic_sampling_filter=accuracy",
+    "reward.length_penalty=overlong",
+    "reward.length_penalty_on=all",
+    "reward.length_penalty_schedule=constant",
+    "train.kl_coef=0",
+    "train.kl_coef_grpo=0",
+)
 
 
-def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, target=None, held_out_problems=0):
+def experiment(
+    name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=SEEDS, target=None, held_out_problems=0
+):
     exp = config_dict.ConfigDict()
     exp.name = name
     exp.kind = kind
@@ -50,49 +59,113 @@ def experiment(name: str, kind: str, arms, *, grids=(), screen_seed=None, seeds=
 
 def get_config(name: str):
     if name == "main":  # section 6.1: a common 3x3 LR x KL screen at seed 42, then five seeds
-        return experiment("main", "main", [("comppo", FULL), ("grpo", ("method=grpo",))], screen_seed=42,
-                          grids=[("comppo", (f"train.actor_lr={LEARNING_RATES}", f"train.kl_coef={KL}")),
-                                 ("grpo", (f"train.actor_lr={LEARNING_RATES}", f"train.kl_coef_grpo={KL}"))])
+        return experiment(
+            "main",
+            "main",
+            [("comppo", FULL), ("grpo", ("method=grpo",))],
+            screen_seed=42,
+            grids=[
+                ("comppo", (f"train.actor_lr={LEARNING_RATES}", f"train.kl_coef={KL}")),
+                ("grpo", (f"train.actor_lr={LEARNING_RATES}", f"train.kl_coef_grpo={KL}")),
+            ],
+        )
     if name == "factorial":  # section 6.2: transport x critic; the fixed gate is full CompPO's mean gate
         fixed = ("method=comppo", "gate=fixed", "fixed_gate={mean_gate:full}")
-        return experiment("factorial", "factorial", [
-            ("full", FULL), ("gate_std", ("method=comppo", "gate=attention", "critic.kind=standard")),
-            ("fixed_aligned", fixed + ("critic.kind=tac",)), ("fixed_std", fixed + ("critic.kind=standard",)),
-        ], target=0.564, held_out_problems=64)
+        return experiment(
+            "factorial",
+            "factorial",
+            [
+                ("full", FULL),
+                ("gate_std", ("method=comppo", "gate=attention", "critic.kind=standard")),
+                ("fixed_aligned", fixed + ("critic.kind=tac",)),
+                ("fixed_std", fixed + ("critic.kind=standard",)),
+            ],
+            target=0.564,
+            held_out_problems=64,
+        )
     if name == "controls":  # section 6.3: global shuffle; position-only from the same seed's full run
-        return experiment("controls", "controls", [
-            ("full", FULL), ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
-            ("position", ("method=comppo", "gate=position", "position_schedule={gate_profile:full}", "critic.kind=tac")),
-        ], held_out_problems=64)
+        return experiment(
+            "controls",
+            "controls",
+            [
+                ("full", FULL),
+                ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
+                (
+                    "position",
+                    ("method=comppo", "gate=position", "position_schedule={gate_profile:full}", "critic.kind=tac"),
+                ),
+            ],
+            held_out_problems=64,
+        )
     if name == "stress":  # section 6.5: 150 steps, no controller or critic warm-up, two seeds per cell
         grid = ("train.actor_lr=2e-7,5e-7,1e-6", "train.kl_coef=0,1e-3")
         bare = ("steps=150", "controller.enabled=False", "train.critic_warmup_steps=0")
-        return experiment("stress", "stress", [("ppo", ("method=ppo",) + bare), ("comppo", FULL + bare)], seeds=(17, 42),
-                          grids=[("ppo", grid), ("comppo", grid)])
+        return experiment(
+            "stress",
+            "stress",
+            [("ppo", ("method=ppo",) + bare), ("comppo", FULL + bare)],
+            seeds=(17, 42),
+            grids=[("ppo", grid), ("comppo", grid)],
+        )
     if name == "group":  # section 6.6: a single 8x8 GRPO run beside the 4x4 baseline and the CompPO reference
-        four, eight = ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"), ("rollout.prompts_per_step=8", "rollout.samples_per_prompt=8")
-        return experiment("group", "group", [
-            ("grpo_4x4", ("method=grpo", "train.kl_coef_grpo=1e-3") + four),
-            ("grpo_8x8", ("method=grpo", "train.kl_coef_grpo=1e-3") + eight),
-            ("comppo", FULL + four),
-        ], seeds=(42,))
-    if name == "statistics":  # the gate's concentration statistic (comppo_jax.credit.GATE_STATISTICS), beside the controls
+        four, eight = (
+            ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=4"),
+            ("rollout.prompts_per_step=8", "rollout.samples_per_prompt=8"),
+        )
+        return experiment(
+            "group",
+            "group",
+            [
+                ("grpo_4x4", ("method=grpo", "train.kl_coef_grpo=1e-3") + four),
+                ("grpo_8x8", ("method=grpo", "train.kl_coef_grpo=1e-3") + eight),
+                ("comppo", FULL + four),
+            ],
+            seeds=(42,),
+        )
+    if (
+        name == "statistics"
+    ):  # the gate's concentration statistic (comppo_jax.credit.GATE_STATISTICS), beside the controls
         reads = lambda statistic: FULL + (f"gate_statistic={statistic}",)
-        return experiment("statistics", "statistics", [
-            ("herfindahl", FULL), ("entropy", reads("entropy")), ("sink_herfindahl", reads("sink_herfindahl")),
-            ("max_weight", reads("max_weight")), ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
-            ("fixed", ("method=comppo", "gate=fixed", "fixed_gate={mean_gate:herfindahl}", "critic.kind=tac")),
-        ])
-    if name == "variants":  # CompPO with and without DAPO's tricks, beside GRPO and its 2025 variants (each from its one switch)
-        return experiment("variants", "variants", [
-            ("comppo", FULL), ("comppo_dapo", FULL + DAPO), ("grpo", ("method=grpo",)), ("dapo", ("method=grpo",) + DAPO),
-            ("gspo", ("method=grpo", "train.policy_loss=gspo")),
-            ("dr_grpo", ("method=grpo", "train.group_std_normalization=False")),
-        ])
+        return experiment(
+            "statistics",
+            "statistics",
+            [
+                ("herfindahl", FULL),
+                ("entropy", reads("entropy")),
+                ("sink_herfindahl", reads("sink_herfindahl")),
+                ("max_weight", reads("max_weight")),
+                ("shuffle", ("method=comppo", "gate=shuffle", "critic.kind=tac")),
+                ("fixed", ("method=comppo", "gate=fixed", "fixed_gate={mean_gate:herfindahl}", "critic.kind=tac")),
+            ],
+        )
+    if (
+        name == "variants"
+    ):  # CompPO with and without DAPO's tricks, beside GRPO and its 2025 variants (each from its one switch)
+        return experiment(
+            "variants",
+            "variants",
+            [
+                ("comppo", FULL),
+                ("comppo_dapo", FULL + DAPO),
+                ("grpo", ("method=grpo",)),
+                ("dapo", ("method=grpo",) + DAPO),
+                ("gspo", ("method=grpo", "train.policy_loss=gspo")),
+                ("dr_grpo", ("method=grpo", "train.group_std_normalization=False")),
+            ],
+        )
     if name == "lora":  # LoRA adapters on the frozen base (which is also the reference) beside full fine-tuning,
         # at 10x the full fine-tuning learning rate (the usual LoRA rule; the main screen's centre is 1e-6)
         lora = ("model.lora.rank=64", "model.lora.alpha=128", "train.actor_lr=1e-5")
-        return experiment("lora", "lora", [
-            ("comppo", FULL), ("comppo_lora", FULL + lora), ("grpo", ("method=grpo",)), ("grpo_lora", ("method=grpo",) + lora),
-        ])
-    raise ValueError(f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics, variants or lora")
+        return experiment(
+            "lora",
+            "lora",
+            [
+                ("comppo", FULL),
+                ("comppo_lora", FULL + lora),
+                ("grpo", ("method=grpo",)),
+                ("grpo_lora", ("method=grpo",) + lora),
+            ],
+        )
+    raise ValueError(
+        f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics, variants or lora"
+    )

@@ -19,7 +19,9 @@ def get_config():
             head_dim=128,
             rms_norm_eps=1e-5,
             rope_theta=500_000.0,
-            rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+            rope_scaling=dict(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+            ),
             tie_word_embeddings=False,
             max_position_embeddings=131072,
             dtype="bfloat16",

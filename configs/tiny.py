@@ -38,13 +38,17 @@ def get_config():
     config.output_dir = "runs/tiny"
     config.steps = 60
     # Addition and subtraction only: a 4-layer model learns them well enough in a 1000-step warm start.
-    config.data.update(kind="synthetic", path="", train_size=2000, dev_size=100, min_steps=2, max_steps=3, operations="+-")
+    config.data.update(
+        kind="synthetic", path="", train_size=2000, dev_size=100, min_steps=2, max_steps=3, operations="+-"
+    )
     # Supervised warm start on the task's solutions: RL starts from an imperfect, non-zero policy.
     # answer_noise: odd answers' warm-start Answer lines read answer + 1 with this probability
     # (comppo_jax.train.warm_start): a systematic, verifiable mistake RL can fix in minutes on a CPU.
     config.warm_start.update(steps=1000, batch_size=32, learning_rate=1e-3, answer_noise=0.7)
     config.rollout.update(prompts_per_step=16, max_new_tokens=40)
-    config.train.update(actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, kl_coef_grpo=1e-2, minibatch_size=32, critic_warmup_steps=2)
+    config.train.update(
+        actor_lr=1e-5, critic_lr=1e-3, kl_coef=1e-2, kl_coef_grpo=1e-2, minibatch_size=32, critic_warmup_steps=2
+    )
     config.reward.workers = 2
     config.critic.bottleneck = 32
     return config

@@ -27,20 +27,37 @@ _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
 _TUNIX = flags.DEFINE_string("tunix_python", None, "sampler and step suites: the python of a venv with google-tunix.")
-_TABLES = flags.DEFINE_string("tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed.")
-_MODEL = flags.DEFINE_string("model", None, "step suite: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU).")
-_PEER = flags.DEFINE_string("peer", None, "step suite: tunix = one step of ours and of tunix side by side (needs --tunix_python).")
-_METHOD = flags.DEFINE_string("method", None, "step suite with --peer: grpo (default; a GRPO step each) or ppo (our CompPO, PPO, "
-                              "PPO with a full critic and GRPO beside tunix's PPO, phase by phase).")
+_TABLES = flags.DEFINE_string(
+    "tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed."
+)
+_MODEL = flags.DEFINE_string(
+    "model", None, "step suite: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU)."
+)
+_PEER = flags.DEFINE_string(
+    "peer", None, "step suite: tunix = one step of ours and of tunix side by side (needs --tunix_python)."
+)
+_METHOD = flags.DEFINE_string(
+    "method",
+    None,
+    "step suite with --peer: grpo (default; a GRPO step each) or ppo (our CompPO, PPO, "
+    "PPO with a full critic and GRPO beside tunix's PPO, phase by phase).",
+)
 
 
 def main(argv):
     if len(argv) != 2 or argv[1] not in SUITES:
         raise app.UsageError(f"usage: benchmark.py SUITE, with SUITE one of {SUITES}")
     suite = importlib.import_module(f"benchmarks.{argv[1]}")
-    overrides = {"batch": _BATCH.value, "length": _LENGTH.value, "repeats": _REPEATS.value, "tunix_python": _TUNIX.value,
-                 "tables": _TABLES.value, "model": _MODEL.value, "peer": _PEER.value,
-                 "method": _METHOD.value}
+    overrides = {
+        "batch": _BATCH.value,
+        "length": _LENGTH.value,
+        "repeats": _REPEATS.value,
+        "tunix_python": _TUNIX.value,
+        "tables": _TABLES.value,
+        "model": _MODEL.value,
+        "peer": _PEER.value,
+        "method": _METHOD.value,
+    }
     suite.run(**{name: value for name, value in overrides.items() if value is not None})
 
 

@@ -38,16 +38,24 @@ from absl import flags
 
 from comppo_jax import cli
 
-_CONFIG = cli.define_config_file("config", None, "An ml_collections config file (default: the run's own, "
-                                          "configs/run.py:<checkpoint>).")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True)
+_CONFIG = cli.define_config_file(
+    "config", None, "An ml_collections config file (default: the run's own, configs/run.py:<checkpoint>)."
+)
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "The training run's output_dir (holding checkpoints/).", required=True
+)
 _STEP = flags.DEFINE_string("step", "latest", "latest, best (by dev accuracy) or a saved step number.")
 _OUTPUT = flags.DEFINE_string("output", "", "Where results go (default <checkpoint>/eval/step_<N>).")
-_ACCURACY = flags.DEFINE_bool("accuracy", True, "Evaluate greedy pass@1, avg@n, pass@k and majority@n on the dev set and benchmarks.")
-_HELD_OUT = flags.DEFINE_integer("held_out_problems", 0, "Gate and critic diagnostics on this many dev prompts (0: none).")
+_ACCURACY = flags.DEFINE_bool(
+    "accuracy", True, "Evaluate greedy pass@1, avg@n, pass@k and majority@n on the dev set and benchmarks."
+)
+_HELD_OUT = flags.DEFINE_integer(
+    "held_out_problems", 0, "Gate and critic diagnostics on this many dev prompts (0: none)."
+)
+
 
 def parse_benchmarks(spec: str) -> dict[str, str]:
-    """"name=path,name=path" -> {name: path}."""
+    """ "name=path,name=path" -> {name: path}."""
     out = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, sep, path = item.partition("=")
@@ -93,10 +101,18 @@ def main(argv):
     if not _ACCURACY.value:
         return
     sets = {"id_dev": load_problems(cfg.data, cfg.seed)[1]} if cfg.data.kind == "synthetic" or cfg.data.path else {}
-    sets.update({name: load_benchmark(name, path) for name, path in benchmarks.items()})  # fails now on a bad file, not midway
+    sets.update(
+        {name: load_benchmark(name, path) for name, path in benchmarks.items()}
+    )  # fails now on a bad file, not midway
     samples = cfg.eval.samples
-    settings = {"samples": samples, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "pass_k": list(ks),
-                "max_new_tokens": cfg.rollout.max_new_tokens, "seed": cfg.seed}
+    settings = {
+        "samples": samples,
+        "temperature": cfg.eval.temperature,
+        "top_p": cfg.eval.top_p,
+        "pass_k": list(ks),
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "seed": cfg.seed,
+    }
     # Sets finished by an earlier run with these settings are read, not recomputed; decided once, before any process writes.
     done = {name: _finished(os.path.join(output, f"{name}.json"), settings) for name in sets}
 
@@ -107,16 +123,31 @@ def main(argv):
     params = decode.reshard(params)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     rows = []
-    with jax.set_mesh(decode.mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
+    with (
+        jax.set_mesh(decode.mesh),
+        VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
+    ):
         for name, problems in sets.items():
             path = os.path.join(output, f"{name}.json")
             if done[name]:
                 with open(path) as f:
                     result = json.load(f)["metrics"]
             else:
-                result = evaluate_problems(params, policy_config, tokenizer, problems, pool, max_new_tokens=cfg.rollout.max_new_tokens,
-                                           samples=samples, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, pass_k=ks,
-                                           seed=cfg.seed, batch_size=cfg.eval.batch_size, desc=name)
+                result = evaluate_problems(
+                    params,
+                    policy_config,
+                    tokenizer,
+                    problems,
+                    pool,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    samples=samples,
+                    temperature=cfg.eval.temperature,
+                    top_p=cfg.eval.top_p,
+                    pass_k=ks,
+                    seed=cfg.seed,
+                    batch_size=cfg.eval.batch_size,
+                    desc=name,
+                )
                 if main_process:
                     with open(path, "w") as f:
                         json.dump({"settings": settings, "metrics": result}, f, indent=2)
@@ -137,13 +168,23 @@ def main(argv):
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(output, "results.json"), "w") as f:
-        json.dump({"checkpoint": os.path.abspath(_CHECKPOINT.value), "step": step, "settings": settings, "rows": rows}, f, indent=2)
-    print(f"checkpoint {_CHECKPOINT.value} step {step}: {samples} samples per problem at temperature {cfg.eval.temperature}, "
-          f"top-p {cfg.eval.top_p}; mean (standard error)")
+        json.dump(
+            {"checkpoint": os.path.abspath(_CHECKPOINT.value), "step": step, "settings": settings, "rows": rows},
+            f,
+            indent=2,
+        )
+    print(
+        f"checkpoint {_CHECKPOINT.value} step {step}: {samples} samples per problem at temperature {cfg.eval.temperature}, "
+        f"top-p {cfg.eval.top_p}; mean (standard error)"
+    )
     print("| set | problems | " + " | ".join(metrics) + " |")
     print("|" + "---|" * (len(metrics) + 2))
     for row in rows:
-        print(f"| {row['set']} | {row['problems']} | " + " | ".join(f"{row[m]:.3f} ({row[m + '_se']:.3f})" for m in metrics) + " |")
+        print(
+            f"| {row['set']} | {row['problems']} | "
+            + " | ".join(f"{row[m]:.3f} ({row[m + '_se']:.3f})" for m in metrics)
+            + " |"
+        )
 
 
 def _finished(path: str, settings: dict) -> bool:

@@ -52,8 +52,17 @@ def main(argv):
         f.write(experiments.commands_script(outcome, root, exp.held_out_problems))
     rows = []
     for result in [r for rs in outcome.screen.values() for r in rs] + finished:
-        rows.append({"arm": result.run.arm, "seed": result.run.seed, "run": result.directory, "base": result.base,
-                     **endpoints(result, exp), **result.held_out, "overrides": " ".join(result.run.overrides)})
+        rows.append(
+            {
+                "arm": result.run.arm,
+                "seed": result.run.seed,
+                "run": result.directory,
+                "base": result.base,
+                **endpoints(result, exp),
+                **result.held_out,
+                "overrides": " ".join(result.run.overrides),
+            }
+        )
     if rows:
         columns = list(dict.fromkeys(k for row in rows for k in row))
         with open(os.path.join(folder, "runs.csv"), "w", newline="") as f:
@@ -61,9 +70,12 @@ def main(argv):
             writer.writeheader()
             writer.writerows(rows)
     failed = "".join(f"\n- {run.arm} seed {run.seed}: {why}" for run, why in outcome.failures.items())
-    report = (f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; exact commands in "
-              f"`commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
-              + "".join(f"\n![{name}]({name})\n" for name in plots) + (f"\n## Failed runs{failed}\n" if failed else ""))
+    report = (
+        f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; exact commands in "
+        f"`commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
+        + "".join(f"\n![{name}]({name})\n" for name in plots)
+        + (f"\n## Failed runs{failed}\n" if failed else "")
+    )
     with open(os.path.join(folder, "report.md"), "w") as f:
         f.write(report)
     print(report)

@@ -16,10 +16,14 @@ from absl import flags
 
 from comppo_jax import cli
 
-_RUN = flags.DEFINE_string("run", None, "The training run's output_dir (holding checkpoints/ and config.json).", required=True)
+_RUN = flags.DEFINE_string(
+    "run", None, "The training run's output_dir (holding checkpoints/ and config.json).", required=True
+)
 _STEP = flags.DEFINE_string("step", "best", "best (by dev accuracy), latest or a saved step number.")
 _OUT = flags.DEFINE_string("out", None, "The directory to write (new or empty).", required=True)
-_FORMAT = flags.DEFINE_enum("format", "hf", ["hf", "peft"], "hf: merged weights for transformers / vLLM; peft: LoRA adapters.")
+_FORMAT = flags.DEFINE_enum(
+    "format", "hf", ["hf", "peft"], "hf: merged weights for transformers / vLLM; peft: LoRA adapters."
+)
 
 
 def main(argv):

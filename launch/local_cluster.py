@@ -36,7 +36,9 @@ _PROCESSES = flags.DEFINE_integer("processes", 2, "How many jax.distributed proc
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "Fake CPU devices per process.")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1 (0: a free one).")
 _GRACE = flags.DEFINE_float("grace_s", 30.0, "Seconds the others get to finish after one process fails.")
-_COLLECTIVE_TIMEOUT = flags.DEFINE_integer("collective_timeout_s", 300, "Seconds a gloo collective waits for its peers before it fails.")
+_COLLECTIVE_TIMEOUT = flags.DEFINE_integer(
+    "collective_timeout_s", 300, "Seconds a gloo collective waits for its peers before it fails."
+)
 
 
 def free_port() -> int:
@@ -47,13 +49,21 @@ def free_port() -> int:
 
 def process_command(command: list[str], process_id: int, processes: int, port: int) -> list[str]:
     """`command` (a launch/ script and its flags) as process `process_id` of `processes`."""
-    return [sys.executable, *command, "--config.mesh.distributed=True", f"--config.mesh.coordinator_address=127.0.0.1:{port}",
-            f"--config.mesh.num_processes={processes}", f"--config.mesh.process_id={process_id}"]
+    return [
+        sys.executable,
+        *command,
+        "--config.mesh.distributed=True",
+        f"--config.mesh.coordinator_address=127.0.0.1:{port}",
+        f"--config.mesh.num_processes={processes}",
+        f"--config.mesh.process_id={process_id}",
+    ]
 
 
 def process_env(devices: int, collective_timeout_s: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    ours = f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_timeout_seconds={collective_timeout_s}"
+    ours = (
+        f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_timeout_seconds={collective_timeout_s}"
+    )
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ours}".strip()
     return env
 
@@ -70,8 +80,17 @@ def main(argv):
         raise ValueError("no command: pass the entry point after --, e.g. -- launch/train.py --config=configs/tiny.py")
     port = _PORT.value or free_port()
     env = process_env(_DEVICES.value, _COLLECTIVE_TIMEOUT.value)
-    processes = [subprocess.Popen(process_command(command, i, _PROCESSES.value, port), env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, bufsize=1) for i in range(_PROCESSES.value)]
+    processes = [
+        subprocess.Popen(
+            process_command(command, i, _PROCESSES.value, port),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        for i in range(_PROCESSES.value)
+    ]
     streams = [threading.Thread(target=_stream, args=(p, f"[p{i}] "), daemon=True) for i, p in enumerate(processes)]
     for stream in streams:
         stream.start()

@@ -36,20 +36,38 @@ from comppo_jax import cli
 _CONFIG = cli.define_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
-_STEPS = flags.DEFINE_list("steps", ["reshard", "sample", "score", "values", "actor", "critic"],
-                          "Programs to compile: reshard (the weights into the decode layout), sample, score, values (the "
-                          "critic's V_t for the credit), actor, critic.")
+_STEPS = flags.DEFINE_list(
+    "steps",
+    ["reshard", "sample", "score", "values", "actor", "critic"],
+    "Programs to compile: reshard (the weights into the decode layout), sample, score, values (the "
+    "critic's V_t for the credit), actor, critic.",
+)
 _MARKDOWN = flags.DEFINE_string("markdown", "", "Append the memory table's rows as markdown to this file.")
-_TIME_MARKDOWN = flags.DEFINE_string("time_markdown", "", "Append the step-time rows (and a `step` row: total, MFU) as markdown to this file.")
-_DECODE_LAYOUTS = flags.DEFINE_list("decode_layouts", [], "Also compile the sampler in these decode layouts (rollout.mesh.tensor "
-                                    "values: train, auto, a group size) and report each beside the config's own, the other "
-                                    "programs compiled once.")
-_OVERLAP = flags.DEFINE_bool("overlap", False, "Print the overlapped step's cost model for every rollout / learner split "
-                             "(no compiles).")
-_CALIBRATE = flags.DEFINE_bool("calibrate_learner", False, "--overlap: compile the learner's programs (score, actor, critic) "
-                               "on the slice and scale the learner's roofline by their predicted time over it.")
-_SUMMARY_MARKDOWN = flags.DEFINE_string("summary_markdown", "", "Append one row per topology as markdown to this file: the decode "
-                                        "layout, each program's seconds per step, decode beside its floor, the step and its MFU.")
+_TIME_MARKDOWN = flags.DEFINE_string(
+    "time_markdown", "", "Append the step-time rows (and a `step` row: total, MFU) as markdown to this file."
+)
+_DECODE_LAYOUTS = flags.DEFINE_list(
+    "decode_layouts",
+    [],
+    "Also compile the sampler in these decode layouts (rollout.mesh.tensor "
+    "values: train, auto, a group size) and report each beside the config's own, the other "
+    "programs compiled once.",
+)
+_OVERLAP = flags.DEFINE_bool(
+    "overlap", False, "Print the overlapped step's cost model for every rollout / learner split (no compiles)."
+)
+_CALIBRATE = flags.DEFINE_bool(
+    "calibrate_learner",
+    False,
+    "--overlap: compile the learner's programs (score, actor, critic) "
+    "on the slice and scale the learner's roofline by their predicted time over it.",
+)
+_SUMMARY_MARKDOWN = flags.DEFINE_string(
+    "summary_markdown",
+    "",
+    "Append one row per topology as markdown to this file: the decode "
+    "layout, each program's seconds per step, decode beside its floor, the step and its MFU.",
+)
 
 
 def main(argv):
@@ -65,19 +83,34 @@ def main(argv):
     for topology in _TOPOLOGY.value:
         log = lambda m: print(m, flush=True)
         result = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=log)
-        results = [result] + [plan.with_decode_layout(cfg, result, layout, prompt_length=_PROMPT.value, log=log)
-                              for layout in _DECODE_LAYOUTS.value]
+        results = [result] + [
+            plan.with_decode_layout(cfg, result, layout, prompt_length=_PROMPT.value, log=log)
+            for layout in _DECODE_LAYOUTS.value
+        ]
         for index, result in enumerate(results):
             print(plan.format_plan(result), flush=True)
             prefix = [name, topology, str(result.length)]
             # Every layout's own sampler rows; the other programs' once.
             label = f" ({plan.layout_label(result)})" if _DECODE_LAYOUTS.value else ""
-            rows = [[row[0] + label * (row[0] in plan.SAMPLER_STEPS)] + row[1:] for row in plan.table_rows(result)
-                    if index == 0 or row[0] in plan.SAMPLER_STEPS]
+            rows = [
+                [row[0] + label * (row[0] in plan.SAMPLER_STEPS)] + row[1:]
+                for row in plan.table_rows(result)
+                if index == 0 or row[0] in plan.SAMPLER_STEPS
+            ]
             write_rows(_MARKDOWN.value, prefix, rows)
             if _TIME_MARKDOWN.value:
                 summary = plan.step_summary(result)
-                total = ["**step**" + label, "", "", "", "", "", "", f"**{summary.seconds:.3g}**", f"MFU **{summary.mfu:.1%}**"]
+                total = [
+                    "**step**" + label,
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    f"**{summary.seconds:.3g}**",
+                    f"MFU **{summary.mfu:.1%}**",
+                ]
                 write_rows(_TIME_MARKDOWN.value, prefix, plan.time_rows(result) + [total])
             write_rows(_SUMMARY_MARKDOWN.value, prefix, [plan.summary_row(result)])
 
@@ -89,32 +122,60 @@ def print_overlap(cfg, name: str, topology: str) -> None:
     import numpy as np
 
     from comppo_jax.models import model_config
-    from comppo_jax.train import controller, cost as costs, overlap, plan
+    from comppo_jax.train import controller, overlap, plan
+    from comppo_jax.train import cost as costs
 
     family, shape = topology.split(":")
     chips = math.prod(int(d) for d in shape.split("x"))
-    config, rows, limit = model_config(cfg.model), cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens
+    config, rows, limit = (
+        model_config(cfg.model),
+        cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        cfg.rollout.max_new_tokens,
+    )
     epochs = max(controller.KNOBS["actor_epochs"])  # the phase controller's epochs per step (2 but in its last phase)
     chip, remat = costs.CHIPS[family], cfg.model.remat == "full"
     scale = 1.0
     if _CALIBRATE.value:
-        compiled = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=("score", "actor", "critic"), log=lambda m: None)
+        compiled = plan.plan(
+            cfg, topology, prompt_length=_PROMPT.value, steps=("score", "actor", "critic"), log=lambda m: None
+        )
         seconds = sum(t.seconds * t.runs for t in plan.step_times(compiled))
-        roofline = overlap.learner_seconds(config, chip, chips, rows=rows, length=_PROMPT.value + limit, epochs=epochs, remat=remat)
+        roofline = overlap.learner_seconds(
+            config, chip, chips, rows=rows, length=_PROMPT.value + limit, epochs=epochs, remat=remat
+        )
         scale = seconds / roofline
-        print(f"learner calibrated on the compiled programs: {seconds:.3g} s against the roofline's {roofline:.3g} s (x{scale:.2f})")
-    for label, lengths in (("every response at the limit", np.full(rows, limit)),
-                           ("long-tailed lengths", overlap.long_tail_lengths(rows, limit))):
-        results = overlap.splits(config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat,
-                                 learner_scale=scale)
-        print(f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, longest {lengths.max()}), "
-              f"{epochs} epochs:")
+        print(
+            f"learner calibrated on the compiled programs: {seconds:.3g} s against the roofline's {roofline:.3g} s (x{scale:.2f})"
+        )
+    for label, lengths in (
+        ("every response at the limit", np.full(rows, limit)),
+        ("long-tailed lengths", overlap.long_tail_lengths(rows, limit)),
+    ):
+        results = overlap.splits(
+            config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat, learner_scale=scale
+        )
+        print(
+            f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, longest {lengths.max()}), "
+            f"{epochs} epochs:"
+        )
         print("\n".join(plan.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
-        moved = overlap.splits(config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat,
-                               scoring="rollout", learner_scale=scale)
+        moved = overlap.splits(
+            config,
+            chip,
+            chips,
+            lengths,
+            prompt_length=_PROMPT.value,
+            epochs=epochs,
+            remat=remat,
+            scoring="rollout",
+            learner_scale=scale,
+        )
         best = min(moved[1:], key=lambda s: s.seconds)
-        print(f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} rollout chips, "
-              f"{best.seconds:.3g} s, {moved[0].seconds / best.seconds:.2f}x", flush=True)
+        print(
+            f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} rollout chips, "
+            f"{best.seconds:.3g} s, {moved[0].seconds / best.seconds:.2f}x",
+            flush=True,
+        )
 
 
 def write_rows(path: str, prefix: list[str], rows: list[list[str]]) -> None:

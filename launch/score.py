@@ -46,18 +46,24 @@ def main(argv):
     concentration = np.asarray(normalized_concentration(herfindahl, window_size))
     kappa = np.asarray(retention_gate(concentration))
 
-    print(f"model: {model_config.architecture}, {model_config.num_layers} layers, vocab {model_config.vocab_size}, "
-          f"{sum(x.size for x in jax.tree.leaves(params)):,} params")
+    print(
+        f"model: {model_config.architecture}, {model_config.num_layers} layers, vocab {model_config.vocab_size}, "
+        f"{sum(x.size for x in jax.tree.leaves(params)):,} params"
+    )
     print(f"batch: {batch} rows, prompt {prompt} tokens, response lengths {response_lengths.tolist()}")
     print(f"row 0, first {_SHOW.value} response tokens (window = response positions):")
     print(f"{'t':>4} {'token':>6} {'n_t':>5} {'H_t':>8} {'c_t':>8} {'kappa_t':>8}")
     for t in range(min(_SHOW.value, response_lengths[0])):
-        print(f"{t + 1:>4} {tokens[0, prompt + t]:>6} {window_size[0, t]:>5} {herfindahl[0, t]:>8.4f} "
-              f"{concentration[0, t]:>8.4f} {kappa[0, t]:>8.4f}")
+        print(
+            f"{t + 1:>4} {tokens[0, prompt + t]:>6} {window_size[0, t]:>5} {herfindahl[0, t]:>8.4f} "
+            f"{concentration[0, t]:>8.4f} {kappa[0, t]:>8.4f}"
+        )
     valid = mask & (window_size >= 2)
-    print(f"mean H_t over {valid.sum()} valid tokens with n_t >= 2: {herfindahl[valid].mean():.4f} "
-          f"(uniform attention would give {np.mean(1.0 / window_size[valid]):.4f}); "
-          f"mean kappa_t {kappa[mask].mean():.4f}")
+    print(
+        f"mean H_t over {valid.sum()} valid tokens with n_t >= 2: {herfindahl[valid].mean():.4f} "
+        f"(uniform attention would give {np.mean(1.0 / window_size[valid]):.4f}); "
+        f"mean kappa_t {kappa[mask].mean():.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import os
 import shlex
 import sys
 
-
 from comppo_jax import cli
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "ml_collections config file.")
@@ -37,21 +36,32 @@ def main(argv):
     if "stopped_at_step" in summary:
         command = shlex.join(["python", sys.argv[0], *arguments, "--config.resume=True"])
         during = f" during {summary['stopped_during']}" if "stopped_during" in summary else ""
-        print(f"stopped{during}: checkpoint {summary['stopped_at_step']} saved at {summary['checkpoint']}; resume with: {command}",
-              flush=True)
+        print(
+            f"stopped{during}: checkpoint {summary['stopped_at_step']} saved at {summary['checkpoint']}; resume with: {command}",
+            flush=True,
+        )
         return
     if "stopped_during" in summary:
         command = shlex.join(["python", sys.argv[0], *arguments])
-        print(f"stopped during {summary['stopped_during']}, before the run's first checkpoint: nothing to resume; start it again "
-              f"with: {command}", flush=True)
+        print(
+            f"stopped during {summary['stopped_during']}, before the run's first checkpoint: nothing to resume; start it again "
+            f"with: {command}",
+            flush=True,
+        )
         return
     print(json.dumps(summary, indent=2))
     outputs = os.path.abspath(_CONFIG.value.output_dir)
     if summary.get("best_dev_accuracy") is not None:  # absent from the summaries of runs older than it
-        print(f"outputs in {outputs}; best checkpoint: step {summary['best_checkpoint_step']}, dev accuracy "
-              f"{summary['best_dev_accuracy']:.3f} (python launch/eval.py --checkpoint={outputs} --step=best)", flush=True)
+        print(
+            f"outputs in {outputs}; best checkpoint: step {summary['best_checkpoint_step']}, dev accuracy "
+            f"{summary['best_dev_accuracy']:.3f} (python launch/eval.py --checkpoint={outputs} --step=best)",
+            flush=True,
+        )
     else:
-        print(f"outputs in {outputs}; no checkpoint with a dev accuracy: the final one is step {summary['steps']}", flush=True)
+        print(
+            f"outputs in {outputs}; no checkpoint with a dev accuracy: the final one is step {summary['steps']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

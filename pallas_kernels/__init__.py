@@ -44,13 +44,26 @@ def default_backend() -> str:
     """The backend `backend=None` resolves to on the default JAX platform."""
     platform = jax.default_backend()
     if platform not in PLATFORM_BACKENDS:
-        raise ValueError(f"no attention_with_concentration backend for platform {platform!r}; pass backend= one of {sorted(BACKENDS)}")
+        raise ValueError(
+            f"no attention_with_concentration backend for platform {platform!r}; pass backend= one of {sorted(BACKENDS)}"
+        )
     return PLATFORM_BACKENDS[platform]
 
 
 def attention_with_concentration(
-    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, backend=None, return_lse=False,
-    statistics=(), sink_tokens=DEFAULT_SINK_TOKENS,
+    q,
+    k,
+    v,
+    attention_mask,
+    window_start,
+    *,
+    sm_scale=None,
+    block_q=None,
+    block_k=None,
+    backend=None,
+    return_lse=False,
+    statistics=(),
+    sink_tokens=DEFAULT_SINK_TOKENS,
 ):
     """Causal GQA attention plus (herfindahl [B, L] f32, window_size [B, L] int32); see module doc.
 
@@ -68,11 +81,23 @@ def attention_with_concentration(
         raise ValueError(f"backend={backend!r} is not available; available backends: {sorted(BACKENDS)}")
     if backend == "reference":  # block sizes only apply to the blockwise backends
         return attention_with_concentration_reference(
-            q, k, v, attention_mask, window_start, sm_scale=sm_scale, return_lse=return_lse, statistics=statistics,
+            q,
+            k,
+            v,
+            attention_mask,
+            window_start,
+            sm_scale=sm_scale,
+            return_lse=return_lse,
+            statistics=statistics,
             sink_tokens=sink_tokens,
         )
     kernel = functools.partial(
-        BACKENDS[backend], sm_scale=sm_scale, block_q=block_q, block_k=block_k, return_lse=return_lse, statistics=statistics,
+        BACKENDS[backend],
+        sm_scale=sm_scale,
+        block_q=block_q,
+        block_k=block_k,
+        return_lse=return_lse,
+        statistics=statistics,
         sink_tokens=sink_tokens,
     )
     return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start)
@@ -97,5 +122,12 @@ def _with_xla_gradient(kernel, sm_scale):
     return attention
 
 
-__all__ = ["attention_with_concentration", "default_backend", "window_sizes", "BACKENDS", "DEFAULT_SINK_TOKENS", "PLATFORM_BACKENDS",
-           "STATISTICS"]
+__all__ = [
+    "attention_with_concentration",
+    "default_backend",
+    "window_sizes",
+    "BACKENDS",
+    "DEFAULT_SINK_TOKENS",
+    "PLATFORM_BACKENDS",
+    "STATISTICS",
+]

@@ -14,7 +14,9 @@ def check_attention_inputs(q, k, v, attention_mask, window_start=None):
     batch, length, num_heads, head_dim = q.shape
     for name, tensor in (("k", k), ("v", v)):
         if tensor.ndim != 4 or tensor.shape[:2] != (batch, length) or tensor.shape[3] != head_dim:
-            raise ValueError(f"{name} must be [B, L, Hkv, D] = [{batch}, {length}, Hkv, {head_dim}], got shape {tensor.shape}")
+            raise ValueError(
+                f"{name} must be [B, L, Hkv, D] = [{batch}, {length}, Hkv, {head_dim}], got shape {tensor.shape}"
+            )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     num_kv_heads = k.shape[2]
@@ -24,7 +26,9 @@ def check_attention_inputs(q, k, v, attention_mask, window_start=None):
         raise ValueError(
             f"attention_mask must be bool [B, L] = [{batch}, {length}], got {attention_mask.dtype} {attention_mask.shape}"
         )
-    if window_start is not None and (window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer)):
+    if window_start is not None and (
+        window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer)
+    ):
         raise ValueError(f"window_start must be int [B] = [{batch}], got {window_start.dtype} {window_start.shape}")
     return batch, length, num_heads, head_dim, num_kv_heads
 
@@ -74,7 +78,9 @@ def check_statistics(statistics, sink_tokens: int) -> tuple[str, ...]:
     statistics = tuple(statistics)
     for name in statistics:
         if name not in STATISTICS:
-            raise ValueError(f"unknown concentration statistic {name!r}; available: {STATISTICS} (herfindahl is always computed)")
+            raise ValueError(
+                f"unknown concentration statistic {name!r}; available: {STATISTICS} (herfindahl is always computed)"
+            )
     if not isinstance(sink_tokens, int) or sink_tokens < 0:
         raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
     return statistics

@@ -26,8 +26,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import (DEFAULT_SINK_TOKENS, MASK_VALUE, check_attention_inputs, check_statistics, finish_statistics,
-                                    merge_partials, partial_names, round_up, window_partials, window_sizes)
+from pallas_kernels.common import (
+    DEFAULT_SINK_TOKENS,
+    MASK_VALUE,
+    check_attention_inputs,
+    check_statistics,
+    finish_statistics,
+    merge_partials,
+    partial_names,
+    round_up,
+    window_partials,
+    window_sizes,
+)
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -66,8 +76,20 @@ def _attention_kernel(q_ref, k_ref, v_ref, key_mask_ref, out_ref, lse_ref, *, sm
 
 
 def _concentration_kernel(
-    window_start_ref, q_ref, k_ref, lse_ref, key_mask_ref, herfindahl_ref, *statistic_refs, sm_scale, block_q, block_k, group,
-    allow_tf32, statistics, sink_tokens,
+    window_start_ref,
+    q_ref,
+    k_ref,
+    lse_ref,
+    key_mask_ref,
+    herfindahl_ref,
+    *statistic_refs,
+    sm_scale,
+    block_q,
+    block_k,
+    group,
+    allow_tf32,
+    statistics,
+    sink_tokens,
 ):
     q_block, batch = pl.program_id(0), pl.program_id(1)
     num_heads = q_ref.shape[1]
@@ -80,7 +102,9 @@ def _concentration_kernel(
         keys = pl.ds(kv_block * block_k, block_k)
 
         def head_step(head, head_sum):
-            scores = pltriton.dot(q_ref[queries, head, :], k_ref[keys, lax.div(head, group), :], trans_b=True, allow_tf32=allow_tf32)
+            scores = pltriton.dot(
+                q_ref[queries, head, :], k_ref[keys, lax.div(head, group), :], trans_b=True, allow_tf32=allow_tf32
+            )
             return head_sum + jnp.exp(scores * sm_scale - lse_ref[head, queries][:, None])
 
         head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))
@@ -100,8 +124,21 @@ def _concentration_kernel(
 
 
 def attention_with_concentration_gpu(
-    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None,
-    num_warps=None, num_stages=2, interpret=False, return_lse=False, statistics=(), sink_tokens=DEFAULT_SINK_TOKENS,
+    q,
+    k,
+    v,
+    attention_mask,
+    window_start,
+    *,
+    sm_scale=None,
+    block_q=None,
+    block_k=None,
+    num_warps=None,
+    num_stages=2,
+    interpret=False,
+    return_lse=False,
+    statistics=(),
+    sink_tokens=DEFAULT_SINK_TOKENS,
 ):
     """Blockwise attention with concentration via Triton; same contract as the package entry point.
 

@@ -13,12 +13,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import (DEFAULT_SINK_TOKENS, check_attention_inputs, check_statistics, finish_statistics,
-                                    window_partials)
+from pallas_kernels.common import (
+    DEFAULT_SINK_TOKENS,
+    check_attention_inputs,
+    check_statistics,
+    finish_statistics,
+    window_partials,
+)
 
 
-def attention_with_concentration_reference(q, k, v, attention_mask, window_start, *, sm_scale=None, return_lse=False,
-                                           statistics=(), sink_tokens=DEFAULT_SINK_TOKENS):
+def attention_with_concentration_reference(
+    q,
+    k,
+    v,
+    attention_mask,
+    window_start,
+    *,
+    sm_scale=None,
+    return_lse=False,
+    statistics=(),
+    sink_tokens=DEFAULT_SINK_TOKENS,
+):
     """Causal GQA attention that materializes the [L, L] probabilities.
 
     q [B, L, Hq, D]; k, v [B, L, Hkv, D]; attention_mask [B, L] bool; window_start [B] int32.
@@ -40,11 +55,19 @@ def attention_with_concentration_reference(q, k, v, attention_mask, window_start
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     # A query with no visible key (left padding) gets a zero output, as in the blockwise kernels.
-    out = jnp.where(allowed.any(-1)[:, :, None, None], out.reshape(batch, length, num_heads, head_dim), 0.0).astype(q.dtype)
+    out = jnp.where(allowed.any(-1)[:, :, None, None], out.reshape(batch, length, num_heads, head_dim), 0.0).astype(
+        q.dtype
+    )
 
     in_window = allowed & (positions[None, None, :] >= window_start[:, None, None])
-    partials = window_partials(probs.mean(axis=(1, 2)), in_window, positions[None, None, :], window_start[:, None, None],
-                               statistics, sink_tokens)
+    partials = window_partials(
+        probs.mean(axis=(1, 2)),
+        in_window,
+        positions[None, None, :],
+        window_start[:, None, None],
+        statistics,
+        sink_tokens,
+    )
     herfindahl, values = finish_statistics({name: x[..., 0] for name, x in partials.items()}, statistics)
     outputs = (out, herfindahl, in_window.sum(-1).astype(jnp.int32))
     if return_lse:

@@ -34,16 +34,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import (DEFAULT_SINK_TOKENS, MASK_VALUE, check_attention_inputs, check_statistics, finish_statistics,
-                                    merge_partials, partial_names, round_up, window_partials, window_sizes)
+from pallas_kernels.common import (
+    DEFAULT_SINK_TOKENS,
+    MASK_VALUE,
+    check_attention_inputs,
+    check_statistics,
+    finish_statistics,
+    merge_partials,
+    partial_names,
+    round_up,
+    window_partials,
+    window_sizes,
+)
 
 LANES = 128
 # Mosaic's default scoped VMEM is 16 MiB; leave room for compiler temporaries.
 VMEM_BUDGET_BYTES = 13 * 2**20
 
 
-def vmem_bytes(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int, block_q: int, block_k: int,
-               partials: int = 2) -> int:
+def vmem_bytes(
+    num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int, block_q: int, block_k: int, partials: int = 2
+) -> int:
     """Estimated VMEM of one program: double-buffered blocks plus fp32 scratch (`partials` window sums)."""
     q_and_out = 2 * 2 * num_heads * block_q * head_dim * itemsize
     k_and_v = 2 * 2 * num_kv_heads * block_k * head_dim * itemsize
@@ -86,7 +97,9 @@ def _concentration_attention_kernel(
 ):
     statistic_refs, refs = refs[: len(statistics)], refs[len(statistics) :]
     max_scratch, sum_scratch, acc_scratch = refs[:3]  # (Hq, bq, LANES): running max then LSE; denominator; (Hq, bq, D)
-    partial_scratch = dict(zip(partial_names(statistics), refs[3:]))  # (bq, LANES) each: window sums (sum a, sum a^2, ...)
+    partial_scratch = dict(
+        zip(partial_names(statistics), refs[3:])
+    )  # (bq, LANES) each: window sums (sum a, sum a^2, ...)
     batch, q_block, phase, kv_block = (pl.program_id(axis) for axis in range(4))
     num_heads = q_ref.shape[0]
     last_kv_block = lax.div((q_block + 1) * block_q - 1, block_k)
@@ -100,8 +113,11 @@ def _concentration_attention_kernel(
     def logits(head):
         kv_head = lax.div(head, group)
         scores = lax.dot_general(
-            q_ref[head], k_ref[kv_head], (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision,
+            q_ref[head],
+            k_ref[kv_head],
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
         )
         return scores * sm_scale, kv_head
 
@@ -122,8 +138,11 @@ def _concentration_attention_kernel(
             probs = jnp.where(visible, jnp.exp(scores - max_next[:, :1]), 0.0)
             sum_scratch[head] = rescale * sum_scratch[head] + jnp.sum(probs, axis=1, keepdims=True)
             values = lax.dot_general(
-                probs.astype(v_ref.dtype), v_ref[kv_head], (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32, precision=precision,
+                probs.astype(v_ref.dtype),
+                v_ref[kv_head],
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=precision,
             )
             acc_scratch[head] = rescale[:, :1] * acc_scratch[head] + values
             max_scratch[head] = max_next
@@ -164,7 +183,9 @@ def _concentration_attention_kernel(
 
     @pl.when((phase == 1) & (kv_block == pl.num_programs(3) - 1))
     def _finish_concentration():
-        herfindahl, values = finish_statistics({name: scratch[...] for name, scratch in partial_scratch.items()}, statistics)
+        herfindahl, values = finish_statistics(
+            {name: scratch[...] for name, scratch in partial_scratch.items()}, statistics
+        )
         herfindahl_ref[...] = herfindahl.T[:1, :]
         for name, ref in zip(statistics, statistic_refs):
             ref[...] = values[name].T[:1, :]
@@ -180,8 +201,19 @@ def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q,
 
 
 def attention_with_concentration_tpu(
-    q, k, v, attention_mask, window_start, *, sm_scale=None, block_q=None, block_k=None, interpret=False,
-    return_lse=False, statistics=(), sink_tokens=DEFAULT_SINK_TOKENS,
+    q,
+    k,
+    v,
+    attention_mask,
+    window_start,
+    *,
+    sm_scale=None,
+    block_q=None,
+    block_k=None,
+    interpret=False,
+    return_lse=False,
+    statistics=(),
+    sink_tokens=DEFAULT_SINK_TOKENS,
 ):
     """Blockwise attention with concentration on TPU (or interpreted on CPU).
 
@@ -195,13 +227,20 @@ def attention_with_concentration_tpu(
     batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
     key_multiple = 8 if interpret else LANES
     default_q, default_k = default_block_sizes(
-        length, num_heads, num_kv_heads, head_dim, q.dtype.itemsize, lane_multiple=key_multiple,
+        length,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        q.dtype.itemsize,
+        lane_multiple=key_multiple,
         partials=len(partial_names(statistics)),
     )
     block_q, block_k = block_q or default_q, block_k or default_k
     for name, block, multiple in (("block_q", block_q, 8), ("block_k", block_k, key_multiple)):
         if block % multiple:
-            raise ValueError(f"{name}={block} must be a multiple of {multiple} for the {'interpret' if interpret else 'tpu'} backend")
+            raise ValueError(
+                f"{name}={block} must be a multiple of {multiple} for the {'interpret' if interpret else 'tpu'} backend"
+            )
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     padded = round_up(length, math.lcm(block_q, block_k))
     pad = padded - length
@@ -224,20 +263,26 @@ def attention_with_concentration_tpu(
         grid=(batch, num_q_blocks, 2, num_kv_blocks),
         in_specs=[
             q_spec,
-            pl.BlockSpec((None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws), 0)),
-            pl.BlockSpec((None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, v_map(b, i, p, j, ws), 0)),
+            pl.BlockSpec(
+                (None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws), 0)
+            ),
+            pl.BlockSpec(
+                (None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, v_map(b, i, p, j, ws), 0)
+            ),
             pl.BlockSpec((None, 1, block_k), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws))),
         ],
         out_specs=[
             q_spec,
             row_spec,
             pl.BlockSpec((None, None, num_heads, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0, 0)),
-        ] + [row_spec] * len(statistics),
+        ]
+        + [row_spec] * len(statistics),
         scratch_shapes=[
             pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
             pltpu.VMEM((num_heads, block_q, LANES), jnp.float32),
             pltpu.VMEM((num_heads, block_q, head_dim), jnp.float32),
-        ] + [pltpu.VMEM((block_q, LANES), jnp.float32)] * len(partial_names(statistics)),
+        ]
+        + [pltpu.VMEM((block_q, LANES), jnp.float32)] * len(partial_names(statistics)),
     )
     kernel = functools.partial(
         _concentration_attention_kernel,
@@ -258,7 +303,8 @@ def attention_with_concentration_tpu(
             jax.ShapeDtypeStruct((batch, num_heads, padded, head_dim), q.dtype),
             row_shape,
             jax.ShapeDtypeStruct((batch, num_q_blocks, num_heads, 1, block_q), jnp.float32),
-        ] + [row_shape] * len(statistics),
+        ]
+        + [row_shape] * len(statistics),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="attention_with_concentration",
@@ -269,4 +315,3 @@ def attention_with_concentration_tpu(
     if return_lse:
         outputs += (lse.transpose(0, 2, 1, 3, 4).reshape(batch, num_heads, padded)[:, :, :length],)
     return outputs + ({name: per_token(rows) for name, rows in zip(statistics, values)},) if statistics else outputs
-

@@ -45,7 +45,13 @@ def hf_model_config(architecture: str, tie_word_embeddings: bool):
         return transformers.Qwen3Config(num_attention_heads=4, head_dim=16, rope_theta=10000.0, **common)
     if architecture == "llama":
         # original_max_position_embeddings small enough that the llama3 rescaling changes the frequencies.
-        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+        scaling = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        )
         return transformers.LlamaConfig(num_attention_heads=8, rope_theta=500000.0, rope_scaling=scaling, **common)
     raise ValueError(architecture)
 
@@ -112,7 +118,10 @@ def save_word_tokenizer(path, words) -> dict:
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
         additional_special_tokens=["<user>", "<assistant>"],
     )
     fast.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -176,26 +185,51 @@ def tpu_devices(chip):
 
     name, chip_config = TPU_TOPOLOGIES[chip]
     return topologies.get_topology_desc(
-        platform="tpu", topology_name=name, chip_config_name=chip_config,
-        chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=(False, False, False),
+        platform="tpu",
+        topology_name=name,
+        chip_config_name=chip_config,
+        chips_per_host_bounds=(2, 2, 1),
+        num_slices=1,
+        wrap=(False, False, False),
     ).devices
 
 
 # The tiny default shrunk to seconds per step (dotted config keys), for the train-loop tests.
 SMALL_TRAIN_RUN = {
-    "steps": 2, "warm_start.steps": 3, "data.train_size": 40, "data.dev_size": 4, "rollout.prompts_per_step": 2,
-    "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 12, "train.minibatch_size": 2, "train.critic_warmup_steps": 1,
-    "train.eval_every": 1, "progress": False, "reward.workers": 1, "checkpoint.every": 1, "plot": False,
+    "steps": 2,
+    "warm_start.steps": 3,
+    "data.train_size": 40,
+    "data.dev_size": 4,
+    "rollout.prompts_per_step": 2,
+    "rollout.samples_per_prompt": 2,
+    "rollout.max_new_tokens": 12,
+    "train.minibatch_size": 2,
+    "train.critic_warmup_steps": 1,
+    "train.eval_every": 1,
+    "progress": False,
+    "reward.workers": 1,
+    "checkpoint.every": 1,
+    "plot": False,
 }
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WALL_CLOCK = ("seconds", "reshard_seconds", "timing/rollout_seconds", "timing/update_seconds", "timing/generation_seconds",
-              "timing/generation_overlap")  # metrics.jsonl fields that differ between identical runs
+WALL_CLOCK = (
+    "seconds",
+    "reshard_seconds",
+    "timing/rollout_seconds",
+    "timing/update_seconds",
+    "timing/generation_seconds",
+    "timing/generation_overlap",
+)  # metrics.jsonl fields that differ between identical runs
 
 
 def _small_train_values(output_dir, overrides) -> dict:
-    return {**SMALL_TRAIN_RUN, **{key.replace("__", "."): value for key, value in overrides.items()}, "output_dir": str(output_dir)}
+    return {
+        **SMALL_TRAIN_RUN,
+        **{key.replace("__", "."): value for key, value in overrides.items()},
+        "output_dir": str(output_dir),
+    }
 
 
 def small_train_flags(output_dir, **overrides) -> list[str]:
@@ -230,18 +264,35 @@ GLOO_TIMEOUT = ("Gloo ", "Timed out waiting")  # what a timed-out collective pri
 RERUNS = 2
 
 
-def on_local_cluster(script_flags, *, processes=2, devices_per_process=4, signal_after_rows=None, signum=None, metrics=None,
-                     script="launch/train.py"):
+def on_local_cluster(
+    script_flags,
+    *,
+    processes=2,
+    devices_per_process=4,
+    signal_after_rows=None,
+    signum=None,
+    metrics=None,
+    script="launch/train.py",
+):
     """`script` on launch/local_cluster.py, its output (stdout and stderr) in `.stdout`; optionally
     `signum` once `metrics` has `signal_after_rows` rows (SIGKILL goes to the whole process group: the
     launcher, the processes and their verifier workers). A run without a signal that fails on a gloo
     timeout is rerun, resumed if it has a checkpoint; the result's `earlier` holds the error lines of
     the runs before it."""
     launch = dict(processes=processes, devices_per_process=devices_per_process, script=script)
-    result = _on_local_cluster_once(script_flags, signal_after_rows=signal_after_rows, signum=signum, metrics=metrics, **launch)
+    result = _on_local_cluster_once(
+        script_flags, signal_after_rows=signal_after_rows, signum=signum, metrics=metrics, **launch
+    )
     earlier = []
-    while signum is None and result.returncode != 0 and all(part in result.stdout for part in GLOO_TIMEOUT) and len(earlier) < RERUNS:
-        earlier.append("\n".join(line for line in result.stdout.splitlines() if "error" in line.lower() or "Timed out" in line))
+    while (
+        signum is None
+        and result.returncode != 0
+        and all(part in result.stdout for part in GLOO_TIMEOUT)
+        and len(earlier) < RERUNS
+    ):
+        earlier.append(
+            "\n".join(line for line in result.stdout.splitlines() if "error" in line.lower() or "Timed out" in line)
+        )
         output_dirs = [arg.split("=", 1)[1] for arg in script_flags if arg.startswith("--config.output_dir=")]
         resumable = script == "launch/train.py" and os.path.isdir(os.path.join(output_dirs[0], "checkpoints"))
         print(f"gloo timeout in {script}; running it again{' resumed' if resumable else ''}:\n{earlier[-1]}")
@@ -250,15 +301,32 @@ def on_local_cluster(script_flags, *, processes=2, devices_per_process=4, signal
     return result
 
 
-def _on_local_cluster_once(script_flags, *, processes, devices_per_process, script, signal_after_rows=None, signum=None, metrics=None):
+def _on_local_cluster_once(
+    script_flags, *, processes, devices_per_process, script, signal_after_rows=None, signum=None, metrics=None
+):
     import signal
     import subprocess
     import sys
     import time
 
-    process = subprocess.Popen([sys.executable, "launch/local_cluster.py", f"--processes={processes}", f"--devices_per_process={devices_per_process}",
-                                f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "--", script, *script_flags], cwd=REPO, env=CPU_ONLY_ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "launch/local_cluster.py",
+            f"--processes={processes}",
+            f"--devices_per_process={devices_per_process}",
+            f"--collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+            "--",
+            script,
+            *script_flags,
+        ],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     if signal_after_rows is not None:
         deadline = time.time() + 500
         while process.poll() is None and time.time() < deadline:
@@ -298,7 +366,9 @@ def pytest_collection_modifyitems(config, items):
     import jax
 
     if jax.default_backend() != "gpu":
-        needs_gpu = pytest.mark.skip(reason="runs a GPU kernel compiled for the device (launch/gpu_validation.sh runs these)")
+        needs_gpu = pytest.mark.skip(
+            reason="runs a GPU kernel compiled for the device (launch/gpu_validation.sh runs these)"
+        )
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(needs_gpu)
@@ -317,7 +387,9 @@ def restored_on_one_device(run_dir, step):
     with ocp.StandardCheckpointer() as checkpointer:
         tree = checkpointer.metadata(path).item_metadata.tree
         device = SingleDeviceSharding(jax.devices()[0])
-        return checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree))
+        return checkpointer.restore(
+            path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+        )
 
 
 def assert_same_checkpoint_state(a_dir, b_dir, step):

@@ -33,7 +33,10 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     result = launch("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Train with CompPO, GRPO or PPO")
-    assert "--config fields (from configs/qwen3_4b.py, with the overrides given)" in result.stdout and "\n[rollout]\n" in result.stdout
+    assert (
+        "--config fields (from configs/qwen3_4b.py, with the overrides given)" in result.stdout
+        and "\n[rollout]\n" in result.stdout
+    )
     line = next(line for line in result.stdout.splitlines() if "--config.rollout.max_new_tokens=" in line)
     assert re.fullmatch(r"\s+--config\.rollout\.max_new_tokens=16384\s+longest response", line), line
 
@@ -59,48 +62,82 @@ def test_a_cpu_run_without_jax_platforms_logs_no_error_lines():
     env = {k: v for k, v in CPU_ONLY_ENV.items() if k != "JAX_PLATFORMS"}
     result = launch("launch/score.py", "--batch_size=2", env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert not [line for line in result.stderr.splitlines() if re.match(r"[EF]\d{4} ", line) or "Unable to initialize backend" in line], \
-        result.stderr[-2000:]
+    assert not [
+        line
+        for line in result.stderr.splitlines()
+        if re.match(r"[EF]\d{4} ", line) or "Unable to initialize backend" in line
+    ], result.stderr[-2000:]
 
 
 def test_a_run_named_without_a_config_brings_its_own_config_first():
     own = f"--config={PRESET_DIR / 'run.py'}:runs/a"
     assert with_run_config(["eval.py", "--checkpoint=runs/a", "--config.eval.samples=2"], "checkpoint") == [
-        "eval.py", own, "--checkpoint=runs/a", "--config.eval.samples=2"]
+        "eval.py",
+        own,
+        "--checkpoint=runs/a",
+        "--config.eval.samples=2",
+    ]
     assert with_run_config(["eval.py", "--config.eval.samples=2", "--checkpoint", "runs/a"], "checkpoint")[1] == own
-    for given in (["eval.py", "--config=configs/tiny.py", "--checkpoint=runs/a"], ["eval.py", "--config", "x.py", "--checkpoint=runs/a"],
-                  ["eval.py", "--step=best"]):
+    for given in (
+        ["eval.py", "--config=configs/tiny.py", "--checkpoint=runs/a"],
+        ["eval.py", "--config", "x.py", "--checkpoint=runs/a"],
+        ["eval.py", "--step=best"],
+    ):
         assert with_run_config(given, "checkpoint") == given
-
 
 
 # {case: (launch/train.py's arguments, the one error line)}; {tmp} is the directory the test writes CONFIG_FILES to.
 CONFIG_CASES = {
-    "missing file": (["--config=configs/tiy.py"], "ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)"),
-    "missing file with an override": (["--config", "configs/tiy.py", "--config.steps=3"],
-                                      "ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)"),
-    "syntax error": (["--config={tmp}/unclosed.py"], "ConfigFileError: {tmp}/unclosed.py line 2: SyntaxError: '(' was never closed"),
-    "no get_config": (["--config={tmp}/no_get_config.py", "--config.steps=3"], "ConfigFileError: {tmp}/no_get_config.py has no get_config()"),
-    "get_config raises": (["--config={tmp}/presets.py:big"], "ConfigFileError: {tmp}/presets.py line 4: ValueError: no preset 'big'"),
+    "missing file": (
+        ["--config=configs/tiy.py"],
+        "ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)",
+    ),
+    "missing file with an override": (
+        ["--config", "configs/tiy.py", "--config.steps=3"],
+        "ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)",
+    ),
+    "syntax error": (
+        ["--config={tmp}/unclosed.py"],
+        "ConfigFileError: {tmp}/unclosed.py line 2: SyntaxError: '(' was never closed",
+    ),
+    "no get_config": (
+        ["--config={tmp}/no_get_config.py", "--config.steps=3"],
+        "ConfigFileError: {tmp}/no_get_config.py has no get_config()",
+    ),
+    "get_config raises": (
+        ["--config={tmp}/presets.py:big"],
+        "ConfigFileError: {tmp}/presets.py line 4: ValueError: no preset 'big'",
+    ),
     # ml_collections defers an OSError loading a config to the config's first use.
-    "get_config raises an OSError": (["--config={tmp}/presets.py:file"],
-                                     "ConfigFileError: {tmp}/presets.py line 3: FileNotFoundError: file.json does not exist"),
+    "get_config raises an OSError": (
+        ["--config={tmp}/presets.py:file"],
+        "ConfigFileError: {tmp}/presets.py line 3: FileNotFoundError: file.json does not exist",
+    ),
     # Without --config the default loads, with the overrides, where launch/train.py defines the flag.
-    "unknown field of the default": (["--config.stepz=5"],
-                                     "ConfigFileError: --config.stepz=5: configs/tiny.py has no field stepz; did you mean steps?"),
-    "unknown nested field": (["--config=configs/tiny.py", "--config.rollout.max_new_token=8"],
-                             "ConfigFileError: --config.rollout.max_new_token=8: configs/tiny.py has no field rollout.max_new_token; "
-                             "did you mean rollout.max_new_tokens?"),
-    "value of the wrong type": (["--config.steps=abc"], "ConfigFileError: --config.steps=abc: expected int (configs/tiny.py has steps=60)"),
-    "warm start on DAPO-Math": (["--config.data.kind=dapo_math", "--config.data.path={tmp}/dapo.jsonl", "--config.output_dir={tmp}/run"],
-                                "ConfigError: config.warm_start.steps=1000: the supervised warm start trains on worked solutions and "
-                                "data.kind='dapo_math' has none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)"),
+    "unknown field of the default": (
+        ["--config.stepz=5"],
+        "ConfigFileError: --config.stepz=5: configs/tiny.py has no field stepz; did you mean steps?",
+    ),
+    "unknown nested field": (
+        ["--config=configs/tiny.py", "--config.rollout.max_new_token=8"],
+        "ConfigFileError: --config.rollout.max_new_token=8: configs/tiny.py has no field rollout.max_new_token; "
+        "did you mean rollout.max_new_tokens?",
+    ),
+    "value of the wrong type": (
+        ["--config.steps=abc"],
+        "ConfigFileError: --config.steps=abc: expected int (configs/tiny.py has steps=60)",
+    ),
+    "warm start on DAPO-Math": (
+        ["--config.data.kind=dapo_math", "--config.data.path={tmp}/dapo.jsonl", "--config.output_dir={tmp}/run"],
+        "ConfigError: config.warm_start.steps=1000: the supervised warm start trains on worked solutions and "
+        "data.kind='dapo_math' has none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)",
+    ),
 }
 CONFIG_FILES = {
     "unclosed.py": "def get_config():\n    return dict(steps=(1\n",
     "no_get_config.py": "STEPS = 1\n",
     "presets.py": "def get_config(name):\n    if name == 'file':\n        raise FileNotFoundError('file.json does not exist')\n"
-                  "    raise ValueError(f'no preset {name!r}')\n",
+    "    raise ValueError(f'no preset {name!r}')\n",
     "dapo.jsonl": '{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": "2"}}\n',
 }
 
@@ -112,7 +149,10 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
     arguments, line = CONFIG_CASES[case]
     result = launch("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments), timeout=60)
     assert result.returncode == 1, result.stderr
-    assert result.stderr.splitlines() == [f"error: {line.format(tmp=tmp_path)}", "(--verbosity=1 shows the traceback)"], result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: {line.format(tmp=tmp_path)}",
+        "(--verbosity=1 shows the traceback)",
+    ], result.stderr
 
 
 def test_a_config_error_with_verbosity_shows_the_traceback():
@@ -122,12 +162,17 @@ def test_a_config_error_with_verbosity_shows_the_traceback():
 
 def test_an_override_of_a_parameterised_config_file_is_checked_against_its_fields():
     """`file.py:arg` passes arg to get_config: the fields named are that config's."""
-    result = launch("launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1", timeout=60)
+    result = launch(
+        "launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1", timeout=60
+    )
     assert result.returncode == 1 and result.stderr.splitlines()[0] == (
-        "error: ConfigFileError: --experiment.seed=1: configs/experiments.py:main has no field seed; did you mean seeds?"), result.stderr
+        "error: ConfigFileError: --experiment.seed=1: configs/experiments.py:main has no field seed; did you mean seeds?"
+    ), result.stderr
 
 
 def test_help_with_a_config_that_does_not_load_fails_in_one_line():
     result = launch("launch/train.py", "--config=configs/tiy.py", "--help", timeout=60)
     assert result.returncode == 1 and result.stderr.splitlines() == [
-        "error: ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)", "(--verbosity=1 shows the traceback)"], result.stderr
+        "error: ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)",
+        "(--verbosity=1 shows the traceback)",
+    ], result.stderr

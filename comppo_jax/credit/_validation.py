@@ -14,17 +14,13 @@ import jax.numpy as jnp
 def check_floating(name, x):
     """Raises ValueError unless `x` has a floating dtype."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(
-            f"{name} must have a floating dtype, got {x.dtype} (shape {tuple(x.shape)})")
+        raise ValueError(f"{name} must have a floating dtype, got {x.dtype} (shape {tuple(x.shape)})")
 
 
 def check_mask(name, x):
     """Raises ValueError unless `x` is a bool, integer or floating 0/1 mask."""
-    if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)
-            or jnp.issubdtype(x.dtype, jnp.floating)):
-        raise ValueError(
-            f"{name} must be a bool, integer or floating 0/1 mask, got {x.dtype} "
-            f"(shape {tuple(x.shape)})")
+    if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise ValueError(f"{name} must be a bool, integer or floating 0/1 mask, got {x.dtype} (shape {tuple(x.shape)})")
 
 
 def check_rank(name, x, rank, layout):
@@ -38,8 +34,8 @@ def check_same_shape(ref_name, ref, **others):
     for name, x in others.items():
         if x.shape != ref.shape:
             raise ValueError(
-                f"{name} has shape {tuple(x.shape)} but {ref_name} has shape "
-                f"{tuple(ref.shape)}; they must match")
+                f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(ref.shape)}; they must match"
+            )
 
 
 def check_bt(**arrays):

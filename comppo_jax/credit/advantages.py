@@ -62,7 +62,7 @@ def _reverse_scan_cpu(b, c):
     if rows <= group:
         return _reverse_scan(b, c)
     if rows <= group * _CPU_SEPARATE_LOOPS:
-        pieces = [_reverse_scan(b[lo:lo + group], c[lo:lo + group]) for lo in range(0, rows, group)]
+        pieces = [_reverse_scan(b[lo : lo + group], c[lo : lo + group]) for lo in range(0, rows, group)]
     else:
         grouped = rows - rows % group
         shape = (grouped // group, group, length)
@@ -214,7 +214,8 @@ def _check_group_size(group_size, rewards):
     if not isinstance(group_size, (int, np.integer)) or group_size < 1 or batch % group_size:
         raise ValueError(
             f"group_size must be a positive int dividing the batch size B = {batch} "
-            f"(rewards shape {tuple(rewards.shape)}), got {group_size!r}")
+            f"(rewards shape {tuple(rewards.shape)}), got {group_size!r}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "normalize_std"))
@@ -246,7 +247,8 @@ def grpo_advantages(rewards, group_size, mask, eps=1e-6, normalize_std=True):
     if mask.shape[0] != batch:
         raise ValueError(
             f"mask has shape {tuple(mask.shape)} but rewards has shape {tuple(rewards.shape)}; "
-            "mask must be [B, T] with the same B")
+            "mask must be [B, T] with the same B"
+        )
     _check_group_size(group_size, rewards)
     groups = rewards.astype(jnp.float32).reshape(batch // group_size, group_size)
     mean = groups.mean(axis=1, keepdims=True)

@@ -122,8 +122,8 @@ def statistic_concentration(statistic: str, value, n):
 def _check_envelope(kappa_lo, kappa_hi, tau):
     if not 0.0 <= kappa_lo <= kappa_hi <= 1.0:
         raise ValueError(
-            f"the gate envelope needs 0 <= kappa_lo <= kappa_hi <= 1, got "
-            f"kappa_lo={kappa_lo}, kappa_hi={kappa_hi}")
+            f"the gate envelope needs 0 <= kappa_lo <= kappa_hi <= 1, got kappa_lo={kappa_lo}, kappa_hi={kappa_hi}"
+        )
     if not tau > 0.0:
         raise ValueError(f"tau must be positive, got {tau}")
 

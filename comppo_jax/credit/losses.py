@@ -27,7 +27,13 @@ _KL_KINDS = ("k1", "k3", "low_var_kl")
 _MAX_SEQ_LOG_RATIO = 10.0
 # verl's `loss_agg_mode` names, and tunix's "sequence-mean-token-scale" (Dr.GRPO's own normalization)
 # as "seq-mean-token-scale": the modes of `aggregate_loss`.
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-scale")
+LOSS_AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-scale",
+)
 
 
 def _valid(x, mask):
@@ -101,8 +107,7 @@ def aggregate_loss(per_token, mask, mode, norm_length=None):
 
 def _surrogate_inputs(log_probs, old_log_probs, advantages, mask):
     """Shape-checked float32 (logp, old_logp, advantages), padding zeroed; the rollout's detached."""
-    _validation.check_bt(log_probs=log_probs, old_log_probs=old_log_probs,
-                         advantages=advantages, mask=mask)
+    _validation.check_bt(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, mask=mask)
     logp = _valid(log_probs, mask)
     old_logp = jax.lax.stop_gradient(_valid(old_log_probs, mask))
     adv = jax.lax.stop_gradient(_valid(advantages, mask))
@@ -126,8 +131,9 @@ def _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high
 
 
 @functools.partial(jax.jit, static_argnames=("aggregation",))
-def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2,
-                  aggregation="token-mean", norm_length=None):
+def ppo_clip_loss(
+    log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean", norm_length=None
+):
     """Clipped PPO surrogate, paper eq. (ppo_outer), as a loss to minimize.
 
         ratio = exp(logp - old_logp)
@@ -156,8 +162,7 @@ def ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip
     """
     logp, old_logp, adv = _surrogate_inputs(log_probs, old_log_probs, advantages, mask)
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high,
-                              aggregation, norm_length)
+    return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high, aggregation, norm_length)
 
 
 def decoupled_ppo_inputs(behaviour_log_probs, proximal_log_probs, advantages, mask, cap: float = 5.0):
@@ -181,16 +186,28 @@ def decoupled_ppo_inputs(behaviour_log_probs, proximal_log_probs, advantages, ma
       (old_log_probs for the ratio: the proximal log-probs, advantages w * A, w [B, T] before the
       truncation, 0 on padding).
     """
-    _validation.check_bt(behaviour_log_probs=behaviour_log_probs, proximal_log_probs=proximal_log_probs, advantages=advantages,
-                         mask=mask)
-    log_weight = jnp.clip(_valid(proximal_log_probs, mask) - _valid(behaviour_log_probs, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    _validation.check_bt(
+        behaviour_log_probs=behaviour_log_probs, proximal_log_probs=proximal_log_probs, advantages=advantages, mask=mask
+    )
+    log_weight = jnp.clip(
+        _valid(proximal_log_probs, mask) - _valid(behaviour_log_probs, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+    )
     weights = _valid(jnp.exp(log_weight), mask)
     return proximal_log_probs, advantages * jnp.minimum(weights, cap), weights
 
 
 @functools.partial(jax.jit, static_argnames=("token_level", "aggregation"))
-def gspo_loss(log_probs, old_log_probs, advantages, mask, clip_low, clip_high, token_level=False,
-              aggregation="seq-mean-token-mean", norm_length=None):
+def gspo_loss(
+    log_probs,
+    old_log_probs,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    token_level=False,
+    aggregation="seq-mean-token-mean",
+    norm_length=None,
+):
     """GSPO clipped surrogate (Zheng et al. 2025), as a loss to minimize.
 
     The importance ratio is the length-normalized sequence ratio, clipped as a
@@ -233,8 +250,7 @@ def gspo_loss(log_probs, old_log_probs, advantages, mask, clip_low, clip_high, t
         seq_log_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)
     log_ratio = jnp.minimum(seq_log_ratio, _MAX_SEQ_LOG_RATIO)
     log_ratio = jnp.broadcast_to(log_ratio, logp.shape)
-    return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high,
-                              aggregation, norm_length)
+    return _clipped_surrogate(log_ratio, logp, old_logp, adv, mask, clip_low, clip_high, aggregation, norm_length)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "aggregation"))

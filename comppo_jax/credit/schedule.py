@@ -104,7 +104,8 @@ def fit_position_schedule(kappa, mask, n_bins=DEFAULT_BINS, metadata=None):
     if len(kappas) != len(masks) or not kappas:
         raise ValueError(
             f"need one mask per kappa batch and at least one batch, got {len(kappas)} kappa "
-            f"and {len(masks)} mask arrays")
+            f"and {len(masks)} mask arrays"
+        )
     if not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
     sums = np.zeros(n_bins, np.float64)
@@ -125,8 +126,10 @@ def position_bin_totals(kappa, mask, n_bins=DEFAULT_BINS):
     """
     kappa, valid = np.asarray(kappa), np.asarray(mask).astype(bool)
     bins = np.asarray(position_bins(valid, n_bins))[valid]
-    return (np.bincount(bins, weights=kappa[valid].astype(np.float64), minlength=n_bins),
-            np.bincount(bins, minlength=n_bins).astype(np.int64))
+    return (
+        np.bincount(bins, weights=kappa[valid].astype(np.float64), minlength=n_bins),
+        np.bincount(bins, minlength=n_bins).astype(np.int64),
+    )
 
 
 def schedule_from_totals(sums, counts, metadata=None):
@@ -190,8 +193,7 @@ def _number_list(record, path, name, length, kind):
     if len(values) != length:
         raise ValueError(f"{path}: field {name!r} must have {length} entries, got {len(values)}")
     for v in values:
-        if (not isinstance(v, kind) or isinstance(v, bool)
-                or not math.isfinite(v)):
+        if not isinstance(v, kind) or isinstance(v, bool) or not math.isfinite(v):
             raise ValueError(f"{path}: field {name!r} holds a bad entry {v!r}")
     return values
 

@@ -98,7 +98,8 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
             head_mean = jnp.exp(logits - lse_tile[..., None]).mean(axis=(0, 1))  # [bq, bk]
             k_pos = first_key + jnp.arange(block_k)
             in_window = (
-                (k_pos[None] <= q_pos[:, None]) & (k_pos[None] >= start)
+                (k_pos[None] <= q_pos[:, None])
+                & (k_pos[None] >= start)
                 & lax.dynamic_slice_in_dim(mask_row, first_key, block_k, 0)[None]
             )
             head_mean = jnp.where(in_window, head_mean, 0.0)

@@ -55,7 +55,9 @@ def value_refined_routing(weights, beta_query, beta_keys):
 
 def token_relevance(relevance_query, relevance_keys):
     """Paper eq. (relevance): m_ti = relu(<W_rq h_t, W_rk h_i> / sqrt(d))."""
-    return jax.nn.relu(jnp.einsum("...d,...kd->...k", relevance_query, relevance_keys) / math.sqrt(relevance_query.shape[-1]))
+    return jax.nn.relu(
+        jnp.einsum("...d,...kd->...k", relevance_query, relevance_keys) / math.sqrt(relevance_query.shape[-1])
+    )
 
 
 def pool_history(scores, valid, keys, eps):
@@ -137,16 +139,21 @@ def routed_pool(routing: Routing, beta_query, beta_key, relevance_query, relevan
             return x.reshape(batch * (padded // block), block, *x.shape[2:])
 
         table = lambda x: x.reshape(batch * length, x.shape[-1])
-        indices = routing.indices + (jnp.arange(batch, dtype=routing.indices.dtype) * length)[:, None, None]  # into the table
+        indices = (
+            routing.indices + (jnp.arange(batch, dtype=routing.indices.dtype) * length)[:, None, None]
+        )  # into the table
         pooled = _pool_blocks(
-            (table(beta_key), table(relevance_key), table(values)), blocks(indices),
-            tuple(blocks(x) for x in (routing.weights, routing.valid, beta_query, relevance_query)), eps,
+            (table(beta_key), table(relevance_key), table(values)),
+            blocks(indices),
+            tuple(blocks(x) for x in (routing.weights, routing.valid, beta_query, relevance_query)),
+            eps,
         )
         return pooled.reshape(batch, padded, -1)[:, :length]
 
     rows = P(sharding.BATCH)
     return sharding.per_shard(local, in_specs=(Routing(rows, rows, rows),) + (rows,) * 5, out_specs=rows)(
-        routing, beta_query, beta_key, relevance_query, relevance_key, values)
+        routing, beta_query, beta_key, relevance_query, relevance_key, values
+    )
 
 
 class TransportAlignedCritic(nn.Module):
@@ -182,8 +189,14 @@ class TransportAlignedCritic(nn.Module):
             return nn.Dense(1, kernel_init=zero, bias_init=zero, name=name)(nn.gelu(features))[..., 0]
 
         pooled = routed_pool(
-            routing, projection("beta_query"), projection("beta_key"), projection("relevance_query"),
-            projection("relevance_key"), projection("routed_hidden"), eps=self.eps, block=self.query_block,
+            routing,
+            projection("beta_query"),
+            projection("beta_key"),
+            projection("relevance_query"),
+            projection("relevance_key"),
+            projection("routed_hidden"),
+            eps=self.eps,
+            block=self.query_block,
         )
         routed_bias = self.param("routed_hidden_bias", nn.initializers.zeros, (self.bottleneck,), jnp.float32)
         value_routed = value_output("routed_output", pooled + routed_bias)
@@ -195,14 +208,18 @@ def fused_hidden_layers(num_layers: int, fused_layers: int) -> tuple[int, ...]:
     """HF hidden-state indices of the last `fused_layers` (num_layers = after the final norm),
     to pass to `forward(..., hidden_layers=...)`."""
     if not 1 <= fused_layers <= num_layers + 1:
-        raise ValueError(f"critic.fused_layers={fused_layers} must be in [1, {num_layers + 1}] for a {num_layers}-layer model")
+        raise ValueError(
+            f"critic.fused_layers={fused_layers} must be in [1, {num_layers + 1}] for a {num_layers}-layer model"
+        )
     return tuple(range(num_layers + 1 - fused_layers, num_layers + 1))
 
 
 def critic_from_config(section) -> TransportAlignedCritic:
     """The TAC module of a config's `critic` section (kind "tac")."""
     if section.kind != "tac":
-        raise ValueError(f"critic.kind={section.kind!r} has no TAC module; the standard critic is `standard_value_head`")
+        raise ValueError(
+            f"critic.kind={section.kind!r} has no TAC module; the standard critic is `standard_value_head`"
+        )
     return TransportAlignedCritic(bottleneck=section.bottleneck, eps=section.eps, query_block=section.query_block)
 
 

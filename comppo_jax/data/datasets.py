@@ -14,7 +14,8 @@ import json
 import logging
 import os
 import random
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,10 @@ def read_records(path: str, expected: str) -> list[dict[str, Any]]:
         with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
             rows = list(csv.DictReader(f))
         undecodable = lambda value: isinstance(value, str) and any("\udc80" <= c <= "\udcff" for c in value)
-        return [_malformed(f"csv row {number}: not valid UTF-8") if any(undecodable(v) for v in row.values()) else row
-                for number, row in enumerate(rows, 1)]
+        return [
+            _malformed(f"csv row {number}: not valid UTF-8") if any(undecodable(v) for v in row.values()) else row
+            for number, row in enumerate(rows, 1)
+        ]
     if path.endswith(".json"):
         try:
             with open(path, encoding="utf-8") as f:
@@ -86,12 +89,16 @@ def read_records(path: str, expected: str) -> list[dict[str, Any]]:
     raise DataError(f"{path}: unsupported extension; expected .parquet, .jsonl, .json or .csv with {expected}")
 
 
-def _convert_rows(path: str, rows: Iterable[dict], convert: Callable[[int, dict], Problem | None], source: str) -> list[Problem]:
+def _convert_rows(
+    path: str, rows: Iterable[dict], convert: Callable[[int, dict], Problem | None], source: str
+) -> list[Problem]:
     problems, bad = [], []
     for index, row in enumerate(rows):
         try:
             if not isinstance(row, dict) or "__malformed__" in row:
-                raise ValueError(row.get("__malformed__", "not an object") if isinstance(row, dict) else "not an object")
+                raise ValueError(
+                    row.get("__malformed__", "not an object") if isinstance(row, dict) else "not an object"
+                )
             problem = convert(index, row)
         except (KeyError, TypeError, ValueError, IndexError) as error:
             bad.append(f"row {index}: {type(error).__name__} {error}")
@@ -101,7 +108,9 @@ def _convert_rows(path: str, rows: Iterable[dict], convert: Callable[[int, dict]
     if bad:
         logger.warning("%s: skipped %d malformed %s row(s); first: %s", path, len(bad), source, bad[0])
     if not problems:
-        raise DataError(f"{path}: no usable {source} rows ({len(bad)} malformed" + (f"; first: {bad[0]})" if bad else ")"))
+        raise DataError(
+            f"{path}: no usable {source} rows ({len(bad)} malformed" + (f"; first: {bad[0]})" if bad else ")")
+        )
     return problems
 
 
@@ -117,7 +126,9 @@ def _text(row: dict, *names: str) -> str:
     raise KeyError(f"missing field, one of {names}")
 
 
-def encodable_problems(tokenizer, problems: list[Problem], where: str, *, max_prompt_tokens: int | None = None) -> list[Problem]:
+def encodable_problems(
+    tokenizer, problems: list[Problem], where: str, *, max_prompt_tokens: int | None = None
+) -> list[Problem]:
     """The problems whose prompt, answer (and worked solution) `tokenizer` can encode, with a prompt
     of at most `max_prompt_tokens`; the others are skipped and counted in one warning naming
     `where` and the first one, like malformed rows. Runs at load time, so such a row cannot stop
@@ -133,7 +144,9 @@ def encodable_problems(tokenizer, problems: list[Problem], where: str, *, max_pr
             bad.append(f"problem {index} ({problem.id or problem.prompt[:40]!r}): {error}")
             continue
         if max_prompt_tokens is not None and length > max_prompt_tokens:
-            bad.append(f"problem {index} ({problem.id or problem.prompt[:40]!r}): {length} prompt tokens, more than {max_prompt_tokens}")
+            bad.append(
+                f"problem {index} ({problem.id or problem.prompt[:40]!r}): {length} prompt tokens, more than {max_prompt_tokens}"
+            )
             continue
         kept.append(problem)
     if bad:
@@ -200,7 +213,9 @@ def load_dapo_math(path: str, *, dev_size: int = DEV_SIZE, seed: int = 0) -> tup
 def _simple(source: str, question: tuple[str, ...], answer: tuple[str, ...], postprocess=lambda a: a):
     def convert(index: int, row: dict) -> Problem:
         identifier = str(row.get("id", row.get("unique_id", row.get("ID", index))))
-        return Problem(DAPO_TEMPLATE.format(problem=_text(row, *question)), postprocess(_text(row, *answer)), identifier, source)
+        return Problem(
+            DAPO_TEMPLATE.format(problem=_text(row, *question)), postprocess(_text(row, *answer)), identifier, source
+        )
 
     return convert
 
@@ -229,12 +244,21 @@ def _gpqa(index: int, row: dict) -> Problem:
 # name -> (converter, documented fields)
 BENCHMARKS: dict[str, tuple[Callable[[int, dict], Problem], str]] = {
     "math500": (_simple("math500", ("problem",), ("answer",)), "'problem' and 'answer'"),
-    "gsm8k": (_simple("gsm8k", ("question",), ("answer",), _gsm8k_answer), "'question' and 'answer' ending in '#### <number>'"),
+    "gsm8k": (
+        _simple("gsm8k", ("question",), ("answer",), _gsm8k_answer),
+        "'question' and 'answer' ending in '#### <number>'",
+    ),
     "aime24": (_simple("aime24", ("problem", "question"), ("answer",)), "'problem' (or 'Problem') and 'answer'"),
     "aime25": (_simple("aime25", ("problem", "question"), ("answer",)), "'problem' (or 'Problem') and 'answer'"),
     "gpqa": (_gpqa, "'Question', 'Correct Answer', 'Incorrect Answer 1'..'3' (the GPQA csv columns)"),
-    "livebench_math": (_simple("livebench_math", ("turns", "question"), ("ground_truth",)), "'turns' (first turn is the question) and 'ground_truth'"),
-    "olympiad": (_simple("olympiad", ("question", "problem"), ("final_answer", "answer")), "'question' and 'final_answer' (a list; the first is used)"),
+    "livebench_math": (
+        _simple("livebench_math", ("turns", "question"), ("ground_truth",)),
+        "'turns' (first turn is the question) and 'ground_truth'",
+    ),
+    "olympiad": (
+        _simple("olympiad", ("question", "problem"), ("final_answer", "answer")),
+        "'question' and 'final_answer' (a list; the first is used)",
+    ),
 }
 
 

@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -95,9 +95,15 @@ class VerifierPool:
     def _start() -> subprocess.Popen:
         process = subprocess.Popen(
             [sys.executable, "-m", "comppo_jax.data.verifier_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
-        if not multiprocessing.connection.wait([process.stdout], STARTUP_TIMEOUT_S) or process.stdout.readline().strip() != '["ready"]':
+        if (
+            not multiprocessing.connection.wait([process.stdout], STARTUP_TIMEOUT_S)
+            or process.stdout.readline().strip() != '["ready"]'
+        ):
             process.kill()
             raise RuntimeError(
                 f"the math-verify worker (python -m comppo_jax.data.verifier_worker) did not start within "
@@ -216,7 +222,9 @@ def score_responses(
 ) -> tuple[np.ndarray, list[Verdict], dict[str, float]]:
     """Terminal rewards [B] float32, per-response verdicts, and counts for the metrics."""
     if not len(responses) == len(golds) == len(response_lengths):
-        raise ValueError(f"responses ({len(responses)}), golds ({len(golds)}) and response_lengths ({len(response_lengths)}) must have the same length")
+        raise ValueError(
+            f"responses ({len(responses)}), golds ({len(golds)}) and response_lengths ({len(response_lengths)}) must have the same length"
+        )
     answers = [extract_answer(text) for text in responses]
     to_check = [i for i, answer in enumerate(answers) if answer is not None]
     checked = dict(zip(to_check, pool.check([(golds[i], answers[i]) for i in to_check])))
@@ -224,7 +232,9 @@ def score_responses(
     rewards = np.zeros(len(responses), np.float32)
     well_formed = np.array([reasoning_format_ok(text) for text in responses])
     if coefficients.length_penalty_on not in LENGTH_PENALTY_SCOPES:
-        raise ValueError(f"length_penalty_on={coefficients.length_penalty_on!r}; expected one of {LENGTH_PENALTY_SCOPES}")
+        raise ValueError(
+            f"length_penalty_on={coefficients.length_penalty_on!r}; expected one of {LENGTH_PENALTY_SCOPES}"
+        )
     penalty = length_penalty(response_lengths, coefficients)
     correct_rewards = 1.0 - penalty
     if coefficients.correct_never_below_incorrect:

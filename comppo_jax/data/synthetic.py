@@ -15,8 +15,9 @@ from comppo_jax.data.datasets import Problem
 OPERATIONS = ("+", "-", "*")
 
 
-def chained_arithmetic(count: int, *, seed: int = 0, min_steps: int = 2, max_steps: int = 4,
-                       operations: str = "".join(OPERATIONS)) -> list[Problem]:
+def chained_arithmetic(
+    count: int, *, seed: int = 0, min_steps: int = 2, max_steps: int = 4, operations: str = "".join(OPERATIONS)
+) -> list[Problem]:
     """`count` problems with min_steps..max_steps operations each, drawn from `operations`."""
     if count < 1 or not 1 <= min_steps <= max_steps:
         raise ValueError(f"need count >= 1 and 1 <= min_steps <= max_steps, got {count}, {min_steps}, {max_steps}")
@@ -35,5 +36,7 @@ def chained_arithmetic(count: int, *, seed: int = 0, min_steps: int = 2, max_ste
             lines.append(f"{value}{op}{operand}={result}")
             value = result
         solution = "\n".join(lines + [f"Answer: {value}"])
-        problems.append(Problem(" ".join(prompt) + " =?\n", str(value), f"arith-{seed}-{index}", "chained_arithmetic", solution))
+        problems.append(
+            Problem(" ".join(prompt) + " =?\n", str(value), f"arith-{seed}-{index}", "chained_arithmetic", solution)
+        )
     return problems

@@ -33,13 +33,17 @@ class CharTokenizer:
 class HFTokenizer:
     def __init__(self, path: str, use_chat_template: bool = True):
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"tokenizer directory {path} does not exist (expected tokenizer.json / tokenizer_config.json)")
+            raise FileNotFoundError(
+                f"tokenizer directory {path} does not exist (expected tokenizer.json / tokenizer_config.json)"
+            )
         import transformers
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.use_chat_template = use_chat_template and self.tokenizer.chat_template is not None
         self.vocab_size = len(self.tokenizer)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
         self.bos_token_id = self.tokenizer.bos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id
 

@@ -51,7 +51,7 @@ FIELD_HELP = {
     "overrides": "key=value for every run, on top of the arms' (e.g. model.path=..., data.path=...)",
     "seeds": "the seeds every arm runs",
     "arms": "(name, overrides) per arm",
-    "grids": "(arm, (\"key=v1,v2\", ...)) per arm: screened at screen_seed, or every cell an arm",
+    "grids": '(arm, ("key=v1,v2", ...)) per arm: screened at screen_seed, or every cell an arm',
     "screen_seed": "the seed grid cells are screened at (None: every cell is an arm)",
     "last": "Last-N endpoint: the mean of the final N dev evaluations",
     "target": "dev accuracy whose first crossing is reported as step-to-target (None: not reported)",
@@ -80,13 +80,27 @@ class Run:
 
     def command(self, root: str, python: str = "python") -> list[str]:
         """The launch/train.py command line of this run."""
-        return [python, "launch/train.py", *self.config_flags(), f"--config.output_dir={self.directory(root)}",
-                f"--config.warm_start.cache_dir={os.path.join(root, 'warm_start')}", "--config.progress=False"]
+        return [
+            python,
+            "launch/train.py",
+            *self.config_flags(),
+            f"--config.output_dir={self.directory(root)}",
+            f"--config.warm_start.cache_dir={os.path.join(root, 'warm_start')}",
+            "--config.progress=False",
+        ]
 
     def held_out_command(self, root: str, problems: int, python: str = "python") -> list[str]:
         """The launch/eval.py command line of the held-out diagnostics of this run's final checkpoint."""
-        return [python, "launch/eval.py", *self.config_flags(), f"--checkpoint={self.directory(root)}", "--step=latest",
-                "--accuracy=False", f"--held_out_problems={problems}", f"--output={self.directory(root)}"]
+        return [
+            python,
+            "launch/eval.py",
+            *self.config_flags(),
+            f"--checkpoint={self.directory(root)}",
+            "--step=latest",
+            "--accuracy=False",
+            f"--held_out_problems={problems}",
+            f"--output={self.directory(root)}",
+        ]
 
     def config_flags(self) -> list[str]:
         return [f"--config={self.base_config}", *(f"--config.{o}" for o in self.overrides)]
@@ -116,8 +130,10 @@ def arms_of(exp) -> list[tuple[str, tuple[str, ...]]]:
 def grid_cells(axes) -> list[tuple[str, ...]]:
     """("key=v1,v2", "other=a,b") -> every combination as ("key=v1", "other=a"), ..."""
     parsed = [parse_override(axis) for axis in axes]
-    return [tuple(f"{key}={value}" for (key, _), value in zip(parsed, values))
-            for values in itertools.product(*(values.split(",") for _, values in parsed))]
+    return [
+        tuple(f"{key}={value}" for (key, _), value in zip(parsed, values))
+        for values in itertools.product(*(values.split(",") for _, values in parsed))
+    ]
 
 
 def screen_runs(exp) -> dict[str, list[Run]]:
@@ -125,24 +141,36 @@ def screen_runs(exp) -> dict[str, list[Run]]:
     if exp.screen_seed is None:
         return {}
     arms = dict(exp.arms)
-    return {name: [Run(name, exp.screen_seed, exp.base_config, tuple(exp.overrides) + tuple(arms[name]) + cell
-                       + (f"seed={exp.screen_seed}",)) for cell in grid_cells(axes)]
-            for name, axes in exp.grids}
+    return {
+        name: [
+            Run(
+                name,
+                exp.screen_seed,
+                exp.base_config,
+                tuple(exp.overrides) + tuple(arms[name]) + cell + (f"seed={exp.screen_seed}",),
+            )
+            for cell in grid_cells(axes)
+        ]
+        for name, axes in exp.grids
+    }
 
 
 def references(overrides) -> list[tuple[str, str]]:
     return [match.groups() for item in overrides for match in _REFERENCE.finditer(item)]
 
 
-def resolve(overrides, seed: int, done: dict[str, dict[int, "RunResult"]]) -> tuple[str, ...]:
+def resolve(overrides, seed: int, done: dict[str, dict[int, RunResult]]) -> tuple[str, ...]:
     """Fills `{mean_gate:ARM}` and `{gate_profile:ARM}` from finished runs (see the module docstring)."""
+
     def fill(match):
         what, arm = match.groups()
         if arm not in done or not done[arm]:
             raise ValueError(f"override {match.group(0)} names arm {arm!r}, which has no finished runs")
         ungated = [r.directory for r in done[arm].values() if "mean_gate" not in r.summary]
         if ungated:  # a GRPO run with rollout.old_log_probs=sampler scores no gate
-            raise ValueError(f"override {match.group(0)}: arm {arm!r}'s runs {ungated} logged no gate (no behaviour pass)")
+            raise ValueError(
+                f"override {match.group(0)}: arm {arm!r}'s runs {ungated} logged no gate (no behaviour pass)"
+            )
         if what == "mean_gate":
             return repr(float(np.mean([r.summary["mean_gate"] for r in done[arm].values()])))
         if seed not in done[arm]:
@@ -179,13 +207,21 @@ def load_result(run: Run, root: str) -> RunResult | None:
         summary = json.load(f)
     rows = [r for r in read_metrics(os.path.join(directory, METRICS_FILE)) if "dev_accuracy" in r]
     if not rows:
-        raise ValueError(f"{directory}/{METRICS_FILE} has no dev_accuracy rows: set train.eval_every so the run evaluates")
+        raise ValueError(
+            f"{directory}/{METRICS_FILE} has no dev_accuracy rows: set train.eval_every so the run evaluates"
+        )
     held_out = {}
     if os.path.exists(os.path.join(directory, HELD_OUT_FILE)):
         with open(os.path.join(directory, HELD_OUT_FILE)) as f:
             held_out = json.load(f)
-    return RunResult(run, directory, summary, np.array([r["actor_updates"] for r in rows], float),
-                     np.array([r["dev_accuracy"] for r in rows], float), held_out)
+    return RunResult(
+        run,
+        directory,
+        summary,
+        np.array([r["actor_updates"] for r in rows], float),
+        np.array([r["dev_accuracy"] for r in rows], float),
+        held_out,
+    )
 
 
 PROGRESS_EVERY_S = 20.0
@@ -218,7 +254,9 @@ def run_reporting(command: list[str], out, progress, log) -> int:
             raise
 
 
-def execute(runs: list[Run], root: str, *, jobs: int, held_out_problems: int, train: bool, log) -> tuple[dict[Run, RunResult], dict[Run, str]]:
+def execute(
+    runs: list[Run], root: str, *, jobs: int, held_out_problems: int, train: bool, log
+) -> tuple[dict[Run, RunResult], dict[Run, str]]:
     """Trains what has not finished and computes missing held-out diagnostics (`jobs` runs at a
     time, each a launch/train.py then a launch/eval.py subprocess logging to <run>/train.log);
     returns (results, failures: run -> why). A failed run does not stop the others. With
@@ -233,9 +271,17 @@ def execute(runs: list[Run], root: str, *, jobs: int, held_out_problems: int, tr
             return None
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "run.json"), "w") as f:
-            json.dump({"arm": run.arm, "seed": run.seed, "base_config": run.base_config, "overrides": list(run.overrides)}, f, indent=2)
+            json.dump(
+                {"arm": run.arm, "seed": run.seed, "base_config": run.base_config, "overrides": list(run.overrides)},
+                f,
+                indent=2,
+            )
         commands = [] if done else [run.command(root, sys.executable)]
-        if commands and os.path.isdir(os.path.join(directory, "checkpoints")) and os.listdir(os.path.join(directory, "checkpoints")):
+        if (
+            commands
+            and os.path.isdir(os.path.join(directory, "checkpoints"))
+            and os.listdir(os.path.join(directory, "checkpoints"))
+        ):
             commands[0].append("--config.resume=True")
         if held_out_problems > 0:
             commands.append(run.held_out_command(root, held_out_problems, sys.executable))
@@ -244,7 +290,9 @@ def execute(runs: list[Run], root: str, *, jobs: int, held_out_problems: int, tr
             for command in commands:
                 out.write("$ " + shlex.join(command) + "\n")
                 out.flush()
-                code = run_reporting(command, out, lambda: f"{run.arm} seed {run.seed}: {run_progress(directory, command)}", log)
+                code = run_reporting(
+                    command, out, lambda: f"{run.arm} seed {run.seed}: {run_progress(directory, command)}", log
+                )
                 if code:
                     return f"{os.path.basename(command[1])} exit code {code}; see {directory}/train.log"
         return None
@@ -285,7 +333,9 @@ def select(results: list[RunResult]) -> RunResult:
 def run_experiment(exp, root: str, jobs: int = 1, train: bool = True, log=print) -> Outcome:
     """Plans, runs what is missing (unless train=False) and collects `exp` under `root` (see the
     module docstring)."""
-    execute_planned = lambda planned: execute(planned, root, jobs=jobs, held_out_problems=exp.held_out_problems, train=train, log=log)
+    execute_planned = lambda planned: execute(
+        planned, root, jobs=jobs, held_out_problems=exp.held_out_problems, train=train, log=log
+    )
     if exp.kind not in KINDS:
         raise ValueError(f"experiment {exp.name}: kind={exp.kind!r}; expected one of {KINDS}")
     all_runs, failures = [], {}
@@ -337,7 +387,11 @@ def run_experiment(exp, root: str, jobs: int = 1, train: bool = True, log=print)
 
 def commands_script(outcome: Outcome, root: str, held_out_problems: int = 0) -> str:
     """A shell script with every run's exact launch/train.py (and launch/eval.py) commands, in order."""
-    lines = ["#!/bin/bash", "# Generated by launch/experiment.py: the exact commands of this experiment's runs.", "set -e"]
+    lines = [
+        "#!/bin/bash",
+        "# Generated by launch/experiment.py: the exact commands of this experiment's runs.",
+        "set -e",
+    ]
     for run in dict.fromkeys(outcome.runs):
         lines.append(f"# {run.arm}, seed {run.seed}")
         lines.append(shlex.join(run.command(root)))

@@ -43,8 +43,10 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
     cfg = load_run_config(run_dir)
     adapters = LoraConfig.of(cfg.model)
     if format == "peft" and not adapters.enabled:
-        raise ConfigError(f"{run_dir} is a full fine-tuning run (model.lora.rank=0): it has no adapters to export as PEFT; "
-                          "export its weights with --format=hf")
+        raise ConfigError(
+            f"{run_dir} is a full fine-tuning run (model.lora.rank=0): it has no adapters to export as PEFT; "
+            "export its weights with --format=hf"
+        )
     if os.path.isdir(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty: choose another --out, or remove it")
     config = model_config(cfg.model)
@@ -52,24 +54,35 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
     checkpoints = RunCheckpoints(run_dir, read_only=True)
     try:
         step = checkpoints.resolve_step(step)
-        params = restored_actor(cfg, checkpoints, step, mesh, config)  # adapters in the master dtype on the compute-dtype base
+        params = restored_actor(
+            cfg, checkpoints, step, mesh, config
+        )  # adapters in the master dtype on the compute-dtype base
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     written = [f"step {step} of {run_dir}"]
     if format == "hf":
         to_hf(config, cast_params(lora.merged(params, config), config.dtype), out)
-        written.append(f"{out}: {'merged ' if adapters.enabled else ''}weights ({config.dtype}), config.json" + _tokenizer_files(tokenizer, out))
+        written.append(
+            f"{out}: {'merged ' if adapters.enabled else ''}weights ({config.dtype}), config.json"
+            + _tokenizer_files(tokenizer, out)
+        )
         return written
-    own_base = not cfg.model.path or cfg.warm_start.steps  # the run made its base (warm start or random init): it goes along
+    own_base = (
+        not cfg.model.path or cfg.warm_start.steps
+    )  # the run made its base (warm start or random init): it goes along
     base_model = os.path.join(os.path.abspath(out), "base") if own_base else os.path.abspath(cfg.model.path)
     to_peft(config, lora.trainable(params), out, base_model=base_model)
-    written.append(f"{out}: adapter_config.json, adapter_model.safetensors (rank {adapters.rank}, alpha {adapters.alpha}, "
-                   f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, out))
+    written.append(
+        f"{out}: adapter_config.json, adapter_model.safetensors (rank {adapters.rank}, alpha {adapters.alpha}, "
+        f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, out)
+    )
     if own_base:
         to_hf(config, lora.base(params), base_model)
-        written.append(f"{base_model}: the base the adapters were trained on (the run's own, not model.path), weights and "
-                       f"config.json" + _tokenizer_files(tokenizer, base_model))
+        written.append(
+            f"{base_model}: the base the adapters were trained on (the run's own, not model.path), weights and "
+            f"config.json" + _tokenizer_files(tokenizer, base_model)
+        )
     return written
 
 

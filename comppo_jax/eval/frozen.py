@@ -89,8 +89,10 @@ def mean_and_standard_error(values) -> tuple[float, float]:
 def set_metrics(greedy_correct, sample_correct, majority_correct, samples: int, ks) -> dict:
     """A set's metrics from per-problem results: greedy_correct [P] bool, sample_correct [P][n] bool,
     majority_correct [P] bool; {"problems", metric, metric + "_se", ...}."""
-    per_problem = {"greedy_pass@1": [int(x) for x in greedy_correct],
-                   f"avg@{samples}": [Fraction(sum(row), samples) for row in sample_correct]}
+    per_problem = {
+        "greedy_pass@1": [int(x) for x in greedy_correct],
+        f"avg@{samples}": [Fraction(sum(row), samples) for row in sample_correct],
+    }
     per_problem.update({f"pass@{k}": [pass_at_k(samples, sum(row), k) for row in sample_correct] for k in ks})
     per_problem[f"majority@{samples}"] = [int(x) for x in majority_correct]
     out = {"problems": len(greedy_correct)}
@@ -104,17 +106,39 @@ def metric_names(samples: int, ks) -> tuple[str, ...]:
     return ("greedy_pass@1", f"avg@{samples}", *(f"pass@{k}" for k in ks), f"majority@{samples}")
 
 
-def evaluate_problems(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, samples: int,
-                      temperature: float, top_p: float, pass_k: tuple[int, ...] = (), seed: int = 0, batch_size: int = 32,
-                      desc: str = "") -> dict:
+def evaluate_problems(
+    params,
+    config: ModelConfig,
+    tokenizer,
+    problems,
+    pool: VerifierPool,
+    *,
+    max_new_tokens: int,
+    samples: int,
+    temperature: float,
+    top_p: float,
+    pass_k: tuple[int, ...] = (),
+    seed: int = 0,
+    batch_size: int = 32,
+    desc: str = "",
+) -> dict:
     """`set_metrics` over `problems`: greedy pass@1, avg@samples, pass@k for k in `pass_k` (default 1
     and samples) and majority@samples, each a fraction in [0, 1] with its standard error."""
     greedy_correct, sample_correct, majority_correct = [], [], []
     for start in tqdm.trange(0, len(problems), batch_size, desc=desc, leave=False):
         chunk = problems[start : start + batch_size]
         greedy = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens)
-        sampled = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                    num_samples=samples, rng=jax.random.fold_in(jax.random.PRNGKey(seed), start))
+        sampled = generated_answers(
+            params,
+            config,
+            tokenizer,
+            chunk,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            num_samples=samples,
+            rng=jax.random.fold_in(jax.random.PRNGKey(seed), start),
+        )
         voted = [majority_answer(sampled[i * samples : (i + 1) * samples]) for i in range(len(chunk))]
         greedy_correct += answers_correct(chunk, greedy, pool)
         correct = answers_correct([p for p in chunk for _ in range(samples)], sampled, pool)

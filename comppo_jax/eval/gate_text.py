@@ -13,7 +13,7 @@ y_t, and through it the tokens before.
 from __future__ import annotations
 
 import html
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,11 +41,22 @@ def _text_color(rgba) -> str:
 def _check(pieces: Sequence[str], **arrays) -> None:
     for name, values in arrays.items():
         if values is not None and np.shape(values) != (len(pieces),):
-            raise ValueError(f"{name} has shape {np.shape(values)}; expected ({len(pieces)},), one value per token piece")
+            raise ValueError(
+                f"{name} has shape {np.shape(values)}; expected ({len(pieces)},), one value per token piece"
+            )
 
 
-def gate_html(pieces: Sequence[str], kappa, herfindahl=None, window_size=None, concentration=None, *, title: str = "",
-              vmin: float = 0.0, vmax: float = 1.0) -> str:
+def gate_html(
+    pieces: Sequence[str],
+    kappa,
+    herfindahl=None,
+    window_size=None,
+    concentration=None,
+    *,
+    title: str = "",
+    vmin: float = 0.0,
+    vmax: float = 1.0,
+) -> str:
     """An HTML block of the tokens, each on a background coloured by kappa_t (viridis over
     [vmin, vmax]) with a tooltip of t, kappa_t and, when given, H_t, n_t and c_t. All arrays are
     [T] for the T pieces (one response's valid tokens)."""
@@ -54,21 +65,42 @@ def gate_html(pieces: Sequence[str], kappa, herfindahl=None, window_size=None, c
     spans = []
     for t, (piece, rgba) in enumerate(zip(pieces, colors)):
         tip = [f"t={t + 1}", f"kappa={float(kappa[t]):.3f}"]
-        tip += [f"{name}={fmt.format(float(values[t]))}" for name, values, fmt in
-                (("H", herfindahl, "{:.4f}"), ("n", window_size, "{:.0f}"), ("c", concentration, "{:.3f}")) if values is not None]
+        tip += [
+            f"{name}={fmt.format(float(values[t]))}"
+            for name, values, fmt in (
+                ("H", herfindahl, "{:.4f}"),
+                ("n", window_size, "{:.0f}"),
+                ("c", concentration, "{:.3f}"),
+            )
+            if values is not None
+        ]
         background = "rgb({:.0f},{:.0f},{:.0f})".format(*(255 * rgba[:3]))
-        spans.append(f'<span title="{html.escape(" ".join(tip))}" style="background:{background};color:{_text_color(rgba)}">'
-                     f"{html.escape(piece)}</span>")
-    stops = ", ".join("rgb({:.0f},{:.0f},{:.0f})".format(*(255 * c[:3])) for c in _colors(np.linspace(vmin, vmax, 5), vmin, vmax))
-    legend = (f'<div style="font-size:smaller">kappa {vmin:g} <span style="display:inline-block;width:10em;height:0.8em;'
-              f'background:linear-gradient(to right, {stops})"></span> {vmax:g}</div>')
+        spans.append(
+            f'<span title="{html.escape(" ".join(tip))}" style="background:{background};color:{_text_color(rgba)}">'
+            f"{html.escape(piece)}</span>"
+        )
+    stops = ", ".join(
+        "rgb({:.0f},{:.0f},{:.0f})".format(*(255 * c[:3])) for c in _colors(np.linspace(vmin, vmax, 5), vmin, vmax)
+    )
+    legend = (
+        f'<div style="font-size:smaller">kappa {vmin:g} <span style="display:inline-block;width:10em;height:0.8em;'
+        f'background:linear-gradient(to right, {stops})"></span> {vmax:g}</div>'
+    )
     heading = f"<div><b>{html.escape(title)}</b></div>" if title else ""
-    return (f'<div style="margin-bottom:1em">{heading}<div style="font-family:monospace;white-space:pre-wrap;line-height:1.5">'
-            f'{"".join(spans)}</div>{legend}</div>')
+    return (
+        f'<div style="margin-bottom:1em">{heading}<div style="font-family:monospace;white-space:pre-wrap;line-height:1.5">'
+        f"{''.join(spans)}</div>{legend}</div>"
+    )
 
 
-def plot_gate_text(rows: Sequence[tuple[Sequence[str], object, str]], path: str | None = None, *, width: int = 80,
-                   vmin: float = 0.0, vmax: float = 1.0):
+def plot_gate_text(
+    rows: Sequence[tuple[Sequence[str], object, str]],
+    path: str | None = None,
+    *,
+    width: int = 80,
+    vmin: float = 0.0,
+    vmax: float = 1.0,
+):
     """Rows of (pieces, kappa [T], label) drawn as monospace text on cells coloured by kappa_t,
     wrapped at `width` characters (and at newlines), with a colour bar; saved to `path` if given.
     Returns the matplotlib Figure."""
@@ -104,11 +136,25 @@ def plot_gate_text(rows: Sequence[tuple[Sequence[str], object, str]], path: str 
         top += 1.0
         for line, column, character, rgba in cells:
             axes.add_patch(matplotlib.patches.Rectangle((column, top + line), 1, 1, color=rgba, linewidth=0))
-            axes.text(column + 0.5, top + line + 0.78, character, fontsize=7, family="monospace", ha="center", color=_text_color(rgba))
+            axes.text(
+                column + 0.5,
+                top + line + 0.78,
+                character,
+                fontsize=7,
+                family="monospace",
+                ha="center",
+                color=_text_color(rgba),
+            )
         top += lines + 0.5
     bar_height = min(0.8, 2.5 / figure.get_figheight())  # at most 2.5 inches, at the top right
-    colorbar_axes = figure.add_axes((1.0 - 0.5 / figure.get_figwidth(), 0.98 - bar_height, 0.12 / figure.get_figwidth(), bar_height))
-    figure.colorbar(matplotlib.cm.ScalarMappable(matplotlib.colors.Normalize(vmin, vmax), COLORMAP), cax=colorbar_axes, label="kappa_t")
+    colorbar_axes = figure.add_axes(
+        (1.0 - 0.5 / figure.get_figwidth(), 0.98 - bar_height, 0.12 / figure.get_figwidth(), bar_height)
+    )
+    figure.colorbar(
+        matplotlib.cm.ScalarMappable(matplotlib.colors.Normalize(vmin, vmax), COLORMAP),
+        cax=colorbar_axes,
+        label="kappa_t",
+    )
     if path:
         figure.savefig(path, dpi=120, bbox_inches="tight")
     return figure

@@ -57,21 +57,39 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     targets = {"actor": actor_target(mesh, cfg, policy_config)}
     if parts.recipe.critic != "none":
         key = jax.random.PRNGKey(0)  # shapes only: abstract_sharded computes nothing
-        targets["critic"] = sharding.abstract_sharded(mesh, lambda: init_critic(parts, policy_config, key, policy=init_params(policy_config, key),
-                                                                                master_dtype=cfg.train.master_dtype))
+        targets["critic"] = sharding.abstract_sharded(
+            mesh,
+            lambda: init_critic(
+                parts, policy_config, key, policy=init_params(policy_config, key), master_dtype=cfg.train.master_dtype
+            ),
+        )
     restored = checkpoints.restore_params(targets, step)
     policy = cast_params(with_run_base(cfg, checkpoints, mesh, policy_config, restored["actor"]), policy_config.dtype)
-    reference = lora.base(policy) if LoraConfig.of(cfg.model).enabled else run_base(cfg, checkpoints, mesh, policy_config)
+    reference = (
+        lora.base(policy) if LoraConfig.of(cfg.model).enabled else run_base(cfg, checkpoints, mesh, policy_config)
+    )
     dev = load_problems(cfg.data, cfg.seed)[1][:problems]
     if not dev:
-        raise ValueError(f"{checkpoints.directory}: the config's dev split is empty; held-out diagnostics need dev problems")
+        raise ValueError(
+            f"{checkpoints.directory}: the config's dev split is empty; held-out diagnostics need dev problems"
+        )
     group = cfg.rollout.samples_per_prompt
-    values_fn = jax.jit(functools.partial(critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic,
-                                          model_config=policy_config))
-    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=policy_config.hidden_size)
-    coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(schedule_step(cfg, parts.recipe, step + 1))  # as the step after checkpoint `step` reads it
+    values_fn = jax.jit(
+        functools.partial(
+            critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic, model_config=policy_config
+        )
+    )
+    batch_shardings = minibatch_shardings(
+        mesh, with_routing=parts.recipe.critic == "tac", hidden_size=policy_config.hidden_size
+    )
+    coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(
+        schedule_step(cfg, parts.recipe, step + 1)
+    )  # as the step after checkpoint `step` reads it
     critic = restored.get("critic")
-    own, shared = {"kappa": [], "mask": [], "correct": []}, {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []}
+    own, shared = (
+        {"kappa": [], "mask": [], "correct": []},
+        {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []},
+    )
     with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
         for start in range(0, len(dev), cfg.rollout.prompts_per_step):
             chunk = dev[start : start + cfg.rollout.prompts_per_step]
@@ -79,14 +97,32 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
 
             def score(sampler, key):
                 """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and estimator."""
-                generation = generate(sampler, policy_config, tokens, mask, key, max_new_tokens=cfg.rollout.max_new_tokens,
-                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, num_samples=group,
-                                      eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
-                                      **engine_options(cfg.rollout))
+                generation = generate(
+                    sampler,
+                    policy_config,
+                    tokens,
+                    mask,
+                    key,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature,
+                    top_p=cfg.rollout.top_p,
+                    num_samples=group,
+                    eos_token_ids=(tokenizer.eos_token_id,),
+                    pad_token_id=tokenizer.pad_token_id,
+                    **engine_options(cfg.rollout),
+                )
                 sampled = reward_generation(tokenizer, pool, generation, chunk, group, coefficients)
                 rollout = score_rollout(policy, reference, policy_config, generation, **scoring_options(cfg, parts))
-                return credit(cfg, parts, values_fn, critic, rollout, sampled, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start),
-                              batch_shardings)
+                return credit(
+                    cfg,
+                    parts,
+                    values_fn,
+                    critic,
+                    rollout,
+                    sampled,
+                    jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start),
+                    batch_shardings,
+                )
 
             mine = score(policy, jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), start))
             own["kappa"].append(sharding.to_host(mine.rollout.kappa))
@@ -102,6 +138,10 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     out = {"step": step, "problems": len(dev), "responses": len(dev) * group}
     out.update(gate_statistics(_rows(own["kappa"]), _rows(own["mask"]).astype(bool), np.concatenate(own["correct"])))
     if critic is not None:
-        out.update(critic_diagnostics(*(_rows(shared[k]) for k in ("values", "returns", "rewards", "kappa")),
-                                      _rows(shared["mask"]).astype(bool)))
+        out.update(
+            critic_diagnostics(
+                *(_rows(shared[k]) for k in ("values", "returns", "rewards", "kappa")),
+                _rows(shared["mask"]).astype(bool),
+            )
+        )
     return out

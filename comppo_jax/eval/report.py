@@ -11,10 +11,21 @@ from __future__ import annotations
 import numpy as np
 
 from comppo_jax.eval.experiment import Outcome, RunResult, grid_cells, parse_override
-from comppo_jax.eval.statistics import Interval, curve_endpoints, factorial_interaction, is_stable, paired_difference, t_interval
+from comppo_jax.eval.statistics import (
+    Interval,
+    curve_endpoints,
+    factorial_interaction,
+    is_stable,
+    paired_difference,
+    t_interval,
+)
 
-FACTORIAL_CELLS = (("fixed_std", "Fixed gate + standard critic"), ("gate_std", "Comp-GAE + standard critic"),
-                   ("fixed_aligned", "Fixed gate + aligned critic"), ("full", "Full CompPO"))
+FACTORIAL_CELLS = (
+    ("fixed_std", "Fixed gate + standard critic"),
+    ("gate_std", "Comp-GAE + standard critic"),
+    ("fixed_aligned", "Fixed gate + aligned critic"),
+    ("full", "Full CompPO"),
+)
 SHORT_CELLS = ("Fixed+Std", "Gate+Std", "Fixed+TAC", "Full")
 
 
@@ -68,7 +79,9 @@ def save_bars(path: str, labels, heights, ylabel: str, title: str = "", errors=N
     ax.bar(range(len(labels)), heights, yerr=errors, capsize=4, color="#4C72B0")
     if errors is not None:
         for x, height in enumerate(heights):
-            ax.annotate(f"{height:.1f}", (x + 0.05, height), textcoords="offset points", xytext=(2, 3), ha="left", fontsize=8)  # beside the error bar
+            ax.annotate(
+                f"{height:.1f}", (x + 0.05, height), textcoords="offset points", xytext=(2, 3), ha="left", fontsize=8
+            )  # beside the error bar
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
@@ -89,17 +102,30 @@ def bar_plot(labels, intervals: list[Interval], ylabel: str, title: str):
 
 def contrast(outcome: Outcome, exp, seeds, a: str, b: str) -> list[str]:
     """The seed-matched differences a - b of Best and Final, with 95% t intervals (points)."""
-    return [signed_ci(paired_difference(arm_values(outcome, exp, a, k, seeds), arm_values(outcome, exp, b, k, seeds)))
-            for k in ("best", "final")]
+    return [
+        signed_ci(paired_difference(arm_values(outcome, exp, a, k, seeds), arm_values(outcome, exp, b, k, seeds)))
+        for k in ("best", "final")
+    ]
 
 
 def summary_rows(outcome: Outcome, exp, arms, seeds, labels=None) -> list[list[str]]:
     """Variant | Best [CI] | Final [CI] | Last-N | AULC | Peak-final, means over `seeds`."""
     rows = []
     for arm in arms:
-        values = {k: arm_values(outcome, exp, arm, k, seeds) for k in ("best", "final", f"last_{exp.last}", "aulc", "peak_to_final_drop")}
-        rows.append([(labels or {}).get(arm, arm), ci(t_interval(values["best"])), ci(t_interval(values["final"])),
-                     pts(np.mean(values[f"last_{exp.last}"])), pts(np.mean(values["aulc"])), pts(np.mean(values["peak_to_final_drop"]))])
+        values = {
+            k: arm_values(outcome, exp, arm, k, seeds)
+            for k in ("best", "final", f"last_{exp.last}", "aulc", "peak_to_final_drop")
+        }
+        rows.append(
+            [
+                (labels or {}).get(arm, arm),
+                ci(t_interval(values["best"])),
+                ci(t_interval(values["final"])),
+                pts(np.mean(values[f"last_{exp.last}"])),
+                pts(np.mean(values["aulc"])),
+                pts(np.mean(values["peak_to_final_drop"])),
+            ]
+        )
     return rows
 
 
@@ -111,7 +137,9 @@ def per_seed_table(outcome: Outcome, exp, arms, seeds, labels=None) -> str:
 
 def main_report(exp, outcome: Outcome):
     arms = [name for name, _ in exp.arms]
-    parts = [f"Screen: one run per grid cell at seed {exp.screen_seed}; the selected cell (best Final, ties by Best) is bold."]
+    parts = [
+        f"Screen: one run per grid cell at seed {exp.screen_seed}; the selected cell (best Final, ties by Best) is bold."
+    ]
     for arm in arms:
         cells = grid_cells(dict(exp.grids).get(arm, ()))
         keys = [parse_override(c)[0] for c in cells[0]] if cells else []
@@ -120,7 +148,11 @@ def main_report(exp, outcome: Outcome):
             cell = tuple(o for o in result.run.overrides if parse_override(o)[0] in keys)
             mark = "**" if outcome.selected.get(arm) == cell else ""
             e = endpoints(result, exp)
-            rows.append([arm] + [parse_override(c)[1] for c in cell] + [f"{mark}{pts(e['best'])}{mark}", f"{mark}{pts(e['final'])}{mark}"])
+            rows.append(
+                [arm]
+                + [parse_override(c)[1] for c in cell]
+                + [f"{mark}{pts(e['best'])}{mark}", f"{mark}{pts(e['final'])}{mark}"]
+            )
         if rows:
             parts.append(table(["Method"] + [k.split(".")[-1] for k in keys] + ["Best", "Final"], rows))
     seeds = seeds_of(outcome, arms)
@@ -128,13 +160,27 @@ def main_report(exp, outcome: Outcome):
         return "\n\n".join(parts + ["No seed finished every arm."]), {}
     parts.append(f"Selected configurations over seeds {seeds}:")
     parts.append(per_seed_table(outcome, exp, arms, seeds))
-    parts.append(table(["Method", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"], summary_rows(outcome, exp, arms, seeds)))
+    parts.append(
+        table(
+            ["Method", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final"],
+            summary_rows(outcome, exp, arms, seeds),
+        )
+    )
     if len(arms) == 2:
         a, b = arms
-        rows = [[endpoint, difference] for endpoint, difference in zip(("Best", "Final"), contrast(outcome, exp, seeds, a, b))]
-        parts.append(f"Seed-matched difference {a} - {b} (points, 95% t interval):\n\n" + table(["Endpoint", f"{a} - {b}"], rows))
+        rows = [
+            [endpoint, difference]
+            for endpoint, difference in zip(("Best", "Final"), contrast(outcome, exp, seeds, a, b))
+        ]
+        parts.append(
+            f"Seed-matched difference {a} - {b} (points, 95% t interval):\n\n" + table(["Endpoint", f"{a} - {b}"], rows)
+        )
     finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
-    plots = {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{exp.name}: {len(seeds)} seeds, 95% t intervals")}
+    plots = {
+        f"{exp.name}_final.png": bar_plot(
+            arms, finals, "final dev accuracy (%)", f"{exp.name}: {len(seeds)} seeds, 95% t intervals"
+        )
+    }
     return "\n\n".join(parts), plots
 
 
@@ -151,25 +197,68 @@ def factorial_report(exp, outcome: Outcome):
         mean = lambda k: np.mean([x[k] for x in e])
         reached = [x["step_to_target"] for x in e if x.get("step_to_target") is not None]
         step_to = f"{np.mean(reached):.0f} ({len(reached)}/{len(e)} seeds)" if reached else "never"
-        rows.append([label, pts(mean("best")), pts(mean("final")), pts(mean(f"last_{exp.last}")), pts(mean("aulc")),
-                     pts(mean("peak_to_final_drop"))]
-                    + [diagnostics_mean(outcome, arm, seeds, k) for k in
-                       ("critic/explained_variance", "critic/td_spearman", "critic/value_mae", "critic/clamp_saturation")]
-                    + ([step_to] if target else []))
-    header = ["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final", "EV", "TD rho_s", "MAE", "Clamp sat."]
-    parts = [f"Seeds {seeds}. Critic columns: held-out token sample at each run's final checkpoint (comppo_jax.eval.held_out).",
-             table(header + ([target] if target else []), rows),
-             "Best / Final with 95% t intervals:\n\n" + table(["Variant", "Best", "Final"], [r[:3] for r in summary_rows(outcome, exp, arms, seeds, labels)]),
-             per_seed_table(outcome, exp, arms, seeds, dict(zip(arms, SHORT_CELLS)))]
+        rows.append(
+            [
+                label,
+                pts(mean("best")),
+                pts(mean("final")),
+                pts(mean(f"last_{exp.last}")),
+                pts(mean("aulc")),
+                pts(mean("peak_to_final_drop")),
+            ]
+            + [
+                diagnostics_mean(outcome, arm, seeds, k)
+                for k in (
+                    "critic/explained_variance",
+                    "critic/td_spearman",
+                    "critic/value_mae",
+                    "critic/clamp_saturation",
+                )
+            ]
+            + ([step_to] if target else [])
+        )
+    header = [
+        "Variant",
+        "Best",
+        "Final",
+        f"Last-{exp.last}",
+        "AULC",
+        "Peak-final",
+        "EV",
+        "TD rho_s",
+        "MAE",
+        "Clamp sat.",
+    ]
+    parts = [
+        f"Seeds {seeds}. Critic columns: held-out token sample at each run's final checkpoint (comppo_jax.eval.held_out).",
+        table(header + ([target] if target else []), rows),
+        "Best / Final with 95% t intervals:\n\n"
+        + table(["Variant", "Best", "Final"], [r[:3] for r in summary_rows(outcome, exp, arms, seeds, labels)]),
+        per_seed_table(outcome, exp, arms, seeds, dict(zip(arms, SHORT_CELLS))),
+    ]
     values = {k: {arm: arm_values(outcome, exp, arm, k, seeds) for arm in arms} for k in ("best", "final")}
-    interaction = {k: factorial_interaction(*(values[k][a] for a in ("full", "gate_std", "fixed_aligned", "fixed_std"))) for k in values}
-    rows = [[f"Full - ({labels[other]})", *contrast(outcome, exp, seeds, "full", other)] for other in ("gate_std", "fixed_aligned")]
+    interaction = {
+        k: factorial_interaction(*(values[k][a] for a in ("full", "gate_std", "fixed_aligned", "fixed_std")))
+        for k in values
+    }
+    rows = [
+        [f"Full - ({labels[other]})", *contrast(outcome, exp, seeds, "full", other)]
+        for other in ("gate_std", "fixed_aligned")
+    ]
     rows.append(["Interaction I", signed_ci(interaction["best"]), signed_ci(interaction["final"])])
-    parts.append("Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), points:\n\n"
-                 + table(["Contrast", "Best", "Final"], rows))
+    parts.append(
+        "Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), points:\n\n"
+        + table(["Contrast", "Best", "Final"], rows)
+    )
     finals = [t_interval(values["final"][arm]) for arm in arms]
-    plots = {f"{exp.name}_final.png": bar_plot(list(SHORT_CELLS), finals, "final dev accuracy (%)",
-                                               f"2x2 factorial, {len(seeds)} seeds; I = {signed_ci(interaction['final'])}")}
+    plots = {
+        f"{exp.name}_final.png": bar_plot(
+            list(SHORT_CELLS),
+            finals,
+            "final dev accuracy (%)",
+            f"2x2 factorial, {len(seeds)} seeds; I = {signed_ci(interaction['final'])}",
+        )
+    }
     return "\n\n".join(parts), plots
 
 
@@ -187,12 +276,17 @@ def comparison_report(exp, outcome: Outcome, title: str):
     if not seeds:
         return "No seed finished every arm.", {}
     rows = [row + [mean_gate(outcome, arm, seeds)] for row, arm in zip(summary_rows(outcome, exp, arms, seeds), arms)]
-    parts = [f"Seeds {seeds}.", table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final", "Mean gate"], rows)]
+    parts = [
+        f"Seeds {seeds}.",
+        table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final", "Mean gate"], rows),
+    ]
     reference = arms[0]
     rows = [[f"{reference} - {other}", *contrast(outcome, exp, seeds, reference, other)] for other in arms[1:]]
     parts.append("Seed-matched differences (points):\n\n" + table(["Contrast", "Best", "Final"], rows))
     finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
-    return "\n\n".join(parts), {f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{title}, {len(seeds)} seeds")}
+    return "\n\n".join(parts), {
+        f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{title}, {len(seeds)} seeds")
+    }
 
 
 def controls_report(exp, outcome: Outcome):
@@ -203,11 +297,21 @@ def controls_report(exp, outcome: Outcome):
     if not seeds or arms[0] != "full":
         return markdown, plots
     stat = lambda k: diagnostics_mean(outcome, "full", seeds, k)
-    markdown += "\n\nRealized gate of the full method's final checkpoints (held-out prompts, mean over seeds):\n\n" + table(
-        ["Statistic", "Value", "Statistic", "Value"],
-        [["Mean / median", f"{stat('gate/mean')} / {stat('gate/median')}", "IQR", stat("gate/iqr")],
-         ["Early / middle / late", " / ".join(stat(f"gate/{t}_third") for t in ("first", "middle", "last")), "Correct / incorrect",
-          f"{stat('gate/correct')} / {stat('gate/incorrect')}"]])
+    markdown += (
+        "\n\nRealized gate of the full method's final checkpoints (held-out prompts, mean over seeds):\n\n"
+        + table(
+            ["Statistic", "Value", "Statistic", "Value"],
+            [
+                ["Mean / median", f"{stat('gate/mean')} / {stat('gate/median')}", "IQR", stat("gate/iqr")],
+                [
+                    "Early / middle / late",
+                    " / ".join(stat(f"gate/{t}_third") for t in ("first", "middle", "last")),
+                    "Correct / incorrect",
+                    f"{stat('gate/correct')} / {stat('gate/incorrect')}",
+                ],
+            ],
+        )
+    )
     return markdown, plots
 
 
@@ -220,17 +324,39 @@ def stress_report(exp, outcome: Outcome):
             e = [endpoints(r, exp) for r in results]
             stable = [is_stable(r.accuracies, r.base, max_drop=exp.max_drop, run_below=exp.run_below) for r in results]
             totals.setdefault(arm, []).extend(zip(stable, e))
-            rows.append([name, pts(np.mean([x["best"] for x in e])), pts(np.mean([x["final"] for x in e])), f"{sum(stable)}/{len(stable)}"])
+            rows.append(
+                [
+                    name,
+                    pts(np.mean([x["best"] for x in e])),
+                    pts(np.mean([x["final"] for x in e])),
+                    f"{sum(stable)}/{len(stable)}",
+                ]
+            )
     if not rows:
         return "No stress-grid run finished.", {}
-    parts = [f"Stable: final >= the run's base (warm-start) accuracy, peak-to-final drop < {pts(exp.max_drop)} points, and no "
-             f"{exp.run_below} consecutive post-peak evaluations below base.", table(["Cell", "Best", "Final", "Stable seeds"], rows)]
-    summary = [[arm, f"{sum(s for s, _ in v)}/{len(v)}", pts(np.mean([e['best'] for _, e in v])), pts(np.mean([e['final'] for _, e in v])),
-                pts(np.mean([e['peak_to_final_drop'] for _, e in v]))] for arm, v in totals.items()]
+    parts = [
+        f"Stable: final >= the run's base (warm-start) accuracy, peak-to-final drop < {pts(exp.max_drop)} points, and no "
+        f"{exp.run_below} consecutive post-peak evaluations below base.",
+        table(["Cell", "Best", "Final", "Stable seeds"], rows),
+    ]
+    summary = [
+        [
+            arm,
+            f"{sum(s for s, _ in v)}/{len(v)}",
+            pts(np.mean([e["best"] for _, e in v])),
+            pts(np.mean([e["final"] for _, e in v])),
+            pts(np.mean([e["peak_to_final_drop"] for _, e in v])),
+        ]
+        for arm, v in totals.items()
+    ]
     parts.append(table(["Method", "Stable runs", "Mean best", "Mean final", "Mean drop"], summary))
 
-    draw = lambda path: save_bars(path, list(totals), [sum(s for s, _ in v) for v in totals.values()],
-                                  f"stable runs (of {max(len(v) for v in totals.values())})")
+    draw = lambda path: save_bars(
+        path,
+        list(totals),
+        [sum(s for s, _ in v) for v in totals.values()],
+        f"stable runs (of {max(len(v) for v in totals.values())})",
+    )
     return "\n\n".join(parts), {f"{exp.name}_stable.png": draw}
 
 
@@ -240,15 +366,25 @@ def group_report(exp, outcome: Outcome):
         for seed, result in sorted(outcome.arms.get(arm, {}).items()):
             e = endpoints(result, exp)
             settings = dict(parse_override(o) for o in result.run.overrides)
-            size = int(settings.get("rollout.prompts_per_step", 0) or 0) * int(settings.get("rollout.samples_per_prompt", 0) or 0)
+            size = int(settings.get("rollout.prompts_per_step", 0) or 0) * int(
+                settings.get("rollout.samples_per_prompt", 0) or 0
+            )
             rows.append([arm, seed, size or "config default", pts(e["best"]), pts(e["final"])])
     if not rows:
         return "No run finished.", {}
-    return ("Single runs (point estimates, no training-seed intervals); frozen macro: launch/eval.py on each run's final checkpoint.\n\n"
-            + table(["Method", "Seed", "Trajectories/update", "ID Best", "ID Final"], rows)), {}
+    return (
+        "Single runs (point estimates, no training-seed intervals); frozen macro: launch/eval.py on each run's final checkpoint.\n\n"
+        + table(["Method", "Seed", "Trajectories/update", "ID Best", "ID Final"], rows)
+    ), {}
 
 
-REPORTS = {"main": main_report, "factorial": factorial_report, "controls": controls_report, "stress": stress_report, "group": group_report,
-           "statistics": lambda exp, outcome: comparison_report(exp, outcome, "gate statistics and controls"),
-           "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants"),
-           "lora": lambda exp, outcome: comparison_report(exp, outcome, "LoRA and full fine-tuning")}
+REPORTS = {
+    "main": main_report,
+    "factorial": factorial_report,
+    "controls": controls_report,
+    "stress": stress_report,
+    "group": group_report,
+    "statistics": lambda exp, outcome: comparison_report(exp, outcome, "gate statistics and controls"),
+    "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants"),
+    "lora": lambda exp, outcome: comparison_report(exp, outcome, "LoRA and full fine-tuning"),
+}

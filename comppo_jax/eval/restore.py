@@ -38,8 +38,12 @@ def actor_target(mesh, cfg, policy_config: ModelConfig):
     weights, or a LoRA run's adapters (comppo_jax.models.lora)."""
     adapters = LoraConfig.of(cfg.model)
     if adapters.enabled:
-        return sharding.abstract_sharded(mesh, lambda: lora.init_adapters(policy_config, adapters, jax.random.PRNGKey(0), cfg.train.master_dtype))
-    return sharding.abstract_sharded(mesh, lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype))
+        return sharding.abstract_sharded(
+            mesh, lambda: lora.init_adapters(policy_config, adapters, jax.random.PRNGKey(0), cfg.train.master_dtype)
+        )
+    return sharding.abstract_sharded(
+        mesh, lambda: cast_params(init_params(policy_config, jax.random.PRNGKey(0)), cfg.train.master_dtype)
+    )
 
 
 def run_base(cfg, checkpoints: RunCheckpoints, mesh, policy_config: ModelConfig) -> dict:

@@ -7,7 +7,8 @@ Accuracies are fractions in [0, 1] (the paper prints points = 100 x fraction). A
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from scipy import stats
@@ -62,7 +63,9 @@ def factorial_interaction(full, gate_standard, fixed_aligned, fixed_standard, co
 def _curve(steps, accuracies):
     steps, accuracies = np.asarray(steps, np.float64), np.asarray(accuracies, np.float64)
     if steps.shape != accuracies.shape or steps.ndim != 1 or steps.size == 0:
-        raise ValueError(f"a curve needs equal-length 1-D steps and accuracies, got {steps.shape} and {accuracies.shape}")
+        raise ValueError(
+            f"a curve needs equal-length 1-D steps and accuracies, got {steps.shape} and {accuracies.shape}"
+        )
     if np.any(np.diff(steps) <= 0):
         raise ValueError("curve steps must be strictly increasing")
     return steps, accuracies

@@ -49,8 +49,9 @@ def resolve_implementation(implementation: str, dtype, platform: str | None = No
     return "chunked"
 
 
-def training_attention(q, k, v, attention_mask, *, implementation: str = "auto", sm_scale: float | None = None,
-                       block: int = DEFAULT_BLOCK):
+def training_attention(
+    q, k, v, attention_mask, *, implementation: str = "auto", sm_scale: float | None = None, block: int = DEFAULT_BLOCK
+):
     """Causal GQA attention over the real keys; see the module docstring for `implementation`."""
     check_attention_inputs(q, k, v, attention_mask)
     chosen = resolve_implementation(implementation, q.dtype)
@@ -60,7 +61,9 @@ def training_attention(q, k, v, attention_mask, *, implementation: str = "auto",
         return chunked_attention(q, k, v, attention_mask, sm_scale=sm_scale, block_q=block, block_k=block)
     if chosen == "cudnn":
         return cudnn_attention(q, k, v, attention_mask, sm_scale=sm_scale)
-    return splash_attention(q, k, v, attention_mask, sm_scale=sm_scale, block=block, interpret=chosen == "splash_interpret")
+    return splash_attention(
+        q, k, v, attention_mask, sm_scale=sm_scale, block=block, interpret=chosen == "splash_interpret"
+    )
 
 
 def _scale(sm_scale, head_dim):
@@ -93,8 +96,15 @@ def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT
     if padded == block_q == block_k:  # one block: nothing to stream, the softmax directly
         return _one_block_attention(q, k, v, attention_mask, _scale(sm_scale, head_dim))
     grouped = lambda x: _pad_length(x, padded).reshape(batch, padded, num_kv, num_heads // num_kv, head_dim)
-    out = _flash(grouped(q), _pad_length(k, padded), _pad_length(v, padded), _pad_length(attention_mask, padded, False),
-                 _scale(sm_scale, head_dim), block_q, block_k)
+    out = _flash(
+        grouped(q),
+        _pad_length(k, padded),
+        _pad_length(v, padded),
+        _pad_length(attention_mask, padded, False),
+        _scale(sm_scale, head_dim),
+        block_q,
+        block_k,
+    )
     return out.reshape(batch, padded, num_heads, head_dim)[:, :length]
 
 
@@ -117,7 +127,9 @@ def _one_block_attention(q, k, v, attention_mask, scale, query_slices: int = 2):
         q_pos = jnp.tile(jnp.arange(lo, hi), groups)
         visible = (q_pos[:, None] >= jnp.arange(hi)[None, :])[None, None] & attention_mask[:, None, None, :hi]
         probs = jax.nn.softmax(jnp.where(visible, logits, MASK_VALUE), axis=-1)
-        out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v_heads[:, :, :hi], preferred_element_type=jnp.float32)
+        out = jnp.einsum(
+            "bhqk,bhkd->bhqd", probs.astype(v.dtype), v_heads[:, :, :hi], preferred_element_type=jnp.float32
+        )
         outs.append(out.reshape(batch, num_kv, groups, hi - lo, head_dim))
     return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
@@ -157,16 +169,25 @@ def _flash_forward(q, k, v, key_mask, scale, block_q, block_k):
         def key_block(j, carry):
             row_max, row_sum, acc = carry
             k_start = j * block_k
-            logits, _ = _block_logits(q_block, _slice(k, k_start, block_k), _slice(key_mask, k_start, block_k), q_start, k_start, scale)
+            logits, _ = _block_logits(
+                q_block, _slice(k, k_start, block_k), _slice(key_mask, k_start, block_k), q_start, k_start, scale
+            )
             new_max = jnp.maximum(row_max, logits.max(-1))
             probs = jnp.exp(logits - new_max[..., None])
             correction = jnp.exp(row_max - new_max)
-            acc = acc * correction[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs.astype(v.dtype), _slice(v, k_start, block_k),
-                                                           preferred_element_type=jnp.float32)
+            acc = acc * correction[..., None] + jnp.einsum(
+                "bhgqk,bkhd->bhgqd",
+                probs.astype(v.dtype),
+                _slice(v, k_start, block_k),
+                preferred_element_type=jnp.float32,
+            )
             return new_max, row_sum * correction + probs.sum(-1), acc
 
-        init = (jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-                jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+        init = (
+            jnp.full(stats_shape, MASK_VALUE, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (head_dim,), jnp.float32),
+        )
         row_max, row_sum, acc = jax.lax.fori_loop(0, _last_key_block(q_start, block_q, block_k), key_block, init)
         out = (acc / row_sum[..., None]).astype(q.dtype)  # [B, Hkv, G, bq, D]
         return out.transpose(0, 3, 1, 2, 4), row_max + jnp.log(row_sum)
@@ -194,11 +215,15 @@ def _flash_bwd(scale, block_q, block_k, residuals, d_out):
     def probs_and_dlogits(q_start, k_start):
         """P and dS of one [bq, bk] block, recomputed from the saved LSE."""
         q_block = _slice(q, q_start, block_q)
-        logits, visible = _block_logits(q_block, _slice(k, k_start, block_k), _slice(key_mask, k_start, block_k), q_start, k_start, scale)
+        logits, visible = _block_logits(
+            q_block, _slice(k, k_start, block_k), _slice(key_mask, k_start, block_k), q_start, k_start, scale
+        )
         lse_block = jax.lax.dynamic_slice_in_dim(lse, q_start, block_q, axis=3)
         probs = jnp.where(visible, jnp.exp(logits - lse_block[..., None]), 0.0)
         d_out_block = _slice(d_out, q_start, block_q)
-        d_probs = jnp.einsum("bqhgd,bkhd->bhgqk", d_out_block, _slice(v, k_start, block_k), preferred_element_type=jnp.float32)
+        d_probs = jnp.einsum(
+            "bqhgd,bkhd->bhgqk", d_out_block, _slice(v, k_start, block_k), preferred_element_type=jnp.float32
+        )
         d_sum_block = jax.lax.dynamic_slice_in_dim(d_sum, q_start, block_q, axis=3)
         return probs, probs * (d_probs - d_sum_block[..., None]), q_block, d_out_block
 
@@ -208,11 +233,19 @@ def _flash_bwd(scale, block_q, block_k, residuals, d_out):
         def key_block(j, d_q):
             k_start = j * block_k
             _, d_logits, _, _ = probs_and_dlogits(q_start, k_start)
-            return d_q + jnp.einsum("bhgqk,bkhd->bqhgd", d_logits.astype(k.dtype), _slice(k, k_start, block_k),
-                                    preferred_element_type=jnp.float32)
+            return d_q + jnp.einsum(
+                "bhgqk,bkhd->bqhgd",
+                d_logits.astype(k.dtype),
+                _slice(k, k_start, block_k),
+                preferred_element_type=jnp.float32,
+            )
 
-        d_q = jax.lax.fori_loop(0, _last_key_block(q_start, block_q, block_k), key_block,
-                                jnp.zeros((batch, block_q, num_kv, groups, head_dim), jnp.float32))
+        d_q = jax.lax.fori_loop(
+            0,
+            _last_key_block(q_start, block_q, block_k),
+            key_block,
+            jnp.zeros((batch, block_q, num_kv, groups, head_dim), jnp.float32),
+        )
         return (d_q * scale).astype(q.dtype)
 
     def dkv_block(j):
@@ -221,8 +254,12 @@ def _flash_bwd(scale, block_q, block_k, residuals, d_out):
         def query_block(i, carry):
             d_k, d_v = carry
             probs, d_logits, q_block, d_out_block = probs_and_dlogits(i * block_q, k_start)
-            d_v = d_v + jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(v.dtype), d_out_block, preferred_element_type=jnp.float32)
-            d_k = d_k + jnp.einsum("bhgqk,bqhgd->bkhd", d_logits.astype(q.dtype), q_block, preferred_element_type=jnp.float32)
+            d_v = d_v + jnp.einsum(
+                "bhgqk,bqhgd->bkhd", probs.astype(v.dtype), d_out_block, preferred_element_type=jnp.float32
+            )
+            d_k = d_k + jnp.einsum(
+                "bhgqk,bqhgd->bkhd", d_logits.astype(q.dtype), q_block, preferred_element_type=jnp.float32
+            )
             return d_k, d_v
 
         zeros = jnp.zeros((batch, block_k, num_kv, head_dim), jnp.float32)
@@ -251,9 +288,18 @@ def cudnn_attention(q, k, v, attention_mask, *, sm_scale=None, implementation="c
     order = jnp.argsort(~attention_mask, axis=1, stable=True)  # real tokens first, in order
     inverse = jnp.argsort(order, axis=1)
     take = lambda x, index: jnp.take_along_axis(x, index[:, :, None, None], axis=1)
-    lengths = jnp.maximum(attention_mask.sum(axis=1, dtype=jnp.int32), 1)  # an all-padding row must not reach cuDNN empty
-    packed = jax.nn.dot_product_attention(take(q, order), take(k, order), take(v, order), scale=sm_scale, is_causal=True,
-                                          key_value_seq_lengths=lengths, implementation=implementation)
+    lengths = jnp.maximum(
+        attention_mask.sum(axis=1, dtype=jnp.int32), 1
+    )  # an all-padding row must not reach cuDNN empty
+    packed = jax.nn.dot_product_attention(
+        take(q, order),
+        take(k, order),
+        take(v, order),
+        scale=sm_scale,
+        is_causal=True,
+        key_value_seq_lengths=lengths,
+        implementation=implementation,
+    )
     return take(packed, inverse)
 
 
@@ -277,13 +323,25 @@ def splash_attention(q, k, v, attention_mask, *, sm_scale=None, block=DEFAULT_BL
     q = heads_first(q * jnp.asarray(_scale(sm_scale, head_dim), q.dtype))
     k, v = heads_first(k), heads_first(v)
     segments = _pad_length(attention_mask, padded, False).astype(jnp.int32)
-    sizes = dict.fromkeys(["block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
-                           "block_q_dq", "block_kv_dq"], block)
+    sizes = dict.fromkeys(
+        [
+            "block_q",
+            "block_kv",
+            "block_kv_compute",
+            "block_q_dkv",
+            "block_kv_dkv",
+            "block_kv_dkv_compute",
+            "block_q_dq",
+            "block_kv_dq",
+        ],
+        block,
+    )
 
     def local(q, k, v, segments):
         mask = splash.MultiHeadMask([splash.CausalMask((padded, padded))] * q.shape[1])
-        kernel = splash.make_splash_mha(mask, block_sizes=splash.BlockSizes(**sizes), head_shards=1, q_seq_shards=1,
-                                        interpret=interpret)
+        kernel = splash.make_splash_mha(
+            mask, block_sizes=splash.BlockSizes(**sizes), head_shards=1, q_seq_shards=1, interpret=interpret
+        )
         return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(q=s, kv=s)))(q, k, v, segments)
 
     rows = P(BATCH, heads_axis(num_heads, k.shape[1]), None, None)

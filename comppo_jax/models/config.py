@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 DTYPES = ("float32", "bfloat16")
@@ -61,7 +62,15 @@ class ModelConfig:
             raise ConfigError(
                 f"architecture={self.architecture!r} is not supported; expected one of {sorted(ARCHITECTURES.values())}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -78,7 +87,9 @@ class ModelConfig:
         if self.remat not in REMAT:
             raise ConfigError(f"remat={self.remat!r} is not supported; expected one of {REMAT}")
         if not isinstance(self.logits_chunk, int) or isinstance(self.logits_chunk, bool) or self.logits_chunk < 0:
-            raise ConfigError(f"logits_chunk must be a non-negative integer (0 = no chunking), got {self.logits_chunk!r}")
+            raise ConfigError(
+                f"logits_chunk must be a non-negative integer (0 = no chunking), got {self.logits_chunk!r}"
+            )
         if isinstance(self.rope_scaling, Mapping):  # from ml_collections / JSON
             object.__setattr__(self, "rope_scaling", Llama3RopeScaling(**self.rope_scaling))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -88,11 +99,11 @@ class ModelConfig:
         """Qwen3 RMS-normalizes each query/key head before RoPE."""
         return self.architecture == "qwen3"
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, fields: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, fields: Mapping[str, Any]) -> ModelConfig:
         """Builds a config from its field names (e.g. an ml_collections `model.arch` section)."""
         fields = dict(fields)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -105,7 +116,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], dtype: str | None = None) -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any], dtype: str | None = None) -> ModelConfig:
         """Maps a Hugging Face `config.json` dict (transformers 4.x or 5.x layout) to a ModelConfig.
 
         4.x writes top-level `rope_theta` / `rope_scaling`; 5.x writes `rope_parameters`
@@ -214,7 +225,9 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ConfigError(f"config.json field '{where}.rope_type'={rope_type!r} is not supported (only 'default', 'llama3')")
+        raise ConfigError(
+            f"config.json field '{where}.rope_type'={rope_type!r} is not supported (only 'default', 'llama3')"
+        )
     try:
         scaling = Llama3RopeScaling(
             factor=float(params["factor"]),

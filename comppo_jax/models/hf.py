@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,9 @@ def _open_safetensors(file: str):
         with safe_open(file, framework="numpy") as f:
             yield f
     except SafetensorError as error:
-        raise CheckpointError(f"{file} is not a readable safetensors file ({error}); re-download or re-export it") from None
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({error}); re-download or re-export it"
+        ) from None
 
 
 def _read_hf_config(path: str) -> dict:
@@ -113,7 +115,9 @@ def _stored_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
     missing_from_files = sorted(set(files) - set(shapes))
     if missing_from_files:
-        raise CheckpointError(f"tensor {missing_from_files[0]!r} is listed in the index but absent from {files[missing_from_files[0]]}")
+        raise CheckpointError(
+            f"tensor {missing_from_files[0]!r} is listed in the index but absent from {files[missing_from_files[0]]}"
+        )
     return shapes
 
 
@@ -129,7 +133,9 @@ def from_hf(path: str, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     config = ModelConfig.from_hf_config(_read_hf_config(path), dtype=dtype)
     files = _weight_files(path)
     stored = _stored_shapes(files)
-    expected = {name: (target, index, shape, transposed) for name, target, index, shape, transposed in tensor_layout(config)}
+    expected = {
+        name: (target, index, shape, transposed) for name, target, index, shape, transposed in tensor_layout(config)
+    }
     # A tied checkpoint may still carry the (identical) lm_head copy.
     optional = {_TOP_NAMES["lm_head"]} if config.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(stored))
@@ -137,13 +143,17 @@ def from_hf(path: str, dtype: str | None = None) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"tensor {missing[0]!r} is missing from {path} ({len(missing)} missing in total)")
     extra = sorted(name for name in set(stored) - set(expected) - optional if not _IGNORED.match(name))
     if extra:
-        raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} unexpected in total) for {config.hf_architecture}")
+        raise CheckpointError(
+            f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} unexpected in total) for {config.hf_architecture}"
+        )
     for name, (_, _, shape, _) in expected.items():
         if stored[name] != shape:
             raise CheckpointError(f"tensor {name!r} in {files[name]} has shape {stored[name]}, expected {shape}")
 
     np_dtype = _NUMPY_DTYPES[config.dtype]
-    arrays = jax.tree.map(lambda shape: np.empty(shape, np_dtype), param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    arrays = jax.tree.map(
+        lambda shape: np.empty(shape, np_dtype), param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
     by_file: dict[str, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -231,12 +241,25 @@ def to_peft(config: ModelConfig, adapters: dict, path: str, *, base_model: str) 
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(lora_a[index].T)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(layers[weight + "_lora_b"][index].T)
     if len(ranks) != 1:
-        raise CheckpointError(f"expected LoRA adapters of one rank, got ranks {sorted(ranks)} ({len(modules)} adapted modules)")
+        raise CheckpointError(
+            f"expected LoRA adapters of one rank, got ranks {sorted(ranks)} ({len(modules)} adapted modules)"
+        )
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, PEFT_WEIGHTS), metadata={"format": "pt"})
-    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": ranks.pop(),
-                      "lora_alpha": config.lora_alpha, "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none",
-                      "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "modules_to_save": None}
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": ranks.pop(),
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
     with open(os.path.join(path, PEFT_CONFIG), "w") as f:
         json.dump(adapter_config, f, indent=2)
 

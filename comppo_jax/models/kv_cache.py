@@ -45,7 +45,8 @@ def prefill(params: dict, config: ModelConfig, tokens, attention_mask, max_lengt
     x, (keys, values) = scan_layers(step, params["embed"].astype(dtype)[tokens], params["layers"])
     pad = ((0, 0), (0, 0), (0, max_length - length), (0, 0), (0, 0))
     cache = KVCache(
-        jnp.pad(keys, pad), jnp.pad(values, pad),
+        jnp.pad(keys, pad),
+        jnp.pad(values, pad),
         jnp.pad(attention_mask, ((0, 0), (0, max_length - length))),
         attention_mask.sum(axis=1).astype(jnp.int32),
     )

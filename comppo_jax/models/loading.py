@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -17,8 +18,17 @@ PRESET_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 # Fields that decide the parameter shapes and the function the model computes.
 _ARCHITECTURE_FIELDS = (
-    "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-    "num_kv_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rope_scaling",
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
 )
 
 

@@ -21,10 +21,20 @@ import jax
 import jax.numpy as jnp
 
 from comppo_jax.models.config import ConfigError, ModelConfig
-from comppo_jax.models.transformer import LORA_A as A, LORA_B as B, lora_scale, param_shapes
+from comppo_jax.models.transformer import LORA_A as A
+from comppo_jax.models.transformer import LORA_B as B
+from comppo_jax.models.transformer import lora_scale, param_shapes
 
 # model.lora.targets names -> the layer weights they adapt.
-TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+TARGETS = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +46,7 @@ class LoraConfig:
     targets: tuple[str, ...] = tuple(TARGETS)
 
     @classmethod
-    def of(cls, model_section) -> "LoraConfig":
+    def of(cls, model_section) -> LoraConfig:
         """The `model.lora` section of a config (absent: full fine-tuning; comppo_jax.train.validation
         checks its fields); targets comma-separated."""
         section = model_section.get("lora")
@@ -132,7 +142,10 @@ def merged(params: dict, config: ModelConfig) -> dict:
     for name, lora_a in params["layers"].items():
         if name.endswith(A):
             weight = name[: -len(A)]
-            update = jnp.einsum("nir,nro->nio", lora_a.astype(jnp.float32), params["layers"][weight + B].astype(jnp.float32))
-            layers[weight] = (layers[weight].astype(jnp.float32) + lora_scale(config, lora_a) * update).astype(layers[weight].dtype)
+            update = jnp.einsum(
+                "nir,nro->nio", lora_a.astype(jnp.float32), params["layers"][weight + B].astype(jnp.float32)
+            )
+            layers[weight] = (layers[weight].astype(jnp.float32) + lora_scale(config, lora_a) * update).astype(
+                layers[weight].dtype
+            )
     return {**params, "layers": layers}
-

@@ -33,15 +33,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from comppo_jax.sharding import BATCH, context_platform, heads_axis, per_shard
 from pallas_kernels.common import MASK_VALUE
 
 PAGED_ATTENTION = ("auto", "xla", "tpu", "tpu_interpret", "gpu", "gpu_interpret")
-LAYOUTS = {"xla": "heads_first", "tpu": "combined", "tpu_interpret": "combined", "gpu": "heads_first",
-           "gpu_interpret": "heads_first"}
+LAYOUTS = {
+    "xla": "heads_first",
+    "tpu": "combined",
+    "tpu_interpret": "combined",
+    "gpu": "heads_first",
+    "gpu_interpret": "heads_first",
+}
 PAGE_AXIS = {"combined": 0, "heads_first": 1}  # the (layer, page) axis of each array
 KV_BLOCK_BYTES = 4 << 20  # the TPU kernel's double-buffered key/value block in VMEM
 # Tokens per XLA-path chunk: a chunk's gathered keys and values (a few MiB at 16 rows) stay in
@@ -60,8 +64,10 @@ def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = 
     if backend not in PAGED_ATTENTION:
         raise ValueError(f"paged attention backend {backend!r} is not available; expected one of {PAGED_ATTENTION}")
     if backend.startswith("tpu") and head_dim % 128:
-        raise ValueError(f"paged attention backend {backend!r} needs head_dim % 128 == 0 (the TPU kernel's lanes), "
-                         f"got head_dim={head_dim}; use 'xla' or 'auto'")
+        raise ValueError(
+            f"paged attention backend {backend!r} needs head_dim % 128 == 0 (the TPU kernel's lanes), "
+            f"got head_dim={head_dim}; use 'xla' or 'auto'"
+        )
     if backend != "auto":
         return backend
     platform = platform or context_platform()
@@ -70,8 +76,9 @@ def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = 
     return "gpu" if platform in ("gpu", "cuda") else "xla"
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays"],
-                   meta_fields=["layout", "pages_per_layer", "page_size"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["arrays"], meta_fields=["layout", "pages_per_layer", "page_size"]
+)
 @dataclasses.dataclass(frozen=True)
 class PagePool:
     """The pool's arrays ((k, v), or (kv,) combined) in `layout`; the sizes are static."""
@@ -81,7 +88,7 @@ class PagePool:
     pages_per_layer: int
     page_size: int
 
-    def with_arrays(self, *arrays) -> "PagePool":
+    def with_arrays(self, *arrays) -> PagePool:
         return dataclasses.replace(self, arrays=arrays)
 
     @property
@@ -89,13 +96,20 @@ class PagePool:
         return PAGE_AXIS[self.layout]
 
 
-def empty_pool(num_layers: int, pages_per_layer: int, page_size: int, num_kv_heads: int, head_dim: int, dtype,
-               backend: str) -> PagePool:
+def empty_pool(
+    num_layers: int, pages_per_layer: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, backend: str
+) -> PagePool:
     total, layout = num_layers * pages_per_layer, LAYOUTS[backend]
-    shape = {"heads_first": (num_kv_heads, total, page_size, head_dim),
-             "combined": (total, page_size, 2 * num_kv_heads, head_dim)}[layout]
-    return PagePool(tuple(jnp.zeros(shape, dtype) for _ in range(1 if layout == "combined" else 2)), layout, pages_per_layer,
-                    page_size)
+    shape = {
+        "heads_first": (num_kv_heads, total, page_size, head_dim),
+        "combined": (total, page_size, 2 * num_kv_heads, head_dim),
+    }[layout]
+    return PagePool(
+        tuple(jnp.zeros(shape, dtype) for _ in range(1 if layout == "combined" else 2)),
+        layout,
+        pages_per_layer,
+        page_size,
+    )
 
 
 def _as_layout(layout: str, k, v) -> tuple:
@@ -110,7 +124,9 @@ def fit_heads(pool: PagePool, x):
     over more devices than there are kv heads keeps each head `sharding.kv_head_repeat` times."""
     repeat, remainder = divmod(num_kv_heads(pool), x.shape[-2])
     if remainder:
-        raise ValueError(f"the page pool has {num_kv_heads(pool)} kv heads, not a multiple of the {x.shape[-2]} written")
+        raise ValueError(
+            f"the page pool has {num_kv_heads(pool)} kv heads, not a multiple of the {x.shape[-2]} written"
+        )
     return x if repeat == 1 else jnp.repeat(x, repeat, axis=-2)
 
 
@@ -157,8 +173,9 @@ def pool_specs(pool: PagePool, num_heads: int) -> tuple:
     """PartitionSpecs of shard-stacked pool arrays [D, ...]: D over the batch axes, kv heads over
     `tensor` when it divides both head counts (as the query heads are split)."""
     heads = heads_axis(num_heads, num_kv_heads(pool))
-    spec = {"combined": P(BATCH, None, None, heads, None),
-            "heads_first": P(BATCH, heads, None, None, None)}[pool.layout]
+    spec = {"combined": P(BATCH, None, None, heads, None), "heads_first": P(BATCH, heads, None, None, None)}[
+        pool.layout
+    ]
     return (spec,) * len(pool.arrays)
 
 
@@ -167,8 +184,9 @@ def num_kv_heads(pool: PagePool) -> int:
     return {"heads_first": shape[-4], "combined": shape[-2] // 2}[pool.layout]
 
 
-def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None,
-                     sm_scale: float | None = None):
+def decode_attention(
+    q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None, sm_scale: float | None = None
+):
     """One query per sequence over its filled pages: q [S, Hq, hd] -> [S, Hq, hd].
 
     tables [S, max_pages] int32 logical pages; lengths [S] int32 tokens to attend (>= 1, the
@@ -178,8 +196,9 @@ def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str,
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     physical = tables + layer * pool.pages_per_layer
     if backend == "xla":
-        return _xla_decode_attention(q, *pool.arrays, physical, lengths, tables.shape[1] if num_pages is None else num_pages,
-                                     scale)
+        return _xla_decode_attention(
+            q, *pool.arrays, physical, lengths, tables.shape[1] if num_pages is None else num_pages, scale
+        )
     if backend in ("tpu", "tpu_interpret"):
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
@@ -188,20 +207,32 @@ def decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str,
         kv = pool.arrays[0]
         page_bytes = kv[0].size * kv.dtype.itemsize
         kv_pages_per_block = max(1, min(physical.shape[1], KV_BLOCK_BYTES // (2 * page_bytes)))
-        attend = functools.partial(rpa.ragged_paged_attention, sm_scale=scale, num_kv_pages_per_block=kv_pages_per_block,
-                                   num_queries_per_block=min(rows, 32))
+        attend = functools.partial(
+            rpa.ragged_paged_attention,
+            sm_scale=scale,
+            num_kv_pages_per_block=kv_pages_per_block,
+            num_queries_per_block=min(rows, 32),
+        )
         if backend == "tpu_interpret":
             attend = _interpret(attend)
-        return attend(q, pool.arrays[0], lengths, physical, jnp.arange(rows + 1, dtype=jnp.int32),
-                      jnp.full((1,), rows, jnp.int32))
+        return attend(
+            q, pool.arrays[0], lengths, physical, jnp.arange(rows + 1, dtype=jnp.int32), jnp.full((1,), rows, jnp.int32)
+        )
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
     # The kernel splits each table into k_splits partitions of whole compute blocks.
     k_splits = _largest_divisor(physical.shape[1], 16)
     k_pool, v_pool = pool.arrays
-    return gpu_paged.paged_attention(q * jnp.asarray(scale, q.dtype), k_pool, v_pool, physical, lengths, k_splits=k_splits,
-                                     pages_per_compute_block=_largest_divisor(physical.shape[1] // k_splits, 8),
-                                     interpret=backend == "gpu_interpret")
+    return gpu_paged.paged_attention(
+        q * jnp.asarray(scale, q.dtype),
+        k_pool,
+        v_pool,
+        physical,
+        lengths,
+        k_splits=k_splits,
+        pages_per_compute_block=_largest_divisor(physical.shape[1] // k_splits, 8),
+        interpret=backend == "gpu_interpret",
+    )
 
 
 def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None):
@@ -214,8 +245,9 @@ def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backe
 
     def local(q, arrays, layer, tables, lengths, num_pages):
         def one(q, arrays, tables, lengths):
-            return decode_attention(q, pool.with_arrays(*arrays), layer, tables, lengths,
-                                    backend=backend, num_pages=num_pages)
+            return decode_attention(
+                q, pool.with_arrays(*arrays), layer, tables, lengths, backend=backend, num_pages=num_pages
+            )
 
         if backend == "xla":
             return jax.vmap(one)(q, arrays, tables, lengths)
@@ -274,5 +306,7 @@ def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, num_pages, scale
         return new_peak, total * old + chunk_total * new, out * old[..., None] + chunk_out * new[..., None]
 
     # Every row sees position 0, so chunk 0 always has a real peak.
-    _, total, out = jax.lax.fori_loop(1, -(-num_pages // chunk), add_chunk, attend_chunk(0)) if chunks > 1 else attend_chunk(0)
+    _, total, out = (
+        jax.lax.fori_loop(1, -(-num_pages // chunk), add_chunk, attend_chunk(0)) if chunks > 1 else attend_chunk(0)
+    )
     return jnp.swapaxes(out / total[..., None], 0, 1).reshape(rows, num_heads, head_dim).astype(q.dtype)

@@ -163,7 +163,9 @@ def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     batch, length, _ = x.shape
     hd = config.head_dim
     if "qkv_proj" in layer:  # one matmul (`fuse_projections`)
-        fused = jnp.split(_project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1)
+        fused = jnp.split(
+            _project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1
+        )
         q, k, v = (_adapted(y, x, layer, name, config) for y, name in zip(fused, ("q_proj", "k_proj", "v_proj")))
     else:
         q, k, v = (_linear(x, layer, name, config) for name in ("q_proj", "k_proj", "v_proj"))
@@ -178,8 +180,10 @@ def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
 
 def _mlp(layer, x, config: ModelConfig):
     if "gate_up_proj" in layer:  # one matmul (`fuse_projections`)
-        gate, up = (_adapted(y, x, layer, name, config) for y, name in zip(jnp.split(_project(x, layer["gate_up_proj"]), 2, axis=-1),
-                                                                            ("gate_proj", "up_proj")))
+        gate, up = (
+            _adapted(y, x, layer, name, config)
+            for y, name in zip(jnp.split(_project(x, layer["gate_up_proj"]), 2, axis=-1), ("gate_proj", "up_proj"))
+        )
     else:
         gate, up = _linear(x, layer, "gate_proj", config), _linear(x, layer, "up_proj", config)
     return _linear(jax.nn.silu(gate) * up, layer, "down_proj", config)
@@ -202,7 +206,9 @@ def fuse_projections(layers: dict) -> dict:
     """`layers` (stacked [N, D, E] or one layer's [D, E]) with q/k/v joined into `qkv_proj` and
     gate/up into `gate_up_proj` along the output axis: one matmul each instead of three and two."""
     parts = {name for names in FUSED_PROJECTIONS.values() for name in names}
-    fused = {fused: jnp.concatenate([layers[name] for name in names], axis=-1) for fused, names in FUSED_PROJECTIONS.items()}
+    fused = {
+        fused: jnp.concatenate([layers[name] for name in names], axis=-1) for fused, names in FUSED_PROJECTIONS.items()
+    }
     return {name: w for name, w in layers.items() if name not in parts} | fused
 
 
@@ -242,7 +248,9 @@ def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_l
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be int [B, L], got {tokens.dtype} {tokens.shape}")
     if attention_mask.shape != tokens.shape or attention_mask.dtype != jnp.bool_:
-        raise ValueError(f"attention_mask must be bool {tokens.shape}, got {attention_mask.dtype} {attention_mask.shape}")
+        raise ValueError(
+            f"attention_mask must be bool {tokens.shape}, got {attention_mask.dtype} {attention_mask.shape}"
+        )
     if window_start is not None and window_start.shape != tokens.shape[:1]:
         raise ValueError(f"window_start must be int [B] = [{tokens.shape[0]}], got shape {window_start.shape}")
     bad = [i for i in hidden_layers if not 0 <= i <= config.num_layers]
@@ -251,8 +259,17 @@ def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_l
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "hidden_layers", "concentration_backend", "return_final_attention", "compute_logits",
-                              "concentration_statistics", "sink_tokens"))
+    jax.jit,
+    static_argnames=(
+        "config",
+        "hidden_layers",
+        "concentration_backend",
+        "return_final_attention",
+        "compute_logits",
+        "concentration_statistics",
+        "sink_tokens",
+    ),
+)
 def forward(
     params: dict,
     config: ModelConfig,
@@ -284,8 +301,10 @@ def forward(
     for "sink_herfindahl"), returned in `out.statistics`.
     """
     if (return_final_attention or concentration_statistics) and window_start is None:
-        raise ValueError("return_final_attention and concentration_statistics need window_start (the final layer's kernel "
-                         "computes them)")
+        raise ValueError(
+            "return_final_attention and concentration_statistics need window_start (the final layer's kernel "
+            "computes them)"
+        )
     hidden_layers = tuple(range(config.num_layers + 1)) if hidden_layers is None else tuple(hidden_layers)
     _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers)
     batch, length = tokens.shape
@@ -298,9 +317,16 @@ def forward(
     def concentrated(q, k, v):
         # Per batch shard with all heads: H_t is a statistic of the head-averaged attention.
         kernel = sharding.per_shard(
-            functools.partial(pallas_kernels.attention_with_concentration, backend=concentration_backend,
-                              return_lse=return_final_attention, statistics=concentration_statistics, sink_tokens=sink_tokens),
-            in_specs=P(sharding.BATCH), out_specs=P(sharding.BATCH))
+            functools.partial(
+                pallas_kernels.attention_with_concentration,
+                backend=concentration_backend,
+                return_lse=return_final_attention,
+                statistics=concentration_statistics,
+                sink_tokens=sink_tokens,
+            ),
+            in_specs=P(sharding.BATCH),
+            out_specs=P(sharding.BATCH),
+        )
         out, herfindahl, window_size, *rest = kernel(q, k, v, attention_mask, window_start.astype(jnp.int32))
         statistics = {"herfindahl": herfindahl, "window_size": window_size}
         if return_final_attention:
@@ -349,9 +375,15 @@ def forward(
 
     final = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == 0], jnp.int32)].set(embedded)
-    captured = captured.at[jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)].set(final)
+    captured = captured.at[
+        jnp.asarray([i for i, h in enumerate(hidden_layers) if h == config.num_layers], jnp.int32)
+    ].set(final)
     logits = lm_logits(params, config, final) if compute_logits else None
     return ForwardOutput(
-        logits, captured[:-1], statistics.get("herfindahl"), statistics.get("window_size"), statistics.get("final_attention"),
+        logits,
+        captured[:-1],
+        statistics.get("herfindahl"),
+        statistics.get("window_size"),
+        statistics.get("final_attention"),
         statistics.get("statistics"),
     )

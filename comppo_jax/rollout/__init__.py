@@ -2,8 +2,15 @@
 the behaviour-policy scoring pass (`scoring`), and text in / answers out (`text`)."""
 
 from comppo_jax.rollout.sampler import Generation, engine_options, generate, sample_token, top_p_filter
-from comppo_jax.rollout.scoring import (Rollout, gather_response, policy_gate, policy_token_stats, response_positions, response_token_stats,
-                                       score_rollout)
+from comppo_jax.rollout.scoring import (
+    Rollout,
+    gather_response,
+    policy_gate,
+    policy_token_stats,
+    response_positions,
+    response_token_stats,
+    score_rollout,
+)
 from comppo_jax.rollout.text import count_correct, decode_responses, encode_prompts, generated_answers, greedy_accuracy
 
 __all__ = [

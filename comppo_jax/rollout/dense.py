@@ -33,7 +33,15 @@ def left_align(tokens, mask, pad_token_id):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "temperature", "top_p", "num_samples", "eos_token_ids", "pad_token_id"),
+    static_argnames=(
+        "config",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "num_samples",
+        "eos_token_ids",
+        "pad_token_id",
+    ),
 )
 def generate_dense(
     params: dict,
@@ -82,8 +90,13 @@ def generate_dense(
         return step + 1, cache, logits, done, response, log_probs, rng
 
     state = (
-        jnp.int32(0), cache, logits, jnp.zeros((batch,), bool),
-        jnp.full((batch, max_new_tokens), pad, jnp.int32), jnp.zeros((batch, max_new_tokens), jnp.float32), rng,
+        jnp.int32(0),
+        cache,
+        logits,
+        jnp.zeros((batch,), bool),
+        jnp.full((batch, max_new_tokens), pad, jnp.int32),
+        jnp.zeros((batch, max_new_tokens), jnp.float32),
+        rng,
     )
     _, _, _, _, response, log_probs, _ = jax.lax.while_loop(keep_going, body, state)
 

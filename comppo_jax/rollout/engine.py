@@ -33,8 +33,15 @@ from comppo_jax import sharding
 from comppo_jax.models import paged_cache
 from comppo_jax.models.attention import training_attention
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.transformer import (_decoder_layer, fuse_projections, layers_unrolled, lm_logits, rms_norm, rope_inv_freq,
-                                           scan_layers)
+from comppo_jax.models.transformer import (
+    _decoder_layer,
+    fuse_projections,
+    layers_unrolled,
+    lm_logits,
+    rms_norm,
+    rope_inv_freq,
+    scan_layers,
+)
 
 TRASH_PAGE = 0  # idle slots write here; nothing reads it
 TPU_ROWS = 8  # sublanes of a TPU tile: a decode step feeds at least this many rows per shard
@@ -93,9 +100,20 @@ def make_layout(num_prompts, prompt_width, *, num_samples, max_new_tokens, page_
     last_rows = np.minimum(first_rows + shard_rows, rows) - 1
     prompts = int(np.max(np.maximum(last_rows // num_samples - first_rows // num_samples, 0))) + 1
     slots = shard_rows if decode_slots is None else min(-(-decode_slots // shards), shard_rows)
-    return Layout(num_prompts, shards, shard_rows, prompts, num_samples, slots, prompt_width, max_new_tokens, page_size,
-                  -(-prompt_width // page_size), -(-(prompt_width + max_new_tokens) // page_size),
-                  -(-max_new_tokens // page_size) + 1)
+    return Layout(
+        num_prompts,
+        shards,
+        shard_rows,
+        prompts,
+        num_samples,
+        slots,
+        prompt_width,
+        max_new_tokens,
+        page_size,
+        -(-prompt_width // page_size),
+        -(-(prompt_width + max_new_tokens) // page_size),
+        -(-max_new_tokens // page_size) + 1,
+    )
 
 
 def pool_kv_heads(config: ModelConfig) -> int:
@@ -206,20 +224,31 @@ def _return_pages(state: _State, ending) -> _State:
     """Pushes the private pages (table entries shared..pages) of the `ending` slots back on the stack."""
     entry = jnp.arange(state.tables.shape[1])[None]
     private = (ending[:, None] & (entry >= state.shared[:, None]) & (entry < state.pages[:, None])).reshape(-1)
-    where = jnp.where(private, state.free_count + jnp.cumsum(private) - 1, state.free_pages.shape[0])  # out of range: dropped
-    return state._replace(free_pages=state.free_pages.at[where].set(state.tables.reshape(-1), mode="drop"),
-                          free_count=state.free_count + private.sum())
+    where = jnp.where(
+        private, state.free_count + jnp.cumsum(private) - 1, state.free_pages.shape[0]
+    )  # out of range: dropped
+    return state._replace(
+        free_pages=state.free_pages.at[where].set(state.tables.reshape(-1), mode="drop"),
+        free_count=state.free_count + private.sum(),
+    )
 
 
 def _initial_state(pool, layout: Layout, vocab_size: int, pad: int) -> _State:
     slots, first_private = layout.slots, 1 + layout.prompts * layout.prompt_pages
     zeros = jnp.zeros((slots,), jnp.int32)
     return _State(
-        row=zeros - 1, step=zeros, length=zeros, pages=zeros, shared=zeros,
+        row=zeros - 1,
+        step=zeros,
+        length=zeros,
+        pages=zeros,
+        shared=zeros,
         tables=jnp.full((slots, layout.table_width), TRASH_PAGE, jnp.int32),
-        logits=jnp.zeros((slots, vocab_size), jnp.float32), pool=pool,
+        logits=jnp.zeros((slots, vocab_size), jnp.float32),
+        pool=pool,
         free_pages=jnp.arange(layout.pages_per_layer - 1, first_private - 1, -1, dtype=jnp.int32),
-        free_count=jnp.int32(layout.pages_per_layer - first_private), next_row=jnp.int32(0), rows_done=jnp.int32(0),
+        free_count=jnp.int32(layout.pages_per_layer - first_private),
+        next_row=jnp.int32(0),
+        rows_done=jnp.int32(0),
         response=jnp.full((layout.shard_rows, layout.max_new_tokens), pad, jnp.int32),
         log_probs=jnp.zeros((layout.shard_rows, layout.max_new_tokens), jnp.float32),
         response_length=jnp.zeros((layout.shard_rows,), jnp.int32),
@@ -244,9 +273,14 @@ def _admit(state: _State, shard, first_prompt, layout: Layout, prompt_lengths, p
     prompt_table = jnp.where(copied[:, None] & (entry == shared[:, None]), page[:, None], prompt_table)
     pick = lambda new, old: jnp.where(admit.reshape(admit.shape + (1,) * (old.ndim - 1)), new, old)
     return state._replace(
-        row=pick(row, state.row), step=pick(0, state.step), length=pick(length, state.length),
-        pages=pick(shared + copied, state.pages), shared=pick(shared, state.shared),
-        tables=pick(prompt_table, state.tables), logits=pick(prompt_logits[prompt], state.logits), pool=pool,
+        row=pick(row, state.row),
+        step=pick(0, state.step),
+        length=pick(length, state.length),
+        pages=pick(shared + copied, state.pages),
+        shared=pick(shared, state.shared),
+        tables=pick(prompt_table, state.tables),
+        logits=pick(prompt_logits[prompt], state.logits),
+        pool=pool,
         next_row=state.next_row + admit.sum(),
     )
 
@@ -263,10 +297,15 @@ def _sample_and_allocate(state: _State, shard, layout: Layout, rng, eos, tempera
     log_probs = jnp.take_along_axis(scaled, tokens[:, None], 1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
     ends = live & (jnp.isin(tokens, eos) | (state.step + 1 >= layout.max_new_tokens))
     feeds = live & ~ends
-    record, ended = jnp.where(live, state.row, layout.shard_rows), jnp.where(ends, state.row, layout.shard_rows)  # off the end: dropped
-    state = state._replace(response=state.response.at[record, state.step].set(tokens, mode="drop"),
-                           log_probs=state.log_probs.at[record, state.step].set(log_probs, mode="drop"),
-                           response_length=state.response_length.at[ended].set(state.step + 1, mode="drop"))
+    record, ended = (
+        jnp.where(live, state.row, layout.shard_rows),
+        jnp.where(ends, state.row, layout.shard_rows),
+    )  # off the end: dropped
+    state = state._replace(
+        response=state.response.at[record, state.step].set(tokens, mode="drop"),
+        log_probs=state.log_probs.at[record, state.step].set(log_probs, mode="drop"),
+        response_length=state.response_length.at[ended].set(state.step + 1, mode="drop"),
+    )
     needs_page = feeds & (state.length == state.pages * layout.page_size)
     page, state = _take_pages(state, needs_page)
     slot = jnp.arange(layout.slots)
@@ -279,8 +318,11 @@ def _sample_and_allocate(state: _State, shard, layout: Layout, rng, eos, tempera
 def _finish_step(state: _State, pool, logits, feeds, ends) -> _State:
     state = _return_pages(state._replace(pool=pool), ends)
     return state._replace(
-        row=jnp.where(ends, -1, state.row), step=state.step + (state.row >= 0), length=state.length + feeds,
-        logits=logits, rows_done=state.rows_done + ends.sum(),  # a slot that did not feed is idle: admission sets its logits
+        row=jnp.where(ends, -1, state.row),
+        step=state.step + (state.row >= 0),
+        length=state.length + feeds,
+        logits=logits,
+        rows_done=state.rows_done + ends.sum(),  # a slot that did not feed is idle: admission sets its logits
     )
 
 
@@ -299,7 +341,9 @@ def layer_weights(params, unrolled: bool):
     return tuple(jax.tree.map(lambda w: w[i], fused) for i in range(stacked["q_proj"].shape[0]))
 
 
-def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, num_pages=None):
+def decode_layers(
+    params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, num_pages=None
+):
     """Feeds one token per slot, tokens [D, S] at positions `length` [D, S], its keys and values
     going to `write_page` [D, S]; attends over each slot's pages `tables` [D, S, W] in its shard's
     pool. `layers` comes from `layer_weights`. The XLA path reads the first `num_pages` (traced)
@@ -325,8 +369,9 @@ def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, len
         def attention(q, k, v):
             write = lambda pool, *rows: paged_cache.write_tokens(pool, index, *rows)
             pool_now = jax.vmap(write)(pool, write_page, offset, per_shard(k[:, 0]), per_shard(v[:, 0]))
-            out = paged_cache.sharded_decode_attention(per_shard(q[:, 0]), pool_now, index, tables, length + 1,
-                                                       backend=backend, num_pages=num_pages)
+            out = paged_cache.sharded_decode_attention(
+                per_shard(q[:, 0]), pool_now, index, tables, length + 1, backend=backend, num_pages=num_pages
+            )
             return out.reshape(q.shape), pool_now
 
         return _decoder_layer(layer, x, length.reshape(-1, 1), config, inv_freq, attention), None
@@ -338,28 +383,61 @@ def decode_layers(params, layers, config: ModelConfig, tokens, pool, tables, len
     else:
         (x, pool), _ = jax.lax.scan(layer_step, (x, pool), (layers, jnp.arange(config.num_layers)))
     logits = lm_logits(params, config, rms_norm(x, params["final_norm"], config.rms_norm_eps))[:, 0]
-    return per_shard(logits)[:, :slots - padding], pool
+    return per_shard(logits)[:, : slots - padding], pool
 
 
-def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, num_samples: int, max_new_tokens: int,
-               page_size: int, decode_slots: int | None, temperature: float, top_p: float, eos, pad: int, backend: str):
+def run_engine(
+    params,
+    config: ModelConfig,
+    prompt_tokens,
+    prompt_mask,
+    rng,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    page_size: int,
+    decode_slots: int | None,
+    temperature: float,
+    top_p: float,
+    eos,
+    pad: int,
+    backend: str,
+):
     """Generates every row. Returns (right-padded prompts [B, P], their lengths [B], response [R, T],
     log-probs [R, T], response lengths [R]). Traced inside `generate`'s jit."""
     num_prompts, prompt_width = prompt_tokens.shape
-    layout = make_layout(num_prompts, prompt_width, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                         page_size=page_size, decode_slots=decode_slots, shards=sharding.context_batch_shards())
+    layout = make_layout(
+        num_prompts,
+        prompt_width,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        page_size=page_size,
+        decode_slots=decode_slots,
+        shards=sharding.context_batch_shards(),
+    )
     tokens, mask = right_align_prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), pad)
     shard_prompts = layout.shard_prompts().reshape(-1)
     prompt_logits, keys, values = prefill_prompts(params, config, tokens[shard_prompts], mask[shard_prompts], layout)
     prompt_lengths = mask.sum(axis=1).astype(jnp.int32)[shard_prompts].reshape(layout.shards, layout.prompts)
+
     def shard_init(keys, values):
-        pool = paged_cache.empty_pool(config.num_layers, layout.pages_per_layer, page_size, pool_kv_heads(config),
-                                      config.head_dim, jnp.dtype(config.dtype), backend)
+        pool = paged_cache.empty_pool(
+            config.num_layers,
+            layout.pages_per_layer,
+            page_size,
+            pool_kv_heads(config),
+            config.head_dim,
+            jnp.dtype(config.dtype),
+            backend,
+        )
         return _initial_state(paged_cache.write_pages(pool, 1, keys, values), layout, prompt_logits.shape[-1], pad)
 
     state = jax.vmap(shard_init)(keys, values)
-    place_pool = lambda state: state._replace(pool=state.pool.with_arrays(*sharding.constrain(
-        state.pool.arrays, paged_cache.pool_specs(state.pool, config.num_heads))))
+    place_pool = lambda state: state._replace(
+        pool=state.pool.with_arrays(
+            *sharding.constrain(state.pool.arrays, paged_cache.pool_specs(state.pool, config.num_heads))
+        )
+    )
     state = place_pool(state)
     layers = layer_weights(params, unrolled=layers_unrolled())
     shard_ids, first_prompts = jnp.arange(layout.shards), jnp.asarray(layout.first_prompts())
@@ -368,17 +446,27 @@ def run_engine(params, config: ModelConfig, prompt_tokens, prompt_mask, rng, *, 
         waiting = jnp.any((state.row < 0) & (state.next_row < layout.shard_rows)[:, None])
         admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))
         with jax.named_scope(ADMIT_SCOPE):
-            state = jax.lax.cond(waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state)
+            state = jax.lax.cond(
+                waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state
+            )
         state, tokens, write_page, feeds, ends = jax.vmap(
-            lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p))(state, shard_ids)
+            lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p)
+        )(state, shard_ids)
         # The XLA path reads only the pages the longest live row needs.
         needed = jnp.max(jnp.where(feeds, state.length // page_size + 1, 1))
-        logits, pool = decode_layers(params, layers, config, tokens, state.pool, state.tables, state.length, write_page,
-                                     backend, needed)
+        logits, pool = decode_layers(
+            params, layers, config, tokens, state.pool, state.tables, state.length, write_page, backend, needed
+        )
         return place_pool(jax.vmap(_finish_step)(state, pool, logits, feeds, ends))
 
     with jax.named_scope(DECODE_SCOPE):
         state = jax.lax.while_loop(lambda s: jnp.sum(s.rows_done) < layout.shards * layout.shard_rows, body, state)
     rows = layout.rows
     flat = lambda a: a.reshape((-1,) + a.shape[2:])[:rows]
-    return tokens, mask.sum(axis=1).astype(jnp.int32), flat(state.response), flat(state.log_probs), flat(state.response_length)
+    return (
+        tokens,
+        mask.sum(axis=1).astype(jnp.int32),
+        flat(state.response),
+        flat(state.log_probs),
+        flat(state.response_length),
+    )

@@ -35,14 +35,19 @@ class Generation(NamedTuple):
 def engine_options(rollout) -> dict:
     """`generate`'s engine keywords from a config's rollout section (decode_slots 0: one slot per row).
     Configs written before the engine had these fields get the defaults."""
-    return dict(page_size=rollout.get("page_size", DEFAULT_PAGE_SIZE), decode_slots=rollout.get("decode_slots", 0) or None,
-                paged_attention=rollout.get("paged_attention", "auto"))
+    return dict(
+        page_size=rollout.get("page_size", DEFAULT_PAGE_SIZE),
+        decode_slots=rollout.get("decode_slots", 0) or None,
+        paged_attention=rollout.get("paged_attention", "auto"),
+    )
 
 
 def check_and_default(config: ModelConfig, prompt_tokens, prompt_mask, eos_token_ids, pad_token_id):
     """Validates prompt_tokens / prompt_mask [B, P]; returns (EOS ids array, pad id) with the config's defaults."""
     if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
-        raise ValueError(f"prompt_tokens and prompt_mask must both be [B, P], got {prompt_tokens.shape} and {prompt_mask.shape}")
+        raise ValueError(
+            f"prompt_tokens and prompt_mask must both be [B, P], got {prompt_tokens.shape} and {prompt_mask.shape}"
+        )
     eos = jnp.asarray(config.eos_token_ids if eos_token_ids is None else eos_token_ids, jnp.int32)
     pad = (config.pad_token_id or 0) if pad_token_id is None else pad_token_id
     return eos, pad
@@ -62,13 +67,25 @@ def assemble(prompts, prompt_lengths, response, response_mask, log_probs, pad: i
     source = jnp.minimum(source, width - 1)
     out_mask = inside & jnp.take_along_axis(combined_mask, source, 1)
     out_tokens = jnp.where(out_mask, jnp.take_along_axis(combined, source, 1), pad)
-    return Generation(out_tokens, out_mask, prompt_lengths, response, response_mask, jnp.where(response_mask, log_probs, 0.0))
+    return Generation(
+        out_tokens, out_mask, prompt_lengths, response, response_mask, jnp.where(response_mask, log_probs, 0.0)
+    )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "temperature", "top_p", "num_samples", "eos_token_ids", "pad_token_id",
-                     "page_size", "decode_slots", "paged_attention"),
+    static_argnames=(
+        "config",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "num_samples",
+        "eos_token_ids",
+        "pad_token_id",
+        "page_size",
+        "decode_slots",
+        "paged_attention",
+    ),
 )
 def generate(
     params: dict,
@@ -102,10 +119,28 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts, prompt_lengths, response, log_probs, response_length = run_engine(
-        params, config, prompt_tokens, prompt_mask, rng, num_samples=num_samples, max_new_tokens=max_new_tokens,
-        page_size=page_size, decode_slots=decode_slots, temperature=temperature, top_p=top_p, eos=eos, pad=pad,
-        backend=resolve_paged_attention(paged_attention, config.head_dim))
+        params,
+        config,
+        prompt_tokens,
+        prompt_mask,
+        rng,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        page_size=page_size,
+        decode_slots=decode_slots,
+        temperature=temperature,
+        top_p=top_p,
+        eos=eos,
+        pad=pad,
+        backend=resolve_paged_attention(paged_attention, config.head_dim),
+    )
 
     response_mask = jnp.arange(max_new_tokens)[None] < response_length[:, None]
-    return assemble(jnp.repeat(prompts, num_samples, axis=0), jnp.repeat(prompt_lengths, num_samples), response, response_mask,
-                    log_probs, pad)
+    return assemble(
+        jnp.repeat(prompts, num_samples, axis=0),
+        jnp.repeat(prompt_lengths, num_samples),
+        response,
+        response_mask,
+        log_probs,
+        pad,
+    )

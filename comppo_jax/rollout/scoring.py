@@ -27,9 +27,9 @@ from comppo_jax.credit import GATE_STATISTICS, entropy_from_logits, retention_ga
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
 from comppo_jax.models.transformer import ForwardOutput, lm_logits
+from comppo_jax.rollout.sampler import Generation
 from pallas_kernels import DEFAULT_SINK_TOKENS, window_sizes
 from pallas_kernels.common import round_up
-from comppo_jax.rollout.sampler import Generation
 
 WINDOWS = ("response", "full")
 OLD_LOG_PROBS = ("rescore", "sampler")
@@ -44,7 +44,9 @@ class Rollout(NamedTuple):
     response_mask: jax.Array  # [B, T] bool
     log_probs: jax.Array  # [B, T] behaviour log pi(y_t | h_t), teacher-forced (or the sampler's)
     ref_log_probs: jax.Array | None  # [B, T] reference policy, or None without one
-    herfindahl: jax.Array | None  # [B, T] H_t of the final layer over the window (None: no behaviour pass), whatever gate_statistic
+    herfindahl: (
+        jax.Array | None
+    )  # [B, T] H_t of the final layer over the window (None: no behaviour pass), whatever gate_statistic
     window_size: jax.Array | None  # [B, T] int32 n_t
     kappa: jax.Array | None  # [B, T] retention gate kappa_t (of the gate_statistic's c_t)
     hidden_states: jax.Array  # [L', B, L, D] the critic's fused layers (sequence coordinates)
@@ -62,8 +64,9 @@ def gather_response(x, prompt_lengths, length: int):
     return jnp.take_along_axis(x, positions.reshape(positions.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def response_token_stats(params: dict, config: ModelConfig, final_hidden, prompt_lengths, response_tokens,
-                         temperature: float = 1.0):
+def response_token_stats(
+    params: dict, config: ModelConfig, final_hidden, prompt_lengths, response_tokens, temperature: float = 1.0
+):
     """(log pi(y_t | h_t), entropy) [B, T] float32 from the final-norm hidden states [B, L, D].
 
     log-probs are of softmax(logits / temperature); the entropy is of softmax(logits). The
@@ -104,8 +107,19 @@ def extra_statistics(gate_statistic: str) -> tuple[str, ...]:
     return () if gate_statistic == "herfindahl" else (gate_statistic,)
 
 
-def response_gate(out: ForwardOutput, attention_mask, prompt_lengths, window_start, length: int, *, gate_statistic: str,
-                  sink_tokens: int, kappa_lo: float, kappa_hi: float, tau: float):
+def response_gate(
+    out: ForwardOutput,
+    attention_mask,
+    prompt_lengths,
+    window_start,
+    length: int,
+    *,
+    gate_statistic: str,
+    sink_tokens: int,
+    kappa_lo: float,
+    kappa_hi: float,
+    tau: float,
+):
     """(H_t, n_t, kappa_t) [B, T] from a forward pass's final-layer statistics (paper eqs. herfindahl,
     cnorm, kappa_attention), kappa from the c_t of `gate_statistic` (`statistic_concentration`)."""
     herfindahl = gather_response(out.herfindahl, prompt_lengths, length)
@@ -115,28 +129,77 @@ def response_gate(out: ForwardOutput, attention_mask, prompt_lengths, window_sta
         value = gather_response(out.statistics[gate_statistic], prompt_lengths, length)
     if gate_statistic == "sink_herfindahl":  # its own window: without the first sink_tokens key positions
         n = gather_response(window_sizes(attention_mask, window_start + sink_tokens), prompt_lengths, length)
-    kappa = retention_gate(statistic_concentration(gate_statistic, value, n), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
+    kappa = retention_gate(
+        statistic_concentration(gate_statistic, value, n), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau
+    )
     return herfindahl, window_size, kappa
 
 
-@functools.partial(jax.jit, static_argnames=("config", "length", "window", "gate_statistic", "sink_tokens", "kappa_lo", "kappa_hi",
-                                             "tau", "backend"))
-def policy_gate(params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_mask, *, length: int,
-                window: str = "response", gate_statistic: str = "herfindahl", sink_tokens: int = DEFAULT_SINK_TOKENS,
-                kappa_lo: float = 0.1, kappa_hi: float = 0.9, tau: float = 4.0, backend: str | None = None):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "config",
+        "length",
+        "window",
+        "gate_statistic",
+        "sink_tokens",
+        "kappa_lo",
+        "kappa_hi",
+        "tau",
+        "backend",
+    ),
+)
+def policy_gate(
+    params: dict,
+    config: ModelConfig,
+    tokens,
+    attention_mask,
+    prompt_lengths,
+    response_mask,
+    *,
+    length: int,
+    window: str = "response",
+    gate_statistic: str = "herfindahl",
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    kappa_lo: float = 0.1,
+    kappa_hi: float = 0.9,
+    tau: float = 4.0,
+    backend: str | None = None,
+):
     """kappa_t [B, T] of `params` on a scored batch (0 on padding), detached: the gate alone, as the
     behaviour pass computes it (no logits, no critic features). `gate_refresh=epoch` calls it with
     the current actor at the start of each update epoch."""
     window_start = window_start_of(window, prompt_lengths)
-    out = forward(params, config, tokens, attention_mask, window_start, hidden_layers=(), concentration_backend=backend,
-                  compute_logits=False, concentration_statistics=extra_statistics(gate_statistic), sink_tokens=sink_tokens)
-    _, _, kappa = response_gate(out, attention_mask, prompt_lengths, window_start, length, gate_statistic=gate_statistic,
-                                sink_tokens=sink_tokens, kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau)
+    out = forward(
+        params,
+        config,
+        tokens,
+        attention_mask,
+        window_start,
+        hidden_layers=(),
+        concentration_backend=backend,
+        compute_logits=False,
+        concentration_statistics=extra_statistics(gate_statistic),
+        sink_tokens=sink_tokens,
+    )
+    _, _, kappa = response_gate(
+        out,
+        attention_mask,
+        prompt_lengths,
+        window_start,
+        length,
+        gate_statistic=gate_statistic,
+        sink_tokens=sink_tokens,
+        kappa_lo=kappa_lo,
+        kappa_hi=kappa_hi,
+        tau=tau,
+    )
     return jax.lax.stop_gradient(jnp.where(response_mask, kappa, 0.0))
 
 
-def policy_token_stats(params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_tokens,
-                       temperature: float = 1.0):
+def policy_token_stats(
+    params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_tokens, temperature: float = 1.0
+):
     """Teacher-forced (log-probs, entropies) [B, T] of y_1..y_T under `params` (`response_token_stats`)."""
     out = forward(params, config, tokens, attention_mask, hidden_layers=(config.num_layers,), compute_logits=False)
     return response_token_stats(params, config, out.hidden_states[0], prompt_lengths, response_tokens, temperature)
@@ -144,8 +207,21 @@ def policy_token_stats(params: dict, config: ModelConfig, tokens, attention_mask
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "window", "temperature", "hidden_layers", "top_k", "kappa_lo", "kappa_hi", "tau", "backend",
-                     "old_log_probs", "behaviour_pass", "gate_statistic", "sink_tokens"),
+    static_argnames=(
+        "config",
+        "window",
+        "temperature",
+        "hidden_layers",
+        "top_k",
+        "kappa_lo",
+        "kappa_hi",
+        "tau",
+        "backend",
+        "old_log_probs",
+        "behaviour_pass",
+        "gate_statistic",
+        "sink_tokens",
+    ),
 )
 def score_rollout(
     params: dict,
@@ -182,40 +258,91 @@ def score_rollout(
     if old_log_probs not in OLD_LOG_PROBS:
         raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {old_log_probs!r}")
     if not behaviour_pass and (old_log_probs != "sampler" or hidden_layers or top_k is not None):
-        raise ValueError("behaviour_pass=False needs old_log_probs='sampler' and no critic features (hidden_layers=(), top_k=None), "
-                         f"got old_log_probs={old_log_probs!r}, hidden_layers={hidden_layers}, top_k={top_k}")
+        raise ValueError(
+            "behaviour_pass=False needs old_log_probs='sampler' and no critic features (hidden_layers=(), top_k=None), "
+            f"got old_log_probs={old_log_probs!r}, hidden_layers={hidden_layers}, top_k={top_k}"
+        )
     mask = generation.attention_mask
     response_mask = generation.response_mask
     zero = lambda x: jnp.where(response_mask, x, jnp.zeros((), x.dtype))
     ref_log_probs = None
     if ref_params is not None:
-        ref_log_probs, _ = policy_token_stats(ref_params, config, generation.tokens, mask, generation.prompt_lengths,
-                                              generation.response_tokens, temperature)
+        ref_log_probs, _ = policy_token_stats(
+            ref_params,
+            config,
+            generation.tokens,
+            mask,
+            generation.prompt_lengths,
+            generation.response_tokens,
+            temperature,
+        )
         ref_log_probs = zero(ref_log_probs)
     if not behaviour_pass:
         no_features = jnp.zeros((0,) + generation.tokens.shape + (config.hidden_size,), config.dtype)
-        return jax.lax.stop_gradient(Rollout(generation.tokens, mask, generation.prompt_lengths, response_mask,
-                                             zero(generation.log_probs), ref_log_probs, None, None, None, no_features, None))
+        return jax.lax.stop_gradient(
+            Rollout(
+                generation.tokens,
+                mask,
+                generation.prompt_lengths,
+                response_mask,
+                zero(generation.log_probs),
+                ref_log_probs,
+                None,
+                None,
+                None,
+                no_features,
+                None,
+            )
+        )
     # The final-norm hidden states feed the chunked log-probs; the critic's layers ride along.
     with_final = hidden_layers if config.num_layers in hidden_layers else hidden_layers + (config.num_layers,)
     out = forward(
-        params, config, generation.tokens, mask, window_start, hidden_layers=with_final,
-        concentration_backend=backend, return_final_attention=top_k is not None, compute_logits=False,
-        concentration_statistics=extra_statistics(gate_statistic), sink_tokens=sink_tokens,
+        params,
+        config,
+        generation.tokens,
+        mask,
+        window_start,
+        hidden_layers=with_final,
+        concentration_backend=backend,
+        return_final_attention=top_k is not None,
+        compute_logits=False,
+        concentration_statistics=extra_statistics(gate_statistic),
+        sink_tokens=sink_tokens,
     )
     length = generation.response_tokens.shape[1]
     log_probs = generation.log_probs
     if old_log_probs == "rescore":
         final_hidden = out.hidden_states[with_final.index(config.num_layers)]
-        log_probs, _ = response_token_stats(params, config, final_hidden, generation.prompt_lengths, generation.response_tokens,
-                                            temperature)
-    herfindahl, window_size, kappa = response_gate(out, mask, generation.prompt_lengths, window_start, length,
-                                                   gate_statistic=gate_statistic, sink_tokens=sink_tokens, kappa_lo=kappa_lo,
-                                                   kappa_hi=kappa_hi, tau=tau)
+        log_probs, _ = response_token_stats(
+            params, config, final_hidden, generation.prompt_lengths, generation.response_tokens, temperature
+        )
+    herfindahl, window_size, kappa = response_gate(
+        out,
+        mask,
+        generation.prompt_lengths,
+        window_start,
+        length,
+        gate_statistic=gate_statistic,
+        sink_tokens=sink_tokens,
+        kappa_lo=kappa_lo,
+        kappa_hi=kappa_hi,
+        tau=tau,
+    )
     routing = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)
-    return jax.lax.stop_gradient(Rollout(
-        generation.tokens, mask, generation.prompt_lengths, response_mask, zero(log_probs), ref_log_probs,
-        zero(herfindahl), zero(window_size), zero(kappa), sharding.constrain_features(out.hidden_states[: len(hidden_layers)]), routing,
-    ))
+    return jax.lax.stop_gradient(
+        Rollout(
+            generation.tokens,
+            mask,
+            generation.prompt_lengths,
+            response_mask,
+            zero(log_probs),
+            ref_log_probs,
+            zero(herfindahl),
+            zero(window_size),
+            zero(kappa),
+            sharding.constrain_features(out.hidden_states[: len(hidden_layers)]),
+            routing,
+        )
+    )

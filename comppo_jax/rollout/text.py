@@ -17,7 +17,9 @@ from comppo_jax.sharding import to_host
 
 def encode_prompts(tokenizer, problems):
     """(tokens [B, P], mask [B, P]) left-padded prompt ids of `problems`."""
-    return tuple(jnp.asarray(x) for x in pad_batch([tokenizer.encode_prompt(p.prompt) for p in problems], tokenizer.pad_token_id))
+    return tuple(
+        jnp.asarray(x) for x in pad_batch([tokenizer.encode_prompt(p.prompt) for p in problems], tokenizer.pad_token_id)
+    )
 
 
 def decode_responses(tokenizer, generation):
@@ -41,26 +43,58 @@ def count_correct(problems, answers, pool: VerifierPool) -> int:
     return sum(answers_correct(problems, answers, pool))
 
 
-def generated_answers(params, config: ModelConfig, tokenizer, problems, *, max_new_tokens: int, rng=None, temperature: float = 0.0,
-                      top_p: float = 1.0, num_samples: int = 1) -> list[str | None]:
+def generated_answers(
+    params,
+    config: ModelConfig,
+    tokenizer,
+    problems,
+    *,
+    max_new_tokens: int,
+    rng=None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+) -> list[str | None]:
     """The extracted answer (None: none) of each generated response, `num_samples` per problem in
     problem order; temperature 0 is greedy."""
     tokens, mask = encode_prompts(tokenizer, problems)
-    generation = generate(params, config, tokens, mask, jax.random.PRNGKey(0) if rng is None else rng, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, num_samples=num_samples, eos_token_ids=(tokenizer.eos_token_id,),
-                          pad_token_id=tokenizer.pad_token_id)
+    generation = generate(
+        params,
+        config,
+        tokens,
+        mask,
+        jax.random.PRNGKey(0) if rng is None else rng,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        num_samples=num_samples,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return [extract_answer(text) for text in decode_responses(tokenizer, generation)]
 
 
-def greedy_accuracy(params, config: ModelConfig, tokenizer, problems, pool: VerifierPool, *, max_new_tokens: int, batch_size: int = 64,
-                    progress: str = "", after_batch=None) -> float:
+def greedy_accuracy(
+    params,
+    config: ModelConfig,
+    tokenizer,
+    problems,
+    pool: VerifierPool,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    progress: str = "",
+    after_batch=None,
+) -> float:
     """Fraction of `problems` whose greedy response's answer verifies against the gold; `progress`:
     the description of a transient bar over the batches ("" for none); `after_batch()` runs after
     each batch (the train loop's stop check, which may raise)."""
     correct = 0
     for start in tqdm.trange(0, len(problems), batch_size, desc=progress, leave=False, disable=not progress):
         chunk = problems[start : start + batch_size]
-        correct += count_correct(chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens), pool)
+        correct += count_correct(
+            chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens), pool
+        )
         if after_batch is not None:
             after_batch()
     return correct / max(len(problems), 1)

@@ -37,13 +37,14 @@ import logging as std_logging
 import os
 import shutil
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from etils import epath
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
@@ -116,8 +117,10 @@ def state_digests(tree: Any) -> tuple[dict[str, str], list[str]]:
     """({leaf path: 16-hex-digit content digest}, [paths of leaves holding NaN or inf])."""
     paths, leaves = leaf_paths(tree), jax.tree.leaves(tree)
     # Leaves parked in host memory (train.offload_idle) are hashed on their devices like the rest.
-    leaves = [to_memory(x, "device") if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host" else x
-              for x in leaves]
+    leaves = [
+        to_memory(x, "device") if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host" else x
+        for x in leaves
+    ]
     results = jax.device_get(_digests(leaves)) if leaves else []
     digests = {path: "".join(f"{int(word):08x}" for word in digest) for path, (digest, _) in zip(paths, results)}
     return digests, [path for path, (_, finite) in zip(paths, results) if not finite]
@@ -133,8 +136,10 @@ def verify(tree: Any, expected: dict[str, str] | None, what: str) -> None:
         expected = digests
     for path, digest in digests.items():
         if expected.get(path) != digest:
-            raise CheckpointError(f"{what} leaf {path}: content digest {digest} does not match the saved {expected.get(path)} "
-                                  "(the files were changed or damaged after the save)")
+            raise CheckpointError(
+                f"{what} leaf {path}: content digest {digest} does not match the saved {expected.get(path)} "
+                "(the files were changed or damaged after the save)"
+            )
     if non_finite:
         raise CheckpointError(f"{what} holds non-finite values in {non_finite[0]} ({len(non_finite)} leaves)")
 
@@ -145,7 +150,9 @@ class _KeepSteps(preservation_policy.PreservationPolicy):
 
     steps: set
 
-    def should_preserve(self, checkpoints: Sequence[preservation_policy.PolicyCheckpointInfo], *, context) -> Sequence[bool]:
+    def should_preserve(
+        self, checkpoints: Sequence[preservation_policy.PolicyCheckpointInfo], *, context
+    ) -> Sequence[bool]:
         return [info.step in self.steps for info in checkpoints]
 
 
@@ -161,7 +168,9 @@ class RunCheckpoints:
     def __init__(self, directory: str, keep_last: int = 1, keep_best: int = 1, read_only: bool = False):
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(os.path.join(self.directory, "checkpoints")):
-            raise FileNotFoundError(f"{self.directory}/checkpoints does not exist; expected a training run's output_dir")
+            raise FileNotFoundError(
+                f"{self.directory}/checkpoints does not exist; expected a training run's output_dir"
+            )
         self.read_only, self.keep_last, self.keep_best = read_only, keep_last, keep_best
         self.newest_good: set[int] = set()  # at most one step: retention never deletes it
         self.pending: int | None = None  # the step of the save not yet confirmed
@@ -170,15 +179,27 @@ class RunCheckpoints:
     def _open(self) -> ocp.CheckpointManager:
         std_logging.getLogger("absl").addFilter(_expected_metricless_save)
         dev_accuracy = lambda metrics: metrics["dev_accuracy"]
-        policy = preservation_policy.AnyPreservationPolicy([
-            preservation_policy.LatestN(n=self.keep_last),
-            preservation_policy.BestN(get_metric_fn=dev_accuracy, n=self.keep_best, keep_checkpoints_without_metrics=False),
-            _KeepSteps(self.newest_good),
-        ])
-        options = ocp.CheckpointManagerOptions(preservation_policy=policy, best_fn=dev_accuracy, best_mode="max",
-                                               keep_checkpoints_without_metrics=False, enable_async_checkpointing=True,
-                                               create=not self.read_only, read_only=self.read_only)
-        return ocp.CheckpointManager(os.path.join(self.directory, "checkpoints"), options=options, item_names=("state", "meta"))
+        policy = preservation_policy.AnyPreservationPolicy(
+            [
+                preservation_policy.LatestN(n=self.keep_last),
+                preservation_policy.BestN(
+                    get_metric_fn=dev_accuracy, n=self.keep_best, keep_checkpoints_without_metrics=False
+                ),
+                _KeepSteps(self.newest_good),
+            ]
+        )
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy,
+            best_fn=dev_accuracy,
+            best_mode="max",
+            keep_checkpoints_without_metrics=False,
+            enable_async_checkpointing=True,
+            create=not self.read_only,
+            read_only=self.read_only,
+        )
+        return ocp.CheckpointManager(
+            os.path.join(self.directory, "checkpoints"), options=options, item_names=("state", "meta")
+        )
 
     @property
     def steps_directory(self) -> str:
@@ -203,12 +224,17 @@ class RunCheckpoints:
         self.confirm_saves(wait=True)
         digests, non_finite = state_digests(state)
         if non_finite:
-            raise NonFiniteStateError(f"checkpoint {step} not saved: the state holds NaN or inf in {', '.join(non_finite[:3])}"
-                                      f"{' ...' if len(non_finite) > 3 else ''} ({len(non_finite)} leaves)")
+            raise NonFiniteStateError(
+                f"checkpoint {step} not saved: the state holds NaN or inf in {', '.join(non_finite[:3])}"
+                f"{' ...' if len(non_finite) > 3 else ''} ({len(non_finite)} leaves)"
+            )
         metrics = None if dev_accuracy is None else {"dev_accuracy": float(dev_accuracy)}
         meta = json.loads(json.dumps({**meta, "digests": digests}))  # a snapshot: the caller keeps mutating its dict
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                          metrics=metrics)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            metrics=metrics,
+        )
         self.pending = step
 
     @contextlib.contextmanager
@@ -235,8 +261,10 @@ class RunCheckpoints:
             self.manager.check_for_errors()
         except Exception as error:  # any failure of the background save: disk full, permissions, ...
             self._remove_partial(step)
-            raise CheckpointError(f"saving checkpoint {step} to {self.steps_directory}/{step} failed: {_first_line(error)}; "
-                                  f"the older checkpoints are intact ({sorted(self._committed_steps())})") from error
+            raise CheckpointError(
+                f"saving checkpoint {step} to {self.steps_directory}/{step} failed: {_first_line(error)}; "
+                f"the older checkpoints are intact ({sorted(self._committed_steps())})"
+            ) from error
         if step in self.manager.all_steps():
             self.newest_good.clear()
             self.newest_good.add(step)
@@ -258,16 +286,20 @@ class RunCheckpoints:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as error:  # an unreadable meta item is damage
-            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item meta cannot be read: {_first_line(error)}") from error
+            raise CheckpointError(
+                f"checkpoint {step} under {self.steps_directory} item meta cannot be read: {_first_line(error)}"
+            ) from error
         if not isinstance(meta, dict):
             raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item meta is not a JSON object")
         digests = meta.get("digests")
         if digests is not None:
             unknown = sorted(set(leaf_paths(target)) - set(digests))
             if unknown:
-                raise CheckpointMismatchError(f"checkpoint {step} under {self.steps_directory} has no leaf {unknown[0]} ({len(unknown)} "
-                                              "such): it was saved with another state structure (another method, critic or code "
-                                              "version), so it cannot be restored into this run")
+                raise CheckpointMismatchError(
+                    f"checkpoint {step} under {self.steps_directory} has no leaf {unknown[0]} ({len(unknown)} "
+                    "such): it was saved with another state structure (another method, critic or code "
+                    "version), so it cannot be restored into this run"
+                )
         self._check_shapes(step, target)
         return digests
 
@@ -275,10 +307,14 @@ class RunCheckpoints:
         """Raises CheckpointMismatchError naming the first leaf of `target` whose saved shape or dtype
         differs (a config that changes a shape, e.g. critic.bottleneck): not damage, nothing moves."""
         try:
-            saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.steps_directory) / str(step) / "state").tree
+            saved = (
+                ocp.StandardCheckpointHandler().metadata(epath.Path(self.steps_directory) / str(step) / "state").tree
+            )
         except Exception as error:  # unreadable metadata is damage
-            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item state metadata cannot be read: "
-                                  f"{_first_line(error)}") from error
+            raise CheckpointError(
+                f"checkpoint {step} under {self.steps_directory} item state metadata cannot be read: "
+                f"{_first_line(error)}"
+            ) from error
         saved = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
         for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
             name = jax.tree_util.keystr(path)
@@ -290,7 +326,8 @@ class RunCheckpoints:
                     f"checkpoint {step} under {self.steps_directory} leaf {name} is {jnp.dtype(stored.dtype).name}"
                     f"{list(stored.shape)} but this config's state has {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}: it was saved "
                     "with another config (a shape such as critic.bottleneck, the model, or a dtype differs), so it cannot be "
-                    "restored into this run; nothing was moved")
+                    "restored into this run; nothing was moved"
+                )
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
         """(state, meta) of `step` (default: the latest), verified, with the target's structure and shardings."""
@@ -299,10 +336,16 @@ class RunCheckpoints:
             raise FileNotFoundError(self.no_checkpoint_message())
         digests = self._read_digests(step, target_state)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)),
-                                                                          meta=ocp.args.JsonRestore()))
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(_abstract(target_state)), meta=ocp.args.JsonRestore()
+                ),
+            )
         except Exception as error:  # TensorStore errors of damaged files
-            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}") from error
+            raise CheckpointError(
+                f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}"
+            ) from error
         verify(restored["state"], digests, f"checkpoint {step} item state")
         return restored["state"], {k: v for k, v in restored["meta"].items() if k != "digests"}
 
@@ -325,12 +368,17 @@ class RunCheckpoints:
                 self._quarantine(step)
                 continue
             if failures:
-                print(f"resume: checkpoint(s) {sorted(failures)} failed verification and were moved to "
-                      f"{os.path.join(self.directory, QUARANTINE_DIR)}; resuming from step {step}", flush=True)
+                print(
+                    f"resume: checkpoint(s) {sorted(failures)} failed verification and were moved to "
+                    f"{os.path.join(self.directory, QUARANTINE_DIR)}; resuming from step {step}",
+                    flush=True,
+                )
             self.newest_good.clear()
             self.newest_good.add(step)
             return state, meta, step
-        raise CheckpointError(f"no checkpoint under {self.steps_directory} passes verification: " + " | ".join(failures.values()))
+        raise CheckpointError(
+            f"no checkpoint under {self.steps_directory} passes verification: " + " | ".join(failures.values())
+        )
 
     def set_aside(self) -> list[str]:
         """The checkpoints moved to corrupt_checkpoints/ (names `<step>-<time>`), oldest first."""
@@ -343,17 +391,21 @@ class RunCheckpoints:
         if not aside:
             return ""
         quarantine = os.path.join(self.directory, QUARANTINE_DIR)
-        return (f"{quarantine} holds {len(aside)} set aside as damaged ({', '.join(aside)}): if one is wanted anyway, move it back "
-                f"as its step number (mv {quarantine}/{aside[-1]} {self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to "
-                "start over, choose another --config.output_dir")
+        return (
+            f"{quarantine} holds {len(aside)} set aside as damaged ({', '.join(aside)}): if one is wanted anyway, move it back "
+            f"as its step number (mv {quarantine}/{aside[-1]} {self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to "
+            "start over, choose another --config.output_dir"
+        )
 
     def no_checkpoint_message(self) -> str:
         """Why a resume finds nothing under checkpoints/: none saved yet, or all set aside as damaged."""
         note = self.set_aside_note()
         if note:
             return f"config.resume=True but there is no checkpoint under {self.steps_directory}; {note}"
-        return (f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before its first "
-                "checkpoint): run the same command without --config.resume to start it")
+        return (
+            f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before its first "
+            "checkpoint): run the same command without --config.resume to start it"
+        )
 
     def _quarantine(self, step: int) -> None:
         if jax.process_index() == 0:
@@ -364,14 +416,18 @@ class RunCheckpoints:
         self.manager.reload()
 
     def resolve_step(self, step: str | int) -> int:
-        """"latest", "best" or a saved step number -> a saved step (a clear error otherwise)."""
+        """ "latest", "best" or a saved step number -> a saved step (a clear error otherwise)."""
         steps = self.manager.all_steps()
         resolved = {"latest": self.latest_step, "best": self.best_step}.get(str(step), lambda: int(step))()
         if str(step) == "best" and resolved is None and steps:
-            raise FileNotFoundError(f"no checkpoint under {self.directory}/checkpoints has a dev accuracy (the run saved none at a "
-                                    f"dev evaluation: train.eval_every=0, or a run older than that rule); saved steps: {sorted(steps)}")
+            raise FileNotFoundError(
+                f"no checkpoint under {self.directory}/checkpoints has a dev accuracy (the run saved none at a "
+                f"dev evaluation: train.eval_every=0, or a run older than that rule); saved steps: {sorted(steps)}"
+            )
         if resolved not in steps:
-            raise FileNotFoundError(f"no checkpoint {step!r} under {self.directory}/checkpoints; saved steps: {sorted(steps)}")
+            raise FileNotFoundError(
+                f"no checkpoint {step!r} under {self.directory}/checkpoints; saved steps: {sorted(steps)}"
+            )
         return resolved
 
     def restore_params(self, targets: dict, step: int) -> dict:
@@ -379,12 +435,15 @@ class RunCheckpoints:
         `step`, verified, into the targets' shapes, dtypes and shardings (optimizer states are not read)."""
         digests = self._read_digests(step, targets)
         abstract = {name: _abstract(target) for name, target in targets.items()}
-        args = ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                                      partial_restore=True)
+        args = ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
+        )
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
         except Exception as error:  # TensorStore errors of damaged files
-            raise CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}") from error
+            raise CheckpointError(
+                f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}"
+            ) from error
         verify(restored["state"], digests, f"checkpoint {step} item state")
         return restored["state"]
 
@@ -414,15 +473,19 @@ class RunCheckpoints:
                 record = json.load(f)
             expected = record["digests"]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{path} cannot be read ({_first_line(error)}): the run's LoRA adapters cannot be checked against "
-                                  f"their base; restore it from a backup") from error
+            raise CheckpointError(
+                f"{path} cannot be read ({_first_line(error)}): the run's LoRA adapters cannot be checked against "
+                f"their base; restore it from a backup"
+            ) from error
         digests, _ = state_digests(params)
         differing = [leaf for leaf, digest in digests.items() if expected.get(leaf) != digest]
         if differing or set(expected) != set(digests):
             leaf = differing[0] if differing else sorted(set(expected) ^ set(digests))[0]
-            raise CheckpointError(f"the base policy from {source} is not the one this run's LoRA adapters were trained on "
-                                  f"({record.get('source')}; leaf {leaf}: digest {digests.get(leaf)}, recorded {expected.get(leaf)} in "
-                                  f"{path}): point config.model.path at the original base")
+            raise CheckpointError(
+                f"the base policy from {source} is not the one this run's LoRA adapters were trained on "
+                f"({record.get('source')}; leaf {leaf}: digest {digests.get(leaf)}, recorded {expected.get(leaf)} in "
+                f"{path}): point config.model.path at the original base"
+            )
 
     def rebuild_reference(self, params: Any) -> None:
         """Saves `params`, the reference replayed from the warm start, as the run's reference policy
@@ -435,8 +498,11 @@ class RunCheckpoints:
                 expected = json.load(f)
         except (OSError, ValueError) as error:
             expected = None
-            logging.warning("%s cannot be read (%s): the rebuilt reference policy is not checked against the original", digests_path,
-                            _first_line(error))
+            logging.warning(
+                "%s cannot be read (%s): the rebuilt reference policy is not checked against the original",
+                digests_path,
+                _first_line(error),
+            )
         if expected is not None:
             digests, _ = state_digests(params)
             differing = [leaf for leaf, digest in digests.items() if expected.get(leaf) != digest]
@@ -445,11 +511,15 @@ class RunCheckpoints:
                     f"the run's reference policy is lost: {path} cannot be read, and replaying the warm start gives other weights "
                     f"(leaf {differing[0]}: digest {digests[differing[0]]}, saved {expected.get(differing[0])}; another machine or "
                     f"library version computes it differently). The KL term needs the run's own reference: restore {path} and "
-                    f"{digests_path} from a backup, or start a new run with another --config.output_dir")
+                    f"{digests_path} from a backup, or start a new run with another --config.output_dir"
+                )
         self.save_reference(params)
         if jax.process_index() == 0:
-            print(f"rebuilt the reference policy under {path} from the warm start"
-                  f"{' (it matches the saved digests)' if expected is not None else ''}", flush=True)
+            print(
+                f"rebuilt the reference policy under {path} from the warm start"
+                f"{' (it matches the saved digests)' if expected is not None else ''}",
+                flush=True,
+            )
 
     def restore_reference(self, target: Any) -> Any:
         path = os.path.join(self.directory, REFERENCE_DIR)

@@ -47,7 +47,7 @@ runs once per step on the host, outside jit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from ml_collections import config_dict
 
@@ -74,10 +74,18 @@ KNOBS: dict[str, tuple[float, float, float, float]] = {
 
 # The rules whose numbers depend on the signals' units (module docstring), per named option.
 THRESHOLDS: dict[str, dict] = {
-    "calibrated": dict(entropy_reference="baseline", entropy_below=(0.40, 0.25, 0.15), entropy_drop_at_least=(None, 0.1875, 0.375),
-                       kl_loss_at_least=(0.05, 0.10, 0.20)),
-    "paper_literal": dict(entropy_reference="absolute", entropy_below=(8.0, 7.5, 6.5), entropy_drop_at_least=(None, 1.5, 3.0),
-                          kl_loss_at_least=(2.85, 3.20, 4.00)),
+    "calibrated": dict(
+        entropy_reference="baseline",
+        entropy_below=(0.40, 0.25, 0.15),
+        entropy_drop_at_least=(None, 0.1875, 0.375),
+        kl_loss_at_least=(0.05, 0.10, 0.20),
+    ),
+    "paper_literal": dict(
+        entropy_reference="absolute",
+        entropy_below=(8.0, 7.5, 6.5),
+        entropy_drop_at_least=(None, 1.5, 3.0),
+        kl_loss_at_least=(2.85, 3.20, 4.00),
+    ),
 }
 
 
@@ -90,7 +98,9 @@ class ControllerConfig:
 
     entropy_reference: str = "baseline"
     entropy_below: tuple = THRESHOLDS["calibrated"]["entropy_below"]
-    entropy_drop_at_least: tuple = THRESHOLDS["calibrated"]["entropy_drop_at_least"]  # only while clip fraction or PPO KL is in warning
+    entropy_drop_at_least: tuple = THRESHOLDS["calibrated"][
+        "entropy_drop_at_least"
+    ]  # only while clip fraction or PPO KL is in warning
     kl_loss_at_least: tuple = THRESHOLDS["calibrated"]["kl_loss_at_least"]
     clip_fraction_at_least: tuple = (0.14, 0.18, 0.25)
     ppo_kl_at_least: tuple = (0.08, 0.12, 0.22)
@@ -108,7 +118,9 @@ class ControllerConfig:
 
     def __post_init__(self):
         if self.entropy_reference not in ENTROPY_REFERENCES:
-            raise ValueError(f"config.controller.entropy_reference={self.entropy_reference!r}; expected one of {ENTROPY_REFERENCES}")
+            raise ValueError(
+                f"config.controller.entropy_reference={self.entropy_reference!r}; expected one of {ENTROPY_REFERENCES}"
+            )
         if self.phase0_drift not in PHASE0_DRIFT:
             raise ValueError(f"config.controller.phase0_drift={self.phase0_drift!r}; expected one of {PHASE0_DRIFT}")
         if self.entropy_baseline_steps < 1:
@@ -165,8 +177,16 @@ def controller_config(section) -> ControllerConfig:
 
 
 def initial_state() -> dict[str, float]:
-    state = {"phase": 0.0, "up_count": 0.0, "down_count": 0.0, "pending_target": 0.0, "best_dev": -1.0, "dev_drop": float("nan"), "entropy_seen": 0.0,
-             "entropy_baseline_sum": 0.0}
+    state = {
+        "phase": 0.0,
+        "up_count": 0.0,
+        "down_count": 0.0,
+        "pending_target": 0.0,
+        "best_dev": -1.0,
+        "dev_drop": float("nan"),
+        "entropy_seen": 0.0,
+        "entropy_baseline_sum": 0.0,
+    }
     for name in ("clip_fraction", "ppo_kl", "kl_loss", "grad_norm", "entropy"):
         state[f"ema_{name}"] = float("nan")
     state.update({f"entropy_{i}": float("nan") for i in range(ENTROPY_WINDOW)})
@@ -224,7 +244,12 @@ def update(state: Mapping[str, float], metrics: Mapping[str, float], config: Con
     state = dict(state)
     if not config.enabled:
         return state
-    for name in ("clip_fraction", "ppo_kl", "kl_loss", "grad_norm"):  # no kl_loss without a KL term: its rule stays at level 0
+    for name in (
+        "clip_fraction",
+        "ppo_kl",
+        "kl_loss",
+        "grad_norm",
+    ):  # no kl_loss without a KL term: its rule stays at level 0
         state[f"ema_{name}"] = _ema(state[f"ema_{name}"], float(metrics.get(name, float("nan"))), config.ema)
     entropy = float(metrics["entropy"])
     state["ema_entropy"] = _ema(state["ema_entropy"], entropy, config.entropy_ema)
@@ -299,8 +324,9 @@ class RewardSchedule:
 
     def at(self, step: int) -> RewardCoefficients:
         """The shaping coefficients at `step`."""
-        return dataclasses.replace(self.shaping, format_coef=self._ramp(self.format_coef, step),
-                                   length_coef=self._ramp(self.length_coef, step))
+        return dataclasses.replace(
+            self.shaping, format_coef=self._ramp(self.format_coef, step), length_coef=self._ramp(self.length_coef, step)
+        )
 
 
 def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
@@ -308,20 +334,31 @@ def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
     if reward.length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"config.reward.length_penalty={reward.length_penalty!r}; expected one of {LENGTH_PENALTIES}")
     if reward.length_penalty_schedule not in LENGTH_PENALTY_SCHEDULES:
-        raise ValueError(f"config.reward.length_penalty_schedule={reward.length_penalty_schedule!r}; expected one of "
-                         f"{LENGTH_PENALTY_SCHEDULES}")
+        raise ValueError(
+            f"config.reward.length_penalty_schedule={reward.length_penalty_schedule!r}; expected one of "
+            f"{LENGTH_PENALTY_SCHEDULES}"
+        )
     floor = reward.correct_never_below_incorrect
     scope = reward.length_penalty_on
     # "constant": the ramp's end value from step 0 (DAPO shapes overlong responses from the first step).
     held = lambda spec: (spec[1], spec[1], 0, 0) if reward.length_penalty_schedule == "constant" else spec
     if reward.length_penalty == "linear":
-        return RewardSchedule(length_coef=held(RewardSchedule.length_coef),
-                              shaping=RewardCoefficients(correct_never_below_incorrect=floor, length_penalty_on=scope))
+        return RewardSchedule(
+            length_coef=held(RewardSchedule.length_coef),
+            shaping=RewardCoefficients(correct_never_below_incorrect=floor, length_penalty_on=scope),
+        )
     if not 0 < reward.overlong_buffer <= max_new_tokens:
-        raise ValueError(f"config.reward.overlong_buffer={reward.overlong_buffer} must be in (0, rollout.max_new_tokens={max_new_tokens}]")
+        raise ValueError(
+            f"config.reward.overlong_buffer={reward.overlong_buffer} must be in (0, rollout.max_new_tokens={max_new_tokens}]"
+        )
     if not 0 < reward.overlong_penalty:
         raise ValueError(f"config.reward.overlong_penalty={reward.overlong_penalty} must be > 0")
     penalty = reward.overlong_penalty
-    shaping = RewardCoefficients(length_penalty="overlong", max_length=max_new_tokens, overlong_buffer=reward.overlong_buffer,
-                                 correct_never_below_incorrect=floor, length_penalty_on=scope)
+    shaping = RewardCoefficients(
+        length_penalty="overlong",
+        max_length=max_new_tokens,
+        overlong_buffer=reward.overlong_buffer,
+        correct_never_below_incorrect=floor,
+        length_penalty_on=scope,
+    )
     return RewardSchedule(length_coef=held((3 / 8 * penalty, penalty, 20, 60)), shaping=shaping)

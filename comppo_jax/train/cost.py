@@ -32,6 +32,7 @@ import math
 import re
 from typing import NamedTuple
 
+
 # Per chip. TPU: Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
 # v6e); their ICI figure is bidirectional per chip (v5p's "4800 Gbps" is 600 GB/s; v4: six
 # 50 GB/s links, Jouppi et al., ISCA 2023). JAX computes float32 dots on a TPU in one bf16
@@ -71,23 +72,41 @@ class ProgramCost(NamedTuple):
     collectives: dict  # kind -> bytes
     unknown_loops: tuple = ()  # op names of loops counted once
     unknown_kernels: tuple = ()  # custom calls with no FLOP model (their bytes are counted)
-    collective_hops: float = 0.0  # ring steps of every collective (module docstring), each paying the chip's hop_latency
+    collective_hops: float = (
+        0.0  # ring steps of every collective (module docstring), each paying the chip's hop_latency
+    )
 
     @property
     def flops(self) -> float:
         return self.flops_16bit + self.flops_fp32
 
     def __add__(self, other: ProgramCost) -> ProgramCost:
-        kinds = {k: self.collectives.get(k, 0.0) + other.collectives.get(k, 0.0) for k in {*self.collectives, *other.collectives}}
-        return ProgramCost(self.flops_16bit + other.flops_16bit, self.flops_fp32 + other.flops_fp32, self.hbm_bytes + other.hbm_bytes,
-                           self.collective_bytes + other.collective_bytes, kinds,
-                           tuple(sorted({*self.unknown_loops, *other.unknown_loops})),
-                           tuple(sorted({*self.unknown_kernels, *other.unknown_kernels})), self.collective_hops + other.collective_hops)
+        kinds = {
+            k: self.collectives.get(k, 0.0) + other.collectives.get(k, 0.0)
+            for k in {*self.collectives, *other.collectives}
+        }
+        return ProgramCost(
+            self.flops_16bit + other.flops_16bit,
+            self.flops_fp32 + other.flops_fp32,
+            self.hbm_bytes + other.hbm_bytes,
+            self.collective_bytes + other.collective_bytes,
+            kinds,
+            tuple(sorted({*self.unknown_loops, *other.unknown_loops})),
+            tuple(sorted({*self.unknown_kernels, *other.unknown_kernels})),
+            self.collective_hops + other.collective_hops,
+        )
 
     def scaled(self, factor: float) -> ProgramCost:
-        return ProgramCost(self.flops_16bit * factor, self.flops_fp32 * factor, self.hbm_bytes * factor,
-                           self.collective_bytes * factor, {k: v * factor for k, v in self.collectives.items()},
-                           self.unknown_loops, self.unknown_kernels, self.collective_hops * factor)
+        return ProgramCost(
+            self.flops_16bit * factor,
+            self.flops_fp32 * factor,
+            self.hbm_bytes * factor,
+            self.collective_bytes * factor,
+            {k: v * factor for k, v in self.collectives.items()},
+            self.unknown_loops,
+            self.unknown_kernels,
+            self.collective_hops * factor,
+        )
 
 
 ZERO = ProgramCost(0.0, 0.0, 0.0, 0.0, {})
@@ -103,22 +122,31 @@ def compute_seconds(cost: ProgramCost, chip: Chip) -> float:
 
 
 def bound(cost: ProgramCost, chip: Chip) -> str:
-    """"compute" or "memory": which side of the roofline the program sits on."""
+    """ "compute" or "memory": which side of the roofline the program sits on."""
     return "compute" if compute_seconds(cost, chip) >= cost.hbm_bytes / chip.hbm_bytes else "memory"
 
 
 def roofline_seconds(cost: ProgramCost, chip: Chip) -> float:
     """max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth
     + collective hops x hop latency."""
-    return (max(compute_seconds(cost, chip), cost.hbm_bytes / chip.hbm_bytes) + cost.collective_bytes / chip.ici_bytes
-            + cost.collective_hops * chip.hop_latency)
+    return (
+        max(compute_seconds(cost, chip), cost.hbm_bytes / chip.hbm_bytes)
+        + cost.collective_bytes / chip.ici_bytes
+        + cost.collective_hops * chip.hop_latency
+    )
 
 
 def published_chip(device_kind: str) -> Chip | None:
     """The CHIPS entry of a device kind ("TPU v5 lite", "NVIDIA H100 80GB HBM3", ...), or None."""
     kind = device_kind.lower()
-    for name, marks in (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e")), ("v6e", ("v6 lite", "v6e")),
-                        ("v5p", ("v5p", "v5")), ("v4", ("v4",))):
+    for name, marks in (
+        ("h200", ("h200",)),
+        ("h100", ("h100",)),
+        ("v5e", ("v5 lite", "v5e")),
+        ("v6e", ("v6 lite", "v6e")),
+        ("v5p", ("v5p", "v5")),
+        ("v4", ("v4",)),
+    ):
         if any(mark in kind for mark in marks):
             return CHIPS[name]
     return None
@@ -127,13 +155,53 @@ def published_chip(device_kind: str) -> Chip | None:
 # ---------------------------------------------------------------------------------------------
 # Reading the HLO text.
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "s4": 0.5,
+    "u4": 0.5,
+}
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "after-all",
-         "partition-id", "replica-id", "iota", "copy-done", "all-gather-done", "all-reduce-done", "collective-permute-done",
-         "send-done", "recv-done", "async-done", "slice-done", "opt-barrier", "custom-call-done"}
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "iota",
+    "copy-done",
+    "all-gather-done",
+    "all-reduce-done",
+    "collective-permute-done",
+    "send-done",
+    "recv-done",
+    "async-done",
+    "slice-done",
+    "opt-barrier",
+    "custom-call-done",
+}
 _SLICES = ("dynamic-slice", "slice", "gather")
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -150,7 +218,11 @@ class _Instruction:
 
 
 def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(type_text) if dtype in _BYTES]
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(type_text)
+        if dtype in _BYTES
+    ]
 
 
 def _bytes(type_text: str) -> float:
@@ -186,7 +258,7 @@ def _parse_instruction(line: str) -> _Instruction | None:
     opcode = rest[:paren]
     close = _closing(rest, paren)
     operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
-    return _Instruction(name, type_text, opcode, operands, rest[paren + 1:close - 1], rest[close:], is_root)
+    return _Instruction(name, type_text, opcode, operands, rest[paren + 1 : close - 1], rest[close:], is_root)
 
 
 def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
@@ -256,7 +328,11 @@ def _conv_flops(instruction: _Instruction, shapes: dict) -> float:
     fields = dict(re.findall(r"(\w+)=([\w\-x]+)", window.group(1))) if window else {}
     spatial = [c for c in lhs_labels if c.isdigit()]
     stride = [int(x) for x in fields["stride"].split("x")] if "stride" in fields else [1] * len(spatial)
-    pads = [tuple(int(p) for p in x.split("_")) for x in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * len(spatial)
+    pads = (
+        [tuple(int(p) for p in x.split("_")) for x in fields["pad"].split("x")]
+        if "pad" in fields
+        else [(0, 0)] * len(spatial)
+    )
     dilation = [int(x) for x in fields["rhs_dilate"].split("x")] if "rhs_dilate" in fields else [1] * len(spatial)
     positions = 1
     for axis, label in enumerate(spatial):
@@ -264,8 +340,10 @@ def _conv_flops(instruction: _Instruction, shapes: dict) -> float:
         out_size = out_dims[out_labels.index(label)]
         window_size = rhs[1][rhs_labels.index(label)]
         low = pads[axis][0]
-        positions *= sum(sum(1 for k in range(window_size) if 0 <= o * stride[axis] + k * dilation[axis] - low < in_size)
-                         for o in range(out_size))
+        positions *= sum(
+            sum(1 for k in range(window_size) if 0 <= o * stride[axis] + k * dilation[axis] - low < in_size)
+            for o in range(out_size)
+        )
     batch = out_dims[out_labels.index("b")]
     return 2.0 * batch * out_dims[out_labels.index("f")] * rhs[1][rhs_labels.index("i")] * positions
 
@@ -281,7 +359,9 @@ def _gemm_flops(instruction: _Instruction, shapes: dict) -> float:
 
 
 def _matmul_cost(instruction: _Instruction, shapes: dict) -> ProgramCost:
-    flops = {"dot": _dot_flops, "convolution": _conv_flops, "custom-call": _gemm_flops}[instruction.opcode](instruction, shapes)
+    flops = {"dot": _dot_flops, "convolution": _conv_flops, "custom-call": _gemm_flops}[instruction.opcode](
+        instruction, shapes
+    )
     wide = any(shapes.get(o, ("",))[0] in ("f32", "f64") for o in instruction.operands[:2])
     return ProgramCost(0.0, flops, 0.0, 0.0, {}) if wide else ProgramCost(flops, 0.0, 0.0, 0.0, {})
 
@@ -299,8 +379,13 @@ def _collective_cost(instruction: _Instruction, types: dict, devices: int) -> Pr
     kind = instruction.opcode.removesuffix("-start")
     n = _group_size(instruction.attributes, devices)
     size = _collective_size(instruction, types)
-    sent = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
-            "all-to-all": size * (n - 1) / n, "collective-permute": size}[kind]
+    sent = {
+        "all-gather": size * (n - 1) / n,
+        "reduce-scatter": size * (n - 1),
+        "all-reduce": 2 * size * (n - 1) / n,
+        "all-to-all": size * (n - 1) / n,
+        "collective-permute": size,
+    }[kind]
     return ProgramCost(0.0, 0.0, 0.0, sent, {kind: sent}, collective_hops=float(ring_steps(kind, n)))
 
 
@@ -319,7 +404,9 @@ def _live_rows(instruction: _Instruction, rows: int | None) -> int:
     return out if rows is None else min(out, rows)
 
 
-def _attention_flops(instruction: _Instruction, shapes: dict, context: float | None, rows: int | None = None) -> float | None:
+def _attention_flops(
+    instruction: _Instruction, shapes: dict, context: float | None, rows: int | None = None
+) -> float | None:
     """FLOPs of the attention kernels XLA treats as opaque custom calls, from their shapes. Causal
     self-attention over L keys is 2 matmuls x 2 x heads x L^2 / 2 x d forward (QK^T and PV), the
     queries [..., heads, L, d] being the kernel's largest operand; splash's backward kernels take
@@ -421,8 +508,15 @@ def _scope_value(instruction: _Instruction, values: dict):
     return None
 
 
-def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None, branch_rates: dict | None = None,
-                 context: float | None = None, decode_rows: int | None = None) -> ProgramCost:
+def program_cost(
+    text: str,
+    *,
+    devices: int = 1,
+    loop_trips: dict | None = None,
+    branch_rates: dict | None = None,
+    context: float | None = None,
+    decode_rows: int | None = None,
+) -> ProgramCost:
     """The per-chip cost of a compiled program (see the module docstring). `text`:
     `compiled.as_text()`; `devices`: chips in the program, the group size of a collective that
     names none; `loop_trips`: {named scope: trip count} for loops with data-dependent bounds;
@@ -441,8 +535,11 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
         if trips is not None:
             return trips
         condition = computations.get(_called(instruction.attributes, "condition")[0], [])
-        constants = {i.name: int(i.arguments) for i in condition
-                     if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.arguments) and _arrays(i.type)[0][1] == ()}
+        constants = {
+            i.name: int(i.arguments)
+            for i in condition
+            if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.arguments) and _arrays(i.type)[0][1] == ()
+        }
         # The induction variable is a tuple element of the loop state; a bound on anything computed
         # from the state (decoding's count of finished rows) is data-dependent.
         counters = {i.name for i in condition if i.opcode == "get-tuple-element"}
@@ -493,7 +590,8 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
                 continue
             if i.opcode == "conditional":
                 branches = _called(i.attributes, "branch_computations") or (
-                    _called(i.attributes, "true_computation") + _called(i.attributes, "false_computation"))
+                    _called(i.attributes, "true_computation") + _called(i.attributes, "false_computation")
+                )
                 ordered = sorted((walk(b) for b in branches), key=lambda c: (c.flops, c.hbm_bytes))
                 rate = _scope_value(i, branch_rates)
                 rate = 1.0 if rate is None else rate
@@ -505,8 +603,9 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
                 continue
             moved = _moved_bytes(i, types, computations)
             inner = work(i, shapes, types)
-            if i.opcode == "custom-call" and ('custom_call_target="tpu_custom_call"' in i.attributes
-                                              or "__gpu$xla.gpu.triton" in i.attributes):
+            if i.opcode == "custom-call" and (
+                'custom_call_target="tpu_custom_call"' in i.attributes or "__gpu$xla.gpu.triton" in i.attributes
+            ):
                 flops = _attention_flops(i, shapes, context, decode_rows)
                 if flops is None:
                     unknown_kernels.append(i.name.split(".")[0])
@@ -515,8 +614,10 @@ def program_cost(text: str, *, devices: int = 1, loop_trips: dict | None = None,
                 if "paged_attention" in i.name and context is not None:
                     moved = _bytes(i.type) + _paged_kv_bytes(i, shapes, context, decode_rows)
             total = total + inner + ProgramCost(0.0, 0.0, moved, 0.0, {})
-        memo[name] = total._replace(unknown_loops=tuple(sorted({*total.unknown_loops, *unknown_loops})),
-                                    unknown_kernels=tuple(sorted({*total.unknown_kernels, *unknown_kernels})))
+        memo[name] = total._replace(
+            unknown_loops=tuple(sorted({*total.unknown_loops, *unknown_loops})),
+            unknown_kernels=tuple(sorted({*total.unknown_kernels, *unknown_kernels})),
+        )
         return memo[name]
 
     return walk(entry)
@@ -534,8 +635,12 @@ def loop_collectives(text: str, scope: str, devices: int = 1) -> list[Collective
     the computations it calls and their fusions), read from `compiled.as_text()`. What launch/plan.py
     and the tests assert about decoding: no weight is gathered inside its loop."""
     computations, entry = parse_hlo(text)
-    loops = [i for instructions in computations.values() for i in instructions
-             if i.opcode == "while" and _scope_value(i, {scope: True})]
+    loops = [
+        i
+        for instructions in computations.values()
+        for i in instructions
+        if i.opcode == "while" and _scope_value(i, {scope: True})
+    ]
     if not loops:
         raise ValueError(f"no while loop under the named scope {scope!r} in the program")
     found, seen = [], set()
@@ -547,7 +652,15 @@ def loop_collectives(text: str, scope: str, devices: int = 1) -> list[Collective
         instructions = computations.get(name, [])
         types = {i.name: i.type for i in instructions}
         for i in instructions:
-            for key in ("calls", "body", "condition", "to_apply", "branch_computations", "true_computation", "false_computation"):
+            for key in (
+                "calls",
+                "body",
+                "condition",
+                "to_apply",
+                "branch_computations",
+                "true_computation",
+                "false_computation",
+            ):
                 for called in _called(i.attributes, key):
                     visit(called)
             kind = i.opcode.removesuffix("-start")

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, lora, model_config
@@ -61,28 +63,39 @@ def checked_tensor(value, config: ModelConfig, devices: int) -> str | int:
     choice = parse_tensor(value)
     allowed = group_sizes(config, devices)
     if choice not in MODES and choice not in allowed:
-        raise ConfigError(f"config.rollout.mesh.tensor={choice}: a decode group must divide the {devices} devices and the "
-                          f"{config.num_heads} query heads and divide or be a multiple of the {config.num_kv_heads} kv heads; "
-                          f"here: {', '.join(map(str, allowed))} (or auto, train)")
+        raise ConfigError(
+            f"config.rollout.mesh.tensor={choice}: a decode group must divide the {devices} devices and the "
+            f"{config.num_heads} query heads and divide or be a multiple of the {config.num_kv_heads} kv heads; "
+            f"here: {', '.join(map(str, allowed))} (or auto, train)"
+        )
     return choice
 
 
 def check_config(cfg, mesh: Mesh, rollout_devices: list | None = None) -> None:
     """Refuses a run config's rollout.mesh.tensor that `mesh` (or the rollout stage's own
     devices) cannot take, before anything loads."""
-    checked_tensor(cfg.rollout.mesh.tensor, model_config(cfg.model), len(rollout_devices) if rollout_devices else mesh.devices.size)
+    checked_tensor(
+        cfg.rollout.mesh.tensor, model_config(cfg.model), len(rollout_devices) if rollout_devices else mesh.devices.size
+    )
     if rollout_devices and jax.process_count() > 1 and len(rollout_devices) != mesh.devices.size:
-        raise ConfigError(f"config.mesh.rollout_devices={cfg.mesh.rollout_devices}: a multi-process run needs as many rollout devices as "
-                          f"training devices ({len(rollout_devices)} vs {mesh.devices.size}): the weights move between the two sets "
-                          "shard by shard (sharding.move); pass half of each process's devices")
+        raise ConfigError(
+            f"config.mesh.rollout_devices={cfg.mesh.rollout_devices}: a multi-process run needs as many rollout devices as "
+            f"training devices ({len(rollout_devices)} vs {mesh.devices.size}): the weights move between the two sets "
+            "shard by shard (sharding.move); pass half of each process's devices"
+        )
 
 
 def group_sizes(config: ModelConfig, devices: int) -> list[int]:
     """The G a decode layout can take on `devices`: dividing the devices and the query heads, and
     dividing the kv heads or a multiple of them (each chip then keeps the kv head its queries read,
     `sharding.kv_head_repeat`)."""
-    return [g for g in range(1, devices + 1) if devices % g == 0 and config.num_heads % g == 0
-            and (config.num_kv_heads % g == 0 or g % config.num_kv_heads == 0)]
+    return [
+        g
+        for g in range(1, devices + 1)
+        if devices % g == 0
+        and config.num_heads % g == 0
+        and (config.num_kv_heads % g == 0 or g % config.num_kv_heads == 0)
+    ]
 
 
 def pool_heads_per_chip(config: ModelConfig, tensor: int) -> int:
@@ -98,7 +111,9 @@ def weight_bytes_per_chip(config: ModelConfig, tensor: int) -> tuple[int, int]:
     mesh = jax.sharding.AbstractMesh((1, 1, tensor), sharding.AXES)
     itemsize = jnp.dtype(config.dtype).itemsize
     held = read = 0
-    for path, shape in jax.tree_util.tree_flatten_with_path(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]:
+    for path, shape in jax.tree_util.tree_flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )[0]:
         size = math.prod(NamedSharding(mesh, sharding.leaf_spec(mesh, path, shape)).shard_shape(shape)) * itemsize
         held += size
         untied_embedding = path[-1].key == "embed" and not config.tie_word_embeddings
@@ -123,12 +138,30 @@ class DecodeFloor(NamedTuple):
         return self.step_seconds * self.steps
 
 
-def decode_floor(config: ModelConfig, chip: costs.Chip, *, devices: int, tensor: int, num_prompts: int, samples: int,
-                 prompt_length: int, max_new_tokens: int, page_size: int, decode_slots: int | None) -> DecodeFloor:
+def decode_floor(
+    config: ModelConfig,
+    chip: costs.Chip,
+    *,
+    devices: int,
+    tensor: int,
+    num_prompts: int,
+    samples: int,
+    prompt_length: int,
+    max_new_tokens: int,
+    page_size: int,
+    decode_slots: int | None,
+) -> DecodeFloor:
     """`DecodeFloor` of G = `tensor` on `devices` chips for one rollout of `num_prompts` x `samples` rows."""
     replicas = devices // tensor
-    layout = engine.make_layout(num_prompts, prompt_length, num_samples=samples, max_new_tokens=max_new_tokens,
-                                page_size=page_size, decode_slots=decode_slots, shards=replicas)
+    layout = engine.make_layout(
+        num_prompts,
+        prompt_length,
+        num_samples=samples,
+        max_new_tokens=max_new_tokens,
+        page_size=page_size,
+        decode_slots=decode_slots,
+        shards=replicas,
+    )
     itemsize = jnp.dtype(config.dtype).itemsize
     held, read = weight_bytes_per_chip(config, tensor)
     kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
@@ -138,7 +171,9 @@ def decode_floor(config: ModelConfig, chip: costs.Chip, *, devices: int, tensor:
     hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps("all-gather", tensor)
     flops = 2 * layout.slots * held / itemsize  # each live row passes through this chip's weights once
     step = max(flops / costs.peak_flops(chip, config.dtype), (read + kv) / chip.hbm_bytes) + hops * chip.hop_latency
-    return DecodeFloor(tensor, replicas, float(read), float(kv), float(hops), step, layout.decode_steps, float(held + pool))
+    return DecodeFloor(
+        tensor, replicas, float(read), float(kv), float(hops), step, layout.decode_steps, float(held + pool)
+    )
 
 
 def floors(config: ModelConfig, chip: costs.Chip, devices: int, **rollout) -> list[DecodeFloor]:
@@ -158,8 +193,14 @@ def fastest(candidates: list[DecodeFloor], budget: float | None) -> DecodeFloor:
 def rollout_shapes(cfg, prompt_length: int = PLANNED_PROMPT_LENGTH) -> dict:
     """`decode_floor`'s rollout keywords for a run config."""
     options = engine_options(cfg.rollout)
-    return dict(num_prompts=cfg.rollout.prompts_per_step, samples=cfg.rollout.samples_per_prompt, prompt_length=prompt_length,
-                max_new_tokens=cfg.rollout.max_new_tokens, page_size=options["page_size"], decode_slots=options["decode_slots"])
+    return dict(
+        num_prompts=cfg.rollout.prompts_per_step,
+        samples=cfg.rollout.samples_per_prompt,
+        prompt_length=prompt_length,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        page_size=options["page_size"],
+        decode_slots=options["decode_slots"],
+    )
 
 
 class DecodeLayout(NamedTuple):
@@ -209,36 +250,57 @@ def _chosen_group(value, mesh: Mesh, config: ModelConfig, devices: int, *, chip,
     return choice, tensor, next((c for c in candidates if c.tensor == tensor), None), candidates
 
 
-def make_decode_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip: costs.Chip | None, budget: float | None,
-                       rollout: dict, rollout_devices: list | None = None) -> DecodeLayout:
+def make_decode_layout(
+    value,
+    mesh: Mesh,
+    config: ModelConfig,
+    actor,
+    *,
+    chip: costs.Chip | None,
+    budget: float | None,
+    rollout: dict,
+    rollout_devices: list | None = None,
+) -> DecodeLayout:
     """The decode layout `value` (rollout.mesh.tensor) names on `mesh` for params shaped like
     `actor` (arrays or ShapeDtypeStructs; any dtype); `chip`, `budget` (bytes per chip free for
     the decode weights and page pool, None: unknown) and `rollout` (`rollout_shapes`) settle auto.
     With `rollout_devices` (mesh.rollout_devices) the layout is on those devices instead."""
     if rollout_devices:
-        return _separate_layout(value, mesh, config, actor, chip=chip, budget=budget, rollout=rollout, devices=rollout_devices)
+        return _separate_layout(
+            value, mesh, config, actor, chip=chip, budget=budget, rollout=rollout, devices=rollout_devices
+        )
     devices = mesh.devices.size
-    choice, tensor, floor, candidates = _chosen_group(value, mesh, config, devices, chip=chip, budget=budget, rollout=rollout,
-                                                      fallback=mesh.shape["tensor"])
+    choice, tensor, floor, candidates = _chosen_group(
+        value, mesh, config, devices, chip=chip, budget=budget, rollout=rollout, fallback=mesh.shape["tensor"]
+    )
     same = dict(mesh.shape) == {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
     weights = functools.partial(decode_weights, config=config)
-    if choice == "train" or same:  # a LoRA actor's merge is one program; a cast to the same dtype returns the arrays themselves
-        return DecodeLayout(mesh, tensor, False, jax.jit(weights) if lora.has_adapters(actor) else weights, floor, candidates)
+    if (
+        choice == "train" or same
+    ):  # a LoRA actor's merge is one program; a cast to the same dtype returns the arrays themselves
+        return DecodeLayout(
+            mesh, tensor, False, jax.jit(weights) if lora.has_adapters(actor) else weights, floor, candidates
+        )
     decode = sharding.decode_mesh(mesh, tensor)
     reshard = jax.jit(weights, out_shardings=sharding.tree_shardings(decode, jax.eval_shape(weights, actor)))
     return DecodeLayout(decode, tensor, True, reshard, floor, candidates)
 
 
-def _separate_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip, budget, rollout: dict, devices: list) -> DecodeLayout:
+def _separate_layout(
+    value, mesh: Mesh, config: ModelConfig, actor, *, chip, budget, rollout: dict, devices: list
+) -> DecodeLayout:
     """The decode layout on the rollout stage's own `devices`. After each update the weights move
     there in one transfer: cast to the compute dtype on the training mesh, then copied device to
     device (`sharding.move`); across processes they are first laid out on the training devices
     exactly as on their rollout twins, so each process copies only its own shards."""
-    choice, tensor, floor, candidates = _chosen_group(value, mesh, config, len(devices), chip=chip, budget=budget, rollout=rollout,
-                                                      fallback=1)
+    choice, tensor, floor, candidates = _chosen_group(
+        value, mesh, config, len(devices), chip=chip, budget=budget, rollout=rollout, fallback=1
+    )
     if choice == "train" and tensor not in group_sizes(config, len(devices)):
-        raise ConfigError(f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
-                          f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto")
+        raise ConfigError(
+            f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
+            f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto"
+        )
     decode = sharding.decode_mesh(Mesh(np.asarray(devices).reshape(len(devices), 1, 1), sharding.AXES), tensor)
     weights = functools.partial(decode_weights, config=config)
     compute = jax.eval_shape(weights, actor)
@@ -248,7 +310,9 @@ def _separate_layout(value, mesh: Mesh, config: ModelConfig, actor, *, chip, bud
     else:  # the decode layout on the training devices (the twins of the rollout devices, position by position)
         twin = Mesh(mesh.devices.reshape(-1).reshape(decode.devices.shape), sharding.AXES)
         cast = jax.jit(weights, out_shardings=sharding.tree_shardings(twin, compute))
-    return DecodeLayout(decode, tensor, True, lambda actor: sharding.move(cast(actor), target), floor, candidates, separate=True)
+    return DecodeLayout(
+        decode, tensor, True, lambda actor: sharding.move(cast(actor), target), floor, candidates, separate=True
+    )
 
 
 def local_chip_and_budget(mesh: Mesh) -> tuple[costs.Chip | None, float | None]:
@@ -265,15 +329,26 @@ def for_run(cfg, mesh: Mesh, config: ModelConfig, actor, rollout_devices: list |
     """The decode layout of a run (`rollout.mesh.tensor`), on the devices of its training mesh or
     on the rollout stage's own (`rollout_devices`, mesh.rollout_devices)."""
     chip, budget = local_chip_and_budget(mesh)
-    return make_decode_layout(cfg.rollout.mesh.tensor, mesh, config, actor, chip=chip, budget=budget, rollout=rollout_shapes(cfg),
-                              rollout_devices=rollout_devices)
+    return make_decode_layout(
+        cfg.rollout.mesh.tensor,
+        mesh,
+        config,
+        actor,
+        chip=chip,
+        budget=budget,
+        rollout=rollout_shapes(cfg),
+        rollout_devices=rollout_devices,
+    )
 
 
 def describe(layout: DecodeLayout) -> str:
     """One line: the layout, and its floor where the chip is known."""
     devices = layout.mesh.devices.size
-    text = (f"tensor-parallel groups of {layout.tensor}, {devices // layout.tensor} replica(s)" if layout.resharded
-            else f"the training mesh {dict(layout.mesh.shape)}")
+    text = (
+        f"tensor-parallel groups of {layout.tensor}, {devices // layout.tensor} replica(s)"
+        if layout.resharded
+        else f"the training mesh {dict(layout.mesh.shape)}"
+    )
     if layout.separate:
         text += f" on the rollout stage's own {devices} devices"
     if layout.floor is not None:

@@ -50,12 +50,16 @@ class StopSignals:
     def _handle(self, signum, frame):
         del frame
         if self.received is None:
-            print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint, or within seconds during "
-                  "the warm start, the first dev evaluation or the first step's compiles (further signals are ignored; kill -9 "
-                  "stops at once, and the newest checkpoint stays whole)", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint, or within seconds during "
+                "the warm start, the first dev evaluation or the first step's compiles (further signals are ignored; kill -9 "
+                "stops at once, and the newest checkpoint stays whole)",
+                file=sys.stderr,
+                flush=True,
+            )
         self.received = signum
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for signum in self.SIGNALS:
             self.previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -102,9 +106,11 @@ class SkippedUpdates:
 
     def stop_if_exhausted(self, step: int, nonfinite: list[str]) -> None:
         if self.consecutive >= self.limit:
-            raise NonFiniteError(f"step {step}: {self.consecutive} consecutive updates skipped for non-finite values, last in "
-                                 f"{', '.join(nonfinite)}; params and optimizer state are those before the first skip, and the last "
-                                 "checkpoint is intact. Lower the learning rates, check the rewards, or raise train.max_skipped_updates")
+            raise NonFiniteError(
+                f"step {step}: {self.consecutive} consecutive updates skipped for non-finite values, last in "
+                f"{', '.join(nonfinite)}; params and optimizer state are those before the first skip, and the last "
+                "checkpoint is intact. Lower the learning rates, check the rewards, or raise train.max_skipped_updates"
+            )
 
     def state(self) -> dict:
         return {"total": self.total, "consecutive": self.consecutive}

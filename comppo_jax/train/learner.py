@@ -11,19 +11,37 @@ non-finite credit or updates with the skipped-update guard.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from comppo_jax import sharding
-from comppo_jax.credit import clip_advantages, comp_gae, decoupled_ppo_inputs, gae, grpo_advantages, masked_mean, whiten_advantages
+from comppo_jax.credit import (
+    clip_advantages,
+    comp_gae,
+    decoupled_ppo_inputs,
+    gae,
+    grpo_advantages,
+    masked_mean,
+    whiten_advantages,
+)
 from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.train import controller
 from comppo_jax.train.guards import SkippedUpdates, nonfinite_credit
-from comppo_jax.train.methods import (Recipe, RunParts, control_gate, critic_epochs_first, critic_warmup, gate_options, kl_coefficient,
-                                      schedule_step, spread_over_sequence)
+from comppo_jax.train.methods import (
+    Recipe,
+    RunParts,
+    control_gate,
+    critic_epochs_first,
+    critic_warmup,
+    gate_options,
+    kl_coefficient,
+    schedule_step,
+    spread_over_sequence,
+)
 from comppo_jax.train.sampling import Sampled
 from comppo_jax.train.update import Minibatch, UpdateSteps, apply_actor_step, cast_params
 
@@ -42,8 +60,9 @@ def estimate_credit(cfg, recipe: Recipe, rewards, reward_tokens, values, kappa, 
     without the std with train.group_std_normalization=False), else GAE / Comp-GAE on `values`,
     whitened."""
     if recipe.estimator == "grpo":
-        advantages = grpo_advantages(jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask,
-                                     normalize_std=cfg.train.group_std_normalization)
+        advantages = grpo_advantages(
+            jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask, normalize_std=cfg.train.group_std_normalization
+        )
         return advantages, jnp.zeros(mask.shape)
     if recipe.estimator == "gae":
         advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
@@ -58,31 +77,60 @@ def credit(cfg, parts: RunParts, values_fn, critic, rollout, sampled: Sampled, r
     generation, mask = sampled.generation, rollout.response_mask
     kappa = control_gate(parts.recipe, rollout.kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
     zeros = jnp.zeros(mask.shape)
-    batch = sharding.put(Minibatch(
-        generation.tokens, generation.attention_mask, generation.prompt_lengths, generation.response_tokens, mask,
-        rollout.log_probs, zeros if rollout.ref_log_probs is None else rollout.ref_log_probs, zeros, zeros, zeros,
-        spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]), rollout.hidden_states, rollout.routing,
-    ), batch_shardings)
+    batch = sharding.put(
+        Minibatch(
+            generation.tokens,
+            generation.attention_mask,
+            generation.prompt_lengths,
+            generation.response_tokens,
+            mask,
+            rollout.log_probs,
+            zeros if rollout.ref_log_probs is None else rollout.ref_log_probs,
+            zeros,
+            zeros,
+            zeros,
+            spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]),
+            rollout.hidden_states,
+            rollout.routing,
+        ),
+        batch_shardings,
+    )
     values = zeros if parts.recipe.estimator == "grpo" else values_fn(critic, batch)
-    advantages, returns = estimate_credit(cfg, parts.recipe, sampled.rewards, sampled.reward_tokens, values, kappa, mask)
+    advantages, returns = estimate_credit(
+        cfg, parts.recipe, sampled.rewards, sampled.reward_tokens, values, kappa, mask
+    )
     batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
     # The critic's features live on in `batch` only (no second copy through the update).
     return Scored(batch, rollout._replace(hidden_states=None, routing=None), sampled, kappa)
 
 
-def refreshed_credit(cfg, parts: RunParts, model_config, actor, scored: Scored, rng, advantage_clip) -> tuple[dict, jax.Array]:
+def refreshed_credit(
+    cfg, parts: RunParts, model_config, actor, scored: Scored, rng, advantage_clip
+) -> tuple[dict, jax.Array]:
     """gate_refresh=epoch: the current actor's gate on the stored batch (H -> c -> kappa, no
     gradient), through the gate control, and Comp-GAE rerun with the stored values and rewards.
     Returns (the Minibatch fields that change: advantages (whitened, clipped), returns and
     kappa_sequence; the new kappa [B, T])."""
     batch, mask = scored.batch, scored.batch.response_mask
-    own = policy_gate(cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
-                      mask, length=mask.shape[1], **gate_options(cfg))
+    own = policy_gate(
+        cast_params(actor, model_config.dtype),
+        model_config,
+        batch.tokens,
+        batch.attention_mask,
+        batch.prompt_lengths,
+        mask,
+        length=mask.shape[1],
+        **gate_options(cfg),
+    )
     kappa = control_gate(parts.recipe, own, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
-    advantages, returns = estimate_credit(cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values,
-                                          kappa, mask)
-    fields = dict(advantages=clip_advantages(advantages, advantage_clip), returns=returns,
-                  kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]))
+    advantages, returns = estimate_credit(
+        cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values, kappa, mask
+    )
+    fields = dict(
+        advantages=clip_advantages(advantages, advantage_clip),
+        returns=returns,
+        kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]),
+    )
     return fields, kappa
 
 
@@ -116,8 +164,11 @@ def importance_metrics(weights, mask, cap: float) -> dict:
     values = jax.device_get(weights)[valid]
     if not values.size:
         return {}
-    return {"importance_weight/mean": float(values.mean()), "importance_weight/max": float(values.max()),
-            "importance_weight/truncated_fraction": float((values > cap).mean())}
+    return {
+        "importance_weight/mean": float(values.mean()),
+        "importance_weight/max": float(values.max()),
+        "importance_weight/truncated_fraction": float((values > cap).mean()),
+    }
 
 
 class Offload(NamedTuple):
@@ -128,12 +179,15 @@ class Offload(NamedTuple):
     to_update: Callable  # the update's batch: read one minibatch at a time, the rest waits on the host
 
     @classmethod
-    def of(cls, enabled: bool) -> "Offload":
+    def of(cls, enabled: bool) -> Offload:
         if not enabled:
             same = lambda tree: tree
             return cls(same, same, same)
-        return cls(lambda tree: sharding.to_memory(tree, "pinned_host"), lambda tree: sharding.to_memory(tree, "device"),
-                   lambda tree: jax.tree.map(sharding.to_host, tree))
+        return cls(
+            lambda tree: sharding.to_memory(tree, "pinned_host"),
+            lambda tree: sharding.to_memory(tree, "device"),
+            lambda tree: jax.tree.map(sharding.to_host, tree),
+        )
 
 
 class Learned(NamedTuple):
@@ -145,24 +199,45 @@ class Learned(NamedTuple):
     gate_change: float | None  # gate_refresh=epoch: the refreshed gate's mean |change| from the rollout's
     nonfinite: list[str]  # what was not finite (the update skipped), empty when it applied
     applied_actor: bool  # the actor updated (past the critic warm-up)
-    importance: dict  # train.proximal=recompute: importance_weight/mean, /max, /truncated_fraction (behaviour -> proximal)
+    importance: (
+        dict  # train.proximal=recompute: importance_weight/mean, /max, /truncated_fraction (behaviour -> proximal)
+    )
 
 
 class Learner:
     """Credit and update epochs for each Experience, the guards and the controller (module
     docstring). `control_state` and `skipped` are checkpointed in the run's meta."""
 
-    def __init__(self, cfg, model_config, parts: RunParts, steps: UpdateSteps, batch_shardings, offload: Offload, meta: dict,
-                 compiling: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg,
+        model_config,
+        parts: RunParts,
+        steps: UpdateSteps,
+        batch_shardings,
+        offload: Offload,
+        meta: dict,
+        compiling: Callable[[str], None],
+    ):
         self.cfg, self.model_config, self.parts, self.steps = cfg, model_config, parts, steps
         self.batch_shardings, self.offload, self.compiling = batch_shardings, offload, compiling
         self.control_config = controller.controller_config(cfg.controller)
         self.control_state = meta["controller"]
-        self.skipped = SkippedUpdates(cfg.train.max_skipped_updates, **meta.get("skipped_updates", {}))  # absent before the guard existed
+        self.skipped = SkippedUpdates(
+            cfg.train.max_skipped_updates, **meta.get("skipped_updates", {})
+        )  # absent before the guard existed
         self.warmup = critic_warmup(cfg, parts.recipe)
-        self.log_probs = jax.jit(lambda actor, batch: policy_token_stats(
-            cast_params(actor, model_config.dtype), model_config, batch.tokens, batch.attention_mask, batch.prompt_lengths,
-            batch.response_tokens, cfg.rollout.temperature)[0])
+        self.log_probs = jax.jit(
+            lambda actor, batch: policy_token_stats(
+                cast_params(actor, model_config.dtype),
+                model_config,
+                batch.tokens,
+                batch.attention_mask,
+                batch.prompt_lengths,
+                batch.response_tokens,
+                cfg.rollout.temperature,
+            )[0]
+        )
 
     def meta(self) -> dict:
         return {"controller": self.control_state, "skipped_updates": self.skipped.state()}
@@ -172,36 +247,59 @@ class Learner:
         cfg, steps, offload = self.cfg, self.steps, self.offload
         knobs = controller.knobs(self.control_state, schedule_step(cfg, self.parts.recipe, step), self.control_config)
         gate_key = jax.random.fold_in(step_rng, 1)
-        scored = credit(cfg, self.parts, steps.values, state["critic"], experience.rollout, experience.sampled, gate_key,
-                        self.batch_shardings)
+        scored = credit(
+            cfg,
+            self.parts,
+            steps.values,
+            state["critic"],
+            experience.rollout,
+            experience.sampled,
+            gate_key,
+            self.batch_shardings,
+        )
         batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
         weigh, importance, weights = (lambda advantages: advantages), {}, None
         if cfg.train.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
             self.compiling("the proximal log-probs")
             proximal = self.log_probs(state["actor"], batch)
-            old_log_probs, advantages, weights = decoupled_ppo_inputs(batch.old_log_probs, proximal, batch.advantages,
-                                                                      batch.response_mask, cfg.train.importance_weight_cap)
+            old_log_probs, advantages, weights = decoupled_ppo_inputs(
+                batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cfg.train.importance_weight_cap
+            )
             truncated = jnp.minimum(weights, cfg.train.importance_weight_cap)
             weigh = lambda advantages: advantages * truncated
             batch = batch._replace(old_log_probs=old_log_probs, advantages=advantages)
             importance = importance_metrics(weights, batch.response_mask, cfg.train.importance_weight_cap)
         batch = offload.to_update(batch)
         state["actor_opt"] = offload.fetch(state["actor_opt"])
-        actor_hyper = dict(learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"], clip=knobs["clip"],
-                           kl_coef=kl_coefficient(cfg) * knobs["kl_multiplier"], grad_clip=knobs["actor_grad_clip"])
-        critic_hyper = dict(learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"], value_clip=knobs["value_clip"],
-                            grad_clip=knobs["critic_grad_clip"])
+        actor_hyper = dict(
+            learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"],
+            clip=knobs["clip"],
+            kl_coef=kl_coefficient(cfg) * knobs["kl_multiplier"],
+            grad_clip=knobs["actor_grad_clip"],
+        )
+        critic_hyper = dict(
+            learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"],
+            value_clip=knobs["value_clip"],
+            grad_clip=knobs["critic_grad_clip"],
+        )
         update_actor = step > self.warmup
         update_metrics, gate_changes = [], []
         rows = batch.response_mask.shape[0]
         # A non-finite reward, value, advantage or return skips the whole update.
         # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
-        nonfinite = nonfinite_credit(scored.sampled.rewards, **({} if weights is None else {"importance weights": weights}),
-                                     values=batch.old_values, advantages=batch.advantages, returns=batch.returns)
+        nonfinite = nonfinite_credit(
+            scored.sampled.rewards,
+            **({} if weights is None else {"importance weights": weights}),
+            values=batch.old_values,
+            advantages=batch.advantages,
+            returns=batch.returns,
+        )
         size = cfg.train.minibatch_size
         # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
-        orders = [np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
-                  for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))]
+        orders = [
+            np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
+            for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))
+        ]
         minibatch_of = lambda picked: sharding.put(take_rows(batch, picked), self.batch_shardings)
         critic_first = critic_epochs_first(cfg, self.parts.recipe)
         interleaved = state["critic"] is not None and not critic_first  # a critic step after each actor step
@@ -209,15 +307,25 @@ class Learner:
         if critic_first:  # the critic's epochs, then its features go: the actor's epochs hold no more than GRPO's
             for order in orders:
                 for start in range(0, rows, size):
-                    critic_metrics.append(self.critic_step(state, minibatch_of(order[start : start + size]), critic_hyper))
-            features = [x for source in (batch, scored.batch, experience.rollout) for x in (source.hidden_states, source.routing)]
+                    critic_metrics.append(
+                        self.critic_step(state, minibatch_of(order[start : start + size]), critic_hyper)
+                    )
+            features = [
+                x
+                for source in (batch, scored.batch, experience.rollout)
+                for x in (source.hidden_states, source.routing)
+            ]
             batch, scored = without_features(batch), scored._replace(batch=without_features(scored.batch))
-            free_device_arrays(*jax.tree.leaves(features))  # every device copy, though the caller's experience still names one
+            free_device_arrays(
+                *jax.tree.leaves(features)
+            )  # every device copy, though the caller's experience still names one
         for epoch, order in enumerate(orders):
             # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
             if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
                 self.compiling("the gate refresh")
-                fresh, kappa = refreshed_credit(cfg, self.parts, self.model_config, state["actor"], scored, gate_key, knobs["advantage_clip"])
+                fresh, kappa = refreshed_credit(
+                    cfg, self.parts, self.model_config, state["actor"], scored, gate_key, knobs["advantage_clip"]
+                )
                 fresh["advantages"] = weigh(fresh["advantages"])
                 gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
                 # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).
@@ -228,7 +336,9 @@ class Learner:
                     minibatch = minibatch_of(order[start : start + size])
                 if update_actor:
                     self.compiling("the actor update")
-                    state["actor"], state["actor_opt"], out = apply_actor_step(steps, state["actor"], state["actor_opt"], minibatch, actor_hyper)
+                    state["actor"], state["actor_opt"], out = apply_actor_step(
+                        steps, state["actor"], state["actor_opt"], minibatch, actor_hyper
+                    )
                 if interleaved:
                     out = {**out, **self.critic_step(state, minibatch, critic_hyper)}
                 update_metrics.append(out)
@@ -236,19 +346,26 @@ class Learner:
             update_metrics = [{**actor, **critic} for actor, critic in zip(update_metrics, critic_metrics)]
         update_metrics = [{k: float(v) for k, v in out.items()} for out in update_metrics]
         state["actor_opt"] = offload.park(state["actor_opt"])
-        for name, quantity in (("actor_finite", "actor loss or gradient norm"), ("critic_finite", "critic loss or gradient norm")):
+        for name, quantity in (
+            ("actor_finite", "actor loss or gradient norm"),
+            ("critic_finite", "critic loss or gradient norm"),
+        ):
             unapplied = sum(m.pop(name, 1.0) == 0.0 for m in update_metrics)
             if unapplied:  # those minibatches' updates were skipped inside the jitted step
                 nonfinite.append(f"{quantity} ({unapplied} of {len(update_metrics)} minibatches)")
         self.skipped.record(nonfinite)
-        metrics = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
+        metrics = (
+            {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
+        )
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
         return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
 
     def critic_step(self, state: dict, minibatch: Minibatch, hyper: dict) -> dict:
         """One critic update on `minibatch` (state["critic"] and its optimizer state replaced); its metrics."""
         self.compiling("the critic update")
-        state["critic"], state["critic_opt"], out = self.steps.critic(state["critic"], state["critic_opt"], minibatch, hyper)
+        state["critic"], state["critic_opt"], out = self.steps.critic(
+            state["critic"], state["critic_opt"], minibatch, hyper
+        )
         return out
 
     def control(self, metrics: dict, learned: Learned) -> None:

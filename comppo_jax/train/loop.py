@@ -36,7 +36,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,19 @@ from comppo_jax.train import controller, decode_layout, run_dir
 from comppo_jax.train.checkpoint import RunCheckpoints, committed_steps
 from comppo_jax.train.guards import RunStopped, StopSignals
 from comppo_jax.train.learner import Learner, Offload
-from comppo_jax.train.methods import (RunParts, actor_loss_of, base_source, init_critic, initial_keys, kl_term, recipe as make_recipe,
-                                      run_parts, total_steps)
+from comppo_jax.train.methods import (
+    RunParts,
+    actor_loss_of,
+    base_source,
+    init_critic,
+    initial_keys,
+    kl_term,
+    run_parts,
+    total_steps,
+)
+from comppo_jax.train.methods import (
+    recipe as make_recipe,
+)
 from comppo_jax.train.outputs import CONFIG_FILE, load_run_config, save_run_config
 from comppo_jax.train.recorder import Recorder, initial_meta
 from comppo_jax.train.rollout_stage import RolloutStage, load_encodable_problems
@@ -67,9 +79,14 @@ def check_batch(cfg, mesh) -> None:
     """Fails before any work on batch sizes the mesh cannot split (validate_config checks the rest)."""
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     multiple = sharding.batch_size_multiple(mesh)
-    for name, size in (("train.minibatch_size", cfg.train.minibatch_size), ("rollout.prompts_per_step * samples_per_prompt", rows)):
+    for name, size in (
+        ("train.minibatch_size", cfg.train.minibatch_size),
+        ("rollout.prompts_per_step * samples_per_prompt", rows),
+    ):
         if size % multiple:
-            raise ConfigError(f"config.{name}={size} must be a multiple of mesh data x fsdp = {multiple}; change it or config.mesh")
+            raise ConfigError(
+                f"config.{name}={size} must be a multiple of mesh data x fsdp = {multiple}; change it or config.mesh"
+            )
 
 
 def warm_start_key(cfg) -> dict:
@@ -102,7 +119,9 @@ def restore_for_resume(cfg, checkpoints: RunCheckpoints, state):
     try:
         return checkpoints.restore(state, cfg.resume_step)
     except CheckpointError as error:
-        raise CheckpointError(f"{error}; pass --config.resume_step=-1 to resume from the newest checkpoint that verifies") from error
+        raise CheckpointError(
+            f"{error}; pass --config.resume_step=-1 to resume from the newest checkpoint that verifies"
+        ) from error
 
 
 def completed_summary(cfg, checkpoints: RunCheckpoints, last_step: int, main_process: bool) -> dict | None:
@@ -110,8 +129,10 @@ def completed_summary(cfg, checkpoints: RunCheckpoints, last_step: int, main_pro
     exists), said in one line; None when there is something left to run."""
     latest = checkpoints.latest_step()
     if latest is not None and latest > last_step:
-        raise ConfigError(f"{cfg.output_dir} has checkpoint {latest}, past this config's last step {last_step}: raise config.steps "
-                          "to continue it, or choose another --config.output_dir")
+        raise ConfigError(
+            f"{cfg.output_dir} has checkpoint {latest}, past this config's last step {last_step}: raise config.steps "
+            "to continue it, or choose another --config.output_dir"
+        )
     path = os.path.join(cfg.output_dir, "summary.json")
     if latest != last_step or not os.path.exists(path):
         return None
@@ -157,8 +178,11 @@ def stopped_early(cfg, stage: str) -> dict:
     steps = committed_steps(os.path.abspath(cfg.output_dir))
     if not steps:
         return {"stopped_during": stage}
-    return {"stopped_at_step": max(steps), "stopped_during": stage,
-            "checkpoint": os.path.join(os.path.abspath(cfg.output_dir), "checkpoints", str(max(steps)))}
+    return {
+        "stopped_at_step": max(steps),
+        "stopped_during": stage,
+        "checkpoint": os.path.join(os.path.abspath(cfg.output_dir), "checkpoints", str(max(steps))),
+    }
 
 
 def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
@@ -167,16 +191,22 @@ def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
     the resume's accepted config changes."""
     if not cfg.resume:
         if checkpoints.latest_step() is not None:
-            raise FileExistsError(f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
-                                  "pass --config.resume=True to continue that run, or choose another --config.output_dir")
+            raise FileExistsError(
+                f"{cfg.output_dir} already has checkpoints (latest step {checkpoints.latest_step()}): "
+                "pass --config.resume=True to continue that run, or choose another --config.output_dir"
+            )
         if checkpoints.set_aside():
-            raise FileExistsError(f"{cfg.output_dir} holds an earlier run's checkpoints set aside as damaged: "
-                                  f"{checkpoints.set_aside_note()}")
+            raise FileExistsError(
+                f"{cfg.output_dir} holds an earlier run's checkpoints set aside as damaged: "
+                f"{checkpoints.set_aside_note()}"
+            )
         return []
     if checkpoints.latest_step() is None:
         raise FileNotFoundError(checkpoints.no_checkpoint_message())
     if not os.path.exists(os.path.join(cfg.output_dir, CONFIG_FILE)):
-        logging.warning("%s has no %s to compare this resume's config with; it is written now", cfg.output_dir, CONFIG_FILE)
+        logging.warning(
+            "%s has no %s to compare this resume's config with; it is written now", cfg.output_dir, CONFIG_FILE
+        )
         return []
     return run_dir.resume_changes(cfg, load_run_config(cfg.output_dir))
 
@@ -196,39 +226,84 @@ def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
     show_progress = cfg.progress and main_process
     checkpoints = RunCheckpoints(cfg.output_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best)
     config_changes = resume_check(cfg, checkpoints)
-    if cfg.resume and (summary := completed_summary(cfg, checkpoints, total_steps(cfg, make_recipe(cfg.method, cfg.gate, cfg.critic.kind)),
-                                                    main_process)) is not None:
+    if (
+        cfg.resume
+        and (
+            summary := completed_summary(
+                cfg, checkpoints, total_steps(cfg, make_recipe(cfg.method, cfg.gate, cfg.critic.kind)), main_process
+            )
+        )
+        is not None
+    ):
         return summary
     if main_process and not cfg.resume:  # a resume writes it once its checkpoint is restored, with its changes recorded
         save_run_config(cfg, cfg.output_dir)
     start = starting_point(cfg, mesh, stop, checkpoints, config_changes, show_progress)
     compiling = first_call_notices(show_progress)
     parts, model_config, state, meta = start.parts, start.model_config, start.state, start.meta
-    steps = jit_update_steps(mesh, model_config=model_config, temperature=cfg.rollout.temperature, actor=state["actor"],
-                             actor_opt=state["actor_opt"], actor_tx=start.actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
-                             critic_tx=start.critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic,
-                             actor_loss=actor_loss_of(cfg))
-    batch_shardings = minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=model_config.hidden_size)
+    steps = jit_update_steps(
+        mesh,
+        model_config=model_config,
+        temperature=cfg.rollout.temperature,
+        actor=state["actor"],
+        actor_opt=state["actor_opt"],
+        actor_tx=start.actor_tx,
+        critic=state["critic"],
+        critic_opt=state["critic_opt"],
+        critic_tx=start.critic_tx,
+        critic_module=parts.critic_module,
+        critic_kind=parts.recipe.critic,
+        actor_loss=actor_loss_of(cfg),
+    )
+    batch_shardings = minibatch_shardings(
+        mesh, with_routing=parts.recipe.critic == "tac", hidden_size=model_config.hidden_size
+    )
     # The sampler's weights move into its own layout once per step (rollout.mesh; comppo_jax.train.decode_layout).
     decode = decode_layout.for_run(cfg, mesh, model_config, state["actor"], rollout_devices)
     logging.info("decode layout: %s", decode_layout.describe(decode))
     reference = start.reference if kl_term(cfg) else (lambda: None)
 
     # The mesh is the trace-time context of every sharded call, so Pallas kernels run per shard.
-    with (jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
-          checkpoints.completed_on_error()):
-        rollout = RolloutStage(cfg, mesh, model_config, start.tokenizer, start.problems, parts, decode, reference,
-                               controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens), pool, prompt_position=meta["prompts"],
-                               stop=stop, compiling=compiling, show_progress=show_progress)
-        rollouts = RolloutQueue(rollout, cfg.rollout.staleness, total_steps(cfg, parts.recipe), state["rng"], start.snapshot)
+    with (
+        jax.set_mesh(mesh),
+        VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
+        checkpoints.completed_on_error(),
+    ):
+        rollout = RolloutStage(
+            cfg,
+            mesh,
+            model_config,
+            start.tokenizer,
+            start.problems,
+            parts,
+            decode,
+            reference,
+            controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens),
+            pool,
+            prompt_position=meta["prompts"],
+            stop=stop,
+            compiling=compiling,
+            show_progress=show_progress,
+        )
+        rollouts = RolloutQueue(
+            rollout, cfg.rollout.staleness, total_steps(cfg, parts.recipe), state["rng"], start.snapshot
+        )
         rollouts.restore(meta.get("in_flight", []), start.behaviour)
         learner = Learner(cfg, model_config, parts, steps, batch_shardings, start.offload, meta, compiling)
         recorder = Recorder(cfg, checkpoints, meta, main_process=main_process)
         return schedule(cfg, stop, state, rollouts, learner, recorder, show_progress, compiling)
 
 
-def schedule(cfg, stop: StopSignals, state: dict, rollouts: RolloutQueue, learner: Learner, recorder: Recorder, show_progress: bool,
-             compiling) -> dict:
+def schedule(
+    cfg,
+    stop: StopSignals,
+    state: dict,
+    rollouts: RolloutQueue,
+    learner: Learner,
+    recorder: Recorder,
+    show_progress: bool,
+    compiling,
+) -> dict:
     """The run as a schedule of its stages: each step the rollout stage hands over a batch
     generated, rewarded and scored by the policy after update max(0, step - 1 - staleness) (and
     starts the later ones), the learner assigns credit and updates, the recorder logs and
@@ -251,17 +326,31 @@ def schedule(cfg, stop: StopSignals, state: dict, rollouts: RolloutQueue, learne
         if recorder.evaluates(step):
             metrics["dev_accuracy"] = rollout.evaluate(state["actor"], stoppable=False)
         learner.control(metrics, learned)
-        recorder.record(step, metrics, experience, learned, skipped=learner.skipped, phase=learner.phase, started=started)
+        recorder.record(
+            step, metrics, experience, learned, skipped=learner.skipped, phase=learner.phase, started=started
+        )
         learner.skipped.stop_if_exhausted(step, learned.nonfinite)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}",
-                             gate=f"{metrics.get('gate/mean', 0.0):.2f}", phase=metrics["phase"], dev=metrics.get("dev_accuracy", ""))
+        progress.set_postfix(
+            reward=f"{metrics['reward/mean']:.2f}",
+            kl=f"{metrics.get('kl_loss', 0.0):.4f}",
+            gate=f"{metrics.get('gate/mean', 0.0):.2f}",
+            phase=metrics["phase"],
+            dev=metrics.get("dev_accuracy", ""),
+        )
         stopping = stop.requested() and step < last_step  # every process reads it at the same step
         in_flight, in_flight_meta = rollouts.saved(state["actor"])
-        recorder.checkpoint(step, checkpointed({**state, **in_flight}), metrics,
-                            {"prompts": rollout.prompts.position, **learner.meta(), **in_flight_meta}, stopping=stopping)
+        recorder.checkpoint(
+            step,
+            checkpointed({**state, **in_flight}),
+            metrics,
+            {"prompts": rollout.prompts.position, **learner.meta(), **in_flight_meta},
+            stopping=stopping,
+        )
         if stopping:
             return recorder.stopped(step)
-    final_accuracy = rollout.evaluate(state["actor"], stoppable=True)  # after the last checkpoint: a resume redoes only this
+    final_accuracy = rollout.evaluate(
+        state["actor"], stoppable=True
+    )  # after the last checkpoint: a resume redoes only this
     return recorder.finish(final_accuracy, len(rollout.dev_problems), learner.skipped)
 
 
@@ -299,8 +388,9 @@ class StartingPoint(NamedTuple):
     offload: Offload
 
 
-def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, config_changes: list[dict],
-                   show_progress: bool) -> StartingPoint:
+def starting_point(
+    cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, config_changes: list[dict], show_progress: bool
+) -> StartingPoint:
     """Loads the data and the policy, runs (or reads back) the warm start, and builds the state: a
     new run's, or a resumed run's from its checkpoint (config.json rewritten with its changes)."""
     main_process = jax.process_index() == 0
@@ -311,10 +401,23 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
     meta = initial_meta()
     # The warm start is kept (in the run directory unless cache_dir says otherwise) the moment it ends.
     run_warm_start = lambda: cached_warm_start(
-        cfg.warm_start.cache_dir or cfg.output_dir, warm_start_key(cfg), actor,
-        lambda: warm_start(actor, model_config, tokenizer, train_problems, steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
-                           learning_rate=cfg.warm_start.learning_rate, seed=cfg.seed, answer_noise=cfg.warm_start.answer_noise,
-                           progress=show_progress, check_stop=stop.check))
+        cfg.warm_start.cache_dir or cfg.output_dir,
+        warm_start_key(cfg),
+        actor,
+        lambda: warm_start(
+            actor,
+            model_config,
+            tokenizer,
+            train_problems,
+            steps=cfg.warm_start.steps,
+            batch_size=cfg.warm_start.batch_size,
+            learning_rate=cfg.warm_start.learning_rate,
+            seed=cfg.seed,
+            answer_noise=cfg.warm_start.answer_noise,
+            progress=show_progress,
+            check_stop=stop.check,
+        ),
+    )
     # The reference is frozen in the compute dtype; the actor trains in the master dtype. With LoRA
     # the reference is also the base the adapters (in the master dtype) train beside.
     frozen = lambda params: jax.tree.map(lambda p: jnp.array(p, dtype=model_config.dtype, copy=True), params)
@@ -328,21 +431,34 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
         reference = frozen(actor)
     adapters = LoraConfig.of(cfg.model)
     if adapters.enabled:
-        actor = lora.join(reference, lora.init_adapters(model_config, adapters, jax.random.fold_in(policy_rng, 1), cfg.train.master_dtype))
+        actor = lora.join(
+            reference,
+            lora.init_adapters(model_config, adapters, jax.random.fold_in(policy_rng, 1), cfg.train.master_dtype),
+        )
     else:
         actor = cast_params(actor, cfg.train.master_dtype)
     parts = run_parts(cfg, model_config)
     critic = init_critic(parts, model_config, critic_rng, policy=reference, master_dtype=cfg.train.master_dtype)
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
-    state = {"actor": actor, "actor_opt": actor_tx.init(lora.trainable(actor)), "critic": critic,
-             "critic_opt": None if critic is None else critic_tx.init(critic), "rng": rng}
+    state = {
+        "actor": actor,
+        "actor_opt": actor_tx.init(lora.trainable(actor)),
+        "critic": critic,
+        "critic_opt": None if critic is None else critic_tx.init(critic),
+        "rng": rng,
+    }
     state = sharding.put(state, sharding.tree_shardings(mesh, state))
     base = lora.split(state["actor"])[1]  # None without adapters
     if base is not None:
         (checkpoints.verify_base if cfg.resume else checkpoints.record_base)(base, base_source(cfg))
     compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, model_config.dtype), lora.trainable(state["actor"]))
-    cast = jax.jit(lambda trainable: cast_params(trainable, model_config.dtype), out_shardings=sharding.tree_shardings(mesh, compute))
-    snapshot = lambda actor: lora.join(base, cast(lora.trainable(actor)))  # a LoRA run's snapshots share its frozen base
+    cast = jax.jit(
+        lambda trainable: cast_params(trainable, model_config.dtype),
+        out_shardings=sharding.tree_shardings(mesh, compute),
+    )
+    snapshot = lambda actor: lora.join(
+        base, cast(lora.trainable(actor))
+    )  # a LoRA run's snapshots share its frozen base
     behaviour = []
     if cfg.resume:  # into the mesh's shardings: every process reads its own shards
         in_flight = {"behaviour": [snapshot(state["actor"])] * cfg.rollout.staleness} if cfg.rollout.staleness else {}
@@ -350,8 +466,10 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
         state = with_base(state, base)
         behaviour = state.pop("behaviour", [])
         if main_process:
-            print(f"resuming from step {meta['step']} of {total_steps(cfg, parts.recipe)} ({checkpoints.steps_directory}/{meta['step']})",
-                  flush=True)
+            print(
+                f"resuming from step {meta['step']} of {total_steps(cfg, parts.recipe)} ({checkpoints.steps_directory}/{meta['step']})",
+                flush=True,
+            )
             save_run_config(cfg, cfg.output_dir)
             run_dir.record_changes(cfg.output_dir, meta["step"], config_changes)
     reference = base if base is not None else sharding.put(reference, sharding.tree_shardings(mesh, reference))
@@ -360,8 +478,32 @@ def starting_point(cfg, mesh, stop: StopSignals, checkpoints: RunCheckpoints, co
     offload = Offload.of(cfg.train.offload_idle)
     state["actor_opt"] = offload.park(state["actor_opt"])
     if base is not None:  # the actor's own base: nothing to park or fetch
-        return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, lambda: base, snapshot,
-                             behaviour, actor_tx, critic_tx, offload)
+        return StartingPoint(
+            model_config,
+            tokenizer,
+            (train_problems, dev_problems),
+            parts,
+            state,
+            meta,
+            lambda: base,
+            snapshot,
+            behaviour,
+            actor_tx,
+            critic_tx,
+            offload,
+        )
     reference = offload.park(reference)
-    return StartingPoint(model_config, tokenizer, (train_problems, dev_problems), parts, state, meta, lambda: offload.fetch(reference),
-                         snapshot, behaviour, actor_tx, critic_tx, offload)
+    return StartingPoint(
+        model_config,
+        tokenizer,
+        (train_problems, dev_problems),
+        parts,
+        state,
+        meta,
+        lambda: offload.fetch(reference),
+        snapshot,
+        behaviour,
+        actor_tx,
+        critic_tx,
+        offload,
+    )

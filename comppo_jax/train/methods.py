@@ -30,7 +30,13 @@ import jax
 import jax.numpy as jnp
 
 from comppo_jax.credit import FIXED_GATE, apply_position_schedule, fixed_gate, load_position_schedule, shuffle_gate
-from comppo_jax.critic import critic_from_config, fused_hidden_layers, init_standard_value_head, init_tac, init_value_model
+from comppo_jax.critic import (
+    critic_from_config,
+    fused_hidden_layers,
+    init_standard_value_head,
+    init_tac,
+    init_value_model,
+)
 from comppo_jax.rollout import response_positions
 
 METHODS = ("comppo", "grpo", "ppo")
@@ -89,9 +95,15 @@ def actor_loss_of(cfg) -> ActorLoss:
     loop, the reference forward pass); train.kl_aggregation=policy aggregates it as the policy loss."""
     train = cfg.train
     aggregation = loss_aggregation(train)
-    return ActorLoss(train.policy_loss, aggregation, float(train.clip_high_scale), cfg.rollout.max_new_tokens,
-                     (float(train.gspo_clip_low), float(train.gspo_clip_high)), kl_term=kl_term(cfg),
-                     kl_aggregation=aggregation if train.kl_aggregation == "policy" else "token-mean")
+    return ActorLoss(
+        train.policy_loss,
+        aggregation,
+        float(train.clip_high_scale),
+        cfg.rollout.max_new_tokens,
+        (float(train.gspo_clip_low), float(train.gspo_clip_high)),
+        kl_term=kl_term(cfg),
+        kl_aggregation=aggregation if train.kl_aggregation == "policy" else "token-mean",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +149,9 @@ def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None, fixed
         return shuffle_gate(kappa, mask, rng)
     if recipe.gate == "position":
         if position_schedule is None:
-            raise ValueError("config.gate='position' needs config.position_schedule (a schedule fitted on an earlier run's gates)")
+            raise ValueError(
+                "config.gate='position' needs config.position_schedule (a schedule fitted on an earlier run's gates)"
+            )
         return apply_position_schedule(position_schedule, mask)
     if recipe.gate == "gamma":
         return jnp.where(mask, 1.0, 0.0).astype(jnp.float32)
@@ -151,8 +165,6 @@ def spread_over_sequence(per_token, prompt_lengths, sequence_length: int):
     inside = positions < sequence_length
     out = jnp.zeros((batch, sequence_length), per_token.dtype)
     return out.at[jnp.arange(batch)[:, None], jnp.where(inside, positions, 0)].add(jnp.where(inside, per_token, 0))
-
-
 
 
 # --- What a run config fixes about its start, scoring, credit and the step count --------------------
@@ -182,10 +194,17 @@ class RunParts(NamedTuple):
 def run_parts(cfg, model_config) -> RunParts:
     made = recipe(cfg.method, cfg.gate, cfg.critic.kind)
     n = model_config.num_layers
-    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "full": (), "none": ()}[made.critic]
+    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "full": (), "none": ()}[
+        made.critic
+    ]
     position_schedule = load_position_schedule(cfg.position_schedule) if made.gate == "position" else None
-    return RunParts(made, hidden_layers, cfg.critic.top_k if made.critic == "tac" else None,
-                    critic_from_config(cfg.critic) if made.critic == "tac" else None, position_schedule)
+    return RunParts(
+        made,
+        hidden_layers,
+        cfg.critic.top_k if made.critic == "tac" else None,
+        critic_from_config(cfg.critic) if made.critic == "tac" else None,
+        position_schedule,
+    )
 
 
 def init_critic(parts: RunParts, model_config, rng, policy=None, master_dtype="float32"):
@@ -200,14 +219,24 @@ def init_critic(parts: RunParts, model_config, rng, policy=None, master_dtype="f
 
 def gate_options(cfg) -> dict:
     """The gate's keywords for a config (`policy_gate`'s, and part of `score_rollout`'s)."""
-    return dict(window=cfg.rollout.window, gate_statistic=cfg.gate_statistic, sink_tokens=cfg.sink_tokens, **cfg.gate_envelope.to_dict())
+    return dict(
+        window=cfg.rollout.window,
+        gate_statistic=cfg.gate_statistic,
+        sink_tokens=cfg.sink_tokens,
+        **cfg.gate_envelope.to_dict(),
+    )
 
 
 def scoring_options(cfg, parts: RunParts) -> dict:
     """`score_rollout`'s keywords for a config (all but the kernel backend)."""
-    return dict(temperature=cfg.rollout.temperature, hidden_layers=parts.hidden_layers, top_k=parts.top_k,
-                old_log_probs=cfg.rollout.old_log_probs, behaviour_pass=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
-                **gate_options(cfg))
+    return dict(
+        temperature=cfg.rollout.temperature,
+        hidden_layers=parts.hidden_layers,
+        top_k=parts.top_k,
+        old_log_probs=cfg.rollout.old_log_probs,
+        behaviour_pass=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
+        **gate_options(cfg),
+    )
 
 
 def critic_epochs_first(cfg, made: Recipe) -> bool:

@@ -58,9 +58,11 @@ def load_run_config(run_dir: str):
 
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: {run_dir} is not a training run's output_dir "
-                                "(launch/train.py writes config.json there when it starts; for a run without one, "
-                                "pass the config it trained with: --config=<file> and its overrides)")
+        raise FileNotFoundError(
+            f"{path} does not exist: {run_dir} is not a training run's output_dir "
+            "(launch/train.py writes config.json there when it starts; for a run without one, "
+            "pass the config it trained with: --config=<file> and its overrides)"
+        )
     with open(path) as f:
         try:
             values = json.load(f)
@@ -100,12 +102,23 @@ def resumed_rows(path: str, resumed_step: int) -> list[dict]:
         aside_path = f"{path}.set_aside_at_step_{resumed_step}"
         with open(aside_path, "a") as f:
             f.write("\n".join(aside) + "\n")
-        logging.warning("%s: %d line(s) that do not parse or lie past the resumed step %d set aside into %s", path, len(aside),
-                        resumed_step, aside_path)
+        logging.warning(
+            "%s: %d line(s) that do not parse or lie past the resumed step %d set aside into %s",
+            path,
+            len(aside),
+            resumed_step,
+            aside_path,
+        )
     missing = sorted(set(range(1, resumed_step + 1)) - {row["step"] for row in kept})
     if missing:
-        logging.warning("%s: no rows for step(s) %s of the %d the run resumes after (%s); the run goes on and logs from step %d",
-                        path, _ranges(missing), resumed_step, "the file is missing" if not lines else "lost", resumed_step + 1)
+        logging.warning(
+            "%s: no rows for step(s) %s of the %d the run resumes after (%s); the run goes on and logs from step %d",
+            path,
+            _ranges(missing),
+            resumed_step,
+            "the file is missing" if not lines else "lost",
+            resumed_step + 1,
+        )
     return kept
 
 
@@ -138,7 +151,9 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
 
-            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None)
+            self.tensorboard = SummaryWriter(
+                os.path.join(output_dir, "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None
+            )
 
     def write(self, metrics: dict) -> None:
         if self.file is None:
@@ -182,8 +197,12 @@ def plot_run(metrics_path: str, png_path: str, title: str = "", warm_start_accur
     if warm_start_accuracy is not None:
         rows = [{"step": 0, "dev_accuracy": warm_start_accuracy}, *rows]
     columns = 4
-    figure, axes = plt.subplots(math.ceil(len(PANELS) / columns), columns, figsize=(4 * columns, 3.6 * math.ceil(len(PANELS) / columns)),
-                                layout="constrained")
+    figure, axes = plt.subplots(
+        math.ceil(len(PANELS) / columns),
+        columns,
+        figsize=(4 * columns, 3.6 * math.ceil(len(PANELS) / columns)),
+        layout="constrained",
+    )
     for axis, (panel, unit, names) in zip(np.ravel(axes), PANELS):
         for name in names:
             points = [(row["step"], row[name]) for row in rows if isinstance(row.get(name), (int, float))]

@@ -36,7 +36,9 @@ from comppo_jax.train.decode_layout import group_sizes, pool_heads_per_chip, wei
 TAIL_MEDIAN, TAIL_SIGMA, TAIL_CLIPPED = 0.3, 0.6, 0.05
 
 
-def long_tail_lengths(rows: int, max_new_tokens: int, *, median=TAIL_MEDIAN, sigma=TAIL_SIGMA, clipped=TAIL_CLIPPED) -> np.ndarray:
+def long_tail_lengths(
+    rows: int, max_new_tokens: int, *, median=TAIL_MEDIAN, sigma=TAIL_SIGMA, clipped=TAIL_CLIPPED
+) -> np.ndarray:
     """[rows] response lengths at evenly spaced quantiles of the log-normal (deterministic), the
     top `clipped` fraction (at least one row) at the limit."""
     quantiles = (np.arange(rows) + 0.5) / rows
@@ -44,11 +46,13 @@ def long_tail_lengths(rows: int, max_new_tokens: int, *, median=TAIL_MEDIAN, sig
 
     normal = np.asarray([NormalDist().inv_cdf(q) for q in quantiles])
     lengths = np.minimum(np.exp(np.log(median * max_new_tokens) + sigma * normal), max_new_tokens)
-    lengths[-max(1, int(round(clipped * rows))):] = max_new_tokens
+    lengths[-max(1, int(round(clipped * rows))) :] = max_new_tokens
     return np.maximum(lengths.astype(int), 1)
 
 
-def rollout_seconds(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, prompt_length: int) -> tuple[float, int]:
+def rollout_seconds(
+    config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, prompt_length: int
+) -> tuple[float, int]:
     """(the decode roofline of rows of `lengths` on `devices` chips, the group size G it takes:
     the fastest `group_sizes` allows). Rows are dealt to the devices / G replicas in turn."""
     itemsize = np.dtype(config.dtype).itemsize
@@ -57,7 +61,9 @@ def rollout_seconds(config: ModelConfig, chip: costs.Chip, devices: int, lengths
         replicas = devices // tensor
         _, read = weight_bytes_per_chip(config, tensor)
         kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
-        hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps("all-gather", tensor)
+        hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps(
+            "all-gather", tensor
+        )
         steps = np.arange(int(lengths.max()))
         per_replica = []
         for replica in range(replicas):
@@ -65,15 +71,29 @@ def rollout_seconds(config: ModelConfig, chip: costs.Chip, devices: int, lengths
             live = len(mine) - np.searchsorted(mine, steps, side="right")  # rows still decoding at each step
             context = live * (prompt_length + steps)  # positions their attention reads
             flops = 2 * live * read / itemsize
-            per_replica.append(np.maximum(flops / costs.peak_flops(chip, config.dtype), (read + context * kv_per_position) / chip.hbm_bytes))
+            per_replica.append(
+                np.maximum(
+                    flops / costs.peak_flops(chip, config.dtype), (read + context * kv_per_position) / chip.hbm_bytes
+                )
+            )
         seconds = float(np.sum(np.max(per_replica, axis=0)) + len(steps) * hops * chip.hop_latency)
         if best is None or seconds < best[0]:
             best = (seconds, tensor)
     return best
 
 
-def learner_seconds(config: ModelConfig, chip: costs.Chip, devices: int, *, rows: int, length: int, epochs: int,
-                    reference: bool = True, behaviour: bool = True, remat: bool = True) -> float:
+def learner_seconds(
+    config: ModelConfig,
+    chip: costs.Chip,
+    devices: int,
+    *,
+    rows: int,
+    length: int,
+    epochs: int,
+    reference: bool = True,
+    behaviour: bool = True,
+    remat: bool = True,
+) -> float:
     """Scoring (behaviour and reference forwards) and `epochs` forward + backward passes over
     `rows` rows of `length` tokens (padded to the longest), at `devices` chips' peak; `remat`
     (model.remat=full) recomputes each forward in the backward pass."""
@@ -85,7 +105,9 @@ def learner_seconds(config: ModelConfig, chip: costs.Chip, devices: int, *, rows
     return flops / (devices * costs.peak_flops(chip, config.dtype))
 
 
-def scoring_seconds(config: ModelConfig, chip: costs.Chip, devices: int, *, rows: int, length: int, reference: bool = True) -> float:
+def scoring_seconds(
+    config: ModelConfig, chip: costs.Chip, devices: int, *, rows: int, length: int, reference: bool = True
+) -> float:
     """The scoring pass alone (behaviour and reference forwards) on `devices` chips."""
     return learner_seconds(config, chip, devices, rows=rows, length=length, epochs=0, reference=reference)
 
@@ -117,14 +139,29 @@ class Split(NamedTuple):
         return max(self.rollout, self.learner) + self.transfer
 
 
-def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, *, prompt_length: int, epochs: int,
-           reference: bool = True, remat: bool = True, scoring: str = "learner", learner_scale: float = 1.0) -> list[Split]:
+def splits(
+    config: ModelConfig,
+    chip: costs.Chip,
+    devices: int,
+    lengths: np.ndarray,
+    *,
+    prompt_length: int,
+    epochs: int,
+    reference: bool = True,
+    remat: bool = True,
+    scoring: str = "learner",
+    learner_scale: float = 1.0,
+) -> list[Split]:
     """The synchronous colocated step (rollout_devices 0), then every split r = 1 .. devices - 1,
     the scoring pass on the `scoring` ("learner" or "rollout") side; `learner_scale` calibrates
     the learner's roofline (the compiled programs' time over it, `launch/plan.py --calibrate_learner`)."""
     rows, length = len(lengths), prompt_length + int(lengths.max())
-    learner = lambda chips: learner_scale * learner_seconds(config, chip, chips, rows=rows, length=length, epochs=epochs,
-                                                            reference=reference, remat=remat)
+    learner = lambda chips: (
+        learner_scale
+        * learner_seconds(
+            config, chip, chips, rows=rows, length=length, epochs=epochs, reference=reference, remat=remat
+        )
+    )
     rollout, group = rollout_seconds(config, chip, devices, lengths, prompt_length)
     result = [Split(0, group, rollout, learner(devices), 0.0)]
     for r in range(1, devices):
@@ -134,9 +171,15 @@ def splits(config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndar
         split = Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r))
         if scoring == "rollout":
             moved = learner_scale * scoring_seconds(config, chip, r, rows=rows, length=length, reference=reference)
-            kept = learner_scale * scoring_seconds(config, chip, devices - r, rows=rows, length=length, reference=reference)
-            split = split._replace(rollout=rollout + moved, learner=split.learner - kept,
-                                   transfer=split.transfer + feature_bytes(config, rows=rows, length=length) / (devices - r) / chip.ici_bytes)
+            kept = learner_scale * scoring_seconds(
+                config, chip, devices - r, rows=rows, length=length, reference=reference
+            )
+            split = split._replace(
+                rollout=rollout + moved,
+                learner=split.learner - kept,
+                transfer=split.transfer
+                + feature_bytes(config, rows=rows, length=length) / (devices - r) / chip.ici_bytes,
+            )
         result.append(split)
     return result
 
@@ -151,6 +194,15 @@ def split_rows(results: list[Split]) -> list[list[str]]:
     rows = []
     for s in results:
         label = "synchronous" if not s.rollout_devices else str(s.rollout_devices) + (" (best)" if s is best else "")
-        rows.append([label, str(s.group), f"{s.rollout:.3g}", f"{s.learner:.3g}", f"{s.transfer:.2g}", f"{s.seconds:.3g}",
-                     f"{synchronous / s.seconds:.2f}x"])
+        rows.append(
+            [
+                label,
+                str(s.group),
+                f"{s.rollout:.3g}",
+                f"{s.learner:.3g}",
+                f"{s.transfer:.2g}",
+                f"{s.seconds:.3g}",
+                f"{synchronous / s.seconds:.2f}x",
+            ]
+        )
     return rows

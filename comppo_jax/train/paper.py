@@ -56,16 +56,31 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         gate=("attention", "CompPO's gate control: attention | fixed | shuffle | position"),
         position_schedule=("", "the position-only control's JSON schedule (a run's gate_profile.json)"),
         fixed_gate=(0.61, "the fixed control's constant: the full method's empirical mean gate (section 6.3)"),
-        gate_statistic=("herfindahl", "the concentration statistic kappa reads: herfindahl (the paper's) | entropy | sink_herfindahl "
-                                      "| max_weight (comppo_jax.credit.statistic_concentration)"),
-        sink_tokens=(4, "gate_statistic=sink_herfindahl: key positions at the window's start left out (attention sinks)"),
-        gate_refresh=("rollout", "rollout (the paper's: the behaviour policy's gate serves every update epoch) | epoch (recomputed "
-                                 "with the current actor before each later epoch; one forward pass per epoch)"),
-        steps=(200, "actor-update steps (the critic warm-up comes on top unless train.critic_warmup_counts_toward_steps)"),
+        gate_statistic=(
+            "herfindahl",
+            "the concentration statistic kappa reads: herfindahl (the paper's) | entropy | sink_herfindahl "
+            "| max_weight (comppo_jax.credit.statistic_concentration)",
+        ),
+        sink_tokens=(
+            4,
+            "gate_statistic=sink_herfindahl: key positions at the window's start left out (attention sinks)",
+        ),
+        gate_refresh=(
+            "rollout",
+            "rollout (the paper's: the behaviour policy's gate serves every update epoch) | epoch (recomputed "
+            "with the current actor before each later epoch; one forward pass per epoch)",
+        ),
+        steps=(
+            200,
+            "actor-update steps (the critic warm-up comes on top unless train.critic_warmup_counts_toward_steps)",
+        ),
         resume=(False, "continue the run in output_dir from its newest checkpoint that verifies"),
         resume_step=(-1, "with resume: this checkpoint step instead (-1: the newest that verifies)"),
-        resume_allow_changes=("", "with resume: fields (or sections) that may differ from the run's config.json although they change "
-                                  "what is computed, comma-separated; each change is recorded in config_changes.jsonl"),
+        resume_allow_changes=(
+            "",
+            "with resume: fields (or sections) that may differ from the run's config.json although they change "
+            "what is computed, comma-separated; each change is recorded in config_changes.jsonl",
+        ),
         tensorboard=(True, "write TensorBoard events under output_dir/tensorboard"),
         plot=(True, "write curves.png at the end"),
     )
@@ -73,15 +88,21 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         "model.",
         path=("", "local HF checkpoint directory (config.json + *.safetensors); nothing is downloaded"),
         path_required=(True, "refuse a random init of the preset's architecture when path is empty"),
-        tokenizer=("", "HF tokenizer directory (\"\": the one saved with path; no path either: the character tokenizer)"),
-        attention=("auto", "training attention: auto | xla | chunked | splash | splash_interpret | cudnn (comppo_jax.models.attention)"),
+        tokenizer=("", 'HF tokenizer directory ("": the one saved with path; no path either: the character tokenizer)'),
+        attention=(
+            "auto",
+            "training attention: auto | xla | chunked | splash | splash_interpret | cudnn (comppo_jax.models.attention)",
+        ),
         remat=("full", "per-layer jax.checkpoint policy: none | full | dots | dots_no_batch"),
         logits_chunk=(1024, "response tokens per chunk of the vocabulary projection (0: all at once)"),
     )
     config.model.arch = config_dict.ConfigDict(arch)  # the architecture, when no path is given
     config.model.lora = _section(
         "model.lora.",
-        rank=(0, "LoRA rank (0: full fine-tuning): adapters train beside the frozen base, which is also the reference policy"),
+        rank=(
+            0,
+            "LoRA rank (0: full fine-tuning): adapters train beside the frozen base, which is also the reference policy",
+        ),
         alpha=(64.0, "LoRA scale numerator: the adapter term is (alpha / rank) * x @ A @ B (PEFT's lora_alpha)"),
         targets=("q,k,v,o,gate,up,down", "the adapted projections, comma-separated: any of q, k, v, o, gate, up, down"),
     )
@@ -109,8 +130,11 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         batch_size=(0, "warm-start batch size"),
         learning_rate=(0.0, "warm-start AdamW learning rate"),
         answer_noise=(0.0, "probability that an odd answer's warm-start Answer line reads answer + 1"),
-        cache_dir=("", "where a warm-started policy is kept, keyed by everything it depends on (\"\": output_dir, for this run "
-                       "alone: a stop after the warm start, or a lost reference/, reuses it)"),
+        cache_dir=(
+            "",
+            'where a warm-started policy is kept, keyed by everything it depends on ("": output_dir, for this run '
+            "alone: a stop after the warm start, or a lost reference/, reuses it)",
+        ),
     )
     # Batch / responses / minibatch 4 / 4 / 4 (minibatch counted in responses); 16K responses;
     # temperature / top-p 1.0 / 0.7.
@@ -124,26 +148,47 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         window=("response", "the keys H_t is taken over: response (the response so far) | full (prompt and response)"),
         page_size=(64, "tokens per KV-cache page of the rollout engine"),
         decode_slots=(0, "rows decoded at once (0: every row; fewer bounds the cache and reuses slots as rows end)"),
-        paged_attention=("auto", "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | gpu | gpu_interpret"),
-        old_log_probs=("rescore", "the behaviour log-probs of the PPO ratio: rescore (teacher-forced in the scoring pass) | sampler "
-                                  "(recorded while sampling; GRPO then skips the behaviour forward pass and logs no gate statistics)"),
-        dynamic_sampling=(False, "DAPO's dynamic sampling: drop uninformative prompt groups (dynamic_sampling_filter) and refill "
-                                 "the batch from the prompt stream"),
-        dynamic_sampling_filter=("accuracy", "dynamic_sampling drops a group whose verdicts are all correct or all wrong: accuracy "
-                                             "(DAPO's) | reward (whose shaped rewards are all equal)"),
-        max_refills=(3, "dynamic_sampling: extra sampling rounds per step at most; groups still missing then are filled with "
-                        "dropped ones (-1: draw until the batch is full, stopping the run if a whole pass over the training "
-                        "prompts cannot fill it, as DAPO)"),
-        staleness=(0, "bounded staleness k: batch n is generated and behaviour-scored by the policy after update "
-                      "max(0, n-1-k), so the rollout of later batches runs during earlier updates (0: the synchronous loop)"),
+        paged_attention=(
+            "auto",
+            "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | gpu | gpu_interpret",
+        ),
+        old_log_probs=(
+            "rescore",
+            "the behaviour log-probs of the PPO ratio: rescore (teacher-forced in the scoring pass) | sampler "
+            "(recorded while sampling; GRPO then skips the behaviour forward pass and logs no gate statistics)",
+        ),
+        dynamic_sampling=(
+            False,
+            "DAPO's dynamic sampling: drop uninformative prompt groups (dynamic_sampling_filter) and refill "
+            "the batch from the prompt stream",
+        ),
+        dynamic_sampling_filter=(
+            "accuracy",
+            "dynamic_sampling drops a group whose verdicts are all correct or all wrong: accuracy "
+            "(DAPO's) | reward (whose shaped rewards are all equal)",
+        ),
+        max_refills=(
+            3,
+            "dynamic_sampling: extra sampling rounds per step at most; groups still missing then are filled with "
+            "dropped ones (-1: draw until the batch is full, stopping the run if a whole pass over the training "
+            "prompts cannot fill it, as DAPO)",
+        ),
+        staleness=(
+            0,
+            "bounded staleness k: batch n is generated and behaviour-scored by the policy after update "
+            "max(0, n-1-k), so the rollout of later batches runs during earlier updates (0: the synchronous loop)",
+        ),
     )
     # The sampler's own layout (comppo_jax.train.decode_layout): weights split over a tensor-parallel
     # group, replicated over the rest, moved there once per step.
     config.rollout.mesh = _section(
         "rollout.mesh.",
-        tensor=("auto", "the decode layout: devices per tensor-parallel group, the group replicated over the rest and the rows "
-                        "split across replicas (auto: the fastest by the decode cost model that fits; train: decode on the "
-                        "training mesh, gathering the fsdp-split weights at every token)"),
+        tensor=(
+            "auto",
+            "the decode layout: devices per tensor-parallel group, the group replicated over the rest and the rows "
+            "split across replicas (auto: the fastest by the decode cost model that fits; train: decode on the "
+            "training mesh, gathering the fsdp-split weights at every token)",
+        ),
     )
     # Clip 0.2, grad clip 1 and 2 epochs are the controller's stable-phase knobs. AdamW (0.9, 0.999), weight decay 0.
     config.train = _section(
@@ -153,17 +198,32 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         kl_coef=(2e-3, "KL-to-reference coefficient (PPO, CompPO; 0: no KL term and no reference forward pass)"),
         kl_coef_grpo=(1e-3, "KL-to-reference coefficient (GRPO; 0: no KL term and no reference forward pass)"),
         lam=(0.95, "GAE / Comp-GAE lambda"),
-        policy_loss=("ppo", "the actor's surrogate: ppo (per-token ratio, eq. ppo_outer) | gspo (one length-normalized ratio per "
-                            "response; GRPO only) | gspo_token (GSPO's ratio carrying per-token advantages)"),
-        loss_aggregation=("auto", "auto (the variant's own: seq-mean-token-mean for gspo / gspo_token, seq-mean-token-scale "
-                                  "without the group std (Dr.GRPO), else token-mean) | token-mean (the paper's, DAPO's) | "
-                                  "seq-mean-token-mean (GSPO's) | seq-mean-token-sum | seq-mean-token-sum-norm (verl's Dr.GRPO: "
-                                  "all token sums / max_new_tokens) | seq-mean-token-scale (Dr.GRPO's own and tunix's: the mean "
-                                  "over responses of token sums / max_new_tokens)"),
-        kl_aggregation=("token-mean", "how the reference KL is aggregated: token-mean | policy (as the policy loss, verl's)"),
-        gspo_clip_low=(3e-4, "gspo, gspo_token: the sequence ratio's lower clip (GSPO's; the controller's clip does not apply)"),
+        policy_loss=(
+            "ppo",
+            "the actor's surrogate: ppo (per-token ratio, eq. ppo_outer) | gspo (one length-normalized ratio per "
+            "response; GRPO only) | gspo_token (GSPO's ratio carrying per-token advantages)",
+        ),
+        loss_aggregation=(
+            "auto",
+            "auto (the variant's own: seq-mean-token-mean for gspo / gspo_token, seq-mean-token-scale "
+            "without the group std (Dr.GRPO), else token-mean) | token-mean (the paper's, DAPO's) | "
+            "seq-mean-token-mean (GSPO's) | seq-mean-token-sum | seq-mean-token-sum-norm (verl's Dr.GRPO: "
+            "all token sums / max_new_tokens) | seq-mean-token-scale (Dr.GRPO's own and tunix's: the mean "
+            "over responses of token sums / max_new_tokens)",
+        ),
+        kl_aggregation=(
+            "token-mean",
+            "how the reference KL is aggregated: token-mean | policy (as the policy loss, verl's)",
+        ),
+        gspo_clip_low=(
+            3e-4,
+            "gspo, gspo_token: the sequence ratio's lower clip (GSPO's; the controller's clip does not apply)",
+        ),
         gspo_clip_high=(4e-4, "gspo, gspo_token: the sequence ratio's upper clip (GSPO's)"),
-        clip_high_scale=(1.0, "DAPO's decoupled clip: the ratio's upper clip is this times the controller's clip (1.4: DAPO's 0.28/0.2)"),
+        clip_high_scale=(
+            1.0,
+            "DAPO's decoupled clip: the ratio's upper clip is this times the controller's clip (1.4: DAPO's 0.28/0.2)",
+        ),
         group_std_normalization=(True, "GRPO: divide by the group's reward std (False: Dr.GRPO)"),
         minibatch_size=(4, "responses per minibatch"),
         critic_warmup_steps=(10, "critic-only steps before the actor's first update"),
@@ -171,18 +231,27 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         eval_every=(10, "dev evaluation every this many actor-update steps (0: none)"),
         master_dtype=("float32", "the actor's trained copy (fp32 master weights under bf16 compute)"),
         max_skipped_updates=(3, "non-finite updates skipped in a row before the run stops (docs/reliability.md)"),
-        offload_idle=(False, "keep idle state in host memory: the AdamW moments outside the update, the reference between "
-                             "scoring passes, the rollout batch during the update (launch/plan.py shows the HBM freed and the "
-                             "transfer time)"),
-        proximal=("behaviour", "the policy the PPO ratio is clipped against: behaviour (the generating policy, the paper's) | "
-                               "recompute (AReaL's decoupled objective: a proximal policy recomputed with the current params "
-                               "before the update, importance weights behaviour -> proximal truncated at importance_weight_cap)"),
+        offload_idle=(
+            False,
+            "keep idle state in host memory: the AdamW moments outside the update, the reference between "
+            "scoring passes, the rollout batch during the update (launch/plan.py shows the HBM freed and the "
+            "transfer time)",
+        ),
+        proximal=(
+            "behaviour",
+            "the policy the PPO ratio is clipped against: behaviour (the generating policy, the paper's) | "
+            "recompute (AReaL's decoupled objective: a proximal policy recomputed with the current params "
+            "before the update, importance weights behaviour -> proximal truncated at importance_weight_cap)",
+        ),
         importance_weight_cap=(5.0, "proximal=recompute: the behaviour -> proximal importance weight's truncation"),
     )
     config.critic = _section(
         "critic.",
-        kind=("tac", "tac (paper section 4.3) | standard (a linear value head) | full (a copy of the policy with a value "
-                     "head, all of it trained: PPO's usual critic, for comparison). PPO takes standard unless full"),
+        kind=(
+            "tac",
+            "tac (paper section 4.3) | standard (a linear value head) | full (a copy of the policy with a value "
+            "head, all of it trained: PPO's usual critic, for comparison). PPO takes standard unless full",
+        ),
         fused_layers=(4, "TAC: the last this many HF hidden states are fused"),
         bottleneck=(128, "TAC: width d"),
         top_k=(64, "TAC: routed positions per token (K)"),
@@ -195,14 +264,23 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         "reward.",
         workers=(8, "math-verify worker processes"),
         timeout_s=(5.0, "seconds a verification may take before it counts as incorrect"),
-        length_penalty=("linear", "linear (the paper's per-token coefficient) | overlong (DAPO's soft overlong punishment)"),
+        length_penalty=(
+            "linear",
+            "linear (the paper's per-token coefficient) | overlong (DAPO's soft overlong punishment)",
+        ),
         overlong_buffer=(4096, "overlong: tokens before max_new_tokens where the penalty ramps in"),
         overlong_penalty=(1.0, "overlong: the penalty at max_new_tokens"),
         correct_never_below_incorrect=(True, "a correct answer's reward stays >= an incorrect one's"),
-        length_penalty_on=("correct", "who pays the length penalty: correct (the paper's: correct, well-formed responses) | all "
-                                      "(DAPO's overlong shaping: every response)"),
-        length_penalty_schedule=("paper", "paper (off before step 20, ramped in over steps 20-60) | constant (its full value from "
-                                          "step 0, as DAPO's overlong shaping)"),
+        length_penalty_on=(
+            "correct",
+            "who pays the length penalty: correct (the paper's: correct, well-formed responses) | all "
+            "(DAPO's overlong shaping: every response)",
+        ),
+        length_penalty_schedule=(
+            "paper",
+            "paper (off before step 20, ramped in over steps 20-60) | constant (its full value from "
+            "step 0, as DAPO's overlong shaping)",
+        ),
     )
     config.controller = controller.config_section()
     FIELD_HELP.update({f"controller.{name}": text for name, text in controller.FIELD_HELP.items()})
@@ -214,10 +292,13 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         fsdp=(4, "FSDP axis size (-1: the remaining devices)"),
         tensor=(-1, "tensor-parallel axis size (-1: the remaining devices)"),
         distributed=(False, "multi-host: call jax.distributed.initialize"),
-        coordinator_address=("", "multi-host: host:port of process 0 (\"\": found by JAX, e.g. on TPU pods)"),
+        coordinator_address=("", 'multi-host: host:port of process 0 ("": found by JAX, e.g. on TPU pods)'),
         num_processes=(0, "multi-host: processes (0: found by JAX)"),
         process_id=(0, "multi-host: this process's index"),
-        rollout_devices=(0, "devices of every process the rollout stage runs on, training on the rest (0: both on every device)"),
+        rollout_devices=(
+            0,
+            "devices of every process the rollout stage runs on, training on the rest (0: both on every device)",
+        ),
     )
     # Every checkpoint carries per-leaf content digests, verified on restore.
     config.checkpoint = _section(
@@ -232,7 +313,7 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         samples=(8, "launch/eval.py: responses n per problem for avg@n, pass@k and majority@n"),
         temperature=(1.0, "launch/eval.py: sampling temperature of those responses (0: greedy)"),
         top_p=(0.7, "launch/eval.py: nucleus mass of those responses"),
-        pass_k=("", "launch/eval.py: the k of pass@k, e.g. 1,4,16 (\"\": 1 and samples)"),
+        pass_k=("", 'launch/eval.py: the k of pass@k, e.g. 1,4,16 ("": 1 and samples)'),
         batch_size=(32, "launch/eval.py: problems per batch"),
     )
     return config

@@ -44,7 +44,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
 from comppo_jax.critic import routing
@@ -54,11 +55,19 @@ from comppo_jax.models.lora import LoraConfig
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
-from comppo_jax.train import controller, cost as costs, decode_layout
+from comppo_jax.train import controller, decode_layout
+from comppo_jax.train import cost as costs
 from comppo_jax.train.learner import without_features
 from comppo_jax.train.loop import check_batch
-from comppo_jax.train.methods import init_critic, run_parts, scoring_options
-from comppo_jax.train.methods import actor_loss_of, behaviour_pass, critic_epochs_first, kl_term
+from comppo_jax.train.methods import (
+    actor_loss_of,
+    behaviour_pass,
+    critic_epochs_first,
+    init_critic,
+    kl_term,
+    run_parts,
+    scoring_options,
+)
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -75,8 +84,10 @@ def topology_devices(topology: str) -> list:
 
     family = topology.split(":")[0]
     if family not in HBM_GIB:
-        raise ValueError(f"--topology={topology!r}: unknown TPU family {family!r}; expected one of {sorted(HBM_GIB)}, "
-                         "e.g. v5p:2x2x2, v5e:4x4, v4:2x2x1, v6e:4x4")
+        raise ValueError(
+            f"--topology={topology!r}: unknown TPU family {family!r}; expected one of {sorted(HBM_GIB)}, "
+            "e.g. v5p:2x2x2, v5e:4x4, v4:2x2x1, v6e:4x4"
+        )
     try:
         return topologies.get_topology_desc(topology, "tpu", chip_config_name=CHIP_CONFIG[family]).devices
     except Exception as error:  # libtpu missing or the layout refused: say which
@@ -90,8 +101,12 @@ def tree_bytes_per_chip(tree) -> int:
 
 
 def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings,
-                        is_leaf=lambda x: x is None)
+    return jax.tree.map(
+        lambda x, s: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree,
+        shardings,
+        is_leaf=lambda x: x is None,
+    )
 
 
 class StepPlan(NamedTuple):
@@ -133,7 +148,10 @@ class Plan(NamedTuple):
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
 _OUT_OF_MEMORY = (
-    (r"required for (.+?) \(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)", "needs {1} for {0} alone, {2} HBM"),
+    (
+        r"required for (.+?) \(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)",
+        "needs {1} for {0} alone, {2} HBM",
+    ),
     (r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm", "needs {0} of {1} HBM"),
     (r"[Ee]xceeded .*? by ([\d.]+[KMGT]?)", "exceeds HBM by {0}"),
 )
@@ -160,22 +178,37 @@ def _compile(name, jitted, args, resident, log, cost_options) -> StepPlan:
         message = str(error)
         if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
             raise
-        return StepPlan(name, None, None, None, None, None, None, resident, time.time() - started, _does_not_fit(message))
+        return StepPlan(
+            name, None, None, None, None, None, None, resident, time.time() - started, _does_not_fit(message)
+        )
     seconds = time.time() - started
     text = compiled.as_text()
     cost = costs.program_cost(text, **cost_options)
     parts, in_loop = None, ()
     if name == "sample":
-        outside = costs.program_cost(text, **{**cost_options, "loop_trips": {**cost_options["loop_trips"], engine.DECODE_SCOPE: 0}})
+        outside = costs.program_cost(
+            text, **{**cost_options, "loop_trips": {**cost_options["loop_trips"], engine.DECODE_SCOPE: 0}}
+        )
         parts = {"prefill": outside, "decode": cost + outside.scaled(-1)}
         in_loop = tuple(costs.loop_collectives(text, engine.DECODE_SCOPE, cost_options["devices"]))
     stats = compiled.memory_analysis()
     arguments, temp, code = stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
     resident += max(0, tree_bytes_per_chip(args) - arguments)
     outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
-    return StepPlan(name, arguments, outputs, temp, code, stats.peak_memory_in_bytes + resident,
-                    arguments + outputs + resident + temp + code, resident, seconds, cost=cost, parts=parts,
-                    decode_collectives=in_loop)
+    return StepPlan(
+        name,
+        arguments,
+        outputs,
+        temp,
+        code,
+        stats.peak_memory_in_bytes + resident,
+        arguments + outputs + resident + temp + code,
+        resident,
+        seconds,
+        cost=cost,
+        parts=parts,
+        decode_collectives=in_loop,
+    )
 
 
 class TrainStepPrograms(NamedTuple):
@@ -197,12 +230,19 @@ class TrainStepPrograms(NamedTuple):
 
 # train.offload_idle: the state each program leaves in host memory. The moments wait there outside
 # the update, the reference between scoring passes, the rollout batch during the update.
-OFFLOADED = {"reshard": ("actor_opt", "reference"), "sample": ("actor_opt", "reference"), "score": ("actor_opt",),
-             "values": ("actor_opt", "reference"), "actor": ("reference", "actor_batch"), "critic": ("reference", "rollout_batch")}
+OFFLOADED = {
+    "reshard": ("actor_opt", "reference"),
+    "sample": ("actor_opt", "reference"),
+    "score": ("actor_opt",),
+    "values": ("actor_opt", "reference"),
+    "actor": ("reference", "actor_batch"),
+    "critic": ("reference", "rollout_batch"),
+}
 
 
-def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: costs.Chip | None = None,
-                        hbm: int | None = None) -> TrainStepPrograms:
+def train_step_programs(
+    cfg, mesh, *, prompt_length: int, platform: str, chip: costs.Chip | None = None, hbm: int | None = None
+) -> TrainStepPrograms:
     """The resharding into the decode layout, the sampler, scoring pass, actor and critic updates of
     `cfg` on `mesh`, with the kernels a `platform` run picks; `chip` and `hbm` (bytes per chip)
     settle rollout.mesh.tensor=auto. Trace and compile each under its mesh (`meshes`)."""
@@ -215,10 +255,14 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
     adapters = LoraConfig.of(cfg.model)
     if adapters.enabled:  # the frozen base in the compute dtype, the adapters in the master dtype
-        master = lambda: lora.join(init_params(config, key), lora.init_adapters(config, adapters, key, cfg.train.master_dtype))
+        master = lambda: lora.join(
+            init_params(config, key), lora.init_adapters(config, adapters, key, cfg.train.master_dtype)
+        )
     else:
         master = lambda: cast_params(init_params(config, key), cfg.train.master_dtype)
-    new_critic = lambda: init_critic(parts, config, key, policy=init_params(config, key), master_dtype=cfg.train.master_dtype)
+    new_critic = lambda: init_critic(
+        parts, config, key, policy=init_params(config, key), master_dtype=cfg.train.master_dtype
+    )
     state = {
         "actor": abstract(master),
         "actor_opt": abstract(lambda: actor_tx.init(lora.trainable(master()))),
@@ -234,17 +278,29 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     batch_sharding = sharding.batch_sharding(mesh)
 
     def generation(batch):
-        shapes = Generation(jax.ShapeDtypeStruct((batch, length), jnp.int32), jax.ShapeDtypeStruct((batch, length), jnp.bool_),
-                            jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, response), jnp.int32),
-                            jax.ShapeDtypeStruct((batch, response), jnp.bool_), jax.ShapeDtypeStruct((batch, response), jnp.float32))
+        shapes = Generation(
+            jax.ShapeDtypeStruct((batch, length), jnp.int32),
+            jax.ShapeDtypeStruct((batch, length), jnp.bool_),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, response), jnp.int32),
+            jax.ShapeDtypeStruct((batch, response), jnp.bool_),
+            jax.ShapeDtypeStruct((batch, response), jnp.float32),
+        )
         return _with_shardings(shapes, Generation(*[batch_sharding] * len(Generation._fields)))
 
     # Without a KL term the scoring pass runs no reference forward (train() passes None). A LoRA
     # run's reference is the policy's own base: the same arrays, not a second argument.
     frozen_reference = lambda policy, reference: lora.base(policy) if adapters.enabled else reference
-    score = jax.jit(lambda policy, reference, generation: score_rollout(
-        policy, frozen_reference(policy, reference) if kl_term(cfg) else None, config, generation, backend=PLATFORM_BACKENDS[platform],
-        **scoring_options(cfg, parts)))
+    score = jax.jit(
+        lambda policy, reference, generation: score_rollout(
+            policy,
+            frozen_reference(policy, reference) if kl_term(cfg) else None,
+            config,
+            generation,
+            backend=PLATFORM_BACKENDS[platform],
+            **scoring_options(cfg, parts),
+        )
+    )
 
     def minibatch(batch):
         """The Minibatch of `batch` rows, shaped as score_and_credit builds it."""
@@ -252,21 +308,50 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
             rollout = jax.eval_shape(score, state["policy"], state["reference"], generation(batch))
         per_token = jax.ShapeDtypeStruct((batch, response), jnp.float32)
         reference_log_probs = per_token if rollout.ref_log_probs is None else rollout.ref_log_probs
-        fields = Minibatch(rollout.tokens, rollout.attention_mask, rollout.prompt_lengths, generation(batch).response_tokens,
-                           rollout.response_mask, rollout.log_probs, reference_log_probs, per_token, per_token, per_token,
-                           jax.ShapeDtypeStruct((batch, length), jnp.float32), rollout.hidden_states, rollout.routing)
-        return _with_shardings(fields, minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=config.hidden_size))
+        fields = Minibatch(
+            rollout.tokens,
+            rollout.attention_mask,
+            rollout.prompt_lengths,
+            generation(batch).response_tokens,
+            rollout.response_mask,
+            rollout.log_probs,
+            reference_log_probs,
+            per_token,
+            per_token,
+            per_token,
+            jax.ShapeDtypeStruct((batch, length), jnp.float32),
+            rollout.hidden_states,
+            rollout.routing,
+        )
+        return _with_shardings(
+            fields, minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=config.hidden_size)
+        )
 
     state["rollout_batch"] = minibatch(rows)
-    update = jit_update_steps(mesh, model_config=config, temperature=cfg.rollout.temperature, actor=state["actor"],
-                              actor_opt=state["actor_opt"], actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"],
-                              critic_tx=critic_tx, critic_module=parts.critic_module, critic_kind=parts.recipe.critic,
-                              actor_loss=actor_loss_of(cfg))
+    update = jit_update_steps(
+        mesh,
+        model_config=config,
+        temperature=cfg.rollout.temperature,
+        actor=state["actor"],
+        actor_opt=state["actor_opt"],
+        actor_tx=actor_tx,
+        critic=state["critic"],
+        critic_opt=state["critic_opt"],
+        critic_tx=critic_tx,
+        critic_module=parts.critic_module,
+        critic_kind=parts.recipe.critic,
+        actor_loss=actor_loss_of(cfg),
+    )
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
-    if adapters.enabled:  # the reference is the actor's base, and the scoring copy shares it too (beside it: the adapters)
-        bytes_of.update(reference=0, policy=tree_bytes_per_chip(lora.trainable(state["policy"])),
-                        adapters=tree_bytes_per_chip(lora.trainable(state["actor"])))
+    if (
+        adapters.enabled
+    ):  # the reference is the actor's base, and the scoring copy shares it too (beside it: the adapters)
+        bytes_of.update(
+            reference=0,
+            policy=tree_bytes_per_chip(lora.trainable(state["policy"])),
+            adapters=tree_bytes_per_chip(lora.trainable(state["actor"])),
+        )
     # train.offload_idle: what each program does not read waits in host memory (train() moves it).
     on_host = OFFLOADED if cfg.train.get("offload_idle", False) else {}
     held = lambda program, *names: sum(bytes_of[name] for name in names if name not in on_host.get(program, ()))
@@ -274,23 +359,47 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     # The learner runs the critic's epochs first where it can and then frees the critic's
     # features: the actor's epochs hold the rollout batch and read minibatches without them.
     critic_first = critic_epochs_first(cfg, parts.recipe)
-    lean = lambda batch: _with_shardings(jax.eval_shape(without_features, batch), jax.tree.map(lambda x: x.sharding, batch))
+    lean = lambda batch: _with_shardings(
+        jax.eval_shape(without_features, batch), jax.tree.map(lambda x: x.sharding, batch)
+    )
     actor_rows = lean(train_rows) if critic_first else train_rows
-    bytes_of["actor_batch"] = tree_bytes_per_chip(lean(state["rollout_batch"]) if critic_first else state["rollout_batch"])
+    bytes_of["actor_batch"] = tree_bytes_per_chip(
+        lean(state["rollout_batch"]) if critic_first else state["rollout_batch"]
+    )
     # The sampler's weights in its decode layout: auto picks the fastest that fits beside the state it holds.
     beside_sampler = held("sample", "actor", "actor_opt", "reference", "critic", "critic_opt")
-    decode = decode_layout.make_decode_layout(cfg.rollout.mesh.tensor, mesh, config, state["actor"], chip=chip,
-                                              budget=None if hbm is None else 0.9 * (hbm - beside_sampler),
-                                              rollout=decode_layout.rollout_shapes(cfg, prompt_length))
+    decode = decode_layout.make_decode_layout(
+        cfg.rollout.mesh.tensor,
+        mesh,
+        config,
+        state["actor"],
+        chip=chip,
+        budget=None if hbm is None else 0.9 * (hbm - beside_sampler),
+        rollout=decode_layout.rollout_shapes(cfg, prompt_length),
+    )
     # Prompts are a few KB: replicated, each replica takes its own rows' (the engine's shard_prompts).
-    prompts = jax.ShapeDtypeStruct((cfg.rollout.prompts_per_step, prompt_length), jnp.int32,
-                                   sharding=NamedSharding(decode.mesh, P()) if decode.resharded else batch_sharding)
+    prompts = jax.ShapeDtypeStruct(
+        (cfg.rollout.prompts_per_step, prompt_length),
+        jnp.int32,
+        sharding=NamedSharding(decode.mesh, P()) if decode.resharded else batch_sharding,
+    )
     options = engine_options(cfg.rollout)
     options["paged_attention"] = resolve_paged_attention(options["paged_attention"], config.head_dim, platform=platform)
-    sample = jax.jit(lambda policy, prompts, prompt_mask, rng: generate(
-        policy, config, prompts, prompt_mask, rng, max_new_tokens=response, temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p, num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=config.eos_token_ids or (0,),
-        **options))
+    sample = jax.jit(
+        lambda policy, prompts, prompt_mask, rng: generate(
+            policy,
+            config,
+            prompts,
+            prompt_mask,
+            rng,
+            max_new_tokens=response,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            num_samples=cfg.rollout.samples_per_prompt,
+            eos_token_ids=config.eos_token_ids or (0,),
+            **options,
+        )
+    )
     # The actor and its optimizer, the reference and the critic stay on device all step; during
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
     # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op); a
@@ -300,57 +409,130 @@ def train_step_programs(cfg, mesh, *, prompt_length: int, platform: str, chip: c
     else:
         beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(decode.mesh, P()))
-    weights = jax.eval_shape(functools.partial(decode_layout.decode_weights, config=config), state["actor"])  # a LoRA actor's merged
+    weights = jax.eval_shape(
+        functools.partial(decode_layout.decode_weights, config=config), state["actor"]
+    )  # a LoRA actor's merged
     if decode.resharded:  # the training-layout compute copy is made after sampling, for the scoring pass
         state["sampler"] = _with_shardings(weights, sharding.tree_shardings(decode.mesh, weights))
         bytes_of["sampler"] = tree_bytes_per_chip(state["sampler"])
         sampling = (sample, (state["sampler"], prompts, prompts.update(dtype=jnp.bool_), rng), beside_sampler)
     elif adapters.enabled:  # the merged weights, a copy beside the actor's base
-        sampling = (sample, (_with_shardings(weights, sharding.tree_shardings(mesh, weights)), prompts, prompts.update(dtype=jnp.bool_), rng),
-                    beside_sampler)
+        sampling = (
+            sample,
+            (
+                _with_shardings(weights, sharding.tree_shardings(mesh, weights)),
+                prompts,
+                prompts.update(dtype=jnp.bool_),
+                rng,
+            ),
+            beside_sampler,
+        )
     else:
-        sampling = (sample, (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
-                    held("sample", *beside_policy, "actor_opt", "reference", "critic", "critic_opt"))
+        sampling = (
+            sample,
+            (state["policy"], prompts, prompts.update(dtype=jnp.bool_), rng),
+            held("sample", *beside_policy, "actor_opt", "reference", "critic", "critic_opt"),
+        )
     programs = {
-        "reshard": (decode.reshard, (state["actor"],), held("reshard", "actor_opt", "reference", "critic", "critic_opt"))
-        if decode.resharded else None,
+        "reshard": (
+            decode.reshard,
+            (state["actor"],),
+            held("reshard", "actor_opt", "reference", "critic", "critic_opt"),
+        )
+        if decode.resharded
+        else None,
         "sample": sampling,
-        "score": (score, (state["policy"], state["reference"], generation(rows)),
-                  held("score", *beside_policy, "actor_opt", "critic", "critic_opt")),
-        "actor": (update.actor, (lora.trainable(state["actor"]), state["actor_opt"], actor_rows,
-                                 dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar), lora.split(state["actor"])[1]),
-                  held("actor", "reference", "critic", "critic_opt", "actor_batch")),
-        "values": None if update.values is None else (
-            update.values, (state["critic"], state["rollout_batch"]), held("values", "actor", "actor_opt", "reference", "critic_opt")),
-        "critic": None if update.critic is None else (
-            update.critic, (state["critic"], state["critic_opt"], train_rows,
-                            dict.fromkeys(("learning_rate", "value_clip", "grad_clip"), scalar)),
-            held("critic", "actor", "actor_opt", "reference", "rollout_batch")),
+        "score": (
+            score,
+            (state["policy"], state["reference"], generation(rows)),
+            held("score", *beside_policy, "actor_opt", "critic", "critic_opt"),
+        ),
+        "actor": (
+            update.actor,
+            (
+                lora.trainable(state["actor"]),
+                state["actor_opt"],
+                actor_rows,
+                dict.fromkeys(("learning_rate", "clip", "kl_coef", "grad_clip"), scalar),
+                lora.split(state["actor"])[1],
+            ),
+            held("actor", "reference", "critic", "critic_opt", "actor_batch"),
+        ),
+        "values": None
+        if update.values is None
+        else (
+            update.values,
+            (state["critic"], state["rollout_batch"]),
+            held("values", "actor", "actor_opt", "reference", "critic_opt"),
+        ),
+        "critic": None
+        if update.critic is None
+        else (
+            update.critic,
+            (
+                state["critic"],
+                state["critic_opt"],
+                train_rows,
+                dict.fromkeys(("learning_rate", "value_clip", "grad_clip"), scalar),
+            ),
+            held("critic", "actor", "actor_opt", "reference", "rollout_batch"),
+        ),
     }
-    layout = engine.make_layout(cfg.rollout.prompts_per_step, prompt_length, num_samples=cfg.rollout.samples_per_prompt,
-                                max_new_tokens=response, page_size=options["page_size"], decode_slots=options["decode_slots"],
-                                shards=sharding.batch_size_multiple(decode.mesh))
+    layout = engine.make_layout(
+        cfg.rollout.prompts_per_step,
+        prompt_length,
+        num_samples=cfg.rollout.samples_per_prompt,
+        max_new_tokens=response,
+        page_size=options["page_size"],
+        decode_slots=options["decode_slots"],
+        shards=sharding.batch_size_multiple(decode.mesh),
+    )
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
-    flops = model_flops(config, prompts=cfg.rollout.prompts_per_step, rows=rows, prompt_length=prompt_length, response=response,
-                        epochs=epochs, reference=kl_term(cfg),
-                        behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
-                        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0, frozen_base=adapters.enabled,
-                        value_model=parts.recipe.critic == "full")
+    flops = model_flops(
+        config,
+        prompts=cfg.rollout.prompts_per_step,
+        rows=rows,
+        prompt_length=prompt_length,
+        response=response,
+        epochs=epochs,
+        reference=kl_term(cfg),
+        behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
+        gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0,
+        frozen_base=adapters.enabled,
+        value_model=parts.recipe.critic == "full",
+    )
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
     # to the host once and comes back a minibatch at a time, once per epoch.
     # With the critic's epochs first, the actor's epochs fetch the minibatches again, without the features.
-    fetched = epochs * (bytes_of["rollout_batch"] + bytes_of["actor_batch"]) if critic_first else epochs * bytes_of["rollout_batch"]
+    fetched = (
+        epochs * (bytes_of["rollout_batch"] + bytes_of["actor_batch"])
+        if critic_first
+        else epochs * bytes_of["rollout_batch"]
+    )
     moved = 2 * (bytes_of["actor_opt"] + bytes_of["reference"]) + bytes_of["rollout_batch"] + fetched if on_host else 0
-    return TrainStepPrograms(config, state, bytes_of, programs, {"sample": decode.mesh}, decode, layout, rows,
-                             {"reshard": 1, "sample": 1, "score": 1, "values": 1, "actor": updates, "critic": updates}, flops, host, moved)
+    return TrainStepPrograms(
+        config,
+        state,
+        bytes_of,
+        programs,
+        {"sample": decode.mesh},
+        decode,
+        layout,
+        rows,
+        {"reshard": 1, "sample": 1, "score": 1, "values": 1, "actor": updates, "critic": updates},
+        flops,
+        host,
+        moved,
+    )
 
 
 def _compile_steps(cfg, step: TrainStepPrograms, mesh, names, *, prompt_length: int, log) -> list[StepPlan]:
     """Compiles the programs `names` of `step`, each under its mesh."""
-    cost_options = cost_options_for(step.layout, window_start=prompt_length if cfg.rollout.window == "response" else 0,
-                                    devices=mesh.devices.size)
+    cost_options = cost_options_for(
+        step.layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=mesh.devices.size
+    )
     compiled = []
     for name in names:
         if step.programs[name] is not None:
@@ -363,7 +545,9 @@ def _pool_bytes(step: TrainStepPrograms) -> int:
     """Bytes per chip of the sampler's KV page pool in its decode layout."""
     decode_mesh, config = step.decode.mesh, step.config
     with jax.sharding.use_abstract_mesh(decode_mesh.abstract_mesh):
-        heads_split = decode_mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
+        heads_split = (
+            decode_mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
+        )
         return engine.pool_bytes(config, step.layout) // heads_split
 
 
@@ -373,8 +557,9 @@ def _programs_for(cfg, topology: str, *, prompt_length: int):
     devices = topology_devices(topology)
     mesh = sharding.make_mesh(cfg.mesh, devices)
     family = topology.split(":")[0]
-    return mesh, train_step_programs(cfg, mesh, prompt_length=prompt_length, platform="tpu", chip=costs.CHIPS[family],
-                                     hbm=HBM_GIB[family] * GIB)
+    return mesh, train_step_programs(
+        cfg, mesh, prompt_length=prompt_length, platform="tpu", chip=costs.CHIPS[family], hbm=HBM_GIB[family] * GIB
+    )
 
 
 def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> Plan:
@@ -386,9 +571,24 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
     config, layout = step.config, step.layout
     compiled = _compile_steps(cfg, step, mesh, steps, prompt_length=prompt_length, log=log)
     family = topology.split(":")[0]
-    return Plan(topology, mesh.devices.size, HBM_GIB[family] * GIB, dict(mesh.shape), config.attention, layout.prompt_width +
-                layout.max_new_tokens, step.state_bytes, compiled, _pool_bytes(step), step.runs, step.model_flops,
-                step.rows * layout.max_new_tokens, str(config.dtype), step.host_bytes, step.transfer_bytes, step.decode)
+    return Plan(
+        topology,
+        mesh.devices.size,
+        HBM_GIB[family] * GIB,
+        dict(mesh.shape),
+        config.attention,
+        layout.prompt_width + layout.max_new_tokens,
+        step.state_bytes,
+        compiled,
+        _pool_bytes(step),
+        step.runs,
+        step.model_flops,
+        step.rows * layout.max_new_tokens,
+        str(config.dtype),
+        step.host_bytes,
+        step.transfer_bytes,
+        step.decode,
+    )
 
 
 SAMPLER_STEPS = ("reshard", "sample")
@@ -403,7 +603,9 @@ def with_decode_layout(cfg, result: Plan, tensor: str, *, prompt_length: int, lo
     mesh, step = _programs_for(cfg, result.topology, prompt_length=prompt_length)
     compiled = _compile_steps(cfg, step, mesh, SAMPLER_STEPS, prompt_length=prompt_length, log=log)
     kept = [s for s in result.steps if s.step not in SAMPLER_STEPS]
-    return result._replace(steps=compiled + kept, decode=step.decode, page_pool=_pool_bytes(step), state=step.state_bytes)
+    return result._replace(
+        steps=compiled + kept, decode=step.decode, page_pool=_pool_bytes(step), state=step.state_bytes
+    )
 
 
 def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) -> dict:
@@ -411,20 +613,42 @@ def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) 
     `max_new_tokens`, so decoding attends to the prompt and half the response on average."""
     steps = layout.decode_steps
     length = layout.prompt_width + layout.max_new_tokens
-    return dict(devices=devices, context=layout.prompt_width + layout.max_new_tokens / 2, decode_rows=layout.slots,
-                loop_trips={engine.DECODE_SCOPE: steps, routing.KEY_BLOCKS_SCOPE: routing.mean_key_blocks(length, window_start)},
-                branch_rates={engine.ADMIT_SCOPE: -(-layout.shard_rows // layout.slots) / steps})
+    return dict(
+        devices=devices,
+        context=layout.prompt_width + layout.max_new_tokens / 2,
+        decode_rows=layout.slots,
+        loop_trips={
+            engine.DECODE_SCOPE: steps,
+            routing.KEY_BLOCKS_SCOPE: routing.mean_key_blocks(length, window_start),
+        },
+        branch_rates={engine.ADMIT_SCOPE: -(-layout.shard_rows // layout.slots) / steps},
+    )
 
 
 def matmul_params(config) -> int:
     """N: weights one token multiplies through (every projection and the vocabulary head; the
     embedding lookup is free)."""
     attention = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    return config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size) + config.hidden_size * config.vocab_size
+    return (
+        config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+        + config.hidden_size * config.vocab_size
+    )
 
 
-def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response: int, epochs: int, reference: bool,
-                behaviour: bool = True, gate_refreshes: int = 0, frozen_base: bool = False, value_model: bool = False) -> float:
+def model_flops(
+    config,
+    *,
+    prompts: int,
+    rows: int,
+    prompt_length: int,
+    response: int,
+    epochs: int,
+    reference: bool,
+    behaviour: bool = True,
+    gate_refreshes: int = 0,
+    frozen_base: bool = False,
+    value_model: bool = False,
+) -> float:
     """One train step's model FLOPs, the numerator of MFU: a forward pass costs 2N per token plus
     causal attention 4 x layers x heads x head_dim x (mean keys, half the row) per token, a
     forward and backward 3x that. Prefill (each prompt once) and decoding (each response token,
@@ -439,12 +663,19 @@ def model_flops(config, *, prompts: int, rows: int, prompt_length: int, response
     n = matmul_params(config)
     attention = lambda keys: 4 * config.num_layers * config.num_heads * config.head_dim * keys
     length = prompt_length + response
-    sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (2 * n + attention(prompt_length + response / 2))
+    sample = prompts * prompt_length * (2 * n + attention(prompt_length / 2)) + rows * response * (
+        2 * n + attention(prompt_length + response / 2)
+    )
     forward = rows * length * (2 * n + attention(length / 2))
     trunk_forward = forward - rows * length * 2 * config.hidden_size * config.vocab_size  # no vocabulary projection
     critic = (1 + 3 * epochs) * trunk_forward if value_model else 0
-    return (sample + (int(reference) + int(behaviour)) * forward + epochs * (2 if frozen_base else 3) * forward
-            + gate_refreshes * trunk_forward + critic)
+    return (
+        sample
+        + (int(reference) + int(behaviour)) * forward
+        + epochs * (2 if frozen_base else 3) * forward
+        + gate_refreshes * trunk_forward
+        + critic
+    )
 
 
 class ProgramTime(NamedTuple):
@@ -469,23 +700,50 @@ def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime
     for step in result.steps:
         if step.cost is None:
             continue
-        for name, cost in ({f"{step.step} {part}": c for part, c in step.parts.items()} if step.parts else {step.step: step.cost}).items():
-            times.append(ProgramTime(name, result.runs[step.step], costs.roofline_seconds(cost, chip), costs.bound(cost, chip), cost))
+        for name, cost in (
+            {f"{step.step} {part}": c for part, c in step.parts.items()} if step.parts else {step.step: step.cost}
+        ).items():
+            times.append(
+                ProgramTime(
+                    name, result.runs[step.step], costs.roofline_seconds(cost, chip), costs.bound(cost, chip), cost
+                )
+            )
     if result.transfer_bytes:
         times.append(ProgramTime("host transfers", 1, result.transfer_bytes / chip.host_bytes, "host link", costs.ZERO))
     return times
 
 
-TIME_COLUMNS = ("program", "runs / step", "TFLOP / run", "HBM GB / run", "ICI GB / run", "bound", "s / run", "s / step", "share")
+TIME_COLUMNS = (
+    "program",
+    "runs / step",
+    "TFLOP / run",
+    "HBM GB / run",
+    "ICI GB / run",
+    "bound",
+    "s / run",
+    "s / step",
+    "share",
+)
 
 
 def time_rows(result: Plan, chip: costs.Chip | None = None) -> list[list[str]]:
     """The step-time breakdown per chip, one row per program (TIME_COLUMNS)."""
     times = step_times(result, chip)
     total = sum(t.seconds * t.runs for t in times)
-    return [[t.program, str(t.runs), f"{t.cost.flops / 1e12:.3g}", f"{t.cost.hbm_bytes / 1e9:.3g}", f"{t.cost.collective_bytes / 1e9:.3g}",
-             t.bound, f"{t.seconds:.3g}", f"{t.seconds * t.runs:.3g}", f"{t.seconds * t.runs / total:.0%}" if total else "-"]
-            for t in times]
+    return [
+        [
+            t.program,
+            str(t.runs),
+            f"{t.cost.flops / 1e12:.3g}",
+            f"{t.cost.hbm_bytes / 1e9:.3g}",
+            f"{t.cost.collective_bytes / 1e9:.3g}",
+            t.bound,
+            f"{t.seconds:.3g}",
+            f"{t.seconds * t.runs:.3g}",
+            f"{t.seconds * t.runs / total:.0%}" if total else "-",
+        ]
+        for t in times
+    ]
 
 
 def mfu(result: Plan, seconds: float, chip: costs.Chip | None = None) -> float:
@@ -506,14 +764,18 @@ def step_summary(result: Plan, chip: costs.Chip | None = None) -> StepSummary:
     times = step_times(result, chip)
     total = sum(t.seconds * t.runs for t in times)
     uncounted = tuple(sorted({name for t in times for name in (*t.cost.unknown_loops, *t.cost.unknown_kernels)}))
-    return StepSummary(total, mfu(result, total, chip) if total else 0.0, result.generated_tokens / total if total else 0.0, uncounted)
+    return StepSummary(
+        total, mfu(result, total, chip) if total else 0.0, result.generated_tokens / total if total else 0.0, uncounted
+    )
 
 
 def format_summary(result: Plan, chip: costs.Chip | None = None) -> str:
     chip = _chip(result, chip)
     summary = step_summary(result, chip)
-    text = (f"predicted step on {chip.name}: {summary.seconds:.3g} s, MFU {summary.mfu:.1%} ({result.model_flops / 1e15:.3g} PFLOP "
-            f"of model FLOPs), {summary.generated_tokens_per_second:.3g} generated tokens/s")
+    text = (
+        f"predicted step on {chip.name}: {summary.seconds:.3g} s, MFU {summary.mfu:.1%} ({result.model_flops / 1e15:.3g} PFLOP "
+        f"of model FLOPs), {summary.generated_tokens_per_second:.3g} generated tokens/s"
+    )
     if summary.uncounted:
         text += "; counted once (no trip count or FLOP model): " + ", ".join(summary.uncounted)
     return text
@@ -524,7 +786,7 @@ def _gib(value) -> str:
 
 
 def verdict(step: StepPlan, hbm: int) -> str:
-    """"fits", "fits by peak only" (args + outputs + temp + code exceeds HBM) or "does not fit ..."."""
+    """ "fits", "fits by peak only" (args + outputs + temp + code exceeds HBM) or "does not fit ..."."""
     if step.error:
         return step.error
     if step.peak > hbm:
@@ -532,15 +794,39 @@ def verdict(step: StepPlan, hbm: int) -> str:
     return "fits" if step.conservative <= hbm else "fits by peak only"
 
 
-TABLE_COLUMNS = ("step", "arguments", "outputs", "resident", "temp", "code", "peak", "args+out+temp+code", "HBM", "verdict",
-                 "compile s")
+TABLE_COLUMNS = (
+    "step",
+    "arguments",
+    "outputs",
+    "resident",
+    "temp",
+    "code",
+    "peak",
+    "args+out+temp+code",
+    "HBM",
+    "verdict",
+    "compile s",
+)
 
 
 def table_rows(result: Plan) -> list[list[str]]:
     """One row per compiled step, GiB per chip (peak and args+out+temp+code include the resident state)."""
-    return [[step.step, _gib(step.arguments), _gib(step.outputs), _gib(step.resident), _gib(step.temp), _gib(step.code), _gib(step.peak),
-             _gib(step.conservative), f"{result.hbm / GIB:.0f}", verdict(step, result.hbm), f"{step.compile_seconds:.0f}"]
-            for step in result.steps]
+    return [
+        [
+            step.step,
+            _gib(step.arguments),
+            _gib(step.outputs),
+            _gib(step.resident),
+            _gib(step.temp),
+            _gib(step.code),
+            _gib(step.peak),
+            _gib(step.conservative),
+            f"{result.hbm / GIB:.0f}",
+            verdict(step, result.hbm),
+            f"{step.compile_seconds:.0f}",
+        ]
+        for step in result.steps
+    ]
 
 
 def aligned(header, rows) -> list[str]:
@@ -553,11 +839,16 @@ def aligned(header, rows) -> list[str]:
 def format_plan(result: Plan) -> str:
     """The per-chip memory and step-time tables as text."""
     state = ", ".join(f"{name} {_gib(value)}" for name, value in result.state.items())
-    lines = [f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
-             "per row; GiB per chip",
-             f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"
-             + (f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
-                if result.transfer_bytes else "")]
+    lines = [
+        f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
+        "per row; GiB per chip",
+        f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"
+        + (
+            f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
+            if result.transfer_bytes
+            else ""
+        ),
+    ]
     lines += format_decode(result)
     lines += aligned(TABLE_COLUMNS, table_rows(result))
     lines += ["step time per chip (roofline: comppo_jax.train.cost):"]
@@ -573,32 +864,55 @@ def format_decode(result: Plan) -> list[str]:
     lines = [f"decode layout: {decode_layout.describe(decode)}"]
     floor = decode.floor
     if floor is not None:
-        lines.append(f"  floor per chip per token step: weights {floor.weight_bytes / 1e9:.3g} GB + live KV {floor.kv_bytes / 1e9:.3g} GB "
-                     f"read, {floor.collective_hops:.0f} collective hops; {floor.steps} token steps")
+        lines.append(
+            f"  floor per chip per token step: weights {floor.weight_bytes / 1e9:.3g} GB + live KV {floor.kv_bytes / 1e9:.3g} GB "
+            f"read, {floor.collective_hops:.0f} collective hops; {floor.steps} token steps"
+        )
     sampler = next((s for s in result.steps if s.step == "sample" and s.decode_collectives), None)
     if sampler is not None:
         kinds = {}
         for c in sampler.decode_collectives:
             kinds.setdefault(c.kind, []).append(c)
-        lines.append("  decode loop's collectives (HLO instructions, an inner loop's once): " + ", ".join(
-            f"{kind} x{len(found)} (largest {max(c.bytes for c in found) / 1e6:.3g} MB, groups of "
-            f"{'/'.join(str(g) for g in sorted({c.group for c in found}))})" for kind, found in sorted(kinds.items())))
+        lines.append(
+            "  decode loop's collectives (HLO instructions, an inner loop's once): "
+            + ", ".join(
+                f"{kind} x{len(found)} (largest {max(c.bytes for c in found) / 1e6:.3g} MB, groups of "
+                f"{'/'.join(str(g) for g in sorted({c.group for c in found}))})"
+                for kind, found in sorted(kinds.items())
+            )
+        )
     if decode.candidates:
-        lines.append("  group sizes (G: decode floor s, decode weights + page pool GiB per chip): " + ", ".join(
-            f"{c.tensor}: {c.seconds:.3g} s, {c.memory_bytes / GIB:.2f}" for c in decode.candidates))
+        lines.append(
+            "  group sizes (G: decode floor s, decode weights + page pool GiB per chip): "
+            + ", ".join(f"{c.tensor}: {c.seconds:.3g} s, {c.memory_bytes / GIB:.2f}" for c in decode.candidates)
+        )
     return lines
 
 
 def layout_label(result: Plan) -> str:
-    """"G=4 x 2" (groups of 4 chips, 2 replicas) or "training mesh"."""
+    """ "G=4 x 2" (groups of 4 chips, 2 replicas) or "training mesh"."""
     if result.decode is None or not result.decode.resharded:
         return "training mesh"
     return f"G={result.decode.tensor} x {result.chips // result.decode.tensor}"
 
 
-SUMMARY_COLUMNS = ("decode layout", "reshard s", "prefill s", "decode s", "decode floor s (best G)", "decode / floor",
-                   "decode HBM / ICI GB per token step", "score s", "values s", "actor s (x runs)", "critic s (x runs)", "host transfers s", "step s",
-                   "decode share", "MFU")
+SUMMARY_COLUMNS = (
+    "decode layout",
+    "reshard s",
+    "prefill s",
+    "decode s",
+    "decode floor s (best G)",
+    "decode / floor",
+    "decode HBM / ICI GB per token step",
+    "score s",
+    "values s",
+    "actor s (x runs)",
+    "critic s (x runs)",
+    "host transfers s",
+    "step s",
+    "decode share",
+    "MFU",
+)
 
 
 def summary_row(result: Plan, chip: costs.Chip | None = None) -> list[str]:
@@ -611,11 +925,29 @@ def summary_row(result: Plan, chip: costs.Chip | None = None) -> list[str]:
     runs = lambda name: f"{seconds(name)} (x{times[name].runs})" if name in times else "-"
     # The row's floor: the best group size's, whichever layout the row decodes in.
     decode = times.get("sample decode")
-    floor = min(result.decode.candidates, key=lambda c: c.seconds) if result.decode and result.decode.candidates else None
+    floor = (
+        min(result.decode.candidates, key=lambda c: c.seconds) if result.decode and result.decode.candidates else None
+    )
     steps = floor.steps if floor else 0
-    per_step = (f"{decode.cost.hbm_bytes / steps / 1e9:.2f} / {decode.cost.collective_bytes / steps / 1e9:.2f}"
-                if decode and steps else "-")
-    return [layout_label(result), seconds("reshard"), seconds("sample prefill"), seconds("sample decode"),
-            f"{floor.seconds:.3g}" if floor else "-", f"{decode.seconds / floor.seconds:.2f}x" if decode and floor else "-", per_step,
-            seconds("score"), seconds("values"), runs("actor"), runs("critic"), seconds("host transfers"), f"**{summary.seconds:.3g}**",
-            f"{decode.seconds / summary.seconds:.0%}" if decode and summary.seconds else "-", f"**{summary.mfu:.1%}**"]
+    per_step = (
+        f"{decode.cost.hbm_bytes / steps / 1e9:.2f} / {decode.cost.collective_bytes / steps / 1e9:.2f}"
+        if decode and steps
+        else "-"
+    )
+    return [
+        layout_label(result),
+        seconds("reshard"),
+        seconds("sample prefill"),
+        seconds("sample decode"),
+        f"{floor.seconds:.3g}" if floor else "-",
+        f"{decode.seconds / floor.seconds:.2f}x" if decode and floor else "-",
+        per_step,
+        seconds("score"),
+        seconds("values"),
+        runs("actor"),
+        runs("critic"),
+        seconds("host transfers"),
+        f"**{summary.seconds:.3g}**",
+        f"{decode.seconds / summary.seconds:.0%}" if decode and summary.seconds else "-",
+        f"**{summary.mfu:.1%}**",
+    ]

@@ -25,7 +25,8 @@ from comppo_jax.train import controller
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates
-from comppo_jax.train.methods import critic_warmup, prepended_warmup, recipe as make_recipe, total_steps
+from comppo_jax.train.methods import critic_warmup, prepended_warmup, total_steps
+from comppo_jax.train.methods import recipe as make_recipe
 from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
 
 # The rollouts' own gates averaged per bin of t/T over the whole run (a comppo_jax.credit position
@@ -36,8 +37,13 @@ GATE_PROFILE_FILE = "gate_profile.json"
 def initial_meta() -> dict:
     """A new run's meta. step: the last step done, the number of the checkpoint that holds it;
     gate_profile: per-bin sums of the rollouts' own kappa over t/T (the position-only control's fit)."""
-    return {"step": 0, "prompts": [0, 0], "controller": controller.initial_state(), "skipped_updates": SkippedUpdates(0).state(),
-            "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS}}
+    return {
+        "step": 0,
+        "prompts": [0, 0],
+        "controller": controller.initial_state(),
+        "skipped_updates": SkippedUpdates(0).state(),
+        "gate_profile": {"sums": [0.0] * DEFAULT_BINS, "counts": [0] * DEFAULT_BINS},
+    }
 
 
 class Recorder:
@@ -46,10 +52,16 @@ class Recorder:
     def __init__(self, cfg, checkpoints: RunCheckpoints, meta: dict, *, main_process: bool):
         self.cfg, self.checkpoints, self.meta, self.main_process = cfg, checkpoints, meta, main_process
         made = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
-        self.last_step, self.warmup, self.prepended = total_steps(cfg, made), critic_warmup(cfg, made), prepended_warmup(cfg, made)
+        self.last_step, self.warmup, self.prepended = (
+            total_steps(cfg, made),
+            critic_warmup(cfg, made),
+            prepended_warmup(cfg, made),
+        )
         self.has_critic = made.critic != "none"
         self.update_windows: list[tuple[float, float]] = []  # the last updates' (start, end) wall times
-        self.writer = MetricsWriter(cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process)
+        self.writer = MetricsWriter(
+            cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process
+        )
 
     def evaluates(self, step: int) -> bool:
         """Whether step `step` ends with a dev evaluation (every train.eval_every actor-update steps)."""
@@ -75,32 +87,52 @@ class Recorder:
             for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
                 profile[name] = (np.asarray(profile[name]) + totals).tolist()
         if self.has_critic:
-            metrics.update(critic_diagnostics(host(batch.old_values), host(batch.returns), sampled.reward_tokens, host(scored.kappa),
-                                              host_mask))
+            metrics.update(
+                critic_diagnostics(
+                    host(batch.old_values), host(batch.returns), sampled.reward_tokens, host(scored.kappa), host_mask
+                )
+            )
         metrics.update(learned.importance)
         metrics["actor_updates"] = max(0, step - self.warmup)
         metrics["staleness"] = step - 1 - experience.version  # updates between the generating policy and the learner's
         return metrics
 
-    def timeline(self, metrics: dict, experience, rollout_window: tuple[float, float], update_window: tuple[float, float]) -> None:
+    def timeline(
+        self, metrics: dict, experience, rollout_window: tuple[float, float], update_window: tuple[float, float]
+    ) -> None:
         """Adds the step's wall times: the rollout stage's host time, the update's, the generation
         of this step's batch (dispatch to ready) and the fraction of it that ran during updates."""
-        self.update_windows = (self.update_windows + [update_window])[-(self.cfg.rollout.staleness + 2):]
+        self.update_windows = (self.update_windows + [update_window])[-(self.cfg.rollout.staleness + 2) :]
         started, ready = experience.generation_window
         overlapped = sum(max(0.0, min(ready, end) - max(started, begin)) for begin, end in self.update_windows)
-        metrics.update({"timing/rollout_seconds": rollout_window[1] - rollout_window[0],
-                        "timing/update_seconds": update_window[1] - update_window[0],
-                        "timing/generation_seconds": ready - started,
-                        "timing/generation_overlap": overlapped / max(ready - started, 1e-9)})
+        metrics.update(
+            {
+                "timing/rollout_seconds": rollout_window[1] - rollout_window[0],
+                "timing/update_seconds": update_window[1] - update_window[0],
+                "timing/generation_seconds": ready - started,
+                "timing/generation_overlap": overlapped / max(ready - started, 1e-9),
+            }
+        )
 
-    def record(self, step: int, metrics: dict, experience, learned, *, skipped: SkippedUpdates, phase: str, started: float) -> None:
+    def record(
+        self, step: int, metrics: dict, experience, learned, *, skipped: SkippedUpdates, phase: str, started: float
+    ) -> None:
         """Writes step `step`'s metrics (after its dev evaluation and the controller), with its first response as a sample."""
         metrics["skipped_updates"] = skipped.total
         if learned.nonfinite:
             metrics["nonfinite"] = ", ".join(learned.nonfinite)
         sampled = experience.sampled
-        metrics.update(step=step, phase=phase, seconds=time.time() - started, reshard_seconds=experience.reshard_seconds,
-                       sample={"prompt": sampled.problems[0].prompt, "response": sampled.texts[0], "reward": float(sampled.rewards[0])})
+        metrics.update(
+            step=step,
+            phase=phase,
+            seconds=time.time() - started,
+            reshard_seconds=experience.reshard_seconds,
+            sample={
+                "prompt": sampled.problems[0].prompt,
+                "response": sampled.texts[0],
+                "reward": float(sampled.rewards[0]),
+            },
+        )
         self.writer.write(metrics)
 
     def checkpoint(self, step: int, state: dict, metrics: dict, stages_meta: dict, *, stopping: bool) -> None:
@@ -120,28 +152,47 @@ class Recorder:
         """The run's summary, written with its gate profile and curves by the main process."""
         cfg, meta, checkpoints = self.cfg, self.meta, self.checkpoints
         checkpoints.wait()
-        summary = {"method": cfg.method, "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"], "final_dev_accuracy": final_accuracy,
-                   "steps": self.last_step, "actor_updates": max(0, self.last_step - self.warmup), "dev_problems": dev_problems,
-                   "best_checkpoint_step": checkpoints.best_step(), "best_dev_accuracy": checkpoints.best_accuracy()}
+        summary = {
+            "method": cfg.method,
+            "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"],
+            "final_dev_accuracy": final_accuracy,
+            "steps": self.last_step,
+            "actor_updates": max(0, self.last_step - self.warmup),
+            "dev_problems": dev_problems,
+            "best_checkpoint_step": checkpoints.best_step(),
+            "best_dev_accuracy": checkpoints.best_accuracy(),
+        }
         checkpoints.close()
         self.writer.close()
         if "warm_start_loss" in meta:
             summary["warm_start_loss"] = meta["warm_start_loss"]
-        gated = np.sum(meta["gate_profile"]["counts"]) > 0  # no gate without the behaviour pass (rollout.old_log_probs=sampler)
+        gated = (
+            np.sum(meta["gate_profile"]["counts"]) > 0
+        )  # no gate without the behaviour pass (rollout.old_log_probs=sampler)
         if gated:
             summary["mean_gate"] = float(np.sum(meta["gate_profile"]["sums"]) / np.sum(meta["gate_profile"]["counts"]))
         summary["skipped_updates"] = skipped.total
         if not self.main_process:
             return summary
         if gated:
-            profile = schedule_from_totals(meta["gate_profile"]["sums"], meta["gate_profile"]["counts"],
-                                           {"source": os.path.abspath(cfg.output_dir), "method": cfg.method, "steps": self.last_step,
-                                            "seed": cfg.seed})
+            profile = schedule_from_totals(
+                meta["gate_profile"]["sums"],
+                meta["gate_profile"]["counts"],
+                {
+                    "source": os.path.abspath(cfg.output_dir),
+                    "method": cfg.method,
+                    "steps": self.last_step,
+                    "seed": cfg.seed,
+                },
+            )
             save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         if cfg.plot:
-            plot_run(os.path.join(cfg.output_dir, METRICS_FILE), os.path.join(cfg.output_dir, "curves.png"),
-                     title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
-                     warm_start_accuracy=meta["warm_start_dev_accuracy"])
+            plot_run(
+                os.path.join(cfg.output_dir, METRICS_FILE),
+                os.path.join(cfg.output_dir, "curves.png"),
+                title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
+                warm_start_accuracy=meta["warm_start_dev_accuracy"],
+            )
         return summary

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,8 +32,13 @@ from comppo_jax.train.update import cast_params
 def load_problems(data, seed: int):
     """(train, dev) problems for the config's `data` section."""
     if data.kind == "synthetic":
-        problems = chained_arithmetic(data.train_size + data.dev_size, seed=seed, min_steps=data.min_steps,
-                                      max_steps=data.max_steps, operations=data.operations)
+        problems = chained_arithmetic(
+            data.train_size + data.dev_size,
+            seed=seed,
+            min_steps=data.min_steps,
+            max_steps=data.max_steps,
+            operations=data.operations,
+        )
         return problems[: data.train_size], problems[data.train_size :]
     if data.kind == "dapo_math":
         return load_dapo_math(data.path, dev_size=data.dev_size, seed=seed)
@@ -44,8 +50,10 @@ def load_encodable_problems(cfg, tokenizer):
     train_problems, dev_problems = load_problems(cfg.data, cfg.seed)
     where = cfg.data.path or f"the {cfg.data.kind} data"
     longest_prompt = cfg.model.arch.max_position_embeddings - cfg.rollout.max_new_tokens
-    return (encodable_problems(tokenizer, train_problems, f"{where} (train)", max_prompt_tokens=longest_prompt),
-            encodable_problems(tokenizer, dev_problems, f"{where} (dev)", max_prompt_tokens=longest_prompt))
+    return (
+        encodable_problems(tokenizer, train_problems, f"{where} (train)", max_prompt_tokens=longest_prompt),
+        encodable_problems(tokenizer, dev_problems, f"{where} (dev)", max_prompt_tokens=longest_prompt),
+    )
 
 
 class PromptIterator:
@@ -97,9 +105,11 @@ class Started:
 def watch(arrays, window: list) -> None:
     """Sets window[1] to the time `arrays` are computed, from a thread that only waits on them
     (dispatching from a second thread could interleave collectives and deadlock)."""
+
     def wait():
         jax.block_until_ready(arrays)
         window[1] = time.time()
+
     threading.Thread(target=wait, daemon=True).start()
 
 
@@ -109,12 +119,30 @@ class RolloutStage:
     `prompts` is the stream's checkpointable position; `stop` (StopSignals) ends a first step
     while it compiles; `compiling(what)` says so the first time."""
 
-    def __init__(self, cfg, mesh, model_config, tokenizer, problems: tuple[list, list], parts: RunParts, decode: DecodeLayout,
-                 reference, schedule, pool, *, prompt_position, stop, compiling: Callable[[str], None], show_progress: bool):
+    def __init__(
+        self,
+        cfg,
+        mesh,
+        model_config,
+        tokenizer,
+        problems: tuple[list, list],
+        parts: RunParts,
+        decode: DecodeLayout,
+        reference,
+        schedule,
+        pool,
+        *,
+        prompt_position,
+        stop,
+        compiling: Callable[[str], None],
+        show_progress: bool,
+    ):
         self.cfg, self.mesh, self.model_config, self.tokenizer = cfg, mesh, model_config, tokenizer
         self.train_problems, self.dev_problems = problems
         self.parts, self.decode, self.reference, self.schedule, self.pool = parts, decode, reference, schedule, pool
-        self.prompts = PromptIterator(len(self.train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=prompt_position)
+        self.prompts = PromptIterator(
+            len(self.train_problems), cfg.rollout.prompts_per_step, cfg.seed, position=prompt_position
+        )
         self.stop, self.compiling, self.show_progress = stop, compiling, show_progress
 
     def _generate(self, sampler, prompt_indices: list[int], key):
@@ -125,10 +153,20 @@ class RolloutStage:
         key = self.decode.replicated(key)  # outside the decode mesh's context: it may come from the training devices
         with jax.set_mesh(self.decode.mesh):
             prompt_tokens, prompt_mask = encode_prompts(self.tokenizer, chosen)
-            return generate(sampler, self.model_config, prompt_tokens, prompt_mask, key,
-                            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            num_samples=cfg.rollout.samples_per_prompt, eos_token_ids=(self.tokenizer.eos_token_id,),
-                            pad_token_id=self.tokenizer.pad_token_id, **engine_options(cfg.rollout))
+            return generate(
+                sampler,
+                self.model_config,
+                prompt_tokens,
+                prompt_mask,
+                key,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                num_samples=cfg.rollout.samples_per_prompt,
+                eos_token_ids=(self.tokenizer.eos_token_id,),
+                pad_token_id=self.tokenizer.pad_token_id,
+                **engine_options(cfg.rollout),
+            )
 
     def start(self, step: int, policy, version: int, step_rng, prompts: list[int] | None = None) -> Started:
         """Dispatches batch `step`'s first generation round with `policy` (after `version` updates),
@@ -163,12 +201,20 @@ class RolloutStage:
                 key = jax.random.fold_in(step_rng, 1 + round_index)  # 1: the gate control's
                 generation = self._generate(started.sampler, prompts, key)
             chosen = [self.train_problems[i] for i in prompts]
-            return reward_generation(self.tokenizer, self.pool, decode.to_training(generation, self.mesh), chosen, group, coefficients)
+            return reward_generation(
+                self.tokenizer, self.pool, decode.to_training(generation, self.mesh), chosen, group, coefficients
+            )
 
         sampled = sample(0)
         if cfg.rollout.dynamic_sampling:
-            sampled = dynamic_sampling(sampled, sample, group, cfg.rollout.max_refills, cfg.rollout.dynamic_sampling_filter,
-                                       len(self.train_problems))
+            sampled = dynamic_sampling(
+                sampled,
+                sample,
+                group,
+                cfg.rollout.max_refills,
+                cfg.rollout.dynamic_sampling_filter,
+                len(self.train_problems),
+            )
         if first:
             self.stop.check(f"step {step}'s first sampling (compiling; the step is not saved)")
         # Scoring reads `policy` (a LoRA policy's adapters unmerged, as the update reads them, on its
@@ -178,7 +224,9 @@ class RolloutStage:
         started.sampler = started.policy = None
         # Behaviour and reference scoring (detached): the generating policy's log-probs, gate and features.
         self.compiling("the scoring pass and credit")
-        rollout = score_rollout(policy, self.reference(), self.model_config, sampled.generation, **scoring_options(cfg, self.parts))
+        rollout = score_rollout(
+            policy, self.reference(), self.model_config, sampled.generation, **scoring_options(cfg, self.parts)
+        )
         if first:
             self.stop.check(f"step {step}'s first scoring (compiling; the step is not saved)")
         window = (started.window[0], started.window[1] or time.time())
@@ -190,6 +238,13 @@ class RolloutStage:
         controller, so the step is saved only with it (and a resumed run equals the straight one)."""
         sampler = self.decode.reshard(params)
         with jax.set_mesh(self.decode.mesh):
-            return greedy_accuracy(sampler, self.model_config, self.tokenizer, self.dev_problems, self.pool,
-                                   max_new_tokens=self.cfg.rollout.max_new_tokens, progress="dev eval" * self.show_progress,
-                                   after_batch=(lambda: self.stop.check("the dev evaluation")) if stoppable else None)
+            return greedy_accuracy(
+                sampler,
+                self.model_config,
+                self.tokenizer,
+                self.dev_problems,
+                self.pool,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                progress="dev eval" * self.show_progress,
+                after_batch=(lambda: self.stop.check("the dev evaluation")) if stoppable else None,
+            )

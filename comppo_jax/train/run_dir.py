@@ -33,10 +33,31 @@ LOCK_FILE = "run.lock"
 CHANGES_FILE = "config_changes.jsonl"
 
 # Fields (or whole sections) a resume may change without changing what the run computes.
-HARMLESS = ("output_dir", "progress", "plot", "tensorboard", "resume", "resume_step", "resume_allow_changes", "steps",
-            "checkpoint", "eval", "train.eval_every", "reward.workers", "reward.timeout_s", "warm_start.cache_dir",
-            "mesh", "rollout.mesh", "rollout.decode_slots", "rollout.page_size", "rollout.paged_attention",
-            "model.attention", "model.remat", "model.logits_chunk", "train.offload_idle")
+HARMLESS = (
+    "output_dir",
+    "progress",
+    "plot",
+    "tensorboard",
+    "resume",
+    "resume_step",
+    "resume_allow_changes",
+    "steps",
+    "checkpoint",
+    "eval",
+    "train.eval_every",
+    "reward.workers",
+    "reward.timeout_s",
+    "warm_start.cache_dir",
+    "mesh",
+    "rollout.mesh",
+    "rollout.decode_slots",
+    "rollout.page_size",
+    "rollout.paged_attention",
+    "model.attention",
+    "model.remat",
+    "model.logits_chunk",
+    "train.offload_idle",
+)
 
 
 class RunDirectoryLocked(RuntimeError):
@@ -72,8 +93,13 @@ class RunLock:
         self.owned = False
 
     def _write(self) -> None:
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()),
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": _start_time(os.getpid()),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+        }
         descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         with os.fdopen(descriptor, "w") as f:
             json.dump(record, f)
@@ -101,22 +127,28 @@ class RunLock:
             raise RunDirectoryLocked(
                 f"{os.path.dirname(self.path)} is in use by pid {record['pid']} on {record.get('host')}{where} since "
                 f"{record.get('since')} ({str(record.get('command', ''))[:300]!r}): one process writes a run directory; wait for it or stop it, "
-                f"choose another --config.output_dir, or delete {self.path} if that process is gone")
-        logging.warning("%s: taking over a stale lock (%s) left by a process that is gone", self.path,
-                        f"pid {record['pid']} on {record.get('host')}" if record else "unreadable")
+                f"choose another --config.output_dir, or delete {self.path} if that process is gone"
+            )
+        logging.warning(
+            "%s: taking over a stale lock (%s) left by a process that is gone",
+            self.path,
+            f"pid {record['pid']} on {record.get('host')}" if record else "unreadable",
+        )
         os.remove(self.path)
         try:
             self._write()
         except FileExistsError as error:  # another command took it over first
-            raise RunDirectoryLocked(f"{os.path.dirname(self.path)}: another command took over its stale lock ({self.path}) "
-                                     "at the same moment") from error
+            raise RunDirectoryLocked(
+                f"{os.path.dirname(self.path)}: another command took over its stale lock ({self.path}) "
+                "at the same moment"
+            ) from error
 
     def release(self) -> None:
         if self.owned and self._holder().get("pid") == os.getpid():
             os.remove(self.path)
         self.owned = False
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.acquire()
         return self
 
@@ -137,7 +169,9 @@ def locked(output_dir: str):
     except RunDirectoryLocked as error:
         refusal = error
     if any_process(refusal is not None):
-        raise refusal or RunDirectoryLocked(f"{output_dir}: process 0 found it in use by another command (its error names the holder)")
+        raise refusal or RunDirectoryLocked(
+            f"{output_dir}: process 0 found it in use by another command (its error names the holder)"
+        )
     try:
         yield lock
     finally:
@@ -150,7 +184,9 @@ def _leaves(tree, prefix: str = "") -> dict:
         return {prefix: tree}
     leaves = {}
     for name, value in tree.items():
-        leaves.update(_leaves(value, f"{prefix}{name}.") if isinstance(value, dict) and value else {f"{prefix}{name}": value})
+        leaves.update(
+            _leaves(value, f"{prefix}{name}.") if isinstance(value, dict) and value else {f"{prefix}{name}": value}
+        )
     return leaves
 
 
@@ -160,8 +196,11 @@ def config_differences(old, new) -> list[tuple[str, object, object]]:
     as_json = lambda config: _leaves(json.loads(config.to_json_best_effort()))
     before, after = as_json(old), as_json(new)
     absent = "<absent>"
-    return [(field, before.get(field, absent), after.get(field, absent)) for field in sorted(set(before) | set(after))
-            if before.get(field, absent) != after.get(field, absent)]
+    return [
+        (field, before.get(field, absent), after.get(field, absent))
+        for field in sorted(set(before) | set(after))
+        if before.get(field, absent) != after.get(field, absent)
+    ]
 
 
 def _matches(field: str, names) -> bool:
@@ -193,9 +232,11 @@ def resume_changes(cfg, run_config) -> list[dict]:
     if refused:
         listed = "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in refused)
         names = ",".join(field for field, _, _ in refused)
-        raise ConfigError(f"config.resume=True with a config that changes what the run computes ({listed}) against {cfg.output_dir}/"
-                          f"config.json: resume with the run's own values, or pass --config.resume_allow_changes={names} to "
-                          f"continue with the change (it is recorded in {CHANGES_FILE}), or choose another --config.output_dir")
+        raise ConfigError(
+            f"config.resume=True with a config that changes what the run computes ({listed}) against {cfg.output_dir}/"
+            f"config.json: resume with the run's own values, or pass --config.resume_allow_changes={names} to "
+            f"continue with the change (it is recorded in {CHANGES_FILE}), or choose another --config.output_dir"
+        )
     return changes
 
 
@@ -208,5 +249,9 @@ def record_changes(output_dir: str, step: int, changes: list[dict]) -> None:
             f.write(json.dumps({"resumed_after_step": step, **change}, default=str) + "\n")
     accepted = [c["field"] for c in changes if c["accepted"] == "resume_allow_changes"]
     if accepted:
-        logging.warning("resuming after step %d with changed %s (recorded in %s)", step, ", ".join(accepted),
-                        os.path.join(output_dir, CHANGES_FILE))
+        logging.warning(
+            "resuming after step %d with changed %s (recorded in %s)",
+            step,
+            ", ".join(accepted),
+            os.path.join(output_dir, CHANGES_FILE),
+        )

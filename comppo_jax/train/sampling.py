@@ -13,7 +13,8 @@ over the training prompts could not fill it. Rows keep their group order.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,13 +44,24 @@ class Sampled(NamedTuple):
     reward_tokens: np.ndarray  # [B, T] the reward at each row's last token
 
 
-def reward_generation(tokenizer, pool, generation: Generation, problems, group: int, coefficients: RewardCoefficients) -> Sampled:
+def reward_generation(
+    tokenizer, pool, generation: Generation, problems, group: int, coefficients: RewardCoefficients
+) -> Sampled:
     """Decodes and verifies a generation's responses to `problems` (`group` rows each)."""
     host_mask = sharding.to_host(generation.response_mask)
     texts = decode_responses(tokenizer, generation)
     golds = [p.answer for p in problems for _ in range(group)]
     rewards, verdicts, metrics = score_responses(texts, golds, host_mask.sum(axis=1), pool, coefficients)
-    return Sampled(generation, list(problems), texts, rewards, verdicts, metrics, host_mask, terminal_reward_tokens(rewards, host_mask))
+    return Sampled(
+        generation,
+        list(problems),
+        texts,
+        rewards,
+        verdicts,
+        metrics,
+        host_mask,
+        terminal_reward_tokens(rewards, host_mask),
+    )
 
 
 def _pad_width(x, width: int):
@@ -74,13 +86,23 @@ def take_groups(pieces: list[tuple[Sampled, list[int]]], group: int) -> Sampled:
         masks.append(sampled.host_mask[rows])
         reward_tokens.append(sampled.reward_tokens[rows])
     generation = Generation(**{name: jnp.concatenate(parts) for name, parts in fields.items()})
-    return Sampled(generation, problems, texts, np.concatenate(rewards), verdicts, {}, np.concatenate(masks),
-                   np.concatenate(reward_tokens))
+    return Sampled(
+        generation,
+        problems,
+        texts,
+        np.concatenate(rewards),
+        verdicts,
+        {},
+        np.concatenate(masks),
+        np.concatenate(reward_tokens),
+    )
 
 
 def _combined_metrics(rounds: list[Sampled]) -> dict:
     """Reward counts summed over every sampled response; the mean reward over all of them."""
-    total = {name: sum(s.reward_metrics[name] for s in rounds) for name in rounds[0].reward_metrics if name != "reward/mean"}
+    total = {
+        name: sum(s.reward_metrics[name] for s in rounds) for name in rounds[0].reward_metrics if name != "reward/mean"
+    }
     total["reward/mean"] = float(np.mean(np.concatenate([s.rewards for s in rounds])))
     return total
 
@@ -95,8 +117,14 @@ def informative(sampled: Sampled, group: int, filter_by: str) -> np.ndarray:
     return informative_groups(sampled.rewards, group)
 
 
-def dynamic_sampling(first: Sampled, draw: Callable[[int], Sampled], group: int, max_refills: int, filter_by: str = "accuracy",
-                     train_prompts: int = 0) -> Sampled:
+def dynamic_sampling(
+    first: Sampled,
+    draw: Callable[[int], Sampled],
+    group: int,
+    max_refills: int,
+    filter_by: str = "accuracy",
+    train_prompts: int = 0,
+) -> Sampled:
     """DAPO's dynamic sampling (module doc): `first` and more batches `draw(1)`, `draw(2)`, ...,
     keeping informative groups (`informative`) until there are as many as `first` has. At most
     `max_refills` draws, then dropped groups fill the batch; with max_refills=-1 as many draws as a
@@ -108,7 +136,9 @@ def dynamic_sampling(first: Sampled, draw: Callable[[int], Sampled], group: int,
     """
     wanted = len(first.problems)
     until_full = max_refills < 0
-    refills = -(-train_prompts // wanted) - 1 if until_full else max_refills  # a pass over the prompts: ceil(train / batch) rounds
+    refills = (
+        -(-train_prompts // wanted) - 1 if until_full else max_refills
+    )  # a pass over the prompts: ceil(train / batch) rounds
     rounds, kept, dropped = [], [], []
     sampled = first
     while True:
@@ -123,13 +153,18 @@ def dynamic_sampling(first: Sampled, draw: Callable[[int], Sampled], group: int,
             f"dynamic sampling drew {len(rounds)} rounds of {wanted} prompts in one step, a whole pass over the {train_prompts} "
             f"training prompts, and found {len(kept)} of the {wanted} informative groups the batch needs ({filter_by} filter: the "
             "policy answers nearly every group all right or all wrong); pass --config.rollout.max_refills=<count> to fill the "
-            "batch with uninformative groups after that many refills")
+            "batch with uninformative groups after that many refills"
+        )
     uninformative_kept = max(wanted - len(kept), 0)
     chosen = sorted(kept[:wanted] + dropped[:uninformative_kept])
     pieces = [(rounds[r], [g for rr, g in chosen if rr == r]) for r in range(len(rounds))]
     batch = take_groups([(s, groups) for s, groups in pieces if groups], group)
     metrics = _combined_metrics(rounds)
-    metrics.update({"dynamic_sampling/dropped_fraction": len(dropped) / (len(kept) + len(dropped)),
-                    "dynamic_sampling/refills": float(len(rounds) - 1),
-                    "dynamic_sampling/uninformative_kept": float(uninformative_kept)})
+    metrics.update(
+        {
+            "dynamic_sampling/dropped_fraction": len(dropped) / (len(kept) + len(dropped)),
+            "dynamic_sampling/refills": float(len(rounds) - 1),
+            "dynamic_sampling/uninformative_kept": float(uninformative_kept),
+        }
+    )
     return batch._replace(reward_metrics=metrics)

@@ -17,7 +17,7 @@ versions and prompts; a resume starts them again and so equals the straight run 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -69,5 +69,6 @@ class RolloutQueue:
     def restore(self, in_flight: list[dict], behaviour: list) -> None:
         """Starts the batches a checkpoint held in flight again, with their own policies and prompts."""
         for entry, policy in zip(in_flight, behaviour):
-            self.pending[entry["step"]] = self.stage.start(entry["step"], policy, entry["version"], self.key(entry["step"]),
-                                                           prompts=entry["prompts"])
+            self.pending[entry["step"]] = self.stage.start(
+                entry["step"], policy, entry["version"], self.key(entry["step"]), prompts=entry["prompts"]
+            )

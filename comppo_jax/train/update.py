@@ -15,7 +15,8 @@ adapters are trained, kept in the master dtype; the frozen base stays in the com
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,9 @@ def minibatch_shardings(mesh: Mesh, with_routing: bool, hidden_size: int) -> Min
     over `tensor` (`sharding.features_spec`)."""
     rows = batch_sharding(mesh)
     fields = dict.fromkeys(Minibatch._fields, rows)
-    fields.update(hidden_states=features_sharding(mesh, hidden_size), routing=Routing(rows, rows, rows) if with_routing else None)
+    fields.update(
+        hidden_states=features_sharding(mesh, hidden_size), routing=Routing(rows, rows, rows) if with_routing else None
+    )
     return Minibatch(**fields)
 
 
@@ -76,54 +79,108 @@ def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm, losse
     opt_state.hyperparams["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    return keep_if_finite(optax.apply_updates(params, updates), params), keep_if_finite(new_opt_state, opt_state), grad_norm, finite
+    return (
+        keep_if_finite(optax.apply_updates(params, updates), params),
+        keep_if_finite(new_opt_state, opt_state),
+        grad_norm,
+        finite,
+    )
 
 
 def surrogate(loss: ActorLoss, log_probs, old_log_probs, advantages, mask, clip):
     """The clipped surrogate the config picks: PPO's per-token ratio (eq. ppo_outer) clipped to
     [1 - clip, 1 + clip * clip_high_scale], or GSPO's sequence ratio at its own clip range."""
     if loss.policy_loss == "ppo":
-        return ppo_clip_loss(log_probs, old_log_probs, advantages, mask, clip, clip * loss.clip_high_scale,
-                             aggregation=loss.aggregation, norm_length=loss.norm_length)
+        return ppo_clip_loss(
+            log_probs,
+            old_log_probs,
+            advantages,
+            mask,
+            clip,
+            clip * loss.clip_high_scale,
+            aggregation=loss.aggregation,
+            norm_length=loss.norm_length,
+        )
     low, high = loss.sequence_clip
-    return gspo_loss(log_probs, old_log_probs, advantages, mask, low, high, token_level=loss.policy_loss == "gspo_token",
-                     aggregation=loss.aggregation, norm_length=loss.norm_length)
+    return gspo_loss(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        low,
+        high,
+        token_level=loss.policy_loss == "gspo_token",
+        aggregation=loss.aggregation,
+        norm_length=loss.norm_length,
+    )
 
 
-def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float, loss: ActorLoss = ActorLoss()):
+def actor_loss(
+    params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float, loss: ActorLoss = ActorLoss()
+):
     """Clipped surrogate (`surrogate`) + kl_coef * low-variance KL to the reference policy, the KL
     aggregated as `loss.kl_aggregation`; without a KL term (`loss.kl_term=False`, DAPO) the
     surrogate alone, and no kl_loss metric."""
-    log_probs, entropy = policy_token_stats(cast_params(params, config.dtype), config, batch.tokens, batch.attention_mask,
-                                            batch.prompt_lengths, batch.response_tokens, temperature)
+    log_probs, entropy = policy_token_stats(
+        cast_params(params, config.dtype),
+        config,
+        batch.tokens,
+        batch.attention_mask,
+        batch.prompt_lengths,
+        batch.response_tokens,
+        temperature,
+    )
     mask = batch.response_mask
     policy_loss, stats = surrogate(loss, log_probs, batch.old_log_probs, batch.advantages, mask, clip)
     entropy = masked_mean(entropy, mask)
-    metrics = {"policy_loss": policy_loss, "ppo_kl": stats["approx_kl"], "clip_fraction": stats["clip_fraction"],
-               "clip_fraction_high": stats["clip_fraction_high"], "entropy": jax.lax.stop_gradient(entropy)}
+    metrics = {
+        "policy_loss": policy_loss,
+        "ppo_kl": stats["approx_kl"],
+        "clip_fraction": stats["clip_fraction"],
+        "clip_fraction_high": stats["clip_fraction_high"],
+        "entropy": jax.lax.stop_gradient(entropy),
+    }
     if not loss.kl_term:
         return policy_loss, metrics
     kl = kl_penalty(log_probs, batch.ref_log_probs, mask, aggregation=loss.kl_aggregation, norm_length=loss.norm_length)
     return policy_loss + kl_coef * kl, {**metrics, "kl_loss": kl}
 
 
-def actor_step(params, opt_state, batch: Minibatch, hyper: dict, frozen=None, *, config: ModelConfig, tx, temperature: float,
-               loss: ActorLoss = ActorLoss()):
+def actor_step(
+    params,
+    opt_state,
+    batch: Minibatch,
+    hyper: dict,
+    frozen=None,
+    *,
+    config: ModelConfig,
+    tx,
+    temperature: float,
+    loss: ActorLoss = ActorLoss(),
+):
     """One actor update of `params` (every weight, or a LoRA run's adapters beside the `frozen`
     base: comppo_jax.models.lora); hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
     Skipped (params and optimizer state unchanged, actor_finite=False) on a non-finite loss or gradient."""
     policy_loss = lambda params, *args: actor_loss(lora.join(frozen, params), *args)
-    grads, metrics = jax.grad(policy_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss)
+    grads, metrics = jax.grad(policy_loss, has_aux=True)(
+        params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss
+    )
     losses = (metrics["policy_loss"],) + ((metrics["kl_loss"],) if loss.kl_term else ())
-    params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"], losses)
+    params, opt_state, grad_norm, finite = _clip_and_apply(
+        tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"], losses
+    )
     return params, opt_state, {**metrics, "grad_norm": grad_norm, "actor_finite": finite}
 
 
-def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str, model_config: ModelConfig | None = None):
+def critic_values(
+    critic_params, batch: Minibatch, *, critic_module, kind: str, model_config: ModelConfig | None = None
+):
     """V_t [B, T] at the response positions, from TAC, the standard head on the actor's features, or
     the full value model on the tokens (`model_config`: its architecture); all clamped."""
     if kind == "tac":
-        sequence = critic_module.apply({"params": critic_params}, batch.hidden_states, batch.routing, batch.kappa_sequence).value
+        sequence = critic_module.apply(
+            {"params": critic_params}, batch.hidden_states, batch.routing, batch.kappa_sequence
+        ).value
     elif kind == "full":
         sequence = value_model_values(critic_params, model_config, batch.tokens, batch.attention_mask)
     else:
@@ -131,7 +188,17 @@ def critic_values(critic_params, batch: Minibatch, *, critic_module, kind: str, 
     return gather_response(sequence, batch.prompt_lengths, batch.response_mask.shape[1])
 
 
-def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_module, kind: str, tx, model_config: ModelConfig | None = None):
+def critic_step(
+    params,
+    opt_state,
+    batch: Minibatch,
+    hyper: dict,
+    *,
+    critic_module,
+    kind: str,
+    tx,
+    model_config: ModelConfig | None = None,
+):
     """One critic update toward the detached G_t; hyper: learning_rate, value_clip, grad_clip.
     Skipped (critic_finite=False) on a non-finite loss or gradient, as `actor_step`."""
 
@@ -140,10 +207,19 @@ def critic_step(params, opt_state, batch: Minibatch, hyper: dict, *, critic_modu
         return value_loss(values, batch.old_values, batch.returns, batch.response_mask, hyper["value_clip"])
 
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    params, opt_state, grad_norm, finite = _clip_and_apply(tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"],
-                                                           (value,))
-    return params, opt_state, {"value_loss": value, "value_clip_fraction": stats["clip_fraction"], "critic_grad_norm": grad_norm,
-                               "critic_finite": finite}
+    params, opt_state, grad_norm, finite = _clip_and_apply(
+        tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"], (value,)
+    )
+    return (
+        params,
+        opt_state,
+        {
+            "value_loss": value,
+            "value_clip_fraction": stats["clip_fraction"],
+            "critic_grad_norm": grad_norm,
+            "critic_finite": finite,
+        },
+    )
 
 
 class UpdateSteps(NamedTuple):
@@ -162,24 +238,50 @@ def apply_actor_step(steps: UpdateSteps, actor, opt_state, minibatch: Minibatch,
     return lora.join(frozen, trainable), opt_state, metrics
 
 
-def jit_update_steps(mesh: Mesh, *, model_config: ModelConfig, temperature: float, actor, actor_opt, actor_tx,
-                     critic=None, critic_opt=None, critic_tx=None, critic_module=None, critic_kind: str = "none",
-                     actor_loss: ActorLoss = ActorLoss()) -> UpdateSteps:
+def jit_update_steps(
+    mesh: Mesh,
+    *,
+    model_config: ModelConfig,
+    temperature: float,
+    actor,
+    actor_opt,
+    actor_tx,
+    critic=None,
+    critic_opt=None,
+    critic_tx=None,
+    critic_module=None,
+    critic_kind: str = "none",
+    actor_loss: ActorLoss = ActorLoss(),
+) -> UpdateSteps:
     """`actor_step` (with the surrogate `actor_loss`), `critic_step` and `critic_values` as jax.jit
     with in/out shardings on `mesh`."""
     rep = replicated(mesh)
     batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac", hidden_size=model_config.hidden_size)
-    (trainable_sh, frozen_sh), actor_opt_sh = (tree_shardings(mesh, part) for part in lora.split(actor)), tree_shardings(mesh, actor_opt)
+    (trainable_sh, frozen_sh), actor_opt_sh = (
+        (tree_shardings(mesh, part) for part in lora.split(actor)),
+        tree_shardings(mesh, actor_opt),
+    )
     # The frozen base is read, never donated: the reference policy is the same arrays.
-    actor_fn = jax.jit(functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),
-                       in_shardings=(trainable_sh, actor_opt_sh, batch, rep, frozen_sh), out_shardings=(trainable_sh, actor_opt_sh, rep),
-                       donate_argnums=(0, 1))
+    actor_fn = jax.jit(
+        functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),
+        in_shardings=(trainable_sh, actor_opt_sh, batch, rep, frozen_sh),
+        out_shardings=(trainable_sh, actor_opt_sh, rep),
+        donate_argnums=(0, 1),
+    )
     if critic is None:
         return UpdateSteps(actor_fn, None, None)
     critic_sh, critic_opt_sh = tree_shardings(mesh, critic), tree_shardings(mesh, critic_opt)
-    critic_fn = jax.jit(functools.partial(critic_step, critic_module=critic_module, kind=critic_kind, tx=critic_tx, model_config=model_config),
-                        in_shardings=(critic_sh, critic_opt_sh, batch, rep), out_shardings=(critic_sh, critic_opt_sh, rep),
-                        donate_argnums=(0, 1))
-    values_fn = jax.jit(functools.partial(critic_values, critic_module=critic_module, kind=critic_kind, model_config=model_config),
-                        in_shardings=(critic_sh, batch), out_shardings=batch.advantages)
+    critic_fn = jax.jit(
+        functools.partial(
+            critic_step, critic_module=critic_module, kind=critic_kind, tx=critic_tx, model_config=model_config
+        ),
+        in_shardings=(critic_sh, critic_opt_sh, batch, rep),
+        out_shardings=(critic_sh, critic_opt_sh, rep),
+        donate_argnums=(0, 1),
+    )
+    values_fn = jax.jit(
+        functools.partial(critic_values, critic_module=critic_module, kind=critic_kind, model_config=model_config),
+        in_shardings=(critic_sh, batch),
+        out_shardings=batch.advantages,
+    )
     return UpdateSteps(actor_fn, critic_fn, values_fn)

@@ -18,7 +18,8 @@ from comppo_jax.credit import GATE_STATISTICS, LOSS_AGGREGATIONS
 from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
-from comppo_jax.models.lora import TARGETS as LORA_TARGETS, parse_targets as parse_lora_targets
+from comppo_jax.models.lora import TARGETS as LORA_TARGETS
+from comppo_jax.models.lora import parse_targets as parse_lora_targets
 from comppo_jax.models.paged_cache import PAGED_ATTENTION
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.sharding import AXES
@@ -102,43 +103,66 @@ class _Problems:
                 allowed = f"{'<' if high_open else '<='} {high}"
             else:
                 allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-            self.add(dotted, f"must be {allowed}; pass --config.{dotted}=<{'an integer' if integer else 'a value'} {allowed}>")
+            self.add(
+                dotted,
+                f"must be {allowed}; pass --config.{dotted}=<{'an integer' if integer else 'a value'} {allowed}>",
+            )
 
 
 def _check_paths(problems: _Problems, cfg) -> None:
     model = cfg.model
     if model.get("path_required") and not model.path:
-        problems.lines.append("config.model.path='': this preset needs a local HF checkpoint: pass --config.model.path=/path/to/hf_checkpoint "
-                              "(a directory with config.json, *.safetensors and the tokenizer); nothing is downloaded")
+        problems.lines.append(
+            "config.model.path='': this preset needs a local HF checkpoint: pass --config.model.path=/path/to/hf_checkpoint "
+            "(a directory with config.json, *.safetensors and the tokenizer); nothing is downloaded"
+        )
     if model.path and not os.path.isdir(model.path):
-        problems.add("model.path", "does not exist; expected a local HF checkpoint directory (config.json + *.safetensors)")
+        problems.add(
+            "model.path", "does not exist; expected a local HF checkpoint directory (config.json + *.safetensors)"
+        )
     if model.tokenizer and not os.path.isdir(model.tokenizer):
-        problems.add("model.tokenizer", "does not exist; expected a local directory with tokenizer.json / tokenizer_config.json, "
-                                        "or '' for the tokenizer saved with model.path")
+        problems.add(
+            "model.tokenizer",
+            "does not exist; expected a local directory with tokenizer.json / tokenizer_config.json, "
+            "or '' for the tokenizer saved with model.path",
+        )
     if cfg.data.kind == "dapo_math" and not os.path.isfile(cfg.data.path):
         problems.add("data.path", "does not exist; pass --config.data.path=/path/to/dapo-math-17k.parquet (or .jsonl)")
     if cfg.method == "comppo" and cfg.gate == "position":
         if not cfg.position_schedule:
-            problems.add("position_schedule", "gate='position' needs a position schedule: pass --config.position_schedule=<a CompPO "
-                                              "run's output_dir>/gate_profile.json")
+            problems.add(
+                "position_schedule",
+                "gate='position' needs a position schedule: pass --config.position_schedule=<a CompPO "
+                "run's output_dir>/gate_profile.json",
+            )
         elif not os.path.isfile(cfg.position_schedule):
-            problems.add("position_schedule", "does not exist; expected a JSON schedule such as a CompPO run's gate_profile.json")
+            problems.add(
+                "position_schedule", "does not exist; expected a JSON schedule such as a CompPO run's gate_profile.json"
+            )
         else:
             try:
                 load_position_schedule(cfg.position_schedule)
             except (ValueError, KeyError, TypeError) as error:
-                problems.add("position_schedule", f"is not a position schedule ({error}); expected a CompPO run's gate_profile.json")
+                problems.add(
+                    "position_schedule",
+                    f"is not a position schedule ({error}); expected a CompPO run's gate_profile.json",
+                )
 
 
 def _check_mesh(problems: _Problems, cfg) -> None:
     sizes = [cfg.mesh[axis] for axis in AXES]
     if sizes.count(-1) > 1 or any(not isinstance(s, int) or s == 0 or s < -1 for s in sizes):
-        problems.lines.append(f"config.mesh (data, fsdp, tensor)={tuple(sizes)}: sizes must be positive integers, at most one -1 "
-                              "(all remaining devices)")
+        problems.lines.append(
+            f"config.mesh (data, fsdp, tensor)={tuple(sizes)}: sizes must be positive integers, at most one -1 "
+            "(all remaining devices)"
+        )
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     minibatch = cfg.train.minibatch_size
     if isinstance(minibatch, int) and minibatch >= 1 and rows % minibatch:
-        problems.add("train.minibatch_size", f"must divide the {rows} responses per step (rollout.prompts_per_step x samples_per_prompt)")
+        problems.add(
+            "train.minibatch_size",
+            f"must divide the {rows} responses per step (rollout.prompts_per_step x samples_per_prompt)",
+        )
     if cfg.mesh.distributed and cfg.mesh.coordinator_address:
         problems.number("mesh.num_processes", low=1, integer=True)
         problems.number("mesh.process_id", low=0, high=max(cfg.mesh.num_processes - 1, 0), integer=True)
@@ -146,37 +170,65 @@ def _check_mesh(problems: _Problems, cfg) -> None:
 
 def _check_combinations(problems: _Problems, cfg) -> None:
     """Switches that mean nothing for the config's method (a silent no-op would mislead a comparison)."""
-    gated = cfg.method == "comppo" and cfg.gate in ("attention", "shuffle")  # the runs whose kappa comes from the statistic
+    gated = cfg.method == "comppo" and cfg.gate in (
+        "attention",
+        "shuffle",
+    )  # the runs whose kappa comes from the statistic
     if cfg.gate_statistic != "herfindahl" and not gated:
-        problems.add("gate_statistic", f"only CompPO's attention and shuffle gates read the statistic (method={cfg.method!r}, "
-                                       f"gate={cfg.gate!r}); pass --config.gate_statistic=herfindahl")
+        problems.add(
+            "gate_statistic",
+            f"only CompPO's attention and shuffle gates read the statistic (method={cfg.method!r}, "
+            f"gate={cfg.gate!r}); pass --config.gate_statistic=herfindahl",
+        )
     if cfg.gate_refresh == "epoch" and not gated:
-        problems.add("gate_refresh", f"only CompPO's attention and shuffle gates depend on the actor (method={cfg.method!r}, "
-                                     f"gate={cfg.gate!r}); pass --config.gate_refresh=rollout")
+        problems.add(
+            "gate_refresh",
+            f"only CompPO's attention and shuffle gates depend on the actor (method={cfg.method!r}, "
+            f"gate={cfg.gate!r}); pass --config.gate_refresh=rollout",
+        )
     if cfg.train.policy_loss == "gspo" and cfg.method != "grpo":
-        problems.add("train.policy_loss", f"GSPO's one ratio per response would average away {cfg.method}'s per-token credit; pass "
-                                          "--config.train.policy_loss=gspo_token (the same sequence-mean objective, each token "
-                                          "carrying its own advantage), or --config.method=grpo for GSPO with GRPO's advantages")
+        problems.add(
+            "train.policy_loss",
+            f"GSPO's one ratio per response would average away {cfg.method}'s per-token credit; pass "
+            "--config.train.policy_loss=gspo_token (the same sequence-mean objective, each token "
+            "carrying its own advantage), or --config.method=grpo for GSPO with GRPO's advantages",
+        )
     if cfg.train.clip_high_scale != 1.0 and cfg.train.policy_loss != "ppo":
-        problems.add("train.clip_high_scale", f"scales the per-token ratio's clip; {cfg.train.policy_loss} clips its sequence ratio at "
-                                              "train.gspo_clip_low / gspo_clip_high instead: pass --config.train.clip_high_scale=1.0")
+        problems.add(
+            "train.clip_high_scale",
+            f"scales the per-token ratio's clip; {cfg.train.policy_loss} clips its sequence ratio at "
+            "train.gspo_clip_low / gspo_clip_high instead: pass --config.train.clip_high_scale=1.0",
+        )
     if not cfg.train.group_std_normalization and cfg.method != "grpo":
-        problems.add("train.group_std_normalization", f"only GRPO's group-relative advantages divide by a group std "
-                                                      f"(method={cfg.method!r}); pass --config.train.group_std_normalization=True")
+        problems.add(
+            "train.group_std_normalization",
+            f"only GRPO's group-relative advantages divide by a group std "
+            f"(method={cfg.method!r}); pass --config.train.group_std_normalization=True",
+        )
     if cfg.train.proximal == "recompute" and cfg.train.policy_loss != "ppo":
-        problems.add("train.proximal", f"the decoupled objective weights per-token ratios; {cfg.train.policy_loss} clips a sequence "
-                                       "ratio: pass --config.train.proximal=behaviour or --config.train.policy_loss=ppo")
+        problems.add(
+            "train.proximal",
+            f"the decoupled objective weights per-token ratios; {cfg.train.policy_loss} clips a sequence "
+            "ratio: pass --config.train.proximal=behaviour or --config.train.policy_loss=ppo",
+        )
     if cfg.rollout.dynamic_sampling and cfg.rollout.samples_per_prompt < 2:
-        problems.add("rollout.dynamic_sampling", "a group of one response always has equal rewards, so every group would be "
-                                                 "dropped; raise rollout.samples_per_prompt or pass --config.rollout.dynamic_sampling=False")
+        problems.add(
+            "rollout.dynamic_sampling",
+            "a group of one response always has equal rewards, so every group would be "
+            "dropped; raise rollout.samples_per_prompt or pass --config.rollout.dynamic_sampling=False",
+        )
 
 
 def validate_config(cfg) -> None:
     """Raises ConfigError listing every problem of a training config (nothing is loaded or compiled)."""
     missing = missing_fields(cfg)
     if missing:
-        raise ConfigError("\n".join(f"config.{name} is missing: restore it from configs/ (the preset's value) or pass "
-                                    f"--config.{name}=..." for name in missing))
+        raise ConfigError(
+            "\n".join(
+                f"config.{name} is missing: restore it from configs/ (the preset's value) or pass --config.{name}=..."
+                for name in missing
+            )
+        )
     problems = _Problems(cfg)
     problems.enum("method", METHODS)
     problems.enum("gate", GATES)
@@ -215,8 +267,11 @@ def validate_config(cfg) -> None:
     try:
         parse_tensor(problems.value("rollout.mesh.tensor"))
     except ValueError:
-        problems.add("rollout.mesh.tensor", "expected auto, train or a positive number of devices per tensor-parallel group, "
-                                            "e.g. --config.rollout.mesh.tensor=4")
+        problems.add(
+            "rollout.mesh.tensor",
+            "expected auto, train or a positive number of devices per tensor-parallel group, "
+            "e.g. --config.rollout.mesh.tensor=4",
+        )
     problems.number("steps", low=1, integer=True)
     problems.number("seed", low=0, integer=True)
     for name in ("train.actor_lr", "train.critic_lr"):
@@ -231,8 +286,10 @@ def validate_config(cfg) -> None:
     problems.number("gate_envelope.kappa_lo", low=0, high=1)
     problems.number("gate_envelope.kappa_hi", low=0, high=1)
     if cfg.gate_envelope.kappa_lo >= cfg.gate_envelope.kappa_hi:
-        problems.lines.append(f"config.gate_envelope: kappa_lo={cfg.gate_envelope.kappa_lo} must be below kappa_hi="
-                              f"{cfg.gate_envelope.kappa_hi} (0 <= kappa_lo < kappa_hi <= 1); swap them")
+        problems.lines.append(
+            f"config.gate_envelope: kappa_lo={cfg.gate_envelope.kappa_lo} must be below kappa_hi="
+            f"{cfg.gate_envelope.kappa_hi} (0 <= kappa_lo < kappa_hi <= 1); swap them"
+        )
     problems.number("gate_envelope.tau", low=0, low_open=True)
     problems.number("fixed_gate", low=0, high=1)
     problems.number("rollout.prompts_per_step", low=1, integer=True)
@@ -258,11 +315,18 @@ def validate_config(cfg) -> None:
         problems.number("warm_start.steps", low=0, integer=True)
         problems.number("warm_start.batch_size", low=1, integer=True)
         problems.number("warm_start.learning_rate", low=0, low_open=True)
-        if cfg.data.kind == "dapo_math":  # the warm start reads each problem's solution; DAPO rows carry only the answer
-            problems.add("warm_start.steps", "the supervised warm start trains on worked solutions and data.kind='dapo_math' has "
-                                             "none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)")
-    for check in (lambda: controller.controller_config(cfg.controller),
-                  lambda: controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens)):
+        if (
+            cfg.data.kind == "dapo_math"
+        ):  # the warm start reads each problem's solution; DAPO rows carry only the answer
+            problems.add(
+                "warm_start.steps",
+                "the supervised warm start trains on worked solutions and data.kind='dapo_math' has "
+                "none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)",
+            )
+    for check in (
+        lambda: controller.controller_config(cfg.controller),
+        lambda: controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens),
+    ):
         try:
             check()
         except (ValueError, TypeError) as error:

@@ -61,8 +61,20 @@ def supervised_step(params, opt_state, batch, *, config: ModelConfig, tx):
     return optax.apply_updates(params, updates), opt_state, value
 
 
-def warm_start(params, config: ModelConfig, tokenizer, problems, *, steps: int, batch_size: int, learning_rate: float, seed: int,
-               answer_noise: float = 0.0, progress: bool = False, check_stop=None):
+def warm_start(
+    params,
+    config: ModelConfig,
+    tokenizer,
+    problems,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    answer_noise: float = 0.0,
+    progress: bool = False,
+    check_stop=None,
+):
     """`steps` AdamW steps of supervised learning on `problems`' solutions; returns (params, last loss).
     `progress`: a bar with the loss (read every 20 steps, so dispatch stays ahead of the device).
     `check_stop(stage)` runs every 20 steps (the train loop's stop check, which may raise)."""
@@ -72,7 +84,13 @@ def warm_start(params, config: ModelConfig, tokenizer, problems, *, steps: int, 
     loss = float("nan")
     bar = tqdm.trange(steps, desc="warm start", disable=not progress)
     for step in bar:
-        params, opt_state, loss = supervised_step(params, opt_state, supervised_batch(tokenizer, problems, rng, batch_size, answer_noise), config=config, tx=tx)
+        params, opt_state, loss = supervised_step(
+            params,
+            opt_state,
+            supervised_batch(tokenizer, problems, rng, batch_size, answer_noise),
+            config=config,
+            tx=tx,
+        )
         if step % 20 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{float(loss):.3f}")
             if check_stop is not None:
@@ -105,12 +123,19 @@ def cached_warm_start(cache_dir: str, key: dict, template, compute):
         except Exception as error:  # noqa: BLE001 -- zip, npy and key errors of a damaged file: it is only a cache
             aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
             os.replace(path, aside)
-            logging.warning("warm-start cache %s cannot be read (%s: %s): set aside as %s; the warm start runs again", path,
-                            type(error).__name__, error, aside)
+            logging.warning(
+                "warm-start cache %s cannot be read (%s: %s): set aside as %s; the warm start runs again",
+                path,
+                type(error).__name__,
+                error,
+                aside,
+            )
     params, loss = compute()
     os.makedirs(cache_dir, exist_ok=True)
-    arrays = {n: np.asarray(jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
-              for n, x in zip(names, jax.tree.leaves(params))}
+    arrays = {
+        n: np.asarray(jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+        for n, x in zip(names, jax.tree.leaves(params))
+    }
     # Processes of a multi-host run may share the directory; the partial name never matches warm_start_*.npz.
     partial = f"{path}.partial-{socket.gethostname()}-{os.getpid()}"
     with open(partial, "wb") as f:

@@ -79,8 +79,9 @@ def run(batch: int = 16, length: int = 16384, repeats: int = 5) -> list[dict]:
         "comp_gae scan (jit)": lambda: jax.block_until_ready(comp_gae(*args, LAM, method="scan"))[0],
         "comp_gae associative (jit)": lambda: jax.block_until_ready(comp_gae(*args, LAM, method="associative"))[0],
         rlax_name: lambda: jax.block_until_ready(rlax_gae(args[0], args[2], LAM, values_bootstrap)),
-        "rlax, same outputs as comp_gae (jit)":
-            lambda: jax.block_until_ready(rlax_same_outputs(args[0], args[1], args[2], LAM))[0],
+        "rlax, same outputs as comp_gae (jit)": lambda: jax.block_until_ready(
+            rlax_same_outputs(args[0], args[1], args[2], LAM)
+        )[0],
         "NumPy loop": lambda: _numpy_loop(rewards, values, kappa, mask, LAM)[0],
     }
     outputs = {name: np.asarray(fn()) for name, fn in candidates.items()}
@@ -94,10 +95,15 @@ def run(batch: int = 16, length: int = 16384, repeats: int = 5) -> list[dict]:
     rlax_seconds = seconds[rlax_name]
     rows = [{"implementation": name, "ms": s * 1e3, "time / rlax": s / rlax_seconds} for name, s in seconds.items()]
 
-    print(f"credit: Comp-GAE advantages, batch {batch} x {length} tokens, lam {LAM}, median of {repeats} "
-          f"interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    print(
+        f"credit: Comp-GAE advantages, batch {batch} x {length} tokens, lam {LAM}, median of {repeats} "
+        f"interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores"
+    )
     print_table(
-        [{"implementation": r["implementation"], "ms": f"{r['ms']:.3f}", "time / rlax": f"{r['time / rlax']:.2f}x"} for r in rows],
+        [
+            {"implementation": r["implementation"], "ms": f"{r['ms']:.3f}", "time / rlax": f"{r['time / rlax']:.2f}x"}
+            for r in rows
+        ],
         ["implementation", "ms", "time / rlax"],
     )
     return rows

@@ -24,8 +24,15 @@ from comppo_jax.models import ModelConfig, forward, init_params, load_config_fil
 from comppo_jax.models.loading import PRESET_DIR
 
 QWEN3_06B_LIKE = ModelConfig(
-    architecture="qwen3", vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_layers=2,
-    num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True,
+    architecture="qwen3",
+    vocab_size=4096,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
 )
 LENGTHS = {"tiny": (1024, 4096, 16384), "qwen3-0.6b-like": (1024, 4096)}
 
@@ -38,7 +45,9 @@ def _stages(config: ModelConfig, section, length: int, batch: int):
     window_start = jnp.full((batch,), length // 8, jnp.int32)
     kappa = jnp.full((batch, length), 0.5)
 
-    policy = jax.jit(lambda p: forward(p, config, tokens, mask, window_start, hidden_layers=fused, return_final_attention=True))
+    policy = jax.jit(
+        lambda p: forward(p, config, tokens, mask, window_start, hidden_layers=fused, return_final_attention=True)
+    )
     out = policy(params)
     routing_fn = jax.jit(lambda q, k, lse: window_topk(q, k, lse, mask, window_start, top_k=section.top_k))
     routing = routing_fn(*out.final_attention)
@@ -70,12 +79,19 @@ def run(batch: int = 1, length: int | None = None, repeats: int = 3) -> list[dic
         for seq in (length,) if length else LENGTHS[shape]:
             medians = interleaved_medians(_stages(config, section, seq, batch), repeats, min_round_seconds=0.0)
             for stage, seconds in medians.items():
-                rows.append({
-                    "model": shape, "T": str(seq), "stage": stage, "ms": f"{seconds * 1e3:.1f}",
-                    "ms per 1K tokens": f"{seconds * 1e3 / (seq / 1024):.2f}",
-                    "vs policy": f"{seconds / medians['policy forward']:.3f}x",
-                })
-    print(f"batch {batch}, top-K 64, median of {repeats} interleaved rounds; jax {jax.__version__} on "
-          f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} CPU cores")
+                rows.append(
+                    {
+                        "model": shape,
+                        "T": str(seq),
+                        "stage": stage,
+                        "ms": f"{seconds * 1e3:.1f}",
+                        "ms per 1K tokens": f"{seconds * 1e3 / (seq / 1024):.2f}",
+                        "vs policy": f"{seconds / medians['policy forward']:.3f}x",
+                    }
+                )
+    print(
+        f"batch {batch}, top-K 64, median of {repeats} interleaved rounds; jax {jax.__version__} on "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} CPU cores"
+    )
     print_table(rows, ["model", "T", "stage", "ms", "ms per 1K tokens", "vs policy"])
     return rows

@@ -16,6 +16,7 @@ import numpy as np
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax.models import forward, from_hf, preset_model_config
 
+
 def tiny_hf_model_and_params(seed: int = 0):
     """A random transformers model of the `configs/tiny.py` architecture and the same weights
     loaded with `from_hf`: (hf_model, config, params)."""
@@ -67,11 +68,17 @@ def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
     )
     torch_time = list(timings.values())[-1]
     rows = [
-        {"implementation": name, "ms": f"{seconds * 1e3:.2f}", "tokens/s": f"{tokens_scored / seconds:,.0f}",
-         "speed vs torch": f"{torch_time / seconds:.2f}x"}
+        {
+            "implementation": name,
+            "ms": f"{seconds * 1e3:.2f}",
+            "tokens/s": f"{tokens_scored / seconds:,.0f}",
+            "speed vs torch": f"{torch_time / seconds:.2f}x",
+        }
         for name, seconds in timings.items()
     ]
-    print(f"forward: configs/tiny.py {config.architecture} ({config.num_layers} layers, hidden {config.hidden_size}), batch {batch} x {length} tokens, "
-          f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores")
+    print(
+        f"forward: configs/tiny.py {config.architecture} ({config.num_layers} layers, hidden {config.hidden_size}), batch {batch} x {length} tokens, "
+        f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores"
+    )
     print_table(rows, ["implementation", "ms", "tokens/s", "speed vs torch"])
     return rows

@@ -25,8 +25,10 @@ def byte_level_tokenizer(seed: int = 0) -> transformers.PreTrainedTokenizerFast:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator((" ".join(rng.choice(words, 200)) for _ in range(2000)),
-                                trainers.BpeTrainer(vocab_size=32000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        (" ".join(rng.choice(words, 200)) for _ in range(2000)),
+        trainers.BpeTrainer(vocab_size=32000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
@@ -36,10 +38,16 @@ def run(batch: int = 16, length: int = 16384, repeats: int = 3) -> list[dict]:
     responses = [f"{tokenizer.decode(row[:64].tolist())}\nAnswer: \\frac{{{i + 1}}}{{2}}" for i, row in enumerate(ids)]
     golds = [f"{i + 1}/2" if i % 2 else "7" for i in range(batch)]
     with VerifierPool(num_workers=1, timeout_s=5.0) as pool:
-        seconds = interleaved_medians({
-            "decode": lambda: [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in ids],
-            "verify": lambda: score_responses(responses, golds, [length] * batch, pool),
-        }, repeats)
-    rows = [{"work": name, "responses": batch, "tokens each": length, "seconds per step": f"{value:.3f}"} for name, value in seconds.items()]
+        seconds = interleaved_medians(
+            {
+                "decode": lambda: [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in ids],
+                "verify": lambda: score_responses(responses, golds, [length] * batch, pool),
+            },
+            repeats,
+        )
+    rows = [
+        {"work": name, "responses": batch, "tokens each": length, "seconds per step": f"{value:.3f}"}
+        for name, value in seconds.items()
+    ]
     print_table(rows, ["work", "responses", "tokens each", "seconds per step"])
     return rows

@@ -31,7 +31,9 @@ def _inputs(batch, length, config, seed=0):
     rng = np.random.default_rng(seed)
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.random.normal(keys[0], (batch, length, config.num_heads, config.head_dim), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (batch, length, config.num_kv_heads, config.head_dim), jnp.bfloat16) for key in keys[1:])
+    k, v = (
+        jax.random.normal(key, (batch, length, config.num_kv_heads, config.head_dim), jnp.bfloat16) for key in keys[1:]
+    )
     lengths = rng.integers(3 * length // 4, length + 1, batch).astype(np.int32)
     mask = np.arange(length)[None] < lengths[:, None]
     return q, k, v, jnp.asarray(mask), jnp.asarray(lengths), jnp.full((batch,), length // 4, jnp.int32)
@@ -57,7 +59,9 @@ def run(batch: int = 1, length: int | None = None, repeats: int = 5) -> list[dic
         q, k, v, mask, key_lengths, window_start = _inputs(batch, seq, config)
         plain = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation))
         kernel = jax.jit(functools.partial(attention_with_concentration, backend=backend))
-        every_statistic = jax.jit(functools.partial(attention_with_concentration, backend=backend, statistics=STATISTICS))
+        every_statistic = jax.jit(
+            functools.partial(attention_with_concentration, backend=backend, statistics=STATISTICS)
+        )
         plain_args = (q, k, v)
         plain_kwargs = dict(key_value_seq_lengths=key_lengths)
         memory = {
@@ -74,14 +78,20 @@ def run(batch: int = 1, length: int | None = None, repeats: int = 5) -> list[dic
             repeats,
         )
         for name, seconds in medians.items():
-            rows.append({
-                "L": str(seq), "program": name, "ms": f"{seconds * 1e3:.2f}",
-                "vs plain": f"{seconds / medians[plain_name]:.2f}x",
-                "vs H only": f"{seconds / medians[kernel_name]:.2f}x" if name != plain_name else "",
-                "memory MiB": f"{memory[name]:.1f}",
-            })
-    print(f"batch {batch}, {config.num_heads} q heads, {config.num_kv_heads} kv heads, head dim {config.head_dim}, bf16; "
-          f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].device_kind} "
-          f"({platform}), {os.cpu_count()} CPU cores")
+            rows.append(
+                {
+                    "L": str(seq),
+                    "program": name,
+                    "ms": f"{seconds * 1e3:.2f}",
+                    "vs plain": f"{seconds / medians[plain_name]:.2f}x",
+                    "vs H only": f"{seconds / medians[kernel_name]:.2f}x" if name != plain_name else "",
+                    "memory MiB": f"{memory[name]:.1f}",
+                }
+            )
+    print(
+        f"batch {batch}, {config.num_heads} q heads, {config.num_kv_heads} kv heads, head dim {config.head_dim}, bf16; "
+        f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].device_kind} "
+        f"({platform}), {os.cpu_count()} CPU cores"
+    )
     print_table(rows, ["L", "program", "ms", "vs plain", "vs H only", "memory MiB"])
     return rows

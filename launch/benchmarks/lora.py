@@ -20,7 +20,10 @@ from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
 from comppo_jax.models import lora
 
-SHAPES = {"tiny": {}, "wide": dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64)}
+SHAPES = {
+    "tiny": {},
+    "wide": dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
+}
 RANK = 8
 
 
@@ -42,9 +45,14 @@ def run(repeats: int = 3) -> None:
             bytes_of = programs.step.state_bytes
             memory = programs.compiled["actor"].memory_analysis()
             trained = sum(x.size for x in jax.tree.leaves(lora.trainable(programs.state["actor"])))
-            rows[name] = {"shape": shape, "mode": f"LoRA r{rank}" if rank else "full", "trained params": f"{trained / 1e6:.3g} M",
-                          "actor + AdamW + reference MB": (bytes_of["actor"] + bytes_of["actor_opt"] + bytes_of["reference"]) / 2**20,
-                          "update temporaries MB": memory.temp_size_in_bytes / 2**20}
+            rows[name] = {
+                "shape": shape,
+                "mode": f"LoRA r{rank}" if rank else "full",
+                "trained params": f"{trained / 1e6:.3g} M",
+                "actor + AdamW + reference MB": (bytes_of["actor"] + bytes_of["actor_opt"] + bytes_of["reference"])
+                / 2**20,
+                "update temporaries MB": memory.temp_size_in_bytes / 2**20,
+            }
             calls[f"{name} update"], calls[f"{name} decode"] = programs.calls["actor"], programs.calls["sample"]
             if rank:  # the same sampler on the unmerged params: the adapter matmuls at every token
                 sample, (_, prompts, mask, key), _ = programs.step.programs["sample"]
@@ -54,23 +62,47 @@ def run(repeats: int = 3) -> None:
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                     unmerged = sample.lower(programs.state["policy"], prompts, mask, key).compile()
                 policy = programs.state["policy"]
-                calls[f"{name} decode unmerged"] = lambda unmerged=unmerged, policy=policy, prompts=prompts, mask=mask, key=key: (
-                    jax.block_until_ready(unmerged(policy, prompts, mask, key)))
+                calls[f"{name} decode unmerged"] = (
+                    lambda unmerged=unmerged, policy=policy, prompts=prompts, mask=mask, key=key: jax.block_until_ready(
+                        unmerged(policy, prompts, mask, key)
+                    )
+                )
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         seconds = interleaved_medians(calls, repeats)
     table = []
     for name, row in rows.items():
         full = rows[f"{row['shape']} full"]
-        table.append({**row, "actor + AdamW + reference MB": f"{row['actor + AdamW + reference MB']:.3g}",
-                      "update temporaries MB": f"{row['update temporaries MB']:.3g}",
-                      "state / full": f"{row['actor + AdamW + reference MB'] / full['actor + AdamW + reference MB']:.2f}",
-                      "update ms": f"{seconds[f'{name} update'] * 1e3:.3g}",
-                      "update / full": f"{seconds[f'{name} update'] / seconds[row['shape'] + ' full update']:.2f}",
-                      "decode ms (merged)": f"{seconds[f'{name} decode'] * 1e3:.3g}",
-                      "decode ms (adapter matmuls)": f"{seconds[f'{name} decode unmerged'] * 1e3:.3g}" if f"{name} decode unmerged" in seconds
-                      else "-"})
+        table.append(
+            {
+                **row,
+                "actor + AdamW + reference MB": f"{row['actor + AdamW + reference MB']:.3g}",
+                "update temporaries MB": f"{row['update temporaries MB']:.3g}",
+                "state / full": f"{row['actor + AdamW + reference MB'] / full['actor + AdamW + reference MB']:.2f}",
+                "update ms": f"{seconds[f'{name} update'] * 1e3:.3g}",
+                "update / full": f"{seconds[f'{name} update'] / seconds[row['shape'] + ' full update']:.2f}",
+                "decode ms (merged)": f"{seconds[f'{name} decode'] * 1e3:.3g}",
+                "decode ms (adapter matmuls)": f"{seconds[f'{name} decode unmerged'] * 1e3:.3g}"
+                if f"{name} decode unmerged" in seconds
+                else "-",
+            }
+        )
     cfg, prompt_length = shape_config("tiny", 0)
-    print(f"{cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + {cfg.rollout.max_new_tokens} tokens, "
-          f"minibatch {cfg.train.minibatch_size}, float32, on {jax.devices()[0].device_kind} ({len(jax.devices())} device(s))")
-    print_table(table, ["shape", "mode", "trained params", "actor + AdamW + reference MB", "state / full", "update temporaries MB", "update ms",
-                        "update / full", "decode ms (merged)", "decode ms (adapter matmuls)"])
+    print(
+        f"{cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + {cfg.rollout.max_new_tokens} tokens, "
+        f"minibatch {cfg.train.minibatch_size}, float32, on {jax.devices()[0].device_kind} ({len(jax.devices())} device(s))"
+    )
+    print_table(
+        table,
+        [
+            "shape",
+            "mode",
+            "trained params",
+            "actor + AdamW + reference MB",
+            "state / full",
+            "update temporaries MB",
+            "update ms",
+            "update / full",
+            "decode ms (merged)",
+            "decode ms (adapter matmuls)",
+        ],
+    )

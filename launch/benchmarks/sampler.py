@@ -46,8 +46,19 @@ PROMPT = 128
 SAMPLES = 4  # long-tailed rows per prompt
 EOS = 0
 TRANSFORMERS_STEPS = 256  # transformers runs at ~0.1 s a step here: timed at the short length only
-COUNTER = ModelConfig(architecture="qwen3", vocab_size=16384, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
-                      num_kv_heads=2, head_dim=64, tie_word_embeddings=False, eos_token_ids=(EOS,), pad_token_id=EOS)
+COUNTER = ModelConfig(
+    architecture="qwen3",
+    vocab_size=16384,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    tie_word_embeddings=False,
+    eos_token_ids=(EOS,),
+    pad_token_id=EOS,
+)
 
 
 def counter_params(config: ModelConfig = COUNTER, seed: int = 0, sharpness: float = 40.0) -> dict:
@@ -87,8 +98,14 @@ def measure_machine(rows: int, megabytes: int = 256) -> Machine:
     copy, total = jax.jit(lambda x: x * 1.0001), jax.jit(jnp.sum)
     lhs, rhs, flop = head_matmul(rows)
     lhs, rhs, matmul = jnp.asarray(lhs), jnp.asarray(rhs), jax.jit(jnp.matmul)
-    seconds = interleaved_medians({"copy": lambda: copy(x).block_until_ready(), "sum": lambda: total(x).block_until_ready(),
-                                   "matmul": lambda: matmul(lhs, rhs).block_until_ready()}, 5)
+    seconds = interleaved_medians(
+        {
+            "copy": lambda: copy(x).block_until_ready(),
+            "sum": lambda: total(x).block_until_ready(),
+            "matmul": lambda: matmul(lhs, rhs).block_until_ready(),
+        },
+        5,
+    )
     return Machine(2 * x.nbytes / seconds["copy"], x.nbytes / seconds["sum"], flop / seconds["matmul"])
 
 
@@ -100,16 +117,25 @@ def matmul_floor_line(params, rows: int) -> str:
     lhs, rhs, flop = head_matmul(rows)
     xla_lhs, xla_rhs, matmul = jnp.asarray(lhs), jnp.asarray(rhs), jax.jit(jnp.matmul)
     torch_lhs, torch_rhs = torch.from_numpy(lhs), torch.from_numpy(rhs)
-    seconds = interleaved_medians({"XLA": lambda: matmul(xla_lhs, xla_rhs).block_until_ready(), "torch": lambda: torch_lhs @ torch_rhs}, 5)
+    seconds = interleaved_medians(
+        {"XLA": lambda: matmul(xla_lhs, xla_rhs).block_until_ready(), "torch": lambda: torch_lhs @ torch_rhs}, 5
+    )
     rates = {name: flop / s for name, s in seconds.items()}
-    return ("matmul floor per step: " + ", ".join(f"{name} {weight_flops(params, rows) / rate * 1e3:.2f} ms ({rate / 1e9:.0f} GFLOP/s)"
-                                                  for name, rate in rates.items())
-            + f", at the rate of a {list(lhs.shape)} x {list(rhs.shape)} matmul")
+    return (
+        "matmul floor per step: "
+        + ", ".join(
+            f"{name} {weight_flops(params, rows) / rate * 1e3:.2f} ms ({rate / 1e9:.0f} GFLOP/s)"
+            for name, rate in rates.items()
+        )
+        + f", at the rate of a {list(lhs.shape)} x {list(rhs.shape)} matmul"
+    )
 
 
 def weight_bytes(params) -> int:
     """Bytes read per decode step: every matrix but the embedding table (one row per token)."""
-    return sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params) if "embed" not in jax.tree_util.keystr(path))
+    return sum(
+        x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(params) if "embed" not in jax.tree_util.keystr(path)
+    )
 
 
 def weight_flops(params, rows: int) -> int:
@@ -128,8 +154,11 @@ def step_bounds(params, rows: int, live_tokens: float, machine: Machine) -> tupl
 
 def bound_columns(seconds_per_step: float, bounds: tuple[float, float]) -> dict:
     memory, compute = bounds
-    return {"memory bound ms": f"{memory * 1e3:.2f}", "compute bound ms": f"{compute * 1e3:.2f}",
-            "x bound": f"{seconds_per_step / max(memory, compute):.2f}"}
+    return {
+        "memory bound ms": f"{memory * 1e3:.2f}",
+        "compute bound ms": f"{compute * 1e3:.2f}",
+        "x bound": f"{seconds_per_step / max(memory, compute):.2f}",
+    }
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
@@ -169,7 +198,9 @@ class TunixWorker:
 
     def __init__(self, python: str, model_dir: str, script: str = "tunix_worker.py"):
         worker = os.path.join(os.path.dirname(__file__), script)
-        self.process = subprocess.Popen([python, worker, model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [python, worker, model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.ready = self._read()
 
     def _read(self) -> dict:
@@ -200,23 +231,45 @@ def tiny_table(batch: int, length: int, repeats: int) -> None:
     torch_prompts = torch.from_numpy(prompts.astype(np.int64))
     steps = max(8, length // 64)
     args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
-    ours = _compiled(lambda p, t, m, r: generate(p, config, t, m, r, max_new_tokens=steps, temperature=0.0, eos_token_ids=()), *args)
+    ours = _compiled(
+        lambda p, t, m, r: generate(p, config, t, m, r, max_new_tokens=steps, temperature=0.0, eos_token_ids=()), *args
+    )
 
     def theirs():
         with torch.no_grad():
-            out = hf_model.generate(torch_prompts, attention_mask=torch.ones_like(torch_prompts), do_sample=False,
-                                    max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=0)
+            out = hf_model.generate(
+                torch_prompts,
+                attention_mask=torch.ones_like(torch_prompts),
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                use_cache=True,
+                pad_token_id=0,
+            )
         return out[:, TINY_PROMPT:].numpy()
 
     agreement = float((np.asarray(ours(*args).response_tokens) == theirs()).mean())
-    names = {"comppo_jax generate": lambda: ours(*args).response_tokens.block_until_ready(),
-             f"transformers {__import__('transformers').__version__} generate (torch CPU)": theirs}
+    names = {
+        "comppo_jax generate": lambda: ours(*args).response_tokens.block_until_ready(),
+        f"transformers {__import__('transformers').__version__} generate (torch CPU)": theirs,
+    }
     medians = interleaved_medians(names, repeats)
     reference = medians[list(names)[1]]
-    print(f"tiny: configs/tiny.py, batch {batch}, prompt {TINY_PROMPT}, {steps} new tokens greedy; token agreement {agreement:.3f}")
-    print_table([{"implementation": name, "ms": f"{s * 1e3:.1f}", "new tokens/s": f"{batch * steps / s:,.0f}",
-                  "speed vs transformers": f"{reference / s:.2f}x"} for name, s in medians.items()],
-                ["implementation", "ms", "new tokens/s", "speed vs transformers"])
+    print(
+        f"tiny: configs/tiny.py, batch {batch}, prompt {TINY_PROMPT}, {steps} new tokens greedy; token agreement {agreement:.3f}"
+    )
+    print_table(
+        [
+            {
+                "implementation": name,
+                "ms": f"{s * 1e3:.1f}",
+                "new tokens/s": f"{batch * steps / s:,.0f}",
+                "speed vs transformers": f"{reference / s:.2f}x",
+            }
+            for name, s in medians.items()
+        ],
+        ["implementation", "ms", "new tokens/s", "speed vs transformers"],
+    )
 
 
 def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tunix_python: str | None) -> None:
@@ -241,12 +294,21 @@ def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tun
 
                 def hf():
                     with torch.no_grad():
-                        out = hf_model.generate(torch_prompts, attention_mask=torch.ones_like(torch_prompts), do_sample=False,
-                                                max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=EOS)
+                        out = hf_model.generate(
+                            torch_prompts,
+                            attention_mask=torch.ones_like(torch_prompts),
+                            do_sample=False,
+                            max_new_tokens=steps,
+                            min_new_tokens=steps,
+                            use_cache=True,
+                            pad_token_id=EOS,
+                        )
                     return out[:, PROMPT:].numpy()
 
-                candidates = {"comppo_jax engine": lambda: ours(*args).response_tokens.block_until_ready(),
-                              "dense reference": lambda: dense(*args).response_tokens.block_until_ready()}
+                candidates = {
+                    "comppo_jax engine": lambda: ours(*args).response_tokens.block_until_ready(),
+                    "dense reference": lambda: dense(*args).response_tokens.block_until_ready(),
+                }
                 agree = {"dense reference": np.asarray(dense(*args).response_tokens)}
                 if steps <= TRANSFORMERS_STEPS:
                     candidates["transformers"], agree["transformers"] = hf, hf()
@@ -258,15 +320,25 @@ def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tun
                     agree["tunix vanilla sampler"] = samples[0][1]
                 for name, seconds in medians.items():
                     same = 1.0 if name == "comppo_jax engine" else float((agree[name] == expected).mean())
-                    rows.append({"new tokens": steps, "implementation": name, "ms/step": f"{seconds / steps * 1e3:.2f}",
-                                 "token agreement": f"{same:.3f}",
-                                 "engine speed-up": f"{seconds / medians['comppo_jax engine']:.2f}x"})
+                    rows.append(
+                        {
+                            "new tokens": steps,
+                            "implementation": name,
+                            "ms/step": f"{seconds / steps * 1e3:.2f}",
+                            "token agreement": f"{same:.3f}",
+                            "engine speed-up": f"{seconds / medians['comppo_jax engine']:.2f}x",
+                        }
+                    )
         finally:
             if tunix is not None:
                 tunix.close()
-    versions = f"transformers {transformers.__version__}" + (f", tunix {tunix.ready['tunix']} (jax {tunix.ready['jax']})" if tunix else "")
-    print(f"\nplain decode: decode-heavy counter model, {batch} rows x {PROMPT}-token prompts, every row to N new tokens, "
-          f"greedy; {versions}" + ("" if tunix_python else "; tunix skipped (pass --tunix_python=<its venv's python>)"))
+    versions = f"transformers {transformers.__version__}" + (
+        f", tunix {tunix.ready['tunix']} (jax {tunix.ready['jax']})" if tunix else ""
+    )
+    print(
+        f"\nplain decode: decode-heavy counter model, {batch} rows x {PROMPT}-token prompts, every row to N new tokens, "
+        f"greedy; {versions}" + ("" if tunix_python else "; tunix skipped (pass --tunix_python=<its venv's python>)")
+    )
     print_table(rows, ["new tokens", "implementation", "ms/step", "token agreement", "engine speed-up"])
     print("\n" + matmul_floor_line(params, batch))
 
@@ -275,17 +347,35 @@ def uniform_table(params, batch: int, length: int, machine: Machine) -> None:
     prompts = counter_prompts(batch, [length + 1] * batch)
     args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
     kwargs = dict(max_new_tokens=length, temperature=0.0, eos_token_ids=())
-    engines = {"comppo_jax engine": _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, **kwargs), *args),
-               "dense reference": _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args)}
-    seconds = {name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()}
-    live = {"comppo_jax engine": batch * (PROMPT + length / 2), "dense reference": batch * (PROMPT + length)}  # KV tokens read per step
-    rows = [{"implementation": name, "s": f"{s:.1f}", "ms/step": f"{s / length * 1e3:.2f}",
-             **bound_columns(s / length, step_bounds(params, batch, live[name], machine)),
-             "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"} for name, s in seconds.items()]
-    print(f"\nuniform: {batch} rows x {PROMPT}-token prompts, every row to {length} new tokens; bounds from weights "
-          f"{weight_bytes(params) / 2**20:.0f} MiB + live KV at {machine.read_bandwidth / 1e9:.1f} GB/s read (a copy runs at "
-          f"{machine.copy_bandwidth / 1e9:.1f} GB/s) and matmuls at {machine.matmul_flops / 1e9:.0f} GFLOP/s")
-    print_table(rows, ["implementation", "s", "ms/step", "memory bound ms", "compute bound ms", "x bound", "engine speed-up"])
+    engines = {
+        "comppo_jax engine": _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, **kwargs), *args),
+        "dense reference": _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args),
+    }
+    seconds = {
+        name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()
+    }
+    live = {
+        "comppo_jax engine": batch * (PROMPT + length / 2),
+        "dense reference": batch * (PROMPT + length),
+    }  # KV tokens read per step
+    rows = [
+        {
+            "implementation": name,
+            "s": f"{s:.1f}",
+            "ms/step": f"{s / length * 1e3:.2f}",
+            **bound_columns(s / length, step_bounds(params, batch, live[name], machine)),
+            "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x",
+        }
+        for name, s in seconds.items()
+    ]
+    print(
+        f"\nuniform: {batch} rows x {PROMPT}-token prompts, every row to {length} new tokens; bounds from weights "
+        f"{weight_bytes(params) / 2**20:.0f} MiB + live KV at {machine.read_bandwidth / 1e9:.1f} GB/s read (a copy runs at "
+        f"{machine.copy_bandwidth / 1e9:.1f} GB/s) and matmuls at {machine.matmul_flops / 1e9:.0f} GFLOP/s"
+    )
+    print_table(
+        rows, ["implementation", "s", "ms/step", "memory bound ms", "compute bound ms", "x bound", "engine speed-up"]
+    )
 
 
 def long_tailed_lengths(prompts: int, longest: int) -> np.ndarray:
@@ -300,36 +390,71 @@ def long_tailed_table(params, batch: int, longest: int, machine: Machine) -> Non
     args = (params, jnp.asarray(prompts), jnp.ones(prompts.shape, bool), jax.random.PRNGKey(0))
     kwargs = dict(max_new_tokens=longest, temperature=1.0, num_samples=SAMPLES)
     engines = {
-        "comppo_jax engine": _compiled(lambda p, t, m, r: generate(p, COUNTER, t, m, r, decode_slots=batch, **kwargs), *args),
+        "comppo_jax engine": _compiled(
+            lambda p, t, m, r: generate(p, COUNTER, t, m, r, decode_slots=batch, **kwargs), *args
+        ),
         "dense reference": _compiled(lambda p, t, m, r: generate_dense(p, COUNTER, t, m, r, **kwargs), *args),
     }
     outputs = {name: fn(*args) for name, fn in engines.items()}
     row_lengths = np.repeat(lengths, SAMPLES)
     for name, out in outputs.items():
         np.testing.assert_array_equal(np.asarray(out.response_mask).sum(axis=1), row_lengths, err_msg=name)
-    seconds = {name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()}
+    seconds = {
+        name: _time_calls(lambda: fn(*args).response_tokens.block_until_ready(), 1) for name, fn in engines.items()
+    }
     memory = {name: fn.memory_analysis().temp_size_in_bytes for name, fn in engines.items()}
     iterations, live = slot_schedule(row_lengths, batch)
-    schedule = {"comppo_jax engine": (iterations, batch, live),
-                "dense reference": (longest, batch * SAMPLES, batch * SAMPLES * (PROMPT + longest))}
+    schedule = {
+        "comppo_jax engine": (iterations, batch, live),
+        "dense reference": (longest, batch * SAMPLES, batch * SAMPLES * (PROMPT + longest)),
+    }
     rows = []
     for name, s in seconds.items():
         steps, step_rows, live_tokens = schedule[name]
-        rows.append({"implementation": name, "s": f"{s:.1f}", "steps": steps, "ms/step": f"{s / steps * 1e3:.2f}",
-                     **bound_columns(s / steps, step_bounds(params, step_rows, live_tokens, machine)),
-                     "memory MiB": f"{memory[name] / 2**20:.0f}", "memory vs dense": f"{memory[name] / memory['dense reference']:.2f}",
-                     "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x"})
-    print(f"\nlong-tailed: {batch} prompts x {SAMPLES} samples = {batch * SAMPLES} rows, {batch} decode slots, lengths up to "
-          f"{longest} (mean {row_lengths.mean():.0f}), sampled at temperature 1; memory = compiled temporaries (cache or page pool "
-          f"+ activations)")
-    print_table(rows, ["implementation", "s", "steps", "ms/step", "memory bound ms", "compute bound ms", "x bound", "memory MiB",
-                       "memory vs dense", "engine speed-up"])
+        rows.append(
+            {
+                "implementation": name,
+                "s": f"{s:.1f}",
+                "steps": steps,
+                "ms/step": f"{s / steps * 1e3:.2f}",
+                **bound_columns(s / steps, step_bounds(params, step_rows, live_tokens, machine)),
+                "memory MiB": f"{memory[name] / 2**20:.0f}",
+                "memory vs dense": f"{memory[name] / memory['dense reference']:.2f}",
+                "engine speed-up": f"{s / seconds['comppo_jax engine']:.2f}x",
+            }
+        )
+    print(
+        f"\nlong-tailed: {batch} prompts x {SAMPLES} samples = {batch * SAMPLES} rows, {batch} decode slots, lengths up to "
+        f"{longest} (mean {row_lengths.mean():.0f}), sampled at temperature 1; memory = compiled temporaries (cache or page pool "
+        f"+ activations)"
+    )
+    print_table(
+        rows,
+        [
+            "implementation",
+            "s",
+            "steps",
+            "ms/step",
+            "memory bound ms",
+            "compute bound ms",
+            "x bound",
+            "memory MiB",
+            "memory vs dense",
+            "engine speed-up",
+        ],
+    )
 
 
 TABLES = ("tiny", "plain", "uniform", "long_tailed")
 
 
-def run(batch: int = 16, length: int = 8192, repeats: int = 3, tunix_python: str | None = None, tables: str = ",".join(TABLES)) -> None:
+def run(
+    batch: int = 16,
+    length: int = 8192,
+    repeats: int = 3,
+    tunix_python: str | None = None,
+    tables: str = ",".join(TABLES),
+) -> None:
     chosen = tables.split(",")
     unknown = sorted(set(chosen) - set(TABLES))
     if unknown:

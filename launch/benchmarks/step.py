@@ -27,17 +27,33 @@ import numpy as np
 from benchmarks.sampler import TunixWorker
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
+from comppo_jax.data.rewards import terminal_reward_tokens
 from comppo_jax.models import lora, to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.data.rewards import terminal_reward_tokens
-from comppo_jax.train import cost as costs, decode_layout, plan
+from comppo_jax.train import cost as costs
+from comppo_jax.train import decode_layout, plan
 from comppo_jax.train.learner import estimate_credit, take_rows
 from comppo_jax.train.methods import control_gate, run_parts
 from comppo_jax.train.update import Minibatch
 
-QWEN3_0_6B = dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-                  num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-                  max_position_embeddings=40960, dtype="bfloat16", bos_token_id=151643, eos_token_ids=(151645,), pad_token_id=151643)
+QWEN3_0_6B = dict(
+    architecture="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    dtype="bfloat16",
+    bos_token_id=151643,
+    eos_token_ids=(151645,),
+    pad_token_id=151643,
+)
 
 
 def step_config(model: str, length: int):
@@ -65,13 +81,29 @@ def measured_cpu(megabytes: int = 512, size: int = 1024) -> costs.Chip:
         state["x"] = scale(state["x"])
         state["x"].block_until_ready()
 
-    operands = {dtype: (jnp.ones((size, size), dtype), jnp.ones((size, size), dtype)) for dtype in (jnp.float32, jnp.bfloat16)}
+    operands = {
+        dtype: (jnp.ones((size, size), dtype), jnp.ones((size, size), dtype)) for dtype in (jnp.float32, jnp.bfloat16)
+    }
     matmul = jax.jit(jnp.matmul)
-    seconds = interleaved_medians({"stream": stream, **{str(jnp.dtype(d)): (lambda a=a, b=b: matmul(a, b).block_until_ready())
-                                                        for d, (a, b) in operands.items()}}, 5)
+    seconds = interleaved_medians(
+        {
+            "stream": stream,
+            **{
+                str(jnp.dtype(d)): (lambda a=a, b=b: matmul(a, b).block_until_ready()) for d, (a, b) in operands.items()
+            },
+        },
+        5,
+    )
     flop = 2 * size**3
-    return costs.Chip(f"this CPU ({jax.local_device_count()} device(s), measured)", flop / seconds["bfloat16"],
-                      flop / seconds["float32"], 2 * state["x"].nbytes / seconds["stream"], math.inf, math.inf, hop_latency=0.0)
+    return costs.Chip(
+        f"this CPU ({jax.local_device_count()} device(s), measured)",
+        flop / seconds["bfloat16"],
+        flop / seconds["float32"],
+        2 * state["x"].nbytes / seconds["stream"],
+        math.inf,
+        math.inf,
+        hop_latency=0.0,
+    )
 
 
 def this_chip() -> costs.Chip:
@@ -81,13 +113,16 @@ def this_chip() -> costs.Chip:
         return measured_cpu()
     chip = costs.published_chip(device.device_kind)
     if chip is None:
-        raise ValueError(f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.train.cost.CHIPS")
+        raise ValueError(
+            f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.train.cost.CHIPS"
+        )
     return chip
 
 
 def _materialize(tree, rng: np.random.Generator, zeros: bool = False):
     """Arrays for a tree of sharded ShapeDtypeStructs: small normals (zeros for optimizer states),
     zero integers, true booleans."""
+
     def make(x):
         if x is None:
             return None
@@ -123,7 +158,11 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
     minibatch of it."""
     step = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=mesh.devices.flat[0].platform)
     host_prompts = rng.integers(3, step.config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32)
-    state = {name: _materialize(tree, rng, zeros=name.endswith("_opt")) for name, tree in step.state.items() if name != "rollout_batch"}
+    state = {
+        name: _materialize(tree, rng, zeros=name.endswith("_opt"))
+        for name, tree in step.state.items()
+        if name != "rollout_batch"
+    }
     sample, sample_args, _ = step.programs["sample"]
     score, _, _ = step.programs["score"]
     actor_args = step.programs["actor"][1]
@@ -132,24 +171,41 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
     key = jax.device_put(np.asarray(jax.random.PRNGKey(0)), sample_args[3].sharding)
     weights = state["policy"]
     if lora.has_adapters(weights):  # train() decodes with a LoRA actor's adapters merged
-        weights = state["sampler"] = jax.jit(functools.partial(decode_layout.decode_weights, config=step.config))(weights)
+        weights = state["sampler"] = jax.jit(functools.partial(decode_layout.decode_weights, config=step.config))(
+            weights
+        )
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = {"sample": sample.lower(weights, prompts, mask, key).compile()}
         generation = compiled["sample"](weights, prompts, mask, key)
         compiled["score"] = score.lower(state["policy"], state["reference"], generation).compile()
         rollout = compiled["score"](state["policy"], state["reference"], generation)
         per_token = jnp.asarray(rng.standard_normal(generation.response_tokens.shape), jnp.float32)
-        batch = Minibatch(rollout.tokens, rollout.attention_mask, rollout.prompt_lengths, generation.response_tokens,
-                          rollout.response_mask, rollout.log_probs, rollout.ref_log_probs, per_token, per_token, per_token,
-                          jnp.full(rollout.tokens.shape, 0.9, jnp.float32), rollout.hidden_states, rollout.routing)
-        minibatch = sharding.put(take_rows(batch, np.arange(cfg.train.minibatch_size)),
-                                 jax.tree.map(lambda x: x.sharding, actor_args[2]))
+        batch = Minibatch(
+            rollout.tokens,
+            rollout.attention_mask,
+            rollout.prompt_lengths,
+            generation.response_tokens,
+            rollout.response_mask,
+            rollout.log_probs,
+            rollout.ref_log_probs,
+            per_token,
+            per_token,
+            per_token,
+            jnp.full(rollout.tokens.shape, 0.9, jnp.float32),
+            rollout.hidden_states,
+            rollout.routing,
+        )
+        minibatch = sharding.put(
+            take_rows(batch, np.arange(cfg.train.minibatch_size)), jax.tree.map(lambda x: x.sharding, actor_args[2])
+        )
         if step.programs["values"] is not None:
             values, values_args, _ = step.programs["values"]
             batch = sharding.put(batch, jax.tree.map(lambda x: x.sharding, values_args[1]))
             compiled["values"] = values.lower(state["critic"], batch).compile()
-        hyper = {"actor": dict(learning_rate=1e-6, clip=0.2, kl_coef=0.002, grad_clip=1.0),
-                 "critic": dict(learning_rate=1e-5, value_clip=0.5, grad_clip=1.0)}
+        hyper = {
+            "actor": dict(learning_rate=1e-6, clip=0.2, kl_coef=0.002, grad_clip=1.0),
+            "critic": dict(learning_rate=1e-5, value_clip=0.5, grad_clip=1.0),
+        }
         hyper = {name: {k: jnp.float32(v) for k, v in values.items()} for name, values in hyper.items()}
         owners = {"actor": ("actor", "actor_opt"), "critic": ("critic", "critic_opt")}
 
@@ -169,18 +225,27 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
             state[owners[name][0]] = lora.join(lora.split(state["actor"])[1], params) if name == "actor" else params
             state[owners[name][1]] = opt
             jax.block_until_ready(out)
+
         return call
 
-    calls = {"sample": lambda: jax.block_until_ready(compiled["sample"](weights, prompts, mask, key)),
-             "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
-             **{name: update(name) for name in ("actor", "critic") if name in compiled}}
+    calls = {
+        "sample": lambda: jax.block_until_ready(compiled["sample"](weights, prompts, mask, key)),
+        "score": lambda: jax.block_until_ready(compiled["score"](state["policy"], state["reference"], generation)),
+        **{name: update(name) for name in ("actor", "critic") if name in compiled},
+    }
     if "values" in compiled:
         calls["values"] = lambda: jax.block_until_ready(compiled["values"](state["critic"], batch))
     return OnDevice(step, compiled, calls, state, host_prompts, generation, rollout, batch)
 
 
-def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | None = None, tunix_python: str | None = None,
-        method: str = "grpo") -> None:
+def run(
+    model: str = "tiny",
+    length: int = 4096,
+    repeats: int = 3,
+    peer: str | None = None,
+    tunix_python: str | None = None,
+    method: str = "grpo",
+) -> None:
     if peer is not None:
         return peer_step(peer, tunix_python, repeats, method)
     cfg, prompt_length = step_config(model, length)
@@ -192,28 +257,56 @@ def run(model: str = "tiny", length: int = 4096, repeats: int = 3, peer: str | N
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         measured = interleaved_medians(programs.calls, repeats)
 
-    options = plan.cost_options_for(layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices))
+    options = plan.cost_options_for(
+        layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices)
+    )
     rows, predicted_step, measured_step = [], 0.0, 0.0
     for name, program in compiled.items():
         cost = costs.program_cost(program.as_text(), **options)
         predicted = costs.roofline_seconds(cost, chip)
         runs = step.runs[name]
         predicted_step, measured_step = predicted_step + predicted * runs, measured_step + measured[name] * runs
-        rows.append({"program": name, "runs / step": runs, "GFLOP": f"{cost.flops / 1e9:.3g}", "HBM GB": f"{cost.hbm_bytes / 1e9:.3g}",
-                     "bound": costs.bound(cost, chip),
-                     "predicted ms": f"{predicted * 1e3:.3g}", "measured ms": f"{measured[name] * 1e3:.3g}",
-                     "measured / predicted": f"{measured[name] / predicted:.2f}",
-                     "uncounted": ", ".join((*cost.unknown_loops, *cost.unknown_kernels)) or "-"})
-    print(f"{model}: {cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + "
-          f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, {config.dtype}, on {devices[0].device_kind}")
-    print(f"peaks ({chip.name}): {chip.bf16_flops / 1e9:.4g} GFLOP/s bf16, {chip.fp32_flops / 1e9:.4g} GFLOP/s fp32, "
-          f"{chip.hbm_bytes / 1e9:.4g} GB/s memory")
-    print_table(rows, ["program", "runs / step", "GFLOP", "HBM GB", "bound", "predicted ms", "measured ms", "measured / predicted",
-                       "uncounted"])
+        rows.append(
+            {
+                "program": name,
+                "runs / step": runs,
+                "GFLOP": f"{cost.flops / 1e9:.3g}",
+                "HBM GB": f"{cost.hbm_bytes / 1e9:.3g}",
+                "bound": costs.bound(cost, chip),
+                "predicted ms": f"{predicted * 1e3:.3g}",
+                "measured ms": f"{measured[name] * 1e3:.3g}",
+                "measured / predicted": f"{measured[name] / predicted:.2f}",
+                "uncounted": ", ".join((*cost.unknown_loops, *cost.unknown_kernels)) or "-",
+            }
+        )
+    print(
+        f"{model}: {cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + "
+        f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, {config.dtype}, on {devices[0].device_kind}"
+    )
+    print(
+        f"peaks ({chip.name}): {chip.bf16_flops / 1e9:.4g} GFLOP/s bf16, {chip.fp32_flops / 1e9:.4g} GFLOP/s fp32, "
+        f"{chip.hbm_bytes / 1e9:.4g} GB/s memory"
+    )
+    print_table(
+        rows,
+        [
+            "program",
+            "runs / step",
+            "GFLOP",
+            "HBM GB",
+            "bound",
+            "predicted ms",
+            "measured ms",
+            "measured / predicted",
+            "uncounted",
+        ],
+    )
     mfu = lambda seconds: step.model_flops / (seconds * len(devices) * costs.peak_flops(chip, config.dtype))
-    print(f"train step (device programs only): predicted {predicted_step:.3g} s, measured {measured_step:.3g} s, "
-          f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured {mfu(measured_step):.1%}, "
-          f"predicted {mfu(predicted_step):.1%}")
+    print(
+        f"train step (device programs only): predicted {predicted_step:.3g} s, measured {measured_step:.3g} s, "
+        f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured {mfu(measured_step):.1%}, "
+        f"predicted {mfu(predicted_step):.1%}"
+    )
 
 
 def peer_step(peer: str, tunix_python: str | None, repeats: int, method: str = "grpo") -> None:
@@ -248,7 +341,9 @@ def beside_tunix(tunix_python: str, ours: OnDevice, mesh, candidates: dict, requ
         worker = TunixWorker(tunix_python, model_dir, script="tunix_step_worker.py")
         try:
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                medians = interleaved_medians({**candidates, "tunix": lambda: replies.append(worker.call(request))}, repeats)
+                medians = interleaved_medians(
+                    {**candidates, "tunix": lambda: replies.append(worker.call(request))}, repeats
+                )
         finally:
             worker.close()
     return medians, replies, worker.ready
@@ -271,15 +366,29 @@ def grpo_peer(tunix_python: str, repeats: int) -> None:
     mesh = sharding.make_mesh(cfg.mesh, jax.devices())
     # Our default scoring pass (rescored old log-probs and the gate statistics), timed beside the
     # step that matches tunix's work: the sampler's log-probs, the reference pass alone.
-    default_score = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=jax.devices()[0].platform).programs["score"][0]
+    default_score = plan.train_step_programs(
+        cfg, mesh, prompt_length=prompt_length, platform=jax.devices()[0].platform
+    ).programs["score"][0]
     cfg.rollout.old_log_probs = "sampler"
     ours = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         default_score = default_score.lower(ours.state["policy"], ours.state["reference"], ours.generation).compile()
-    rescore = lambda: jax.block_until_ready(default_score(ours.state["policy"], ours.state["reference"], ours.generation))
-    request = {"algo": "grpo", "prompts": ours.prompts.tolist(), "samples": cfg.rollout.samples_per_prompt,
-               "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
-    candidates = {"sample": ours.calls["sample"], "score": ours.calls["score"], "rescore": rescore, "actor": ours.calls["actor"]}
+    rescore = lambda: jax.block_until_ready(
+        default_score(ours.state["policy"], ours.state["reference"], ours.generation)
+    )
+    request = {
+        "algo": "grpo",
+        "prompts": ours.prompts.tolist(),
+        "samples": cfg.rollout.samples_per_prompt,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "temperature": cfg.rollout.temperature,
+    }
+    candidates = {
+        "sample": ours.calls["sample"],
+        "score": ours.calls["score"],
+        "rescore": rescore,
+        "actor": ours.calls["actor"],
+    }
     medians, replies, ready = beside_tunix(tunix_python, ours, mesh, candidates, request, repeats)
     theirs = tunix_medians(replies, repeats, ("rollout", "scoring", "update"))
     phases = {"rollout": medians["sample"], "scoring": medians["score"], "update": medians["actor"]}
@@ -288,19 +397,39 @@ def grpo_peer(tunix_python: str, repeats: int) -> None:
     phases["step, rescored (default)"] = phases["step"] - phases["scoring"] + medians["rescore"]
     theirs.update({"step": sum(theirs.values()), "scoring, rescored (default)": theirs["scoring"]})
     theirs["step, rescored (default)"] = theirs["step"]
-    table = [{"phase": phase, "comppo_jax s": f"{seconds:.3f}", "tunix s": f"{theirs[phase]:.3f}",
-              "tunix / ours": f"{theirs[phase] / seconds:.2f}x"} for phase, seconds in phases.items()]
-    print(f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, {prompt_length} + "
-          f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {ready['tunix']} "
-          f"(jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}")
+    table = [
+        {
+            "phase": phase,
+            "comppo_jax s": f"{seconds:.3f}",
+            "tunix s": f"{theirs[phase]:.3f}",
+            "tunix / ours": f"{theirs[phase] / seconds:.2f}x",
+        }
+        for phase, seconds in phases.items()
+    ]
+    print(
+        f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, {prompt_length} + "
+        f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {ready['tunix']} "
+        f"(jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}"
+    )
     print_table(table, ["phase", "comppo_jax s", "tunix s", "tunix / ours"])
 
 
 # Our arms of the credit comparison: (method, critic.kind), each with its default scoring pass.
-CREDIT_ARMS = {"CompPO": ("comppo", "tac"), "PPO": ("ppo", "standard"), "PPO, full critic": ("ppo", "full"), "GRPO": ("grpo", "tac")}
+CREDIT_ARMS = {
+    "CompPO": ("comppo", "tac"),
+    "PPO": ("ppo", "standard"),
+    "PPO, full critic": ("ppo", "full"),
+    "GRPO": ("grpo", "tac"),
+}
 # Phase -> our program (a credit call for "credit"); tunix's worker reports the same phases.
-CREDIT_PHASES = {"rollout": "sample", "scoring": "score", "values": "values", "credit": "credit", "update": "actor",
-                 "critic_update": "critic"}
+CREDIT_PHASES = {
+    "rollout": "sample",
+    "scoring": "score",
+    "values": "values",
+    "credit": "credit",
+    "update": "actor",
+    "critic_update": "critic",
+}
 
 
 def credit_call(cfg, ours: OnDevice, rng: np.random.Generator):
@@ -311,11 +440,17 @@ def credit_call(cfg, ours: OnDevice, rng: np.random.Generator):
     mask = ours.rollout.response_mask
     rewards = rng.random(mask.shape[0]).astype(np.float32)
     reward_tokens = terminal_reward_tokens(rewards, sharding.to_host(mask))
-    values = ours.compiled["values"](ours.state["critic"], ours.batch) if "values" in ours.compiled else jnp.zeros(mask.shape)
+    values = (
+        ours.compiled["values"](ours.state["critic"], ours.batch)
+        if "values" in ours.compiled
+        else jnp.zeros(mask.shape)
+    )
     key = jax.random.PRNGKey(1)
 
     def call():
-        kappa = control_gate(parts.recipe, ours.rollout.kappa, mask, key, parts.position_schedule, fixed_value=cfg.fixed_gate)
+        kappa = control_gate(
+            parts.recipe, ours.rollout.kappa, mask, key, parts.position_schedule, fixed_value=cfg.fixed_gate
+        )
         jax.block_until_ready(estimate_credit(cfg, parts.recipe, rewards, reward_tokens, values, kappa, mask))
 
     return call
@@ -337,28 +472,46 @@ def credit_peer(tunix_python: str, repeats: int) -> None:
         arms[arm] = (cfg, ours, {**ours.calls, "credit": credit_call(cfg, ours, rng)})
     cfg, ours, _ = arms["CompPO"]
     group = cfg.rollout.samples_per_prompt
-    request = {"algo": "ppo", "prompts": np.repeat(ours.prompts, group, axis=0).tolist(), "samples": 1,
-               "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
-    candidates = {f"{arm}/{phase}": calls[program] for arm, (_, _, calls) in arms.items()
-                  for phase, program in CREDIT_PHASES.items() if program in calls}
+    request = {
+        "algo": "ppo",
+        "prompts": np.repeat(ours.prompts, group, axis=0).tolist(),
+        "samples": 1,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "temperature": cfg.rollout.temperature,
+    }
+    candidates = {
+        f"{arm}/{phase}": calls[program]
+        for arm, (_, _, calls) in arms.items()
+        for phase, program in CREDIT_PHASES.items()
+        if program in calls
+    }
     medians, replies, ready = beside_tunix(tunix_python, ours, mesh, candidates, request, repeats)
     columns = {arm: {phase: medians.get(f"{arm}/{phase}", 0.0) for phase in CREDIT_PHASES} for arm in arms}
     columns["tunix PPO"] = tunix_medians(replies, repeats, CREDIT_PHASES)
     tunix_total = float(np.median([reply["total_s"] for reply in replies[-repeats:]]))
     for phases in columns.values():
         phases["step"] = sum(phases.values())
-    table = [{"phase": phase, **{arm: f"{phases[phase]:.4f}" for arm, phases in columns.items()},
-              "tunix PPO / CompPO": ratio(columns["tunix PPO"][phase], columns["CompPO"][phase]),
-              "CompPO / GRPO": ratio(columns["CompPO"][phase], columns["GRPO"][phase])}
-             for phase in (*CREDIT_PHASES, "step")]
+    table = [
+        {
+            "phase": phase,
+            **{arm: f"{phases[phase]:.4f}" for arm, phases in columns.items()},
+            "tunix PPO / CompPO": ratio(columns["tunix PPO"][phase], columns["CompPO"][phase]),
+            "CompPO / GRPO": ratio(columns["CompPO"][phase], columns["GRPO"][phase]),
+        }
+        for phase in (*CREDIT_PHASES, "step")
+    ]
     rows = cfg.train.minibatch_size
-    print(f"credit step, tiny: {cfg.rollout.prompts_per_step} prompts x {group} samples (tunix PPO: {rows} prompts x 1), "
-          f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; seconds, medians of {repeats} "
-          f"interleaved rounds; tunix {ready['tunix']} (jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on "
-          f"{jax.devices()[0].device_kind}")
+    print(
+        f"credit step, tiny: {cfg.rollout.prompts_per_step} prompts x {group} samples (tunix PPO: {rows} prompts x 1), "
+        f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; seconds, medians of {repeats} "
+        f"interleaved rounds; tunix {ready['tunix']} (jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on "
+        f"{jax.devices()[0].device_kind}"
+    )
     print_table(table, ["phase", *columns, "tunix PPO / CompPO", "CompPO / GRPO"])
-    print(f"tunix PPO's whole train call: {tunix_total:.3f} s (its host work around the phases: "
-          f"{tunix_total - columns['tunix PPO']['step']:.3f} s)")
+    print(
+        f"tunix PPO's whole train call: {tunix_total:.3f} s (its host work around the phases: "
+        f"{tunix_total - columns['tunix PPO']['step']:.3f} s)"
+    )
 
 
 def ratio(numerator: float, denominator: float) -> str:

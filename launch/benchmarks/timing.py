@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def _per_call_seconds(fn: Callable[[], object], calls: int) -> float:
@@ -15,7 +15,9 @@ def _per_call_seconds(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def interleaved_medians(candidates: dict[str, Callable[[], object]], repeats: int, min_round_seconds: float = 0.2) -> dict[str, float]:
+def interleaved_medians(
+    candidates: dict[str, Callable[[], object]], repeats: int, min_round_seconds: float = 0.2
+) -> dict[str, float]:
     """Median per-call seconds of each candidate, timed side by side.
 
     Each `fn()` must block until its result is ready. After one warm-up call each (compiles),

@@ -70,11 +70,6 @@ import json
 import sys
 import time
 
-# First: the sampler worker beside this file keeps the real stdout for the JSON lines (any stray
-# print would corrupt them) and lends its model loading, tokenizer stand-in and protocol helpers.
-# NO_TOKEN (-1) as EOS can never be sampled, so every row decodes to max_new_tokens.
-from tunix_worker import NO_TOKEN, TokenIdTokenizer, check_request, fail, load_model, reply, run_worker
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +80,11 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.ppo import ppo_learner
 from tunix.rl.rollout import base_rollout
+
+# First: the sampler worker beside this file keeps the real stdout for the JSON lines (any stray
+# print would corrupt them) and lends its model loading, tokenizer stand-in and protocol helpers.
+# NO_TOKEN (-1) as EOS can never be sampled, so every row decodes to max_new_tokens.
+from tunix_worker import NO_TOKEN, TokenIdTokenizer, check_request, fail, load_model, reply, run_worker
 
 ALGOS = ("grpo", "ppo")
 # Learner hyperparameters (tunix's GRPOConfig / PPOConfig defaults where they exist).
@@ -193,13 +193,23 @@ class RlStep:
             rollout_config=rollout_config,
         )
         self.cluster = rl_cluster_lib.RLCluster(
-            actor=actor, reference=reference, critic=critic, tokenizer=TokenIdTokenizer(), cluster_config=cluster_config,
+            actor=actor,
+            reference=reference,
+            critic=critic,
+            tokenizer=TokenIdTokenizer(),
+            cluster_config=cluster_config,
         )
         if algo == "grpo":
-            config = grpo_learner.GRPOConfig(num_generations=samples, num_iterations=NUM_ITERATIONS, beta=BETA, epsilon=EPSILON)
-            self.learner = grpo_learner.GRPOLearner(rl_cluster=self.cluster, algo_config=config, reward_fns=random_reward)
+            config = grpo_learner.GRPOConfig(
+                num_generations=samples, num_iterations=NUM_ITERATIONS, beta=BETA, epsilon=EPSILON
+            )
+            self.learner = grpo_learner.GRPOLearner(
+                rl_cluster=self.cluster, algo_config=config, reward_fns=random_reward
+            )
         else:
-            config = ppo_learner.PPOConfig(num_iterations=NUM_ITERATIONS, beta=BETA, epsilon=EPSILON, advantage_estimator="timed_gae")
+            config = ppo_learner.PPOConfig(
+                num_iterations=NUM_ITERATIONS, beta=BETA, epsilon=EPSILON, advantage_estimator="timed_gae"
+            )
             self.learner = ppo_learner.PPOLearner(rl_cluster=self.cluster, ppo_config=config, reward_fns=random_reward)
         self._wrap_phases()
 

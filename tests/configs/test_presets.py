@@ -9,6 +9,7 @@ import pytest
 
 from comppo_jax.models import ConfigError, ModelConfig, init_params, load_config_file, preset_model_config
 
+
 def parameter_count(config: ModelConfig) -> int:
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))

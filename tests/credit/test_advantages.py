@@ -94,7 +94,7 @@ def test_transport_kernel_entries_and_sensitivity():
         for t in range(6):
             for u in range(6):
                 want = 0.0
-                if u >= t and mask[b, t] and mask[b, t:u + 1].all():
+                if u >= t and mask[b, t] and mask[b, t : u + 1].all():
                     want = lam ** (u - t) * np.prod(kappa[b, t:u].astype(np.float64))
                 assert kernel[b, t, u] == pytest.approx(want, rel=1e-5, abs=1e-7), (b, t, u)
     values = rng.normal(size=(2, 6)).astype(np.float32)
@@ -224,7 +224,9 @@ def test_lam_may_be_traced_and_inputs_low_precision():
     rng = np.random.default_rng(2)
     shape = (2, 7)
     args = [rng.normal(size=shape).astype(np.float32) for _ in range(2)] + [
-        rng.uniform(0.1, 0.9, shape).astype(np.float32), np.ones(shape, bool)]
+        rng.uniform(0.1, 0.9, shape).astype(np.float32),
+        np.ones(shape, bool),
+    ]
     over_lam = jax.jit(jax.vmap(lambda lam: comp_gae(*args, lam)[0]))(jnp.array([0.0, 0.5, 0.95]))
     for i, lam in enumerate((0.0, 0.5, 0.95)):
         np.testing.assert_allclose(over_lam[i], oracle.comp_gae_loop(*args, lam)[0], rtol=1e-5, atol=1e-5)
@@ -255,9 +257,11 @@ def test_shape_and_argument_errors_name_the_tensor():
 
 
 @settings(max_examples=40, deadline=None)
-@given(group_size=st.sampled_from((1, 2, 4)),
-       rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0)) | floats(-3, 3)),
-       lengths=st.lists(st.integers(0, 6), min_size=8, max_size=8))
+@given(
+    group_size=st.sampled_from((1, 2, 4)),
+    rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0)) | floats(-3, 3)),
+    lengths=st.lists(st.integers(0, 6), min_size=8, max_size=8),
+)
 def test_grpo_matches_group_formula(group_size, rewards, lengths):
     mask = np.arange(6)[None] < np.asarray(lengths)[:, None]
     got = np.asarray(grpo_advantages(rewards, group_size, mask))
@@ -276,7 +280,7 @@ def test_grpo_tied_groups_get_zero_and_bad_group_size_is_refused():
     got = np.asarray(grpo_advantages(np.array([1.0, 1.0, 0.0, 1.0], np.float32), 2, mask))
     np.testing.assert_array_equal(got[:2], 0.0)
     # Two rewards: unbiased std = |a - b| / sqrt(2), so the scores are +-1/sqrt(2).
-    np.testing.assert_allclose(got[2:, 0], [-2 ** -0.5, 2 ** -0.5], rtol=1e-5)
+    np.testing.assert_allclose(got[2:, 0], [-(2**-0.5), 2**-0.5], rtol=1e-5)
     # 3 x 2.9 has a float32 mean one ulp off 2.9: without the tie rule the group would get
     # (R - mean) / eps = O(0.2) instead of 0.
     tied3 = np.asarray(grpo_advantages(np.full(3, 2.9, np.float32), 3, np.ones((3, 2), bool)))
@@ -310,9 +314,11 @@ def verl_grpo_outcome_advantage(scores, index, epsilon=1e-6, norm_adv_by_std_in_
 
 
 @settings(max_examples=40, deadline=None)
-@given(group_size=st.sampled_from((2, 4)),
-       rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0)) | floats(-3, 3)),
-       lengths=st.lists(st.integers(0, 6), min_size=8, max_size=8))
+@given(
+    group_size=st.sampled_from((2, 4)),
+    rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0)) | floats(-3, 3)),
+    lengths=st.lists(st.integers(0, 6), min_size=8, max_size=8),
+)
 def test_dr_grpo_matches_verl_without_std_normalization(group_size, rewards, lengths):
     mask = np.arange(6)[None] < np.asarray(lengths)[:, None]
     got = np.asarray(grpo_advantages(rewards, group_size, mask, normalize_std=False))
@@ -339,9 +345,10 @@ def test_dr_grpo_by_hand_and_grpo_default_unchanged():
     # The default is GRPO, as before: (R - mean) / (std + eps), std of (1, 0) = 1 / sqrt(2).
     default = np.asarray(grpo_advantages(rewards, 2, mask))
     np.testing.assert_array_equal(default, np.asarray(grpo_advantages(rewards, 2, mask, 1e-6, normalize_std=True)))
-    np.testing.assert_allclose(default[:2, 0], [0.5 / (2 ** -0.5 + 1e-6), -0.5 / (2 ** -0.5 + 1e-6)], rtol=1e-6)
-    np.testing.assert_allclose(default, verl_grpo_outcome_advantage(rewards, np.repeat(np.arange(4), 2))[:, None] * mask,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(default[:2, 0], [0.5 / (2**-0.5 + 1e-6), -0.5 / (2**-0.5 + 1e-6)], rtol=1e-6)
+    np.testing.assert_allclose(
+        default, verl_grpo_outcome_advantage(rewards, np.repeat(np.arange(4), 2))[:, None] * mask, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_informative_groups_by_hand():
@@ -362,9 +369,12 @@ def test_informative_groups_by_hand():
 
 # No subnormals: XLA:CPU flushes them to zero, so JAX ties a group (0, 1e-43) that NumPy does not.
 @settings(max_examples=40, deadline=None)
-@given(group_size=st.sampled_from((1, 2, 4)),
-       rewards=hnp.arrays(np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0))
-                          | st.floats(-3, 3, width=32, allow_subnormal=False)))
+@given(
+    group_size=st.sampled_from((1, 2, 4)),
+    rewards=hnp.arrays(
+        np.float32, 8, elements=st.sampled_from((0.0, 0.5, 1.0)) | st.floats(-3, 3, width=32, allow_subnormal=False)
+    ),
+)
 def test_informative_groups_are_those_with_nonzero_grpo_advantages(group_size, rewards):
     keep = informative_groups(rewards, group_size)
     for normalize_std in (True, False):
@@ -389,13 +399,16 @@ def test_clip_advantages():
     np.testing.assert_array_equal(got, [[-5.0, -1.0, 0.0, 2.0, 5.0]])
 
 
-@pytest.mark.parametrize("call", [
-    lambda x, m: comp_gae(x, x, x, m, 1.5),
-    lambda x, m: comp_gae(x, x, x, m, lam=-0.1),
-    lambda x, m: gae(x, x, m, gamma=1.01),
-    lambda x, m: gae(x, x, m, lam=2),
-    lambda x, m: transport_kernel(x, 1.5, m),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, m: comp_gae(x, x, x, m, 1.5),
+        lambda x, m: comp_gae(x, x, x, m, lam=-0.1),
+        lambda x, m: gae(x, x, m, gamma=1.01),
+        lambda x, m: gae(x, x, m, lam=2),
+        lambda x, m: transport_kernel(x, 1.5, m),
+    ],
+)
 def test_out_of_range_python_lam_or_gamma_is_refused_naming_it(call):
     x, mask = np.zeros((2, 5), np.float32), np.ones((2, 5), bool)
     with pytest.raises(ValueError, match=r"(lam|gamma) must be in \[0, 1\], got"):

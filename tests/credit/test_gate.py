@@ -13,8 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comppo_jax import fixed_gate, normalized_concentration, retention_gate, shuffle_gate
-from comppo_jax.credit import (FIXED_GATE, GATE_STATISTICS, entropy_concentration, gate_range, max_weight_concentration,
-                               statistic_concentration)
+from comppo_jax.credit import (
+    FIXED_GATE,
+    GATE_STATISTICS,
+    entropy_concentration,
+    gate_range,
+    max_weight_concentration,
+    statistic_concentration,
+)
 
 
 def herfindahl(probs):
@@ -22,8 +28,7 @@ def herfindahl(probs):
 
 
 @settings(max_examples=60, deadline=None)
-@given(weights=hnp.arrays(np.float64, st.integers(1, 40), elements=st.floats(0, 1)),
-       point=st.booleans())
+@given(weights=hnp.arrays(np.float64, st.integers(1, 40), elements=st.floats(0, 1)), point=st.booleans())
 def test_concentration_is_the_normalized_log_herfindahl(weights, point):
     """Eq. (cnorm) on random attention rows, including the uniform and point-mass extremes."""
     n = weights.shape[0]
@@ -68,7 +73,9 @@ def test_every_gate_statistic_maps_uniform_to_zero_one_hot_to_one_and_short_wind
     uniform = {"herfindahl": 0.2, "sink_herfindahl": 0.2, "entropy": math.log(5), "max_weight": 0.2}
     for name in GATE_STATISTICS:
         values = jnp.array([[0.0, uniform[name], 1.0 if name != "entropy" else 0.0, 0.0]], jnp.float32)
-        np.testing.assert_allclose(statistic_concentration(name, values, n), [[0.5, 0.0, 1.0, 0.5]], atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            statistic_concentration(name, values, n), [[0.5, 0.0, 1.0, 0.5]], atol=1e-6, err_msg=name
+        )
     with pytest.raises(ValueError, match=r"gate statistic 'renyi' is not one of"):
         statistic_concentration("renyi", values, n)
 
@@ -107,8 +114,10 @@ def test_retention_gate_formula_and_strict_range():
 
 
 @settings(max_examples=60, deadline=None)
-@given(h=hnp.arrays(np.float32, (2, 9), elements=st.floats(0, 1, width=32)),
-       n=hnp.arrays(np.int32, (2, 9), elements=st.integers(0, 10_000)))
+@given(
+    h=hnp.arrays(np.float32, (2, 9), elements=st.floats(0, 1, width=32)),
+    n=hnp.arrays(np.int32, (2, 9), elements=st.integers(0, 10_000)),
+)
 def test_gate_range_is_the_strict_subinterval(h, n):
     """Whatever H and n (even inconsistent ones), kappa stays in [g(0), g(1)] inside (kappa_lo, kappa_hi)."""
     kappa = np.asarray(retention_gate(normalized_concentration(h, n)))

@@ -76,15 +76,22 @@ def verl_gspo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low,
 
 
 @settings(max_examples=50, deadline=None)
-@given(logp=arrays(-5, 0), old=arrays(-5, 0), adv=arrays(-3, 3), mask=masks,
-       clip=st.sampled_from(((0.2, 0.2), (0.2, 0.28), (0.1, 0.3))))
+@given(
+    logp=arrays(-5, 0),
+    old=arrays(-5, 0),
+    adv=arrays(-3, 3),
+    mask=masks,
+    clip=st.sampled_from(((0.2, 0.2), (0.2, 0.28), (0.1, 0.3))),
+)
 def test_ppo_clip_loss_matches_formula(logp, old, adv, mask, clip):
     lo, hi = clip
     loss, metrics = ppo_clip_loss(logp, old, adv, mask, lo, hi)
     ratio = np.exp(logp.astype(np.float64) - old)
     unclipped, clipped = -adv * ratio, -adv * np.clip(ratio, 1 - lo, 1 + hi)
     assert float(loss) == pytest.approx(token_mean(np.maximum(unclipped, clipped), mask), rel=1e-4, abs=1e-5)
-    assert float(metrics["approx_kl"]) == pytest.approx(token_mean(old - logp.astype(np.float64), mask), rel=1e-4, abs=1e-5)
+    assert float(metrics["approx_kl"]) == pytest.approx(
+        token_mean(old - logp.astype(np.float64), mask), rel=1e-4, abs=1e-5
+    )
     # Clip fraction counts tokens where the clipped branch is strictly active (float noise aside).
     active = (clipped > unclipped + 1e-5)[mask].mean()
     maybe = (clipped > unclipped - 1e-5)[mask].mean()
@@ -130,10 +137,16 @@ def test_kl_follows_the_aggregation_it_is_given():
     d = np.clip(ref.astype(np.float64) - logp, -20, 20)
     per_token = np.where(mask, np.exp(d) - d - 1, 0.0)
     rows = per_token.sum(1)
-    want = {"token-mean": rows.sum() / 4, "seq-mean-token-mean": (rows[0] / 3 + rows[1]) / 2,
-            "seq-mean-token-sum-norm": rows.sum() / 8, "seq-mean-token-scale": rows.mean() / 8}
+    want = {
+        "token-mean": rows.sum() / 4,
+        "seq-mean-token-mean": (rows[0] / 3 + rows[1]) / 2,
+        "seq-mean-token-sum-norm": rows.sum() / 8,
+        "seq-mean-token-scale": rows.mean() / 8,
+    }
     for mode, value in want.items():
-        assert float(kl_penalty(logp, ref, mask, aggregation=mode, norm_length=8)) == pytest.approx(value, rel=1e-5), mode
+        assert float(kl_penalty(logp, ref, mask, aggregation=mode, norm_length=8)) == pytest.approx(value, rel=1e-5), (
+            mode
+        )
     assert float(kl_penalty(logp, ref, mask)) == pytest.approx(want["token-mean"], rel=1e-5)
 
 
@@ -215,7 +228,10 @@ def test_aggregation_modes_by_hand():
         "seq-mean-token-mean": ((6 / 3 + 4) / 2, [[1 / 6] * 3, [1 / 2, 0, 0]]),
         "seq-mean-token-sum": ((6 + 4) / 2, [[1 / 2] * 3, [1 / 2, 0, 0]]),
         "seq-mean-token-sum-norm": (10 / 3, [[1 / 3] * 3, [1 / 3, 0, 0]]),
-        "seq-mean-token-scale": ((6 / 3 + 4 / 3) / 2, [[1 / 6] * 3, [1 / 6, 0, 0]]),  # the mean over the 2 non-empty rows
+        "seq-mean-token-scale": (
+            (6 / 3 + 4 / 3) / 2,
+            [[1 / 6] * 3, [1 / 6, 0, 0]],
+        ),  # the mean over the 2 non-empty rows
     }
     for mode, (value, weights) in want.items():
         got, grad = jax.value_and_grad(aggregate_loss)(jnp.asarray(x), mask, mode)
@@ -323,8 +339,13 @@ def test_gspo_clamps_the_sequence_log_ratio_above_only():
 
 @pytest.mark.parametrize("token_level", (False, True))
 @settings(max_examples=30, deadline=None)
-@given(logp=arrays(-2, 0), old=arrays(-2, 0), adv=arrays(-3, 3), mask=masks,
-       clip=st.sampled_from(((0.2, 0.2), (3e-4, 4e-4), (0.1, 0.3))))
+@given(
+    logp=arrays(-2, 0),
+    old=arrays(-2, 0),
+    adv=arrays(-3, 3),
+    mask=masks,
+    clip=st.sampled_from(((0.2, 0.2), (3e-4, 4e-4), (0.1, 0.3))),
+)
 def test_gspo_matches_verl(token_level, logp, old, adv, mask, clip):
     lo, hi = clip
     want_loss, want_clipfrac, want_kl, ratio = verl_gspo(old, logp, adv, mask, lo, hi)
@@ -348,8 +369,9 @@ def test_gspo_token_gradient_is_the_ppo_gradient_rescaled_by_the_sequence_ratio(
     junk = lambda x: np.where(mask, x, np.float32(np.nan))
     wide = (100.0, 100.0)
     g_gspo = jax.grad(lambda x: gspo_loss(x, junk(old), junk(adv), mask, *wide, token_level=True)[0])(junk(logp))
-    g_ppo = jax.grad(lambda x: ppo_clip_loss(x, junk(old), junk(adv), mask, *wide,
-                                             aggregation="seq-mean-token-mean")[0])(junk(logp))
+    g_ppo = jax.grad(
+        lambda x: ppo_clip_loss(x, junk(old), junk(adv), mask, *wide, aggregation="seq-mean-token-mean")[0]
+    )(junk(logp))
     *_, s = verl_gspo(old, logp, adv, mask, *wide)
     r = np.exp(logp.astype(np.float64) - old)
     np.testing.assert_allclose(g_gspo, np.where(mask, np.asarray(g_ppo) * s / r, 0.0), rtol=1e-4, atol=1e-7)
@@ -363,8 +385,9 @@ def test_gspo_sequence_gradient_spreads_over_the_row(logp, old, adv, mask):
     with w_t = 1 / (n_i |S|); with A constant along rows it equals the GSPO-token gradient."""
     junk = lambda x: np.where(mask, x, np.float32(np.nan))
     wide = (100.0, 100.0)
-    grad = lambda a, token_level: np.asarray(jax.grad(
-        lambda x: gspo_loss(x, junk(old), junk(a), mask, *wide, token_level=token_level)[0])(junk(logp)))
+    grad = lambda a, token_level: np.asarray(
+        jax.grad(lambda x: gspo_loss(x, junk(old), junk(a), mask, *wide, token_level=token_level)[0])(junk(logp))
+    )
     *_, s = verl_gspo(old, logp, adv, mask, *wide)
     n = mask.sum(axis=1, keepdims=True)
     w = np.where(mask, 1.0 / (np.maximum(n, 1) * (n > 0).sum()), 0.0)
@@ -386,22 +409,35 @@ def areal_decoupled_loss(logp, proximal, behaviour, adv, mask, eps, cap):
 
 
 @settings(max_examples=40, deadline=None)
-@given(logp=arrays(-4, 0), proximal=arrays(-4, 0), behaviour=arrays(-4, 0), adv=arrays(-3, 3), mask=masks,
-       cap=st.sampled_from((1.5, 5.0)))
-def test_the_decoupled_objective_is_areals_loss_by_hand_and_its_gradient_is_the_weighted_ppo_gradient(logp, proximal, behaviour, adv,
-                                                                                                        mask, cap):
+@given(
+    logp=arrays(-4, 0),
+    proximal=arrays(-4, 0),
+    behaviour=arrays(-4, 0),
+    adv=arrays(-3, 3),
+    mask=masks,
+    cap=st.sampled_from((1.5, 5.0)),
+)
+def test_the_decoupled_objective_is_areals_loss_by_hand_and_its_gradient_is_the_weighted_ppo_gradient(
+    logp, proximal, behaviour, adv, mask, cap
+):
     old, weighted, weights = decoupled_ppo_inputs(behaviour, proximal, adv, mask, cap)
     loss = lambda lp: ppo_clip_loss(lp, old, weighted, mask, 0.2, 0.2)[0]
-    assert float(loss(logp)) == pytest.approx(areal_decoupled_loss(logp, proximal, behaviour, adv, mask, 0.2, cap), rel=1e-4, abs=1e-5)
-    np.testing.assert_allclose(np.asarray(weights)[mask], np.exp(proximal.astype(np.float64) - behaviour)[mask], rtol=1e-5)
+    assert float(loss(logp)) == pytest.approx(
+        areal_decoupled_loss(logp, proximal, behaviour, adv, mask, 0.2, cap), rel=1e-4, abs=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(weights)[mask], np.exp(proximal.astype(np.float64) - behaviour)[mask], rtol=1e-5
+    )
     assert not np.asarray(weights)[~mask].any()
     # d/dlogp of the hand-written loss, by central differences on one valid token.
     if mask.any():
         b, t = map(int, np.argwhere(mask)[0])
         step = np.zeros(SHAPE, np.float32)
         step[b, t] = 1e-3
-        numeric = (areal_decoupled_loss(logp + step, proximal, behaviour, adv, mask, 0.2, cap)
-                   - areal_decoupled_loss(logp - step, proximal, behaviour, adv, mask, 0.2, cap)) / 2e-3
+        numeric = (
+            areal_decoupled_loss(logp + step, proximal, behaviour, adv, mask, 0.2, cap)
+            - areal_decoupled_loss(logp - step, proximal, behaviour, adv, mask, 0.2, cap)
+        ) / 2e-3
         ratio = np.exp(float(logp[b, t]) - float(proximal[b, t]))
         if abs(ratio - 0.8) > 2e-3 and abs(ratio - 1.2) > 2e-3:  # away from the clip's kinks
             assert float(jax.grad(loss)(logp)[b, t]) == pytest.approx(numeric, rel=2e-2, abs=1e-4)

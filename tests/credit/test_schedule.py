@@ -92,23 +92,33 @@ def test_save_load_round_trip(tmp_path):
 
 
 def _good_record():
-    return {"format": "comppo_jax.position_schedule", "version": 1, "n_bins": 2, "bin_edges": [0.0, 0.5, 1.0],
-            "mean_gate": [0.3, 0.6], "token_counts": [4, 5], "metadata": {}}
+    return {
+        "format": "comppo_jax.position_schedule",
+        "version": 1,
+        "n_bins": 2,
+        "bin_edges": [0.0, 0.5, 1.0],
+        "mean_gate": [0.3, 0.6],
+        "token_counts": [4, 5],
+        "metadata": {},
+    }
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r: r.pop("mean_gate"), "missing field 'mean_gate'"),
-    (lambda r: r.update(format="npz"), "field 'format'"),
-    (lambda r: r.update(version=2), "field 'version' must be 1"),
-    (lambda r: r.update(n_bins="2"), "field 'n_bins' must be int"),
-    (lambda r: r.update(bin_edges=[0.0, 0.4, 1.0]), "field 'bin_edges' must be 2 equal-width bins"),
-    (lambda r: r.update(mean_gate=[0.3]), "field 'mean_gate' must have 2 entries"),
-    (lambda r: r.update(mean_gate=[0.3, 1.5]), "field 'mean_gate' must hold gates in"),
-    (lambda r: r.update(mean_gate=[0.3, "x"]), "field 'mean_gate' holds a bad entry"),
-    (lambda r: r.update(token_counts=[4, -1]), "field 'token_counts' must be non-negative"),
-    (lambda r: r.update(token_counts=[4, 1.5]), "field 'token_counts' holds a bad entry"),
-    (lambda r: r.update(metadata=[]), "field 'metadata' must be dict"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.pop("mean_gate"), "missing field 'mean_gate'"),
+        (lambda r: r.update(format="npz"), "field 'format'"),
+        (lambda r: r.update(version=2), "field 'version' must be 1"),
+        (lambda r: r.update(n_bins="2"), "field 'n_bins' must be int"),
+        (lambda r: r.update(bin_edges=[0.0, 0.4, 1.0]), "field 'bin_edges' must be 2 equal-width bins"),
+        (lambda r: r.update(mean_gate=[0.3]), "field 'mean_gate' must have 2 entries"),
+        (lambda r: r.update(mean_gate=[0.3, 1.5]), "field 'mean_gate' must hold gates in"),
+        (lambda r: r.update(mean_gate=[0.3, "x"]), "field 'mean_gate' holds a bad entry"),
+        (lambda r: r.update(token_counts=[4, -1]), "field 'token_counts' must be non-negative"),
+        (lambda r: r.update(token_counts=[4, 1.5]), "field 'token_counts' holds a bad entry"),
+        (lambda r: r.update(metadata=[]), "field 'metadata' must be dict"),
+    ],
+)
 def test_bad_files_name_the_path_and_the_field(tmp_path, edit, message):
     record = _good_record()
     edit(record)

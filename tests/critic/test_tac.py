@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import jaxpr_shapes, square
 
 from comppo_jax.critic import (
@@ -26,8 +25,15 @@ from comppo_jax.models.loading import PRESET_DIR
 from pallas_kernels import attention_with_concentration
 
 CONFIG = ModelConfig(
-    architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
+    architecture="qwen3",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
 )
 FUSED = fused_hidden_layers(CONFIG.num_layers, 4)
 
@@ -64,16 +70,21 @@ def lse_of(q, k, mask, window_start):
 def test_blockwise_top_k_equals_dense_top_k(top_k, blocks):
     q, k, mask = random_attention_inputs(0)
     window_start = jnp.asarray([3, 11], jnp.int32)
-    routing = window_topk(q, k, lse_of(q, k, mask, window_start), mask, window_start, top_k=top_k, block_q=blocks[0], block_k=blocks[1])
+    routing = window_topk(
+        q, k, lse_of(q, k, mask, window_start), mask, window_start, top_k=top_k, block_q=blocks[0], block_k=blocks[1]
+    )
     dense, in_window = dense_window_attention(q, k, mask, window_start)
     expected, expected_index = jax.lax.top_k(jnp.where(in_window, dense, -1.0), min(top_k, q.shape[1]))
     n = in_window.sum(-1)
     slots = jnp.arange(top_k)[None, None]
     np.testing.assert_array_equal(routing.valid, slots < n[..., None])
     width = expected.shape[-1]
-    np.testing.assert_allclose(routing.weights[..., :width], jnp.where(routing.valid[..., :width], expected, 0.0), atol=1e-6)
+    np.testing.assert_allclose(
+        routing.weights[..., :width], jnp.where(routing.valid[..., :width], expected, 0.0), atol=1e-6
+    )
     np.testing.assert_array_equal(
-        jnp.where(routing.valid[..., :width], routing.indices[..., :width], -1), jnp.where(routing.valid[..., :width], expected_index, -1)
+        jnp.where(routing.valid[..., :width], routing.indices[..., :width], -1),
+        jnp.where(routing.valid[..., :width], expected_index, -1),
     )
 
 
@@ -90,7 +101,9 @@ def model():
 def critic_inputs(params, tokens, mask, window_start, top_k=64):
     out = forward(params, CONFIG, tokens, mask, window_start, hidden_layers=FUSED, return_final_attention=True)
     attention = out.final_attention
-    routing = window_topk(attention.q, attention.k, attention.lse, mask, window_start, top_k=top_k, block_q=8, block_k=8)
+    routing = window_topk(
+        attention.q, attention.k, attention.lse, mask, window_start, top_k=top_k, block_q=8, block_k=8
+    )
     return out, routing
 
 
@@ -123,14 +136,18 @@ def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(mo
     got = critic.apply({"params": tac}, out.hidden_states, routing, kappa).value_routed
 
     attention = out.final_attention
-    a, in_window = dense_window_attention(attention.q.astype(jnp.float32), attention.k.astype(jnp.float32), mask, window_start)
+    a, in_window = dense_window_attention(
+        attention.q.astype(jnp.float32), attention.k.astype(jnp.float32), mask, window_start
+    )
 
     def dense_routed_value(tac):
         fused = fuse_layers(out.hidden_states, tac["eta"])
         project = lambda name: fused @ tac[name]["kernel"]
         d = 16
         beta = jnp.einsum("btd,bid->bti", project("beta_query"), project("beta_key")) / math.sqrt(d)
-        relevance = jax.nn.relu(jnp.einsum("btd,bid->bti", project("relevance_query"), project("relevance_key")) / math.sqrt(d))
+        relevance = jax.nn.relu(
+            jnp.einsum("btd,bid->bti", project("relevance_query"), project("relevance_key")) / math.sqrt(d)
+        )
         scores = jnp.where(in_window, a * jax.nn.sigmoid(beta) * relevance, 0.0)
         history = scores @ project("routed_hidden") / (scores.sum(-1, keepdims=True) + 1e-6) + tac["routed_hidden_bias"]
         return (jax.nn.gelu(history) @ tac["routed_output"]["kernel"])[..., 0] + tac["routed_output"]["bias"][0]
@@ -141,9 +158,19 @@ def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(mo
 
     # The blockwise pooling's custom VJP gives the dense gradient.
     weights = jnp.linspace(-1.0, 1.0, expected.size).reshape(expected.shape)
-    got_grads = jax.grad(lambda p: jnp.sum(weights * critic.apply({"params": p}, out.hidden_states, routing, kappa).value_routed))(tac)
+    got_grads = jax.grad(
+        lambda p: jnp.sum(weights * critic.apply({"params": p}, out.hidden_states, routing, kappa).value_routed)
+    )(tac)
     expected_grads = jax.grad(lambda p: jnp.sum(weights * dense_routed_value(p)))(tac)
-    for name in ("beta_query", "beta_key", "relevance_query", "relevance_key", "routed_hidden", "eta", "routed_hidden_bias"):
+    for name in (
+        "beta_query",
+        "beta_key",
+        "relevance_query",
+        "relevance_key",
+        "routed_hidden",
+        "eta",
+        "routed_hidden_bias",
+    ):
         for got_leaf, want_leaf in zip(jax.tree.leaves(got_grads[name]), jax.tree.leaves(expected_grads[name])):
             assert float(jnp.abs(want_leaf).max()) > 0, name
             np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5, rtol=1e-4, err_msg=name)
@@ -153,12 +180,16 @@ def test_kappa_one_gives_routed_value_and_kappa_zero_gives_local_value(model):
     out, routing = critic_inputs(*model)
     critic = TransportAlignedCritic(bottleneck=16, query_block=8)
     shape = model[1].shape
-    tac = trained_like(critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, jnp.zeros(shape))["params"], scale=0.05)
+    tac = trained_like(
+        critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, jnp.zeros(shape))["params"], scale=0.05
+    )
     for kappa, field in ((1.0, "value_routed"), (0.0, "value_local")):
         values = critic.apply({"params": tac}, out.hidden_states, routing, jnp.full(shape, kappa))
         assert float(jnp.abs(getattr(values, field)).max()) < 1.0  # inside the clamp
         np.testing.assert_array_equal(values.value, getattr(values, field))
-    np.testing.assert_allclose(mix_values(jnp.asarray([0.25]), jnp.asarray([3.0]), jnp.asarray([-1.0])), [0.0], atol=1e-7)
+    np.testing.assert_allclose(
+        mix_values(jnp.asarray([0.25]), jnp.asarray([3.0]), jnp.asarray([-1.0])), [0.0], atol=1e-7
+    )
     np.testing.assert_allclose(mix_values(jnp.asarray([1.0]), jnp.asarray([3.0]), jnp.asarray([0.0])), [1.0])
 
 
@@ -195,18 +226,27 @@ def test_jit_and_grad_train_only_the_critic(model):
 
 def test_parameter_count_is_under_half_a_percent_of_qwen3_4b():
     config = preset_model_config("qwen3_4b")
-    backbone = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))))
+    backbone = sum(
+        math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0))))
+    )
     hidden = jax.ShapeDtypeStruct((4, 1, 8, config.hidden_size), jnp.bfloat16)
     routing = jax.eval_shape(
         lambda: window_topk(
-            jnp.zeros((1, 8, config.num_heads, config.head_dim)), jnp.zeros((1, 8, config.num_kv_heads, config.head_dim)),
-            jnp.zeros((1, config.num_heads, 8)), jnp.ones((1, 8), bool), jnp.zeros((1,), jnp.int32), top_k=64,
+            jnp.zeros((1, 8, config.num_heads, config.head_dim)),
+            jnp.zeros((1, 8, config.num_kv_heads, config.head_dim)),
+            jnp.zeros((1, config.num_heads, 8)),
+            jnp.ones((1, 8), bool),
+            jnp.zeros((1,), jnp.int32),
+            top_k=64,
         )
     )
     shapes = jax.eval_shape(
         lambda: critic_from_config(load_config_file(PRESET_DIR / "qwen3_4b.py").critic).init(
-            jax.random.PRNGKey(0), jnp.zeros(hidden.shape, hidden.dtype),
-                                              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), routing), jnp.zeros((1, 8)))
+            jax.random.PRNGKey(0),
+            jnp.zeros(hidden.shape, hidden.dtype),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), routing),
+            jnp.zeros((1, 8)),
+        )
     )
     critic = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     assert critic / backbone < 0.005, (critic, backbone)
@@ -245,9 +285,12 @@ def test_config_sections_build_the_critic_and_bad_values_are_named():
 def test_routing_and_the_critic_gradient_build_no_l_by_l_array():
     length, critic = 4096, TransportAlignedCritic(bottleneck=16)
     shapes = dict(
-        q=jax.ShapeDtypeStruct((1, length, 4, 8), jnp.float32), k=jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32),
-        lse=jax.ShapeDtypeStruct((1, 4, length), jnp.float32), mask=jax.ShapeDtypeStruct((1, length), jnp.bool_),
-        window_start=jax.ShapeDtypeStruct((1,), jnp.int32), hidden=jax.ShapeDtypeStruct((4, 1, length, 32), jnp.float32),
+        q=jax.ShapeDtypeStruct((1, length, 4, 8), jnp.float32),
+        k=jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32),
+        lse=jax.ShapeDtypeStruct((1, 4, length), jnp.float32),
+        mask=jax.ShapeDtypeStruct((1, length), jnp.bool_),
+        window_start=jax.ShapeDtypeStruct((1,), jnp.int32),
+        hidden=jax.ShapeDtypeStruct((4, 1, length, 32), jnp.float32),
         kappa=jax.ShapeDtypeStruct((1, length), jnp.float32),
     )
 
@@ -256,7 +299,9 @@ def test_routing_and_the_critic_gradient_build_no_l_by_l_array():
         return jax.grad(lambda p: critic.apply({"params": p}, hidden, routing, kappa).value.sum())(tac)
 
     def init(q, k, lse, mask, window_start, hidden, kappa):
-        return critic.init(jax.random.PRNGKey(0), hidden, window_topk(q, k, lse, mask, window_start, top_k=64), kappa)["params"]
+        return critic.init(jax.random.PRNGKey(0), hidden, window_topk(q, k, lse, mask, window_start, top_k=64), kappa)[
+            "params"
+        ]
 
     tac = jax.eval_shape(init, *shapes.values())
     jaxpr = jax.make_jaxpr(critic_gradient)(*shapes.values(), tac).jaxpr

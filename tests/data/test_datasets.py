@@ -76,20 +76,30 @@ def test_dapo_rows_without_a_gold_answer_are_skipped_and_counted_and_a_file_of_t
     """A null, missing or empty ground truth is not loaded as the answer "None" (no response could
     be rewarded): the row is skipped like a malformed one, and a file with no gold answers fails."""
     rows = dapo_rows(10, copies=1)
-    unanswered = [{**rows[0], "prompt": [{"role": "user", "content": f"Unanswered {i}?"}], "reward_model": reward_model}
-                  for i, reward_model in enumerate([{"ground_truth": None, "style": "rule"}, {"style": "rule"},
-                                                    {"ground_truth": " ", "style": "rule"}])]
+    unanswered = [
+        {**rows[0], "prompt": [{"role": "user", "content": f"Unanswered {i}?"}], "reward_model": reward_model}
+        for i, reward_model in enumerate(
+            [{"ground_truth": None, "style": "rule"}, {"style": "rule"}, {"ground_truth": " ", "style": "rule"}]
+        )
+    ]
     path = str(tmp_path / "dapo.parquet")
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows[:3] + unanswered + rows[3:]), path)
     with caplog.at_level(logging.WARNING):
         train, dev = load_dapo_math(path, dev_size=2)
     assert len(train) + len(dev) == 10 and "None" not in {p.answer for p in train + dev}
-    assert f"{path}: skipped 3 malformed DAPO-Math row(s); first: row 3: ValueError no gold answer: " \
-           "'reward_model'.'ground_truth' is None" in caplog.text
+    assert (
+        f"{path}: skipped 3 malformed DAPO-Math row(s); first: row 3: ValueError no gold answer: "
+        "'reward_model'.'ground_truth' is None" in caplog.text
+    )
 
-    jsonl = write_jsonl(tmp_path / "unanswered.jsonl", [{**row, "reward_model": {"ground_truth": None}} for row in rows])
-    with pytest.raises(DataError, match=r"unanswered\.jsonl: no usable DAPO-Math rows \(10 malformed; first: row 0: "
-                                        r"ValueError no gold answer: 'reward_model'\.'ground_truth' is None\)"):
+    jsonl = write_jsonl(
+        tmp_path / "unanswered.jsonl", [{**row, "reward_model": {"ground_truth": None}} for row in rows]
+    )
+    with pytest.raises(
+        DataError,
+        match=r"unanswered\.jsonl: no usable DAPO-Math rows \(10 malformed; first: row 0: "
+        r"ValueError no gold answer: 'reward_model'\.'ground_truth' is None\)",
+    ):
         load_dapo_math(jsonl, dev_size=2)
 
 
@@ -103,12 +113,33 @@ def test_missing_file_names_the_path_and_format(tmp_path):
 def test_every_benchmark_format(tmp_path):
     write_jsonl(tmp_path / "math500.jsonl", [{"problem": "1+1?", "answer": "2", "unique_id": "a"}])
     write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": "Tom has 1,000 apples...", "answer": "work\n#### 1,200"}])
-    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"ID": "2024-I-1", "Problem": "Find x.", "Answer": "204"}]), str(tmp_path / "aime.parquet"))
+    pyarrow.parquet.write_table(
+        pyarrow.Table.from_pylist([{"ID": "2024-I-1", "Problem": "Find x.", "Answer": "204"}]),
+        str(tmp_path / "aime.parquet"),
+    )
     with open(tmp_path / "gpqa.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, ["Record ID", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"])
+        writer = csv.DictWriter(
+            f,
+            [
+                "Record ID",
+                "Question",
+                "Correct Answer",
+                "Incorrect Answer 1",
+                "Incorrect Answer 2",
+                "Incorrect Answer 3",
+            ],
+        )
         writer.writeheader()
-        writer.writerow({"Record ID": "r1", "Question": "Which is a noble gas?", "Correct Answer": "Neon",
-                         "Incorrect Answer 1": "Iron", "Incorrect Answer 2": "Carbon", "Incorrect Answer 3": "Sodium"})
+        writer.writerow(
+            {
+                "Record ID": "r1",
+                "Question": "Which is a noble gas?",
+                "Correct Answer": "Neon",
+                "Incorrect Answer 1": "Iron",
+                "Incorrect Answer 2": "Carbon",
+                "Incorrect Answer 3": "Sodium",
+            }
+        )
     (tmp_path / "livebench.json").write_text(json.dumps([{"turns": ["Evaluate 3^2."], "ground_truth": "9"}]))
     write_jsonl(tmp_path / "olympiad.jsonl", [{"question": "Find n.", "final_answer": ["$5$"]}, {"question": "broken"}])
 
@@ -170,8 +201,12 @@ def test_a_csv_row_that_is_not_utf8_is_skipped_not_the_file(tmp_path, caplog):
 def test_problems_the_tokenizer_cannot_encode_are_skipped_at_load_time(caplog):
     from comppo_jax.data.datasets import Problem, encodable_problems
 
-    problems = [Problem("What is 1 + 1?", "2", "a", "t"), Problem("What is π + 1?", "4.14", "b", "t"),
-                Problem("What is 2 + 2?", "4", "c", "t"), Problem("x" * 50, "1", "d", "t")]
+    problems = [
+        Problem("What is 1 + 1?", "2", "a", "t"),
+        Problem("What is π + 1?", "4.14", "b", "t"),
+        Problem("What is 2 + 2?", "4", "c", "t"),
+        Problem("x" * 50, "1", "d", "t"),
+    ]
     with caplog.at_level(logging.WARNING):
         kept = encodable_problems(CharTokenizer(), problems, "dapo.jsonl (train)", max_prompt_tokens=40)
     assert [p.id for p in kept] == ["a", "c"]

@@ -41,8 +41,13 @@ def test_answer_extraction(text, answer):
 
 @pytest.mark.parametrize(
     "text,ok",
-    [("no tags", True), ("<think>a</think> Answer: 1", True), ("<think>a Answer: 1", False),
-     ("</think><think>", False), ("<think>a</think><think>b</think>", False)],
+    [
+        ("no tags", True),
+        ("<think>a</think> Answer: 1", True),
+        ("<think>a Answer: 1", False),
+        ("</think><think>", False),
+        ("<think>a</think><think>b</think>", False),
+    ],
 )
 def test_reasoning_format(text, ok):
     assert reasoning_format_ok(text) is ok
@@ -71,7 +76,9 @@ def test_rewards_on_a_table_of_real_cases(pool):
 
 def test_length_penalty_only_for_correct_well_formed_and_clipped(pool):
     responses = ["Answer: 4", "Answer: 5", "<think>x\nAnswer: 4"]
-    rewards, _, _ = score_responses(responses, ["4"] * 3, [100, 100, 100], pool, RewardCoefficients(format_coef=2.0, length_coef=0.001))
+    rewards, _, _ = score_responses(
+        responses, ["4"] * 3, [100, 100, 100], pool, RewardCoefficients(format_coef=2.0, length_coef=0.001)
+    )
     np.testing.assert_allclose(rewards, [0.9, 0.0, -1.0])
 
 
@@ -89,7 +96,9 @@ def test_a_correct_answer_never_scores_below_an_incorrect_one_unless_configured(
 
 
 def test_overlong_penalty_ramps_over_the_last_buffer_tokens():
-    coefficients = RewardCoefficients(length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096)
+    coefficients = RewardCoefficients(
+        length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096
+    )
     np.testing.assert_allclose(length_penalty([100, 12288, 14336, 16384], coefficients), [0.0, 0.0, 0.5, 1.0])
     half = RewardCoefficients(length_coef=0.375, length_penalty="overlong", max_length=40, overlong_buffer=10)
     np.testing.assert_allclose(length_penalty([30, 35, 40], half), [0.0, 0.1875, 0.375])
@@ -100,7 +109,9 @@ def test_overlong_penalty_ramps_over_the_last_buffer_tokens():
 
 
 def test_overlong_rewards_stay_at_or_above_incorrect(pool):
-    coefficients = RewardCoefficients(length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096)
+    coefficients = RewardCoefficients(
+        length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096
+    )
     rewards, _, _ = score_responses(["Answer: 4"] * 3, ["4"] * 3, [1000, 14336, 16384], pool, coefficients)
     np.testing.assert_allclose(rewards, [1.0, 0.5, 0.0])
 
@@ -111,7 +122,9 @@ def test_dapo_overlong_shaping_charges_every_response(pool):
     lengths = [16384, 16384, 14336]
     shaping = dict(length_coef=1.0, length_penalty="overlong", max_length=16384, overlong_buffer=4096, format_coef=0.5)
     paper, _, _ = score_responses(responses, ["4"] * 3, lengths, pool, RewardCoefficients(**shaping))
-    dapo, _, _ = score_responses(responses, ["4"] * 3, lengths, pool, RewardCoefficients(**shaping, length_penalty_on="all"))
+    dapo, _, _ = score_responses(
+        responses, ["4"] * 3, lengths, pool, RewardCoefficients(**shaping, length_penalty_on="all")
+    )
     np.testing.assert_allclose(paper, [0.0, 0.0, -0.5])
     np.testing.assert_allclose(dapo, [0.0, -1.0, -1.0])  # correct: max(1 - 1, 0); incorrect 0 - 1; malformed -0.5 - 0.5
     with pytest.raises(ValueError, match=r"length_penalty_on='some'; expected one of \('correct', 'all'\)"):
@@ -120,7 +133,9 @@ def test_dapo_overlong_shaping_charges_every_response(pool):
 
 def test_terminal_reward_sits_at_the_last_valid_token():
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
-    np.testing.assert_array_equal(terminal_reward_tokens([1.0, -0.5, 1.0], mask), [[0, 0, 1, 0], [-0.5, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        terminal_reward_tokens([1.0, -0.5, 1.0], mask), [[0, 0, 1, 0], [-0.5, 0, 0, 0], [0, 0, 0, 0]]
+    )
 
 
 def test_mismatched_lengths_are_named(pool):

@@ -16,7 +16,12 @@ from configs import experiments, experiments_tiny
 
 
 def test_grid_cells_and_stress_expansion():
-    assert ex.grid_cells(("a.lr=1,2", "kl=0,5")) == [("a.lr=1", "kl=0"), ("a.lr=1", "kl=5"), ("a.lr=2", "kl=0"), ("a.lr=2", "kl=5")]
+    assert ex.grid_cells(("a.lr=1,2", "kl=0,5")) == [
+        ("a.lr=1", "kl=0"),
+        ("a.lr=1", "kl=5"),
+        ("a.lr=2", "kl=0"),
+        ("a.lr=2", "kl=5"),
+    ]
     stress = experiments.get_config("stress")
     arms = ex.arms_of(stress)
     assert len(arms) == 12 and arms[0][0] == "ppo[actor_lr=2e-7,kl_coef=0]"
@@ -28,13 +33,19 @@ def test_screen_plans_one_run_per_cell_at_the_screen_seed():
     screens = ex.screen_runs(main)
     assert sorted(screens) == ["comppo", "grpo"] and all(len(runs) == 9 for runs in screens.values())
     assert {run.seed for runs in screens.values() for run in runs} == {42}
-    assert ex.arms_of(main) == [("comppo", ex.arms_of(main)[0][1]), ("grpo", ("method=grpo",) + experiments.MATCHED_BUDGET)]
+    assert ex.arms_of(main) == [
+        ("comppo", ex.arms_of(main)[0][1]),
+        ("grpo", ("method=grpo",) + experiments.MATCHED_BUDGET),
+    ]
 
 
 @pytest.mark.parametrize("name", ["main", "factorial", "controls", "stress", "group", "statistics", "variants"])
 def test_every_arm_has_a_matched_actor_update_budget(name):
     for definitions in (experiments, experiments_tiny):
-        assert all("train.critic_warmup_counts_toward_steps=False" in overrides for _, overrides in ex.arms_of(definitions.get_config(name)))
+        assert all(
+            "train.critic_warmup_counts_toward_steps=False" in overrides
+            for _, overrides in ex.arms_of(definitions.get_config(name))
+        )
 
 
 def test_identical_runs_share_a_directory_whatever_the_arm_or_order():
@@ -48,12 +59,23 @@ def _result(tmp_path, arm, seed, accuracies, base=0.5, **summary):
     run = ex.Run(arm, seed, "configs/tiny.py", (f"arm={arm}", f"seed={seed}"))
     directory = tmp_path / run.key
     directory.mkdir(exist_ok=True)
-    return ex.RunResult(run, str(directory), {"warm_start_dev_accuracy": base, **summary}, np.arange(1, len(accuracies) + 1) * 5.0,
-                        np.asarray(accuracies, float), {})
+    return ex.RunResult(
+        run,
+        str(directory),
+        {"warm_start_dev_accuracy": base, **summary},
+        np.arange(1, len(accuracies) + 1) * 5.0,
+        np.asarray(accuracies, float),
+        {},
+    )
 
 
 def test_references_resolve_to_the_mean_gate_and_the_same_seeds_profile(tmp_path):
-    done = {"full": {0: _result(tmp_path, "full", 0, [0.6], mean_gate=0.5), 1: _result(tmp_path, "full", 1, [0.6], mean_gate=0.7)}}
+    done = {
+        "full": {
+            0: _result(tmp_path, "full", 0, [0.6], mean_gate=0.5),
+            1: _result(tmp_path, "full", 1, [0.6], mean_gate=0.7),
+        }
+    }
     resolved = ex.resolve(("fixed_gate={mean_gate:full}", "position_schedule={gate_profile:full}"), 1, done)
     assert float(resolved[0].split("=")[1]) == pytest.approx(0.6)
     assert resolved[1] == "position_schedule=" + os.path.join(done["full"][1].directory, "gate_profile.json")
@@ -69,7 +91,11 @@ def test_references_resolve_to_the_mean_gate_and_the_same_seeds_profile(tmp_path
 
 
 def test_screen_selects_best_final_then_best(tmp_path):
-    results = [_result(tmp_path, "a", 0, [0.9, 0.6]), _result(tmp_path, "b", 0, [0.5, 0.7]), _result(tmp_path, "c", 0, [0.8, 0.7])]
+    results = [
+        _result(tmp_path, "a", 0, [0.9, 0.6]),
+        _result(tmp_path, "b", 0, [0.5, 0.7]),
+        _result(tmp_path, "c", 0, [0.8, 0.7]),
+    ]
     assert ex.select(results).run.arm == "c"
 
 
@@ -81,7 +107,11 @@ def test_load_result_reads_the_curve_and_refuses_a_run_without_evaluations(tmp_p
     with open(os.path.join(directory, "summary.json"), "w") as f:
         json.dump({"warm_start_dev_accuracy": 0.5, "final_dev_accuracy": 0.7}, f)
     with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
-        rows = [{"step": 6, "actor_updates": 5, "dev_accuracy": 0.6}, {"step": 7, "actor_updates": 6}, {"step": 11, "actor_updates": 10, "dev_accuracy": 0.7}]
+        rows = [
+            {"step": 6, "actor_updates": 5, "dev_accuracy": 0.6},
+            {"step": 7, "actor_updates": 6},
+            {"step": 11, "actor_updates": 10, "dev_accuracy": 0.7},
+        ]
         f.write("".join(json.dumps(row) + "\n" for row in rows))
     result = ex.load_result(run, str(tmp_path))
     assert result.steps.tolist() == [5.0, 10.0] and result.accuracies.tolist() == [0.6, 0.7] and result.held_out == {}
@@ -93,11 +123,21 @@ def test_load_result_reads_the_curve_and_refuses_a_run_without_evaluations(tmp_p
 
 def test_factorial_report_interaction_matches_the_statistics(tmp_path):
     exp = experiments_tiny.get_config("factorial")
-    finals = {"full": [0.9, 0.8, 0.85], "gate_std": [0.7, 0.7, 0.75], "fixed_aligned": [0.75, 0.7, 0.7], "fixed_std": [0.6, 0.65, 0.6]}
-    arms = {arm: {s: _result(tmp_path, arm, s, [0.5, 0.6, 0.7, v]) for s, v in enumerate(values)} for arm, values in finals.items()}
+    finals = {
+        "full": [0.9, 0.8, 0.85],
+        "gate_std": [0.7, 0.7, 0.75],
+        "fixed_aligned": [0.75, 0.7, 0.7],
+        "fixed_std": [0.6, 0.65, 0.6],
+    }
+    arms = {
+        arm: {s: _result(tmp_path, arm, s, [0.5, 0.6, 0.7, v]) for s, v in enumerate(values)}
+        for arm, values in finals.items()
+    }
     outcome = ex.Outcome(arms, {}, {}, {}, [])
     text, plots = factorial_report(exp, outcome)
-    interaction = factorial_interaction(finals["full"], finals["gate_std"], finals["fixed_aligned"], finals["fixed_std"])
+    interaction = factorial_interaction(
+        finals["full"], finals["gate_std"], finals["fixed_aligned"], finals["fixed_std"]
+    )
     expected = f"{100 * interaction.mean:+.1f} [{100 * interaction.low:+.1f}, {100 * interaction.high:+.1f}]"
     assert "| Interaction I | " in text and expected in text
     assert "| Full CompPO | 85.0 | 85.0 | 66." in text  # Best, Final, Last-4 = mean of (0.5, 0.6, 0.7, 0.85)
@@ -108,13 +148,17 @@ def test_factorial_report_interaction_matches_the_statistics(tmp_path):
 
 def test_main_and_stress_reports(tmp_path):
     exp = experiments_tiny.get_config("main")
-    arms = {"comppo": {s: _result(tmp_path, "comppo", s, [0.6, 0.8 + 0.01 * s]) for s in range(3)},
-            "grpo": {s: _result(tmp_path, "grpo", s, [0.7, 0.75]) for s in range(3)}}
+    arms = {
+        "comppo": {s: _result(tmp_path, "comppo", s, [0.6, 0.8 + 0.01 * s]) for s in range(3)},
+        "grpo": {s: _result(tmp_path, "grpo", s, [0.7, 0.75]) for s in range(3)},
+    }
     text, _ = main_report(exp, ex.Outcome(arms, {}, {}, {}, []))
     assert "| Final | +6.0 [" in text  # paired comppo - grpo final: 0.81 - 0.75
     stress = experiments_tiny.get_config("stress")
-    cells = {"ppo[actor_lr=1e-05,kl_coef=0]": {0: _result(tmp_path, "p", 0, [0.9, 0.4, 0.4], base=0.5)},
-             "comppo[actor_lr=1e-05,kl_coef=0]": {0: _result(tmp_path, "c", 0, [0.6, 0.7, 0.65], base=0.5)}}
+    cells = {
+        "ppo[actor_lr=1e-05,kl_coef=0]": {0: _result(tmp_path, "p", 0, [0.9, 0.4, 0.4], base=0.5)},
+        "comppo[actor_lr=1e-05,kl_coef=0]": {0: _result(tmp_path, "c", 0, [0.6, 0.7, 0.65], base=0.5)},
+    }
     text, _ = stress_report(stress, ex.Outcome(cells, {}, {}, {}, []))
     assert "| ppo | 0/1 |" in text and "| comppo | 1/1 |" in text
 
@@ -131,8 +175,15 @@ def test_controls_experiment_end_to_end(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     overrides = tuple(f"{k}={v}" for k, v in SMALL_TRAIN_RUN.items() if k not in ("progress", "plot"))
-    command = [sys.executable, "launch/experiment.py", "--experiment=configs/experiments_tiny.py:controls", f"--root={tmp_path}",
-               "--experiment.seeds=(0,)", f"--experiment.overrides={overrides!r}", "--experiment.held_out_problems=2"]
+    command = [
+        sys.executable,
+        "launch/experiment.py",
+        "--experiment=configs/experiments_tiny.py:controls",
+        f"--root={tmp_path}",
+        "--experiment.seeds=(0,)",
+        f"--experiment.overrides={overrides!r}",
+        "--experiment.held_out_problems=2",
+    ]
     first = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     folder = tmp_path / "controls"
@@ -179,12 +230,16 @@ def test_every_experiment_plans(module, name):
 
 def test_a_running_command_reports_its_progress_every_interval(tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "PROGRESS_EVERY_S", 0.2)
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3}) + "\n" + json.dumps({"step": 4, "dev_accuracy": 0.5}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 3}) + "\n" + json.dumps({"step": 4, "dev_accuracy": 0.5}) + "\n"
+    )
     command = [sys.executable, "launch/train.py"]  # only its script name is read by run_progress
     assert ex.run_progress(str(tmp_path), command) == "step 4, dev accuracy 0.500"
     assert ex.run_progress(str(tmp_path / "new"), command) == "warm start, first evaluation or compiling"
     logged = []
     with open(tmp_path / "train.log", "w") as out:
-        code = ex.run_reporting([sys.executable, "-c", "import time; time.sleep(1.5); print('done')"], out, lambda: "step 4", logged.append)
+        code = ex.run_reporting(
+            [sys.executable, "-c", "import time; time.sleep(1.5); print('done')"], out, lambda: "step 4", logged.append
+        )
     assert code == 0 and (tmp_path / "train.log").read_text() == "done\n"
     assert len(logged) >= 3 and all(line.startswith("  step 4 (") for line in logged), logged

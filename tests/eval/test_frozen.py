@@ -8,13 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from conftest import CPU_ONLY_ENV, small_train_config
-
-from fractions import Fraction
-
 from ml_collections import config_dict
 
 from comppo_jax.eval import majority_answer
@@ -66,9 +64,13 @@ def test_set_metrics_by_hand():
 def test_eval_sampling_fields_are_checked_and_named():
     fields = lambda **kw: config_dict.ConfigDict({"samples": 8, "temperature": 1.0, "top_p": 0.7, "pass_k": "", **kw})
     assert eval_sampling(fields()) == (1, 8) and pass_k_values("4, 1,8", 8) == (1, 4, 8)
-    for bad, match in ((dict(samples=0), "config.eval.samples=0"), (dict(temperature=-1.0), "config.eval.temperature=-1.0"),
-                       (dict(top_p=0.0), "config.eval.top_p=0.0"), (dict(pass_k="16"), "each k must be in \\[1, eval.samples=8\\]"),
-                       (dict(pass_k="one"), "expected integers")):
+    for bad, match in (
+        (dict(samples=0), "config.eval.samples=0"),
+        (dict(temperature=-1.0), "config.eval.temperature=-1.0"),
+        (dict(top_p=0.0), "config.eval.top_p=0.0"),
+        (dict(pass_k="16"), "each k must be in \\[1, eval.samples=8\\]"),
+        (dict(pass_k="one"), "expected integers"),
+    ):
         with pytest.raises(ValueError, match=match):
             eval_sampling(fields(**bad))
 
@@ -78,11 +80,22 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     run = tmp_path / "run"
     train(small_train_config(run))
     gsm8k = tmp_path / "gsm8k.jsonl"
-    gsm8k.write_text("".join(json.dumps({"question": f"{i} +2 =?\n", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}) + "\n"
-                             for i in range(3)))
+    gsm8k.write_text(
+        "".join(
+            json.dumps({"question": f"{i} +2 =?\n", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}) + "\n"
+            for i in range(3)
+        )
+    )
     # No --config: the run's own (its dev set of 4, 12 new tokens, one verifier), the sampling fields on top.
-    command = [sys.executable, "launch/eval.py", f"--checkpoint={run}", "--step=best", f"--config.eval.benchmarks=gsm8k={gsm8k}",
-               "--config.eval.samples=8", "--config.eval.temperature=1.0"]
+    command = [
+        sys.executable,
+        "launch/eval.py",
+        f"--checkpoint={run}",
+        "--step=best",
+        f"--config.eval.benchmarks=gsm8k={gsm8k}",
+        "--config.eval.samples=8",
+        "--config.eval.temperature=1.0",
+    ]
     result = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     (output,) = (run / "eval").iterdir()  # step_<best>
@@ -107,12 +120,24 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     assert "| gsm8k | 3 | 0.500 (" in again.stdout
 
     # At temperature 0 the one sample is the greedy response: avg@1 is greedy pass@1 (other settings: every set recomputed).
-    greedy = subprocess.run(command[:-2] + ["--config.eval.samples=1", "--config.eval.temperature=0.0"], cwd=ROOT, env=CPU_ONLY_ENV,
-                            capture_output=True, text=True, timeout=600)
+    greedy = subprocess.run(
+        command[:-2] + ["--config.eval.samples=1", "--config.eval.temperature=0.0"],
+        cwd=ROOT,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert greedy.returncode == 0, greedy.stderr[-4000:]
     for row in json.loads((output / "results.json").read_text())["rows"]:
         assert row["avg@1"] == row["greedy_pass@1"] == row["pass@1"], row
 
-    missing = subprocess.run(command[:3] + ["--step=7"] + command[4:], cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True,
-                             timeout=600)
+    missing = subprocess.run(
+        command[:3] + ["--step=7"] + command[4:],
+        cwd=ROOT,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert missing.returncode != 0 and "no checkpoint '7'" in missing.stderr

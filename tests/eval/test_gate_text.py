@@ -27,7 +27,9 @@ def test_html_has_one_escaped_span_per_token_with_its_statistics():
     kappa = np.linspace(0.1, 0.9, len(pieces))
     window = np.arange(len(pieces))
     page = gate_html(pieces, kappa, herfindahl=np.full(len(pieces), 0.25), window_size=window, title="<row>")
-    spans = re.findall(r'<span title="([^"]*)" style="background:rgb\((\d+),(\d+),(\d+)\);color:(#\w+)">(.*?)</span>', page, re.S)
+    spans = re.findall(
+        r'<span title="([^"]*)" style="background:rgb\((\d+),(\d+),(\d+)\);color:(#\w+)">(.*?)</span>', page, re.S
+    )
     assert len(spans) == len(pieces)
     assert "".join(text for *_, text in spans) == TEXT.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     assert spans[4][0] == "t=5 kappa=0.278 H=0.2500 n=4"
@@ -46,7 +48,9 @@ def test_arrays_must_match_the_pieces():
 
 def test_png_wraps_lines_and_colours_each_character(tmp_path):
     pieces = token_pieces(CharTokenizer(), CharTokenizer().encode("x" * 25 + "\nyz"))
-    figure = plot_gate_text([(pieces, np.linspace(0.1, 0.9, len(pieces)), "row 0")], str(tmp_path / "gate.png"), width=10)
+    figure = plot_gate_text(
+        [(pieces, np.linspace(0.1, 0.9, len(pieces)), "row 0")], str(tmp_path / "gate.png"), width=10
+    )
     cells = figure.axes[0].patches
     assert len(cells) == len(pieces)  # the newline keeps a cell (drawn as a return arrow)
     rows = sorted({cell.get_y() for cell in cells})

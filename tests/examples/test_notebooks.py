@@ -27,12 +27,23 @@ def execute(name: str, **parameters) -> nbformat.NotebookNode:
 
 
 def outputs(notebook, kind: str) -> list:
-    return [data[kind] for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs
-            if kind in (data := out.get("data", {}))]
+    return [
+        data[kind]
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if kind in (data := out.get("data", {}))
+    ]
 
 
 def streamed(notebook) -> str:
-    return "".join(out.text for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs if out.output_type == "stream")
+    return "".join(
+        out.text
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if out.output_type == "stream"
+    )
 
 
 def test_notebooks_are_stored_clean():
@@ -57,11 +68,12 @@ def test_credit_notebook():
 @pytest.mark.slow
 def test_gate_on_text_notebook_warm_starts_without_a_run(tmp_path):
     """The branch a first-time user takes; the other branch's restore_policy runs in the evaluation notebook."""
-    notebook = execute("gate_on_text.ipynb", RUN=str(tmp_path / "no_run"), WARM_START_STEPS=5, NUM_PROBLEMS=2,
-                       OUTPUT_DIR=str(tmp_path))
+    notebook = execute(
+        "gate_on_text.ipynb", RUN=str(tmp_path / "no_run"), WARM_START_STEPS=5, NUM_PROBLEMS=2, OUTPUT_DIR=str(tmp_path)
+    )
     assert "warm-started" in streamed(notebook)
     (page,) = outputs(notebook, "text/html")
-    assert page.count("<span title=\"t=") >= 4 and "kappa=" in page and " H=" in page
+    assert page.count('<span title="t=') >= 4 and "kappa=" in page and " H=" in page
     assert (tmp_path / "gate_on_text.png").stat().st_size > 10_000
 
 

@@ -14,15 +14,21 @@ from ml_collections import config_flags
 from comppo_jax import cli, sharding
 
 _STALL = flags.DEFINE_float("stall_s", 60.0, "How long process 1 stalls before the second all-reduce.")
-_CONFIG = config_flags.DEFINE_config_dict("config", ml_collections.ConfigDict(
-    {"mesh": {"distributed": False, "coordinator_address": "", "num_processes": 1, "process_id": 0}}))
+_CONFIG = config_flags.DEFINE_config_dict(
+    "config",
+    ml_collections.ConfigDict(
+        {"mesh": {"distributed": False, "coordinator_address": "", "num_processes": 1, "process_id": 0}}
+    ),
+)
 
 
 def main(argv):
     del argv
     sharding.initialize_distributed(_CONFIG.value.mesh)
     mesh = Mesh(np.array(jax.devices()), ("d",))
-    total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec()))
+    total = jax.jit(
+        jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec())
+    )
     x = jax.device_put(jnp.ones(jax.device_count()), NamedSharding(mesh, PartitionSpec("d")))
     for call in range(2):
         if call == 1 and jax.process_index() == 1:

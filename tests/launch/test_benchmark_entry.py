@@ -12,8 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def benchmark(*args):
-    return subprocess.run([sys.executable, "launch/benchmark.py", *args], cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "launch/benchmark.py", *args],
+        cwd=ROOT,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_forward_suite_prints_ratio_table():
@@ -43,7 +49,11 @@ def test_kernel_suite_prints_time_and_memory_side_by_side():
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
     # Plain attention, the kernel, and the kernel with every optional statistic ("+ entropy, ...").
-    assert [row[1] for row in rows] == ["dot_product_attention", "attention_with_concentration", "attention_with_concentration"]
+    assert [row[1] for row in rows] == [
+        "dot_product_attention",
+        "attention_with_concentration",
+        "attention_with_concentration",
+    ]
     assert "+" in rows[2] and "+" not in rows[1]
     assert rows[0][-2] == "1.00x" and rows[1][-2] == "1.00x" and rows[2][-2].endswith("x")  # vs plain; vs H only
     assert all(float(row[-1]) > 0 for row in rows)  # memory MiB

@@ -14,8 +14,16 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import (CPU_ONLY_ENV, REPO, WALL_CLOCK, assert_same_checkpoint_state, cluster_tail, on_local_cluster, restored_on_one_device,
-                      small_train_flags)
+from conftest import (
+    CPU_ONLY_ENV,
+    REPO,
+    WALL_CLOCK,
+    assert_same_checkpoint_state,
+    cluster_tail,
+    on_local_cluster,
+    restored_on_one_device,
+    small_train_flags,
+)
 
 # One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
 # time, so rewards, advantages and gradients carry signal (not rounding noise) to compare. Dynamic
@@ -24,11 +32,28 @@ from conftest import (CPU_ONLY_ENV, REPO, WALL_CLOCK, assert_same_checkpoint_sta
 # the stream's position across a preemption are checked on two processes too. The mesh splits the
 # weights over fsdp, so the sampler decodes in its own layout (rollout.mesh.tensor=auto: groups of
 # the 2 tensor devices, replicated 4 times), resharded across both processes every step.
-POD_RUN = dict(steps=3, warm_start__steps=120, warm_start__learning_rate=2e-3, data__train_size=200, data__dev_size=4, data__min_steps=1,
-               data__max_steps=1, data__operations="+", rollout__max_new_tokens=20, train__minibatch_size=4, train__eval_every=2,
-               checkpoint__keep_last=10, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, rollout__dynamic_sampling=True,
-               rollout__dynamic_sampling_filter="reward")
+POD_RUN = dict(
+    steps=3,
+    warm_start__steps=120,
+    warm_start__learning_rate=2e-3,
+    data__train_size=200,
+    data__dev_size=4,
+    data__min_steps=1,
+    data__max_steps=1,
+    data__operations="+",
+    rollout__max_new_tokens=20,
+    train__minibatch_size=4,
+    train__eval_every=2,
+    checkpoint__keep_last=10,
+    mesh__data=2,
+    mesh__fsdp=2,
+    mesh__tensor=2,
+    rollout__dynamic_sampling=True,
+    rollout__dynamic_sampling_filter="reward",
+)
 LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
+
+
 @pytest.fixture(scope="module")
 def warm_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("warm_start_cache")
@@ -40,12 +65,21 @@ def flags(run_dir, cache, **overrides):
 
 def one_process(run_dir, cache, devices=8, **overrides):
     env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, "launch/train.py", *flags(run_dir, cache, **overrides)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "launch/train.py", *flags(run_dir, cache, **overrides)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def rows(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +109,13 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache
                 assert a[name] == b[name], (a["step"], name)
     a, b = restored_on_one_device(two, LAST_CHECKPOINT), restored_on_one_device(one, LAST_CHECKPOINT)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(x, np.float64),
+            np.asarray(y, np.float64),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=jax.tree_util.keystr(path),
+        )
     # Only process 0 writes: one TensorBoard event file per launch (a rerun after a gloo timeout
     # opens its own), the summary printed once, the same files as one process.
     assert 1 <= len(os.listdir(two / "tensorboard")) <= launches
@@ -83,10 +123,16 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache
     assert "[p0] {" in output and "[p1] {" not in output
 
     # launch/eval.py the same way: every process evaluates, process 0 writes.
-    evaluated = on_local_cluster([*flags(two, warm_cache), f"--checkpoint={two}", "--config.eval.samples=2"], script="launch/eval.py")
+    evaluated = on_local_cluster(
+        [*flags(two, warm_cache), f"--checkpoint={two}", "--config.eval.samples=2"], script="launch/eval.py"
+    )
     assert evaluated.returncode == 0, cluster_tail(evaluated)
     results = json.loads((two / "eval" / f"step_{LAST_CHECKPOINT}" / "results.json").read_text())
-    assert results["rows"][0]["set"] == "id_dev" and "[p0] | id_dev | 4 |" in evaluated.stdout and "[p1] | id_dev" not in evaluated.stdout
+    assert (
+        results["rows"][0]["set"] == "id_dev"
+        and "[p0] | id_dev | 4 |" in evaluated.stdout
+        and "[p1] | id_dev" not in evaluated.stdout
+    )
 
 
 @pytest.mark.slow
@@ -95,14 +141,20 @@ def test_two_process_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path
     split = tmp_path / "split"
     metrics = split / "metrics.jsonl"
     stopped_at = int(np.random.default_rng().integers(1, 3))  # SIGTERM (a preempted slice) once 1 or 2 steps are logged
-    stopped = on_local_cluster(flags(split, warm_cache), signal_after_rows=stopped_at, signum=signal.SIGTERM, metrics=metrics)
+    stopped = on_local_cluster(
+        flags(split, warm_cache), signal_after_rows=stopped_at, signum=signal.SIGTERM, metrics=metrics
+    )
     assert stopped.returncode == 0, cluster_tail(stopped)
     saved = [line for line in stopped.stdout.splitlines() if "stopped: checkpoint" in line]
-    assert len(saved) == 1 and saved[0].startswith("[p0] ") and saved[0].endswith("--config.resume=True"), cluster_tail(stopped)
+    assert len(saved) == 1 and saved[0].startswith("[p0] ") and saved[0].endswith("--config.resume=True"), cluster_tail(
+        stopped
+    )
     assert not (split / "summary.json").exists()
 
     # Resumed, then SIGKILL (no chance to save) one step later, then resumed again to the end.
-    killed = on_local_cluster(flags(split, warm_cache, resume=True), signal_after_rows=stopped_at + 2, signum=signal.SIGKILL, metrics=metrics)
+    killed = on_local_cluster(
+        flags(split, warm_cache, resume=True), signal_after_rows=stopped_at + 2, signum=signal.SIGKILL, metrics=metrics
+    )
     assert killed.returncode != 0
     finished = on_local_cluster(flags(split, warm_cache, resume=True))
     assert finished.returncode == 0, cluster_tail(finished)
@@ -118,9 +170,24 @@ def test_a_stalled_process_ends_the_run_within_the_collective_timeout():
     slower compile), it exits at once (not in jax.distributed's shutdown barrier), and process 1 stops
     with it, so the run ends long before the stall would."""
     start = time.time()
-    result = subprocess.run([sys.executable, "launch/local_cluster.py", "--processes=2", "--devices_per_process=2", "--collective_timeout_s=20",
-                             "--grace_s=1", "--", "tests/launch/collective_stall.py", "--stall_s=120"], cwd=REPO, env=CPU_ONLY_ENV,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "launch/local_cluster.py",
+            "--processes=2",
+            "--devices_per_process=2",
+            "--collective_timeout_s=20",
+            "--grace_s=1",
+            "--",
+            "tests/launch/collective_stall.py",
+            "--stall_s=120",
+        ],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     elapsed = time.time() - start
     events = "\n".join(line for line in result.stdout.splitlines() if "all-reduce" in line or "error" in line.lower())
     assert result.returncode != 0, events

@@ -14,14 +14,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_score_demo_prints_per_token_concentration():
     result = subprocess.run(
-        [sys.executable, "launch/score.py", "--config=configs/tiny.py", "--batch_size=2", "--response_length=12",
-         "--config.model.arch.num_layers=2"],
-        cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "launch/score.py",
+            "--config=configs/tiny.py",
+            "--batch_size=2",
+            "--response_length=12",
+            "--config.model.arch.num_layers=2",
+        ],
+        cwd=ROOT,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("model: qwen3, 2 layers")
-    table = lines[lines.index(next(l for l in lines if l.split() == ["t", "token", "n_t", "H_t", "c_t", "kappa_t"])) + 1 :]
+    table = lines[
+        lines.index(next(l for l in lines if l.split() == ["t", "token", "n_t", "H_t", "c_t", "kappa_t"])) + 1 :
+    ]
     first, second, third = (row.split() for row in table[:3])
     assert (first[2], first[3]) == ("0", "0.0000")  # y_1 has an empty response window
     assert (second[2], second[3]) == ("1", "1.0000")  # one key: H = 1

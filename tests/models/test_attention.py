@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 
 from comppo_jax.models import ConfigError, ModelConfig, forward, init_params
-from comppo_jax.models.attention import (chunked_attention, cudnn_attention, resolve_implementation, splash_attention,
-                                         training_attention)
+from comppo_jax.models.attention import (
+    chunked_attention,
+    cudnn_attention,
+    resolve_implementation,
+    splash_attention,
+    training_attention,
+)
 from pallas_kernels.common import causal_attention
 
 
@@ -63,7 +68,9 @@ def test_attention_path_matches_reference_forward_and_gradient(path):
 @pytest.mark.parametrize("length", [1, 3])
 def test_one_block_attention_handles_fewer_queries_than_slices(length):
     q, k, v, mask, _ = inputs(batch=2, length=length)
-    np.testing.assert_allclose(chunked_attention(q, k, v, jnp.ones_like(mask)), causal_attention(q, k, v, jnp.ones_like(mask)), atol=1e-6)
+    np.testing.assert_allclose(
+        chunked_attention(q, k, v, jnp.ones_like(mask)), causal_attention(q, k, v, jnp.ones_like(mask)), atol=1e-6
+    )
 
 
 def test_bfloat16_chunked_attention_is_close_to_the_float32_reference():
@@ -87,11 +94,15 @@ def test_cudnn_attention_matches_the_float32_reference_forward_and_gradient(dtyp
     reference = causal_attention(up(q), up(k), up(v), mask)
     assert out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(reference)[real], atol=3e-2)
-    _, grads = jax.jit(lambda q, k, v: value_and_grads(lambda q, k, v: cudnn_attention(q, k, v, mask), q, k, v, weights))(q, k, v)
+    _, grads = jax.jit(
+        lambda q, k, v: value_and_grads(lambda q, k, v: cudnn_attention(q, k, v, mask), q, k, v, weights)
+    )(q, k, v)
     _, expected = value_and_grads(lambda q, k, v: causal_attention(q, k, v, mask), up(q), up(k), up(v), weights)
     for name, grad, want in zip("qkv", grads, expected):
         want = np.asarray(want)
-        np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=2e-2 * np.abs(want).max(), err_msg=f"d{name}")
+        np.testing.assert_allclose(
+            np.asarray(grad, np.float32), want, atol=2e-2 * np.abs(want).max(), err_msg=f"d{name}"
+        )
 
 
 def temp_bytes(fn, *args):
@@ -101,7 +112,7 @@ def temp_bytes(fn, *args):
 def test_chunked_attention_gradient_never_materializes_the_length_squared_logits():
     q, k, v, mask, weights = inputs(batch=1, length=2048, heads=2, kv_heads=1, head_dim=16)
     logits_bytes = 2 * 2048 * 2048 * 4  # one float32 [H, L, L] logits tensor
-    grad = lambda attention: (lambda q, k, v: value_and_grads(lambda q, k, v: attention(q, k, v, mask), q, k, v, weights))
+    grad = lambda attention: lambda q, k, v: value_and_grads(lambda q, k, v: attention(q, k, v, mask), q, k, v, weights)
     dense = temp_bytes(grad(causal_attention), q, k, v)
     chunked = temp_bytes(grad(lambda q, k, v, m: chunked_attention(q, k, v, m, block_q=128, block_k=128)), q, k, v)
     assert dense >= logits_bytes  # the reference does hold [L, L] (the check has teeth)
@@ -126,16 +137,35 @@ def test_bad_attention_inputs_are_named():
         training_attention(q[:, :, :3], k, v, mask)
     for field, value in (("attention", "flash"), ("remat", "some"), ("logits_chunk", -1)):
         with pytest.raises(ConfigError, match=field):
-            ModelConfig(architecture="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
-                        num_kv_heads=1, head_dim=4, **{field: value})
+            ModelConfig(
+                architecture="qwen3",
+                vocab_size=8,
+                hidden_size=8,
+                intermediate_size=8,
+                num_layers=1,
+                num_heads=2,
+                num_kv_heads=1,
+                head_dim=4,
+                **{field: value},
+            )
 
 
-CONFIG = ModelConfig(architecture="qwen3", vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                     num_kv_heads=2, head_dim=8, attention="xla")
+CONFIG = ModelConfig(
+    architecture="qwen3",
+    vocab_size=40,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attention="xla",
+)
 
 
-@pytest.mark.parametrize("attention,remat", [("chunked", "full"), ("splash_interpret", "none"), ("xla", "dots"),
-                                             ("xla", "dots_no_batch")])
+@pytest.mark.parametrize(
+    "attention,remat", [("chunked", "full"), ("splash_interpret", "none"), ("xla", "dots"), ("xla", "dots_no_batch")]
+)
 def test_forward_logits_and_gradient_do_not_depend_on_attention_or_remat(attention, remat):
     params = init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.3)
     rng = np.random.default_rng(1)
@@ -182,5 +212,7 @@ print("ok", error)
 
 def test_splash_runs_per_shard_under_a_context_mesh():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", SHARDED_SPLASH], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED_SPLASH], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -8,13 +8,20 @@ import numpy as np
 import pytest
 from conftest import nested_jaxprs, right_padded_batch
 
+import pallas_kernels
 from comppo_jax import sharding
 from comppo_jax.models import ModelConfig, forward, init_params, param_shapes
-import pallas_kernels
 
 CONFIG = ModelConfig(
-    architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
-    num_heads=4, num_kv_heads=1, head_dim=8, tie_word_embeddings=False,
+    architecture="qwen3",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=8,
+    tie_word_embeddings=False,
 )
 
 
@@ -111,7 +118,9 @@ def test_unrolled_fused_layers_on_cpu_equal_the_scanned_layers_of_an_accelerator
     real = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(cpu_out.logits)[real], np.asarray(scanned_out.logits)[real], atol=1e-5)
     np.testing.assert_allclose(cpu_out.herfindahl, scanned_out.herfindahl, atol=1e-6)
-    for path, cpu, scanned in zip(jax.tree_util.tree_leaves_with_path(cpu_grads), jax.tree.leaves(cpu_grads), jax.tree.leaves(scanned_grads)):
+    for path, cpu, scanned in zip(
+        jax.tree_util.tree_leaves_with_path(cpu_grads), jax.tree.leaves(cpu_grads), jax.tree.leaves(scanned_grads)
+    ):
         np.testing.assert_allclose(cpu, scanned, atol=1e-5, err_msg=jax.tree_util.keystr(path[0]))
 
 
@@ -124,7 +133,14 @@ def test_only_the_final_layer_runs_the_kernel_and_it_matches_the_reference(param
     args = (params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask))
     window_start = jnp.asarray([3, 0], jnp.int32)
     # One kernel in the layer scan, selected by lax.cond at the last index; none without a window.
-    assert count_pallas_calls(jax.make_jaxpr(lambda *a: forward(*a, window_start, concentration_backend="interpret"), static_argnums=1)(*args).jaxpr) == 1
+    assert (
+        count_pallas_calls(
+            jax.make_jaxpr(lambda *a: forward(*a, window_start, concentration_backend="interpret"), static_argnums=1)(
+                *args
+            ).jaxpr
+        )
+        == 1
+    )
     assert count_pallas_calls(jax.make_jaxpr(lambda *a: forward(*a), static_argnums=1)(*args).jaxpr) == 0
 
     kernel = forward(*args, window_start, concentration_backend="interpret")
@@ -140,8 +156,15 @@ def test_final_attention_inputs_reproduce_the_final_layer_lse(params):
     window_start = jnp.asarray([2, 4], jnp.int32)
     out = forward(params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask), window_start, return_final_attention=True)
     q, k, lse = out.final_attention
-    assert q.shape == (2, 11, CONFIG.num_heads, CONFIG.head_dim) and k.shape == (2, 11, CONFIG.num_kv_heads, CONFIG.head_dim)
-    *_, expected = pallas_kernels.attention_with_concentration(q, k, k, jnp.asarray(mask), window_start, backend="reference", return_lse=True)
+    assert q.shape == (2, 11, CONFIG.num_heads, CONFIG.head_dim) and k.shape == (
+        2,
+        11,
+        CONFIG.num_kv_heads,
+        CONFIG.head_dim,
+    )
+    *_, expected = pallas_kernels.attention_with_concentration(
+        q, k, k, jnp.asarray(mask), window_start, backend="reference", return_lse=True
+    )
     np.testing.assert_allclose(lse, expected, atol=1e-5)
     assert run(params, tokens, mask, [2, 4]).final_attention is None
     with pytest.raises(ValueError, match="return_final_attention and concentration_statistics need window_start"):
@@ -153,11 +176,23 @@ def test_final_attention_inputs_reproduce_the_final_layer_lse(params):
     [
         (np.zeros((2, 4), np.float32), np.ones((2, 4), bool), None, None, r"tokens must be int \[B, L\]"),
         (np.zeros((2, 4), np.int32), np.ones((2, 4), np.int32), None, None, r"attention_mask must be bool \(2, 4\)"),
-        (np.zeros((2, 4), np.int32), np.ones((2, 4), bool), np.zeros((3,), np.int32), None, r"window_start must be int \[B\] = \[2\]"),
+        (
+            np.zeros((2, 4), np.int32),
+            np.ones((2, 4), bool),
+            np.zeros((3,), np.int32),
+            None,
+            r"window_start must be int \[B\] = \[2\]",
+        ),
         (np.zeros((2, 4), np.int32), np.ones((2, 4), bool), None, (0, 3), r"hidden_layers \[3\] out of range \[0, 2\]"),
     ],
 )
 def test_bad_inputs_are_named(params, tokens, mask, window_start, hidden_layers, message):
     with pytest.raises(ValueError, match=message):
-        forward(params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask),
-                None if window_start is None else jnp.asarray(window_start), hidden_layers=hidden_layers)
+        forward(
+            params,
+            CONFIG,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            None if window_start is None else jnp.asarray(window_start),
+            hidden_layers=hidden_layers,
+        )

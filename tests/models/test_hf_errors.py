@@ -41,7 +41,9 @@ def test_mis_shaped_tensor_is_named_with_both_shapes(checkpoint_copy):
         tensors["model.layers.2.self_attn.k_proj.weight"] = tensors["model.layers.2.self_attn.k_proj.weight"][:-1]
 
     edit_tensors(checkpoint_copy, shrink)
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.self_attn\.k_proj\.weight'.*shape \(31, 64\), expected \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'model\.layers\.2\.self_attn\.k_proj\.weight'.*shape \(31, 64\), expected \(32, 64\)"
+    ):
         from_hf(checkpoint_copy)
 
 
@@ -63,8 +65,14 @@ def test_unsupported_architecture_is_named(checkpoint_copy):
         (lambda c: c.update(hidden_act="gelu"), r"'hidden_act'='gelu' is not supported"),
         (lambda c: c.update(attention_bias=True), r"'attention_bias'=true is not supported"),
         (lambda c: c.pop("num_hidden_layers"), r"'num_hidden_layers' is missing"),
-        (lambda c: c.update(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}), r"'rope_parameters\.rope_type'='yarn'"),
-        (lambda c: c.update(rope_parameters={"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}), r"'rope_parameters\.low_freq_factor' is missing"),
+        (
+            lambda c: c.update(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}),
+            r"'rope_parameters\.rope_type'='yarn'",
+        ),
+        (
+            lambda c: c.update(rope_parameters={"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}),
+            r"'rope_parameters\.low_freq_factor' is missing",
+        ),
     ],
 )
 def test_unsupported_or_missing_config_fields_are_named(checkpoint_copy, edit, message):
@@ -85,7 +93,9 @@ def test_index_pointing_at_a_missing_shard(checkpoint_copy):
     index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
     with open(os.path.join(checkpoint_copy, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
-    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors \(listed in .*index\.json\) not found"):
+    with pytest.raises(
+        CheckpointError, match=r"model-00002-of-00002\.safetensors \(listed in .*index\.json\) not found"
+    ):
         from_hf(checkpoint_copy)
 
 

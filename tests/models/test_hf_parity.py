@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import right_padded_batch, rewrite_config
+from conftest import rewrite_config, right_padded_batch
 
 from comppo_jax.models import ModelConfig, forward, from_hf, to_hf
 
@@ -80,7 +80,10 @@ def test_selected_hidden_layers(hf_checkpoint):
     assert out.hidden_states.shape == (3, *tokens.shape, config.hidden_size)
     assert out.herfindahl is None and out.window_size is None
     for slot, index in enumerate(selected):
-        assert max_relative_error(np.asarray(out.hidden_states[slot]), reference.hidden_states[index].numpy(), mask) <= 1e-4
+        assert (
+            max_relative_error(np.asarray(out.hidden_states[slot]), reference.hidden_states[index].numpy(), mask)
+            <= 1e-4
+        )
 
 
 def to_transformers_4_layout(config):
@@ -151,6 +154,9 @@ def test_model_config_matches_hf_field_mapping(hf_checkpoint):
     hf = model.config
     assert isinstance(config, ModelConfig)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads
+        hf.num_hidden_layers,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.hidden_size // hf.num_attention_heads,
     )
     assert config.eos_token_ids == (2,)

@@ -12,8 +12,17 @@ from conftest import right_padded_batch
 from comppo_jax import sharding
 from comppo_jax.models import ModelConfig, forward, init_params, lora
 
-CONFIG = ModelConfig(architecture="qwen3", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=8, lora_alpha=16.0)
+CONFIG = ModelConfig(
+    architecture="qwen3",
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    lora_alpha=16.0,
+)
 ALL = lora.LoraConfig(rank=4, alpha=16.0)
 
 
@@ -22,7 +31,11 @@ def trained_adapters(config=CONFIG, spec=ALL, seed=1):
     adapters = lora.init_adapters(config, spec, jax.random.PRNGKey(seed))
     keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 100))
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: 0.3 * jax.random.normal(next(keys), x.shape) if jax.tree_util.keystr(path).endswith("_lora_b']") else x, adapters)
+        lambda path, x: (
+            0.3 * jax.random.normal(next(keys), x.shape) if jax.tree_util.keystr(path).endswith("_lora_b']") else x
+        ),
+        adapters,
+    )
 
 
 def logits(params, config=CONFIG):
@@ -58,7 +71,9 @@ def test_merged_and_unmerged_forwards_agree_in_float32(base, targets):
 def test_split_join_and_base_share_the_base_arrays(base):
     adapted = lora.join(base, trained_adapters())
     trainable, frozen = lora.split(adapted)
-    assert set(trainable["layers"]) == {w + s for w in ALL.weights for s in ("_lora_a", "_lora_b")} and set(trainable) == {"layers"}
+    assert set(trainable["layers"]) == {w + s for w in ALL.weights for s in ("_lora_a", "_lora_b")} and set(
+        trainable
+    ) == {"layers"}
     assert all(a is b for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base)))
     assert all(a is b for a, b in zip(jax.tree.leaves(lora.base(adapted)), jax.tree.leaves(base)))
     assert jax.tree.structure(lora.join(frozen, trainable)) == jax.tree.structure(adapted)
@@ -66,15 +81,23 @@ def test_split_join_and_base_share_the_base_arrays(base):
 
 
 def test_adapter_shapes_and_init():
-    adapters = lora.init_adapters(CONFIG, lora.LoraConfig(rank=3, targets=("q", "down")), jax.random.PRNGKey(0))["layers"]
-    assert {name: x.shape for name, x in adapters.items()} == {"q_proj_lora_a": (2, 32, 3), "q_proj_lora_b": (2, 3, 32),
-                                                              "down_proj_lora_a": (2, 48, 3), "down_proj_lora_b": (2, 3, 32)}
+    adapters = lora.init_adapters(CONFIG, lora.LoraConfig(rank=3, targets=("q", "down")), jax.random.PRNGKey(0))[
+        "layers"
+    ]
+    assert {name: x.shape for name, x in adapters.items()} == {
+        "q_proj_lora_a": (2, 32, 3),
+        "q_proj_lora_b": (2, 3, 32),
+        "down_proj_lora_a": (2, 48, 3),
+        "down_proj_lora_b": (2, 3, 32),
+    }
     assert not np.any(adapters["q_proj_lora_b"]) and 0 < np.abs(adapters["q_proj_lora_a"]).max() <= 1 / np.sqrt(32)
 
 
 def test_adapters_follow_their_base_weights_sharding_rule():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
-    specs = jax.tree.map(lambda s: s.spec, sharding.tree_shardings(mesh, lora.init_adapters(CONFIG, ALL, jax.random.PRNGKey(0))))
+    specs = jax.tree.map(
+        lambda s: s.spec, sharding.tree_shardings(mesh, lora.init_adapters(CONFIG, ALL, jax.random.PRNGKey(0)))
+    )
     for weight in ALL.weights:
         _, fan_in, fan_out = sharding.PARAM_RULES[weight]
         assert specs["layers"][weight + "_lora_a"] == sharding.P(None, fan_in, None)

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import TPU_TOPOLOGIES, hlo_shapes, jaxpr_shapes, square, tpu_devices
 
 from comppo_jax.models import preset_model_config
@@ -62,6 +61,7 @@ def test_no_l_by_l_intermediate_and_linear_memory_at_8192(backend):
 
 # --- TPU ahead-of-time compiles (libtpu) -------------------------------------------------------
 
+
 def tpu_mesh(chip):
     # One chip: a Mosaic kernel is not auto-partitioned (sharding is the caller's shard_map).
     return jax.sharding.Mesh(np.array(tpu_devices(chip)[:1]), ("x",))
@@ -70,7 +70,11 @@ def tpu_mesh(chip):
 def qwen3_4b_final_layer(length):
     config = preset_model_config("qwen3_4b")
     return kernel_inputs(
-        length, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=jnp.bfloat16
+        length,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=jnp.bfloat16,
     )
 
 
@@ -81,7 +85,9 @@ def test_tpu_kernel_compiles_at_qwen3_4b_final_layer_shapes(chip, length):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     f = functools.partial(attention_with_concentration, backend="tpu")
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        lowered = jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(length)).lower()
+        lowered = (
+            jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(length)).lower()
+        )
         compiled = lowered.compile()
     assert "tpu_custom_call" in compiled.as_text()
     assert compiled.memory_analysis() is not None
@@ -94,7 +100,12 @@ def test_tpu_kernel_compiles_bf16_under_a_global_highest_matmul_precision():
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     f = functools.partial(attention_with_concentration, backend="tpu")
     with jax.default_matmul_precision("highest"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(4096)).lower().compile()
+        compiled = (
+            jax.jit(f, in_shardings=replicated, out_shardings=replicated)
+            .trace(*qwen3_4b_final_layer(4096))
+            .lower()
+            .compile()
+        )
     assert "tpu_custom_call" in compiled.as_text()
 
 
@@ -109,7 +120,12 @@ def test_tpu_kernel_with_every_statistic_compiles_within_the_memory_of_herfindah
     for statistics in ((), STATISTICS):
         f = functools.partial(attention_with_concentration, backend="tpu", statistics=statistics)
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(16384)).lower().compile()
+            compiled = (
+                jax.jit(f, in_shardings=replicated, out_shardings=replicated)
+                .trace(*qwen3_4b_final_layer(16384))
+                .lower()
+                .compile()
+            )
         analysis = compiled.memory_analysis()
         memory[statistics] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
     assert memory[STATISTICS] <= 1.1 * memory[()], memory
@@ -119,7 +135,10 @@ def test_tpu_kernel_compiles_for_fp32_inputs():
     """fp32 doubles the blocks; the default block sizes must still fit the scoped VMEM (v4: 16 MiB)."""
     mesh = tpu_mesh("v4")
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    inputs = [jax.ShapeDtypeStruct(x.shape, jnp.float32 if x.dtype == jnp.bfloat16 else x.dtype) for x in qwen3_4b_final_layer(4096)]
+    inputs = [
+        jax.ShapeDtypeStruct(x.shape, jnp.float32 if x.dtype == jnp.bfloat16 else x.dtype)
+        for x in qwen3_4b_final_layer(4096)
+    ]
     f = functools.partial(attention_with_concentration, backend="tpu")
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*inputs).lower().compile()

@@ -108,7 +108,9 @@ PROPERTY_LENGTH = 40
 def test_herfindahl_lies_in_one_over_n_to_one(length, group, window_fraction, seed):
     q, k, v, mask = random_inputs(seed, lengths=property_lengths(length), num_heads=2 * group, num_kv_heads=2)
     window_start = jnp.asarray([int(window_fraction * length)] * 3, jnp.int32)
-    _, herfindahl, window_size = attention_with_concentration(q, k, v, mask, window_start, backend="interpret", **BLOCKS)
+    _, herfindahl, window_size = attention_with_concentration(
+        q, k, v, mask, window_start, backend="interpret", **BLOCKS
+    )
     h, n = np.asarray(herfindahl, np.float64), np.asarray(window_size)
     has_window = n > 0
     assert (h[has_window] >= 1 / n[has_window] - 1e-6).all() and (h[has_window] <= 1 + 1e-6).all()
@@ -155,28 +157,39 @@ def test_statistics_match_reference(backend, dtype, window_start, sink_tokens):
     window_start = jnp.asarray(window_start, jnp.int32)
     kernel = jax.jit(functools.partial(BLOCKWISE[backend], statistics=STATISTICS, sink_tokens=sink_tokens, **BLOCKS))
     out, herfindahl, window_size, statistics = kernel(q, k, v, mask, window_start)
-    expected_out, expected_h, expected_n, expected = reference(q, k, v, mask, window_start, statistics=STATISTICS,
-                                                               sink_tokens=sink_tokens)
+    expected_out, expected_h, expected_n, expected = reference(
+        q, k, v, mask, window_start, statistics=STATISTICS, sink_tokens=sink_tokens
+    )
     np.testing.assert_allclose(herfindahl, expected_h, atol=1e-5)
     np.testing.assert_array_equal(window_size, expected_n)
     assert sorted(statistics) == sorted(STATISTICS)
     for name in STATISTICS:  # entropy is in nats, up to log(45) ~ 3.8
-        np.testing.assert_allclose(statistics[name], expected[name], atol=1e-5 if name != "entropy" else 4e-5, err_msg=name)
+        np.testing.assert_allclose(
+            statistics[name], expected[name], atol=1e-5 if name != "entropy" else 4e-5, err_msg=name
+        )
     alone = BLOCKWISE[backend](q, k, v, mask, window_start, **BLOCKS)
     np.testing.assert_array_equal(np.asarray(alone[1]), np.asarray(herfindahl))
 
 
 @settings(max_examples=8, deadline=None)
-@given(length=st.integers(1, PROPERTY_LENGTH), window_fraction=st.floats(0.0, 1.0), sink_tokens=st.integers(0, 6), seed=st.integers(0, 2**16))
+@given(
+    length=st.integers(1, PROPERTY_LENGTH),
+    window_fraction=st.floats(0.0, 1.0),
+    sink_tokens=st.integers(0, 6),
+    seed=st.integers(0, 2**16),
+)
 def test_statistics_lie_in_their_ranges(length, window_fraction, sink_tokens, seed):
     """0 <= E <= log n, 1/n <= max weight <= 1, 1/n' <= sink H <= 1, and every c in [0, 1]."""
     q, k, v, mask = random_inputs(seed, lengths=property_lengths(length), num_heads=4, num_kv_heads=2)
     window_start = jnp.asarray([int(window_fraction * length)] * 3, jnp.int32)
-    _, _, n, statistics = attention_with_concentration(q, k, v, mask, window_start, backend="interpret", statistics=STATISTICS,
-                                                       sink_tokens=sink_tokens, **BLOCKS)
+    _, _, n, statistics = attention_with_concentration(
+        q, k, v, mask, window_start, backend="interpret", statistics=STATISTICS, sink_tokens=sink_tokens, **BLOCKS
+    )
     n = np.asarray(n)
     sink_n = np.asarray(window_sizes(mask, window_start + sink_tokens))
-    entropy, peak, sink_h = (np.asarray(statistics[name], np.float64) for name in ("entropy", "max_weight", "sink_herfindahl"))
+    entropy, peak, sink_h = (
+        np.asarray(statistics[name], np.float64) for name in ("entropy", "max_weight", "sink_herfindahl")
+    )
     has = n > 0
     assert (entropy[has] >= -1e-5).all() and (entropy[has] <= np.log(n[has]) + 1e-5).all()
     assert (peak[has] >= 1 / n[has] - 1e-6).all() and (peak[has] <= 1 + 1e-6).all()
@@ -198,22 +211,33 @@ def test_every_statistic_maps_uniform_to_zero_and_one_hot_to_one(backend):
 
     def concentrations(q, k):
         _, _, n, statistics = ALL_BACKENDS[backend](q, k, v, mask, window_start, **kwargs)
-        return {name: (np.asarray(statistic_concentration(name, statistics[name], n if windows[name] is None else windows[name])),
-                       np.asarray(n if windows[name] is None else windows[name])) for name in STATISTICS}
+        return {
+            name: (
+                np.asarray(
+                    statistic_concentration(name, statistics[name], n if windows[name] is None else windows[name])
+                ),
+                np.asarray(n if windows[name] is None else windows[name]),
+            )
+            for name in STATISTICS
+        }
 
     for name, (c, n) in concentrations(jnp.zeros_like(q), k).items():
         np.testing.assert_allclose(c[n >= 2], 0.0, atol=1e-5, err_msg=name)
     one_hot_key = np.zeros(k.shape, np.float32)
     one_hot_key[np.arange(2), np.asarray(window_start) + sink_tokens, :, 0] = 30.0
     for name, (c, n) in concentrations(jnp.zeros_like(q).at[..., 0].set(30.0), jnp.asarray(one_hot_key)).items():
-        seen = np.arange(40)[None] >= np.asarray(window_start)[:, None] + sink_tokens  # queries that see the one-hot key
+        seen = (
+            np.arange(40)[None] >= np.asarray(window_start)[:, None] + sink_tokens
+        )  # queries that see the one-hot key
         np.testing.assert_allclose(c[(n >= 2) & seen], 1.0, atol=1e-5, err_msg=name)
 
 
 def test_unknown_statistic_is_named():
     q, k, v, mask = random_inputs(5)
     with pytest.raises(ValueError, match=r"unknown concentration statistic 'renyi'"):
-        attention_with_concentration(q, k, v, mask, jnp.zeros((3,), jnp.int32), backend="interpret", statistics=("renyi",))
+        attention_with_concentration(
+            q, k, v, mask, jnp.zeros((3,), jnp.int32), backend="interpret", statistics=("renyi",)
+        )
 
 
 @pytest.mark.parametrize("backend", backends(["interpret", "gpu"]))
@@ -227,6 +251,7 @@ def test_kernel_output_is_differentiable_through_xla_attention(backend):
         return jnp.sum(jnp.sin(out)) + jnp.sum(herfindahl)
 
     kernel_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, backend)
+
     # The reference differentiates H too; subtract that by differentiating with H stopped.
     def reference_loss(q, k, v):
         out, herfindahl, _ = reference(q, k, v, mask, window_start)

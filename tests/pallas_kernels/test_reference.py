@@ -57,7 +57,12 @@ def test_reference_matches_numpy_loop(num_heads, num_kv_heads, window_start):
     q, k, v, mask = random_inputs(0, num_heads=num_heads, num_kv_heads=num_kv_heads)
     window_start = np.asarray(window_start, np.int32)
     out, herfindahl, window_size = attention_with_concentration(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), jnp.asarray(window_start), backend="reference"
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(mask),
+        jnp.asarray(window_start),
+        backend="reference",
     )
     expected_out, expected_h, expected_n, _ = numpy_attention(q, k, v, mask, window_start, 8**-0.5)
     np.testing.assert_allclose(np.asarray(out)[mask], expected_out[mask], atol=1e-5)
@@ -71,8 +76,14 @@ def test_reference_statistics_match_numpy_loop(window_start, sink_tokens):
     q, k, v, mask = random_inputs(1, num_heads=8, num_kv_heads=2)
     window_start = np.asarray(window_start, np.int32)
     *_, statistics = attention_with_concentration(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), jnp.asarray(window_start), backend="reference",
-        statistics=("entropy", "sink_herfindahl", "max_weight"), sink_tokens=sink_tokens,
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(mask),
+        jnp.asarray(window_start),
+        backend="reference",
+        statistics=("entropy", "sink_herfindahl", "max_weight"),
+        sink_tokens=sink_tokens,
     )
     *_, expected = numpy_attention(q, k, v, mask, window_start, 8**-0.5, sink_tokens)
     assert sorted(statistics) == sorted(expected)
@@ -91,4 +102,6 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(ValueError, match=r"attention_mask must be bool"):
         attention_with_concentration(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask, jnp.int32), ws)
     with pytest.raises(ValueError, match=r"backend='cuda' is not available"):
-        attention_with_concentration(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), ws, backend="cuda")
+        attention_with_concentration(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), ws, backend="cuda"
+        )

@@ -12,18 +12,47 @@ from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout import generate
 from comppo_jax.train import decode_layout
 
-_CONFIG = config_flags.DEFINE_config_dict("config", ml_collections.ConfigDict(
-    {"mesh": {"data": 1, "fsdp": 4, "tensor": 2, "distributed": False, "coordinator_address": "", "num_processes": 1,
-              "process_id": 0}}))
-LAYOUTS = ("auto", "1", "4")  # heads 4, kv heads 2: groups of 1, 2 (auto, on a CPU: the mesh's tensor axis) or 4 of the 8 devices
+_CONFIG = config_flags.DEFINE_config_dict(
+    "config",
+    ml_collections.ConfigDict(
+        {
+            "mesh": {
+                "data": 1,
+                "fsdp": 4,
+                "tensor": 2,
+                "distributed": False,
+                "coordinator_address": "",
+                "num_processes": 1,
+                "process_id": 0,
+            }
+        }
+    ),
+)
+LAYOUTS = (
+    "auto",
+    "1",
+    "4",
+)  # heads 4, kv heads 2: groups of 1, 2 (auto, on a CPU: the mesh's tensor axis) or 4 of the 8 devices
 
 
 def main(argv):
     del argv
     sharding.initialize_distributed(_CONFIG.value.mesh)
     assert jax.device_count() == 8, jax.device_count()
-    config = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(6, 7), pad_token_id=0, dtype="float32")
+    config = ModelConfig(
+        architecture="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+        eos_token_ids=(6, 7),
+        pad_token_id=0,
+        dtype="float32",
+    )
     mesh = sharding.make_mesh(_CONFIG.value.mesh)
     params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
     params = sharding.put(params, sharding.tree_shardings(mesh, params))
@@ -38,8 +67,18 @@ def main(argv):
         with jax.set_mesh(mesh):
             sampler = layout.reshard(params)
             with jax.set_mesh(layout.mesh):
-                generation = generate(sampler, config, prompts, mask, jax.random.PRNGKey(1), max_new_tokens=10,
-                                      temperature=temperature, top_p=0.9, num_samples=2, page_size=4)
+                generation = generate(
+                    sampler,
+                    config,
+                    prompts,
+                    mask,
+                    jax.random.PRNGKey(1),
+                    max_new_tokens=10,
+                    temperature=temperature,
+                    top_p=0.9,
+                    num_samples=2,
+                    page_size=4,
+                )
             generation = layout.to_training(generation, mesh)
         return layout, {field: sharding.to_host(value) for field, value in generation._asdict().items()}
 
@@ -52,7 +91,9 @@ def main(argv):
             assert layout.resharded, (value, dict(layout.mesh.shape))
             for field in ("tokens", "attention_mask", "response_tokens", "response_mask", "prompt_lengths"):
                 np.testing.assert_array_equal(rows[field], reference[field], err_msg=f"{value}: {field}")
-            np.testing.assert_allclose(rows["log_probs"], reference["log_probs"], atol=1e-5, rtol=0, err_msg=f"{value}: log_probs")
+            np.testing.assert_allclose(
+                rows["log_probs"], reference["log_probs"], atol=1e-5, rtol=0, err_msg=f"{value}: log_probs"
+            )
             print(f"layout {value} (groups of {layout.tensor}) temperature {temperature}: equal", flush=True)
     print("decode layouts ok", flush=True)
 

@@ -14,8 +14,17 @@ from comppo_jax.rollout.dense import generate_dense
 from comppo_jax.rollout.scoring import score_rollout
 
 CONFIG = ModelConfig(
-    architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(), pad_token_id=0,
+    architecture="qwen3",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+    eos_token_ids=(),
+    pad_token_id=0,
 )
 # Right-padded, left-padded, full and one-token prompt rows.
 PROMPTS = jnp.asarray([[5, 6, 7, 8, 9], [11, 12, 13, 0, 0], [0, 0, 21, 22, 23], [0, 0, 0, 0, 30]], jnp.int32)
@@ -30,26 +39,41 @@ def params():
 @pytest.fixture(scope="module")
 def eos(params):
     """A token the greedy responses emit mid-way, so rows end at different steps."""
-    greedy = generate_dense(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), max_new_tokens=10, temperature=0.0)
+    greedy = generate_dense(
+        params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), max_new_tokens=10, temperature=0.0
+    )
     return int(np.asarray(greedy.response_tokens)[1, 3])
 
 
 def assert_same_generation(a, b, atol=1e-5):
     for field in a._fields:
-        np.testing.assert_allclose(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), atol=atol, err_msg=field)
+        np.testing.assert_allclose(
+            np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), atol=atol, err_msg=field
+        )
 
 
-@pytest.mark.parametrize("page_size,decode_slots,num_samples", [
-    (64, None, 1),  # one page per row, every row decoded at once
-    (2, None, 2),  # pages filled mid-prompt (copy-on-write) and shared by a group
-    (3, 3, 2),  # more rows than slots: rows wait, slots and pages are reused
-    (1, 1, 3),  # one slot: rows run one after another
-])
+@pytest.mark.parametrize(
+    "page_size,decode_slots,num_samples",
+    [
+        (64, None, 1),  # one page per row, every row decoded at once
+        (2, None, 2),  # pages filled mid-prompt (copy-on-write) and shared by a group
+        (3, 3, 2),  # more rows than slots: rows wait, slots and pages are reused
+        (1, 1, 3),  # one slot: rows run one after another
+    ],
+)
 def test_greedy_tokens_and_log_probs_equal_the_dense_sampler(params, eos, page_size, decode_slots, num_samples):
     kwargs = dict(max_new_tokens=10, temperature=0.0, num_samples=num_samples, eos_token_ids=(eos,))
     dense = generate_dense(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), **kwargs)
-    paged = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), page_size=page_size,
-                     decode_slots=decode_slots, **kwargs)
+    paged = generate(
+        params,
+        CONFIG,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(1),
+        page_size=page_size,
+        decode_slots=decode_slots,
+        **kwargs,
+    )
     lengths = np.asarray(paged.response_mask).sum(axis=1)
     assert lengths.min() < 10 and lengths.max() == 10  # EOS ended some rows mid-batch, not all
     assert_same_generation(paged, dense)
@@ -59,17 +83,37 @@ def test_sampled_rows_depend_on_the_rng_only_not_on_slots_or_pages(params):
     kwargs = dict(max_new_tokens=9, temperature=1.0, top_p=0.9, num_samples=3, eos_token_ids=(3, 4))
     reference = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), **kwargs)
     for page_size, decode_slots in [(2, 5), (4, 1), (1, 12)]:
-        other = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), page_size=page_size,
-                         decode_slots=decode_slots, **kwargs)
+        other = generate(
+            params,
+            CONFIG,
+            PROMPTS,
+            PROMPT_MASK,
+            jax.random.PRNGKey(7),
+            page_size=page_size,
+            decode_slots=decode_slots,
+            **kwargs,
+        )
         assert_same_generation(other, reference)
-    assert not np.array_equal(generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(8), **kwargs).tokens,
-                              reference.tokens)
+    assert not np.array_equal(
+        generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(8), **kwargs).tokens, reference.tokens
+    )
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_sampled_log_probs_equal_the_scoring_pass_with_rows_waiting_for_slots(params, temperature, top_p):
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(2), max_new_tokens=7, temperature=temperature,
-                   top_p=top_p, num_samples=2, page_size=2, decode_slots=3)
+    out = generate(
+        params,
+        CONFIG,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(2),
+        max_new_tokens=7,
+        temperature=temperature,
+        top_p=top_p,
+        num_samples=2,
+        page_size=2,
+        decode_slots=3,
+    )
     scored = score_rollout(params, None, CONFIG, out, temperature=temperature, top_k=None, backend="reference")
     np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)
 
@@ -97,7 +141,14 @@ def test_the_pool_holds_the_slots_not_the_rows():
 
 # --- decode attention over pages against a float64 oracle ---------------------------------------
 
-PAGE, NUM_LAYERS, PAGES_PER_LAYER, HEAD_DIM, NUM_HEADS, NUM_KV = 8, 2, 14, 128, 8, 2  # the TPU kernel needs hd % 128 == 0
+PAGE, NUM_LAYERS, PAGES_PER_LAYER, HEAD_DIM, NUM_HEADS, NUM_KV = (
+    8,
+    2,
+    14,
+    128,
+    8,
+    2,
+)  # the TPU kernel needs hd % 128 == 0
 LENGTHS = np.asarray([1, 8, 9, 30, 32], np.int32)  # one token, page boundaries, a partial last page
 
 
@@ -133,8 +184,15 @@ def pool_for(backend, kv):
 @pytest.mark.parametrize("backend", ["xla", "gpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_paged_decode_attention_equals_dense_attention(backend):
     q, kv, tables = attention_inputs()
-    out = paged_cache.decode_attention(jnp.asarray(q), pool_for(backend, kv), 1, jnp.asarray(tables), jnp.asarray(LENGTHS),
-                                       backend=backend, num_pages=tables.shape[1])
+    out = paged_cache.decode_attention(
+        jnp.asarray(q),
+        pool_for(backend, kv),
+        1,
+        jnp.asarray(tables),
+        jnp.asarray(LENGTHS),
+        backend=backend,
+        num_pages=tables.shape[1],
+    )
     np.testing.assert_allclose(np.asarray(out), oracle(q, kv, tables, 1), atol=1e-5)
 
 
@@ -142,8 +200,11 @@ def test_paged_decode_attention_equals_dense_attention(backend):
 def test_the_xla_path_softmax_spans_its_chunks_and_reads_a_traced_page_count(monkeypatch, chunk_tokens):
     monkeypatch.setattr(paged_cache, "XLA_CHUNK_TOKENS", chunk_tokens)
     q, kv, tables = attention_inputs()
-    attend = jax.jit(lambda q, tables, lengths, num_pages: paged_cache.decode_attention(
-        q, pool_for("xla", kv), 1, tables, lengths, backend="xla", num_pages=num_pages))
+    attend = jax.jit(
+        lambda q, tables, lengths, num_pages: paged_cache.decode_attention(
+            q, pool_for("xla", kv), 1, tables, lengths, backend="xla", num_pages=num_pages
+        )
+    )
     out = attend(jnp.asarray(q), jnp.asarray(tables), jnp.asarray(LENGTHS), jnp.int32(tables.shape[1]))
     np.testing.assert_allclose(np.asarray(out), oracle(q, kv, tables, 1), atol=1e-5)
     # Rows up to two pages long only need two pages read; garbage past them changes nothing.
@@ -160,16 +221,28 @@ def test_the_tpu_kernels_reference_reads_our_pool_as_our_xla_path_does():
 
     q, kv, tables = attention_inputs()
     rows = len(LENGTHS)
-    out = ref_ragged_paged_attention(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(LENGTHS), jnp.asarray(tables + PAGES_PER_LAYER),
-                                     jnp.arange(rows + 1, dtype=jnp.int32), jnp.asarray([rows], jnp.int32),
-                                     sm_scale=HEAD_DIM**-0.5)
+    out = ref_ragged_paged_attention(
+        jnp.asarray(q),
+        jnp.asarray(kv),
+        jnp.asarray(LENGTHS),
+        jnp.asarray(tables + PAGES_PER_LAYER),
+        jnp.arange(rows + 1, dtype=jnp.int32),
+        jnp.asarray([rows], jnp.int32),
+        sm_scale=HEAD_DIM**-0.5,
+    )
     np.testing.assert_allclose(np.asarray(out), oracle(q, kv, tables, 1), atol=1e-5)
 
 
 def test_interpreted_tpu_kernel_equals_dense_attention():
     q, kv, tables = attention_inputs()
-    attend = lambda: paged_cache.decode_attention(jnp.asarray(q), pool_for("tpu_interpret", kv), 1, jnp.asarray(tables),
-                                                  jnp.asarray(LENGTHS), backend="tpu_interpret")
+    attend = lambda: paged_cache.decode_attention(
+        jnp.asarray(q),
+        pool_for("tpu_interpret", kv),
+        1,
+        jnp.asarray(tables),
+        jnp.asarray(LENGTHS),
+        backend="tpu_interpret",
+    )
     if jax.__version_info__ < (0, 11):
         # jax 0.10's Pallas TPU interpreter cannot run this kernel; the TPU compile test checks it compiled.
         with pytest.raises(jax.errors.JaxRuntimeError, match="'ReshapeTransform' object has no attribute 'indices'"):
@@ -200,7 +273,18 @@ def test_sampled_log_probs_equal_the_gpu_scoring_pass(gpu_params):
     """On the device's kernels end to end: the paged decode kernel samples, the Triton
     concentration kernel scores, and the log-probs agree as they do on CPU."""
     config, params = GPU_CONFIG, gpu_params
-    out = generate(params, config, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(2), max_new_tokens=8, temperature=1.0, num_samples=2,
-                   page_size=2, decode_slots=3, paged_attention="gpu")
+    out = generate(
+        params,
+        config,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(2),
+        max_new_tokens=8,
+        temperature=1.0,
+        num_samples=2,
+        page_size=2,
+        decode_slots=3,
+        paged_attention="gpu",
+    )
     scored = score_rollout(params, None, config, out, top_k=None, backend="gpu")
     np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)

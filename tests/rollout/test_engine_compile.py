@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tpu_devices
 
 from comppo_jax import sharding
@@ -26,17 +25,30 @@ SLOTS, CONTEXT, PAGE = 16, 16384, 64
 def decode_step_inputs(backend):
     config = dataclasses.replace(preset_model_config("qwen3_4b"), num_layers=2)
     dtype = jnp.dtype(config.dtype)
-    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
     table_width = CONTEXT // PAGE
-    pool = jax.eval_shape(lambda: engine.paged_cache.empty_pool(config.num_layers, 1 + SLOTS * table_width, PAGE,
-                                                                config.num_kv_heads, config.head_dim, dtype, backend))
+    pool = jax.eval_shape(
+        lambda: engine.paged_cache.empty_pool(
+            config.num_layers, 1 + SLOTS * table_width, PAGE, config.num_kv_heads, config.head_dim, dtype, backend
+        )
+    )
     pool = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1,) + a.shape, a.dtype), pool)  # one shard
     rows = lambda *shape: jax.ShapeDtypeStruct((1, SLOTS) + shape, jnp.int32)
 
     def step(params, tokens, pool, tables, length, write_page):  # the stacked (scanned) layers, as on an accelerator
-        return engine.decode_layers(params, engine.layer_weights(params, unrolled=False), config, tokens, pool, tables, length,
-                                    write_page, backend)
+        return engine.decode_layers(
+            params,
+            engine.layer_weights(params, unrolled=False),
+            config,
+            tokens,
+            pool,
+            tables,
+            length,
+            write_page,
+            backend,
+        )
 
     return step, (params, rows(), pool, rows(table_width), rows(), rows())
 
@@ -44,10 +56,17 @@ def decode_step_inputs(backend):
 @pytest.mark.parametrize("chip", ["v5e", "v5p"])
 def test_tpu_decode_step_compiles_at_qwen3_4b_dims_with_a_16k_context(chip):
     step, inputs = decode_step_inputs("tpu")
-    mesh = jax.sharding.Mesh(np.array(tpu_devices(chip)[:1]).reshape(1, 1, 1), sharding.AXES)  # one chip, the run's axes
+    mesh = jax.sharding.Mesh(
+        np.array(tpu_devices(chip)[:1]).reshape(1, 1, 1), sharding.AXES
+    )  # one chip, the run's axes
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = jax.jit(step, in_shardings=replicated, out_shardings=replicated, donate_argnums=2).trace(*inputs).lower().compile()
+        compiled = (
+            jax.jit(step, in_shardings=replicated, out_shardings=replicated, donate_argnums=2)
+            .trace(*inputs)
+            .lower()
+            .compile()
+        )
     assert "ragged_paged_attention" in compiled.as_text()
     pool_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in inputs[2].arrays)
     # The pool is updated in place: the step needs no second copy of it.
@@ -58,7 +77,9 @@ def test_gpu_decode_step_lowers_for_cuda():
     step, inputs = decode_step_inputs("gpu")
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
     # Auto named: jax 0.11's AbstractMesh defaults to Explicit axes, which the decode step's shard_map refuses.
-    mesh = jax.sharding.AbstractMesh((1, 1, 1), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, abstract_device=h100)
+    mesh = jax.sharding.AbstractMesh(
+        (1, 1, 1), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, abstract_device=h100
+    )
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(step).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "paged_attention" in text

@@ -16,8 +16,17 @@ from comppo_jax.rollout.scoring import gather_response, policy_gate, score_rollo
 from pallas_kernels import window_sizes
 
 CONFIG = ModelConfig(
-    architecture="qwen3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(), pad_token_id=0,
+    architecture="qwen3",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+    eos_token_ids=(),
+    pad_token_id=0,
 )
 # Right-padded, left-padded and full prompt rows.
 PROMPTS = jnp.asarray([[5, 6, 7, 8, 9], [11, 12, 13, 0, 0], [0, 0, 21, 22, 23]], jnp.int32)
@@ -62,7 +71,16 @@ def test_kv_cache_logits_equal_full_forward_logits(params):
 def test_eos_stops_rows_and_pads_after_it(params):
     greedy = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), max_new_tokens=6, temperature=0.0)
     eos = int(greedy.response_tokens[0, 2])  # row 0 emits it at step 3 (maybe earlier too)
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), max_new_tokens=6, temperature=0.0, eos_token_ids=(eos,))
+    out = generate(
+        params,
+        CONFIG,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(1),
+        max_new_tokens=6,
+        temperature=0.0,
+        eos_token_ids=(eos,),
+    )
     for row in range(PROMPTS.shape[0]):
         greedy_response = [int(t) for t in greedy.response_tokens[row]]
         expected = greedy_response[: greedy_response.index(eos) + 1] if eos in greedy_response else greedy_response
@@ -76,8 +94,17 @@ def test_eos_stops_rows_and_pads_after_it(params):
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.7)])
 def test_sampling_log_probs_equal_the_scoring_pass(params, temperature, top_p):
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(2), max_new_tokens=7,
-                   temperature=temperature, top_p=top_p, num_samples=2)
+    out = generate(
+        params,
+        CONFIG,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(2),
+        max_new_tokens=7,
+        temperature=temperature,
+        top_p=top_p,
+        num_samples=2,
+    )
     scored = score_rollout(params, params, CONFIG, out, temperature=temperature, top_k=4, backend="reference")
     np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)
     np.testing.assert_allclose(scored.ref_log_probs, out.log_probs, atol=1e-5)
@@ -91,20 +118,37 @@ def test_sampler_log_probs_skip_the_behaviour_pass_only_where_nothing_else_needs
     np.testing.assert_array_equal(kept.log_probs, out.log_probs)
     np.testing.assert_array_equal(kept.kappa, rescored.kappa)
     # No behaviour forward: the reference alone runs, and there is no gate to report.
-    alone = score_rollout(params, params, CONFIG, out, top_k=None, backend="reference", old_log_probs="sampler", behaviour_pass=False)
+    alone = score_rollout(
+        params, params, CONFIG, out, top_k=None, backend="reference", old_log_probs="sampler", behaviour_pass=False
+    )
     np.testing.assert_array_equal(alone.log_probs, out.log_probs)
     np.testing.assert_array_equal(alone.ref_log_probs, rescored.ref_log_probs)
-    assert alone.herfindahl is None and alone.window_size is None and alone.kappa is None and alone.hidden_states.shape[0] == 0
-    for wrong in (dict(), dict(old_log_probs="sampler", top_k=4), dict(old_log_probs="sampler", top_k=None, hidden_layers=(1,))):
-        with pytest.raises(ValueError, match="behaviour_pass=False needs old_log_probs='sampler' and no critic features"):
-            score_rollout(params, None, CONFIG, out, backend="reference", behaviour_pass=False, **{"top_k": None, **wrong})
+    assert (
+        alone.herfindahl is None
+        and alone.window_size is None
+        and alone.kappa is None
+        and alone.hidden_states.shape[0] == 0
+    )
+    for wrong in (
+        dict(),
+        dict(old_log_probs="sampler", top_k=4),
+        dict(old_log_probs="sampler", top_k=None, hidden_layers=(1,)),
+    ):
+        with pytest.raises(
+            ValueError, match="behaviour_pass=False needs old_log_probs='sampler' and no critic features"
+        ):
+            score_rollout(
+                params, None, CONFIG, out, backend="reference", behaviour_pass=False, **{"top_k": None, **wrong}
+            )
     with pytest.raises(ValueError, match="old_log_probs must be one of"):
         score_rollout(params, None, CONFIG, out, top_k=None, backend="reference", old_log_probs="stored")
 
 
 def test_tiny_top_p_keeps_the_argmax_and_sampling_is_deterministic(params):
     greedy = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), max_new_tokens=5, temperature=0.0)
-    nucleus = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), max_new_tokens=5, temperature=1.0, top_p=1e-6)
+    nucleus = generate(
+        params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), max_new_tokens=5, temperature=1.0, top_p=1e-6
+    )
     np.testing.assert_array_equal(nucleus.tokens, greedy.tokens)
     first = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), max_new_tokens=8, num_samples=3)
     again = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), max_new_tokens=8, num_samples=3)
@@ -121,13 +165,17 @@ def test_scoring_pass_reads_the_state_before_each_token(params):
     assert scored.ref_log_probs is None and scored.routing is None and scored.hidden_states.shape[0] == 2
     valid = np.asarray(out.response_mask)
     # Response window: the state before y_t sees n_t = t - 1 response keys.
-    np.testing.assert_array_equal(np.asarray(scored.window_size)[valid], np.broadcast_to(np.arange(6), valid.shape)[valid])
+    np.testing.assert_array_equal(
+        np.asarray(scored.window_size)[valid], np.broadcast_to(np.arange(6), valid.shape)[valid]
+    )
     low, high = gate_range()
     kappa = np.asarray(scored.kappa)
     assert ((kappa[valid] >= low - 1e-6) & (kappa[valid] <= high + 1e-6)).all() and (kappa[~valid] == 0).all()
     full = forward(params, CONFIG, out.tokens, out.attention_mask, out.prompt_lengths)
     np.testing.assert_allclose(
-        np.asarray(scored.herfindahl)[valid], np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid], atol=1e-6
+        np.asarray(scored.herfindahl)[valid],
+        np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid],
+        atol=1e-6,
     )
 
 
@@ -140,17 +188,40 @@ def test_the_gate_reads_the_configured_statistic_and_the_gate_alone_matches_the_
     scored = score_rollout(params, None, CONFIG, out, top_k=None, backend="interpret", **options)
     valid = np.asarray(out.response_mask)
     start = jnp.zeros_like(out.prompt_lengths)
-    full = forward(params, CONFIG, out.tokens, out.attention_mask, start, concentration_backend="reference",
-                   concentration_statistics=(statistic,), sink_tokens=2)
+    full = forward(
+        params,
+        CONFIG,
+        out.tokens,
+        out.attention_mask,
+        start,
+        concentration_backend="reference",
+        concentration_statistics=(statistic,),
+        sink_tokens=2,
+    )
     value = gather_response(full.statistics[statistic], out.prompt_lengths, 6)
-    n = gather_response(window_sizes(out.attention_mask, start + 2) if statistic == "sink_herfindahl" else full.window_size,
-                        out.prompt_lengths, 6)
+    n = gather_response(
+        window_sizes(out.attention_mask, start + 2) if statistic == "sink_herfindahl" else full.window_size,
+        out.prompt_lengths,
+        6,
+    )
     expected = retention_gate(statistic_concentration(statistic, value, n))
     np.testing.assert_allclose(np.asarray(scored.kappa)[valid], np.asarray(expected)[valid], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(scored.herfindahl)[valid],
-                               np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid], atol=1e-6)
-    alone = policy_gate(params, CONFIG, out.tokens, out.attention_mask, out.prompt_lengths, out.response_mask, length=6,
-                        backend="interpret", **options)
+    np.testing.assert_allclose(
+        np.asarray(scored.herfindahl)[valid],
+        np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid],
+        atol=1e-6,
+    )
+    alone = policy_gate(
+        params,
+        CONFIG,
+        out.tokens,
+        out.attention_mask,
+        out.prompt_lengths,
+        out.response_mask,
+        length=6,
+        backend="interpret",
+        **options,
+    )
     np.testing.assert_allclose(np.asarray(alone), np.asarray(scored.kappa), atol=1e-6)
 
 

@@ -11,8 +11,16 @@ from comppo_jax.credit import entropy_from_logits
 from comppo_jax.models import ModelConfig, forward, init_params
 from comppo_jax.rollout import gather_response, policy_token_stats, response_token_stats
 
-CONFIG = ModelConfig(architecture="llama", vocab_size=300, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=8)
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 
 
 def batch(seed=0, prompt=6, length=23):
@@ -22,8 +30,12 @@ def batch(seed=0, prompt=6, length=23):
     total = prompt + length
     tokens = rng.integers(0, CONFIG.vocab_size, (3, total)).astype(np.int32)
     mask = np.arange(total)[None] < (prompt_lengths + response_lengths)[:, None]
-    response = np.stack([np.pad(tokens[i, p : p + length], (0, max(0, p + length - total)))[:length]
-                         for i, p in enumerate(prompt_lengths)])
+    response = np.stack(
+        [
+            np.pad(tokens[i, p : p + length], (0, max(0, p + length - total)))[:length]
+            for i, p in enumerate(prompt_lengths)
+        ]
+    )
     return tuple(jnp.asarray(x) for x in (tokens, mask, prompt_lengths, response))
 
 
@@ -47,7 +59,9 @@ def test_chunked_log_probs_and_entropy_equal_the_dense_ones_with_gradients(chunk
     def loss(stats):
         return lambda params: sum(jnp.sum(s * w) for s, w in zip(stats(params), (1.0, 0.3)))
 
-    chunked_grad = jax.grad(loss(lambda p: policy_token_stats(p, config, tokens, mask, prompt_lengths, response, 0.7)))(params)
+    chunked_grad = jax.grad(loss(lambda p: policy_token_stats(p, config, tokens, mask, prompt_lengths, response, 0.7)))(
+        params
+    )
     dense_grad = jax.grad(loss(lambda p: dense_stats(p, CONFIG, tokens, mask, prompt_lengths, response, 0.7)))(params)
     for (path, grad), wanted in zip(jax.tree_util.tree_leaves_with_path(chunked_grad), jax.tree.leaves(dense_grad)):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(wanted), atol=3e-5, err_msg=jax.tree_util.keystr(path))
@@ -62,7 +76,9 @@ def test_chunked_vocabulary_gradient_never_holds_the_full_logits():
     logits_bytes = 2 * 500 * 8192 * 4  # one float32 [B, T, V] tensor
 
     def temp(chunk):
-        loss = lambda params: response_token_stats(params, config.replace(logits_chunk=chunk), hidden, prompt_lengths, response)[0].sum()
+        loss = lambda params: response_token_stats(
+            params, config.replace(logits_chunk=chunk), hidden, prompt_lengths, response
+        )[0].sum()
         return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
     assert temp(0) >= logits_bytes  # unchunked holds [B, T, V] (the check has teeth)

@@ -57,8 +57,14 @@ def restored_state(run_dir, step):
 
 def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedProcess:
     """Runs launch/train.py and sends it SIGTERM twice (the second during its save) once metrics.jsonl has `rows` rows."""
-    process = subprocess.Popen([sys.executable, "launch/train.py", *small_train_flags(run_dir, **overrides)], cwd=REPO, env=CPU_ONLY_ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "launch/train.py", *small_train_flags(run_dir, **overrides)],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
     while process.poll() is None and time.time() < deadline:
@@ -73,7 +79,10 @@ def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedP
 
 
 def metric_rows(run):
-    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def assert_same_checkpoint(a_dir, b_dir, step):
@@ -123,9 +132,15 @@ def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_stra
 def small_state(seed):
     rng = np.random.default_rng(seed)
     # `ids` is incompressible, so its bytes are stored verbatim and can be damaged without breaking the file's format.
-    return {"actor": {"w": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32), "b": jnp.asarray(rng.standard_normal(64), jnp.bfloat16)},
-            "ids": jnp.asarray(rng.integers(-2**31, 2**31 - 1, (64, 64), dtype=np.int32)), "rng": jax.random.PRNGKey(seed),
-            "count": jnp.int32(seed)}
+    return {
+        "actor": {
+            "w": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(64), jnp.bfloat16),
+        },
+        "ids": jnp.asarray(rng.integers(-(2**31), 2**31 - 1, (64, 64), dtype=np.int32)),
+        "rng": jax.random.PRNGKey(seed),
+        "count": jnp.int32(seed),
+    }
 
 
 def data_files(run_dir, step):
@@ -137,7 +152,9 @@ def overwrite_inside(path, size=4096, at=None):
     """Overwrites `size` bytes of `path` in place (its size unchanged), from byte `at` (default: the middle)."""
     data = bytearray(path.read_bytes())
     start = max(0, len(data) // 2 - size // 2) if at is None else at
-    data[start : start + size] = np.random.default_rng(1).integers(0, 256, min(size, len(data) - start), dtype=np.uint8).tobytes()
+    data[start : start + size] = (
+        np.random.default_rng(1).integers(0, 256, min(size, len(data) - start), dtype=np.uint8).tobytes()
+    )
     path.write_bytes(bytes(data))
 
 
@@ -167,7 +184,11 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_restored(tmp_path
     checkpoints.close()
     DAMAGE[damage](tmp_path, 2)
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
-    with pytest.raises(CheckpointError, match=r"checkpoint 2 " + (r"item state leaf \['ids'\]: content digest" if damage == "overwritten in place" else "")):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint 2 "
+        + (r"item state leaf \['ids'\]: content digest" if damage == "overwritten in place" else ""),
+    ):
         checkpoints.restore(small_state(0), step=2)
     state, meta, step = checkpoints.restore_newest_good(small_state(0))
     assert step == 1 and meta == {"next_step": 1}
@@ -182,7 +203,10 @@ def test_a_checkpoint_of_another_state_structure_is_refused_not_set_aside(tmp_pa
     checkpoints.save(1, small_state(1), {"next_step": 1})
     checkpoints.close()
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
-    with pytest.raises(CheckpointMismatchError, match=r"checkpoint 1 under .* has no leaf \['critic'\]\['w'\] .*another state structure"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"checkpoint 1 under .* has no leaf \['critic'\]\['w'\] .*another state structure",
+    ):
         checkpoints.restore_newest_good({**small_state(0), "critic": {"w": jnp.zeros(3)}})
     assert checkpoints.manager.all_steps() == [1] and not (tmp_path / "corrupt_checkpoints").exists()
     checkpoints.close()
@@ -196,10 +220,15 @@ def test_a_damaged_resume_step_is_refused_with_the_flag_that_falls_back(tmp_path
     overwrite_values_silently(tmp_path, 2)
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
     config = small_train_config(tmp_path, resume=True, resume_step=2)
-    with pytest.raises(CheckpointError, match=r"checkpoint 2 .*; pass --config\.resume_step=-1 to resume from the newest checkpoint that verifies"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint 2 .*; pass --config\.resume_step=-1 to resume from the newest checkpoint that verifies",
+    ):
         restore_for_resume(config, checkpoints, small_state(0))
     assert checkpoints.manager.all_steps() == [1, 2]  # nothing moved: the user decides
-    state, meta = restore_for_resume(small_train_config(tmp_path, resume=True, resume_step=1), checkpoints, small_state(0))
+    state, meta = restore_for_resume(
+        small_train_config(tmp_path, resume=True, resume_step=1), checkpoints, small_state(0)
+    )
     assert meta == {"next_step": 1}
     checkpoints.close()
 
@@ -232,10 +261,17 @@ except Exception as error:
 
 
 def test_a_failed_async_save_is_one_error_naming_step_path_and_cause_and_loses_nothing(tmp_path):
-    result = subprocess.run([sys.executable, "-c", FAILED_SAVE, str(tmp_path)], capture_output=True, text=True, env=CPU_ONLY_ENV,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", FAILED_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=CPU_ONLY_ENV,
+        timeout=300,
+    )
     raised = [line for line in result.stdout.splitlines() if line.startswith("RAISED")]
-    assert raised and raised[0].startswith(f"RAISED CheckpointError saving checkpoint 2 to {tmp_path}/checkpoints/2 failed: "), result.stdout
+    assert raised and raised[0].startswith(
+        f"RAISED CheckpointError saving checkpoint 2 to {tmp_path}/checkpoints/2 failed: "
+    ), result.stdout
     assert "File too large" in raised[0] and "the older checkpoints are intact ([1])" in raised[0]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]  # no partial step 2 left behind
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=0)
@@ -251,12 +287,16 @@ def test_a_full_disk_stops_the_run_at_the_next_step_boundary_with_the_older_chec
     def save_onto_a_full_disk_from_checkpoint_3(self, step, *args, **kwargs):
         if step == 3:
             self.confirm_saves(wait=True)  # checkpoint 2 is on disk
-            resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))  # writes past 200 kB now fail with EFBIG, like a full disk
+            resource.setrlimit(
+                resource.RLIMIT_FSIZE, (200_000, hard)
+            )  # writes past 200 kB now fail with EFBIG, like a full disk
         return save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(RunCheckpoints, "save", save_onto_a_full_disk_from_checkpoint_3)
     try:
-        with pytest.raises(CheckpointError, match=f"saving checkpoint 3 to {tmp_path}/checkpoints/3 failed: .*File too large"):
+        with pytest.raises(
+            CheckpointError, match=f"saving checkpoint 3 to {tmp_path}/checkpoints/3 failed: .*File too large"
+        ):
             train(small_train_config(tmp_path, steps=4, checkpoint__keep_last=1, checkpoint__keep_best=0))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -9,8 +9,19 @@ import numpy as np
 import pytest
 from ml_collections import config_dict
 
-from comppo_jax.train.controller import (KNOBS, THRESHOLDS, ControllerConfig, RewardSchedule, config_section, controller_config,
-                                         initial_state, knobs, reward_schedule, target_phase, update)
+from comppo_jax.train.controller import (
+    KNOBS,
+    THRESHOLDS,
+    ControllerConfig,
+    RewardSchedule,
+    config_section,
+    controller_config,
+    initial_state,
+    knobs,
+    reward_schedule,
+    target_phase,
+    update,
+)
 from comppo_jax.train.paper import paper_config
 
 CALIBRATED = ControllerConfig()
@@ -45,11 +56,21 @@ def test_emas_use_the_paper_coefficients():
 @pytest.mark.parametrize(
     "metrics,phase",
     [
-        (dict(clip_fraction=0.14), 1), (dict(clip_fraction=0.18), 2), (dict(clip_fraction=0.25), 3),
-        (dict(ppo_kl=0.08), 1), (dict(ppo_kl=0.12), 2), (dict(ppo_kl=0.22), 3),
-        (dict(kl_loss=0.05), 1), (dict(kl_loss=0.1), 2), (dict(kl_loss=0.2), 3), (dict(kl_loss=0.049), 0),
-        (dict(grad_norm=40.0), 1), (dict(grad_norm=80.0), 2), (dict(grad_norm=1e6), 2),
-        (dict(response_clip_ratio=0.65), 3), (dict(response_clip_ratio=0.64), 0),
+        (dict(clip_fraction=0.14), 1),
+        (dict(clip_fraction=0.18), 2),
+        (dict(clip_fraction=0.25), 3),
+        (dict(ppo_kl=0.08), 1),
+        (dict(ppo_kl=0.12), 2),
+        (dict(ppo_kl=0.22), 3),
+        (dict(kl_loss=0.05), 1),
+        (dict(kl_loss=0.1), 2),
+        (dict(kl_loss=0.2), 3),
+        (dict(kl_loss=0.049), 0),
+        (dict(grad_norm=40.0), 1),
+        (dict(grad_norm=80.0), 2),
+        (dict(grad_norm=1e6), 2),
+        (dict(response_clip_ratio=0.65), 3),
+        (dict(response_clip_ratio=0.64), 0),
     ],
 )
 def test_each_rule_requests_its_phase(metrics, phase):
@@ -59,8 +80,16 @@ def test_each_rule_requests_its_phase(metrics, phase):
 
 @pytest.mark.parametrize(
     "metrics,phase",
-    [(dict(entropy=7.9), 1), (dict(entropy=7.4), 2), (dict(entropy=6.0), 3), (dict(entropy=0.6), 3),
-     (dict(kl_loss=2.85), 1), (dict(kl_loss=3.2), 2), (dict(kl_loss=4.0), 3), (dict(kl_loss=0.2), 0)],
+    [
+        (dict(entropy=7.9), 1),
+        (dict(entropy=7.4), 2),
+        (dict(entropy=6.0), 3),
+        (dict(entropy=0.6), 3),
+        (dict(kl_loss=2.85), 1),
+        (dict(kl_loss=3.2), 2),
+        (dict(kl_loss=4.0), 3),
+        (dict(kl_loss=0.2), 0),
+    ],
 )
 def test_paper_literal_rules_read_the_printed_numbers(metrics, phase):
     state = update(initial_state(), {**CALM_LITERAL, **metrics}, LITERAL)
@@ -91,7 +120,11 @@ def test_entropy_drop_counts_only_when_clip_or_kl_is_in_warning():
     state["ema_clip_fraction"] = 0.15  # clip fraction in warning territory: the drop now counts
     assert target_phase(state, CALM, CALIBRATED) == 2
     # paper_literal: drops in nats (1.5 / 3.0).
-    literal, _ = run([dict(entropy=16.0)] * 4 + [dict(entropy=e) for e in (15.0, 14.0, 13.0, 12.0)], config=LITERAL, calm=CALM_LITERAL)
+    literal, _ = run(
+        [dict(entropy=16.0)] * 4 + [dict(entropy=e) for e in (15.0, 14.0, 13.0, 12.0)],
+        config=LITERAL,
+        calm=CALM_LITERAL,
+    )
     literal["ema_clip_fraction"] = 0.15
     assert 1.5 <= 16.0 - literal["ema_entropy"] < 3.0 and target_phase(literal, CALM_LITERAL, LITERAL) == 2
 
@@ -135,7 +168,10 @@ def test_knobs_per_phase_and_the_phase0_drift_choice():
     drift = ControllerConfig(phase0_drift="warning")  # the literal reading
     assert knobs(state, 25, drift)["clip"] == pytest.approx(0.20)
     assert knobs(state, 32.5, drift)["clip"] == pytest.approx(0.18)
-    assert knobs(state, 100, drift)["kl_multiplier"] == pytest.approx(1.75) and knobs(state, 100, drift)["actor_epochs"] == 2
+    assert (
+        knobs(state, 100, drift)["kl_multiplier"] == pytest.approx(1.75)
+        and knobs(state, 100, drift)["actor_epochs"] == 2
+    )
     state["phase"] = 3.0
     hard = knobs(state, 100, CALIBRATED)
     assert (hard["kl_multiplier"], hard["clip"], hard["actor_epochs"], hard["advantage_clip"]) == (3.5, 0.09, 1, 2.5)
@@ -230,8 +266,14 @@ def test_the_run_recovers_to_stable_after_a_transient():
 def test_controller_config_options_and_overrides():
     assert controller_config(config_section()) == ControllerConfig()
     literal = controller_config(section(thresholds="paper_literal"))
-    assert (literal.entropy_below, literal.kl_loss_at_least, literal.entropy_reference) == ((8.0, 7.5, 6.5), (2.85, 3.2, 4.0), "absolute")
-    assert controller_config(section(thresholds="paper_literal", kl_loss_at_least=(0.1, 0.2, 0.4))).kl_loss_at_least == (0.1, 0.2, 0.4)
+    assert (literal.entropy_below, literal.kl_loss_at_least, literal.entropy_reference) == (
+        (8.0, 7.5, 6.5),
+        (2.85, 3.2, 4.0),
+        "absolute",
+    )
+    assert controller_config(
+        section(thresholds="paper_literal", kl_loss_at_least=(0.1, 0.2, 0.4))
+    ).kl_loss_at_least == (0.1, 0.2, 0.4)
     assert controller_config(section(entropy_below=(None, None, None))).entropy_below == (None, None, None)
     with pytest.raises(ValueError, match="config.controller.thresholds='paper'"):
         controller_config(section(thresholds="paper"))
@@ -263,8 +305,14 @@ def test_the_initial_state_marks_exactly_the_unmeasured_signals_as_nan():
     unmeasured |= {f"entropy_{i}" for i in range(8)} | {"dev_drop"}
     assert {name for name, value in state.items() if math.isnan(value)} == unmeasured
     assert {name: value for name, value in state.items() if name not in unmeasured} == {
-        "phase": 0.0, "up_count": 0.0, "down_count": 0.0, "pending_target": 0.0, "best_dev": -1.0, "entropy_seen": 0.0,
-        "entropy_baseline_sum": 0.0}
+        "phase": 0.0,
+        "up_count": 0.0,
+        "down_count": 0.0,
+        "pending_target": 0.0,
+        "best_dev": -1.0,
+        "entropy_seen": 0.0,
+        "entropy_baseline_sum": 0.0,
+    }
     assert target_phase(state, CALM, CALIBRATED) == 0
 
 
@@ -272,7 +320,9 @@ def test_a_run_without_a_kl_term_keeps_its_kl_rule_quiet():
     """DAPO logs no kl_loss: its EMA stays unmeasured and the other rules still act."""
     calm = {name: value for name, value in CALM.items() if name != "kl_loss"}
     state, phases = run([{}] * 3, calm=calm)
-    assert math.isnan(state["ema_kl_loss"]) and state["ema_clip_fraction"] == pytest.approx(0.05) and phases == [0, 0, 0]
+    assert (
+        math.isnan(state["ema_kl_loss"]) and state["ema_clip_fraction"] == pytest.approx(0.05) and phases == [0, 0, 0]
+    )
     _, phases = run([dict(clip_fraction=0.25)] * 3, calm=calm)
     assert phases[-1] == 3
 
@@ -294,7 +344,9 @@ def test_reward_schedule_of_a_config():
         reward_schedule(reward, 16384)
     reward.length_penalty, reward.length_penalty_schedule = "overlong", "paper"
     reward.overlong_buffer = 20000
-    with pytest.raises(ValueError, match=r"config.reward.overlong_buffer=20000 must be in \(0, rollout.max_new_tokens=16384\]"):
+    with pytest.raises(
+        ValueError, match=r"config.reward.overlong_buffer=20000 must be in \(0, rollout.max_new_tokens=16384\]"
+    ):
         reward_schedule(reward, 16384)
     reward.length_penalty = "quadratic"
     with pytest.raises(ValueError, match="config.reward.length_penalty='quadratic'"):

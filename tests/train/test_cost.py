@@ -9,7 +9,8 @@ from conftest import require_libtpu
 
 from comppo_jax.models import model_config
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.train import cost as costs, plan
+from comppo_jax.train import cost as costs
+from comppo_jax.train import plan
 
 
 def compiled_text(fn, *shapes):
@@ -36,8 +37,13 @@ def test_loop_free_flops_match_xla_cost_analysis():
         grouped = jnp.einsum("blhgd,bmhd->bhglm", q.reshape(4, 128, 2, 4, 64), k)  # GQA scores
         return grouped.sum() + (x @ w_up).sum()
 
-    text, xla = compiled_text(block, ((512, 512), jnp.bfloat16), ((512, 512), jnp.bfloat16), ((512, 128), jnp.bfloat16),
-                              ((512, 2048), jnp.bfloat16))
+    text, xla = compiled_text(
+        block,
+        ((512, 512), jnp.bfloat16),
+        ((512, 512), jnp.bfloat16),
+        ((512, 128), jnp.bfloat16),
+        ((512, 2048), jnp.bfloat16),
+    )
     cost = costs.program_cost(text)
     analytic = 2 * 512 * 512 * 512 + 2 * 512 * 512 * 128 + 2 * 4 * 8 * 128 * 128 * 64 + 2 * 512 * 512 * 2048
     assert cost.flops == pytest.approx(analytic, rel=1e-6)
@@ -97,12 +103,18 @@ def test_roofline_is_the_slower_of_compute_and_memory_plus_the_collectives():
 
 def test_each_collective_pays_its_ring_steps_in_hop_latency():
     chip = costs.Chip("test", 100.0, 100.0, 10.0, 2.0, 1.0, hop_latency=0.5)
-    assert costs.roofline_seconds(costs.ProgramCost(0.0, 0.0, 10.0, 4.0, {}, collective_hops=6.0), chip) == pytest.approx(1 + 2 + 3)
-    reduce = costs._parse_instruction("%ar = f32[8,16]{1,0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add")
+    assert costs.roofline_seconds(
+        costs.ProgramCost(0.0, 0.0, 10.0, 4.0, {}, collective_hops=6.0), chip
+    ) == pytest.approx(1 + 2 + 3)
+    reduce = costs._parse_instruction(
+        "%ar = f32[8,16]{1,0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add"
+    )
     assert costs._collective_cost(reduce, {}, 8).collective_hops == 2 * (4 - 1)
     # jax 0.10's mesh form of replica groups: the product of the axes named.
-    gather = costs._parse_instruction("%ag = f32[2,8]{0,1} all-gather(%x), channel_id=1, "
-                                      "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={1}")
+    gather = costs._parse_instruction(
+        "%ag = f32[2,8]{0,1} all-gather(%x), channel_id=1, "
+        "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={1}"
+    )
     assert costs._group_size(gather.attributes, 8) == 4
     assert costs._collective_cost(gather, {}, 8).collective_hops == 3
 
@@ -148,8 +160,9 @@ ENTRY %main (x: bf16[8,512], w: bf16[36,512,256], i: s32[]) -> f32[8,256] {
 
 
 def test_decode_attention_counts_the_kv_of_its_live_rows_not_its_tile_padding():
-    call = costs._parse_instruction('%ragged_paged_attention.1 = bf16[8,4,128]{2,1,0} custom-call(%q, %pool), '
-                                    'custom_call_target="tpu_custom_call"')
+    call = costs._parse_instruction(
+        '%ragged_paged_attention.1 = bf16[8,4,128]{2,1,0} custom-call(%q, %pool), custom_call_target="tpu_custom_call"'
+    )
     shapes = {"q": ("bf16", (8, 4, 128)), "pool": ("bf16", (100, 64, 4, 128))}
     full = costs._paged_kv_bytes(call, shapes, context=1000.0)
     assert full == 8 * 1000 * 4 * 128 * 2
@@ -169,22 +182,31 @@ def test_model_flops_are_6n_per_trained_token_plus_the_rollout():
     config = model_config(cfg.model)
     n = plan.matmul_params(config)
     assert 3.5e9 < n < 4.5e9  # Qwen3-4B: 4.0B parameters, tied embeddings
-    one_epoch = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False)
-    two_epochs = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False)
+    one_epoch = plan.model_flops(
+        config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False
+    )
+    two_epochs = plan.model_flops(
+        config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False
+    )
     tokens = 16 * (512 + 4096)
     # One more epoch adds a forward and backward: 6N per token plus attention.
     assert 6 * n * tokens < two_epochs - one_epoch < 6 * n * tokens * 1.5
     # Skipping the behaviour pass (GRPO with the sampler's log-probs) takes one forward off.
-    no_behaviour = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False, behaviour=False)
+    no_behaviour = plan.model_flops(
+        config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False, behaviour=False
+    )
     assert 2 * n * tokens < one_epoch - no_behaviour < 2 * n * tokens * 1.5
     # gate_refresh=epoch: a forward without the vocabulary projection per refresh.
-    refreshed = plan.model_flops(config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False, gate_refreshes=1)
+    refreshed = plan.model_flops(
+        config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False, gate_refreshes=1
+    )
     body = n - config.hidden_size * config.vocab_size
     assert 2 * body * tokens < refreshed - two_epochs < 2 * body * tokens * 1.5
 
 
 # ---------------------------------------------------------------------------------------------
 # The plan's programs, compiled for TPU slices (needs libtpu).
+
 
 def tiny(**arch):
     cfg = load_config_file(PRESET_DIR / "tiny.py")

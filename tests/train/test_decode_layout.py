@@ -12,7 +12,16 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, cluster_tail, on_local_cluster, require_libtpu, small_train_config, small_train_flags
+from conftest import (
+    CPU_ONLY_ENV,
+    REPO,
+    WALL_CLOCK,
+    cluster_tail,
+    on_local_cluster,
+    require_libtpu,
+    small_train_config,
+    small_train_flags,
+)
 
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, preset_model_config
@@ -23,22 +32,34 @@ from comppo_jax.train.validation import validate_config
 
 QWEN3_4B = preset_model_config("qwen3_4b")
 # The preset rollout: 4 prompts x 4 responses of 16K tokens after 512-token prompts, one slot per row.
-PRESET_ROLLOUT = dict(num_prompts=4, samples=4, prompt_length=512, max_new_tokens=16384, page_size=64, decode_slots=None)
+PRESET_ROLLOUT = dict(
+    num_prompts=4, samples=4, prompt_length=512, max_new_tokens=16384, page_size=64, decode_slots=None
+)
 
 
 def test_floor_is_the_weight_and_kv_share_read_per_token_step_plus_the_groups_latency():
     floor = decode_layout.decode_floor(QWEN3_4B, costs.CHIPS["v5p"], devices=8, tensor=4, **PRESET_ROLLOUT)
     c = QWEN3_4B
-    weights = 2 * (c.num_layers * (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-                                   + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size)  # tied head, bf16
+    weights = 2 * (
+        c.num_layers
+        * (
+            c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+            + 3 * c.hidden_size * c.intermediate_size
+        )
+        + c.vocab_size * c.hidden_size
+    )  # tied head, bf16
     norms = 2 * (c.num_layers * (2 * c.hidden_size + 2 * c.head_dim) + c.hidden_size)  # replicated
     assert floor.weight_bytes == pytest.approx(weights / 4 + norms)
     rows_per_replica, kv_heads_per_chip = 16 // 2, 8 // 4
     kv = rows_per_replica * (512 + 16384 / 2) * c.num_layers * 2 * kv_heads_per_chip * c.head_dim * 2
     assert floor.kv_bytes == pytest.approx(kv)
-    assert floor.collective_hops == (2 * c.num_layers + 1) * 2 * 3 + 3  # ring all-reduces per layer and the embedding's, the logits' gather
+    assert (
+        floor.collective_hops == (2 * c.num_layers + 1) * 2 * 3 + 3
+    )  # ring all-reduces per layer and the embedding's, the logits' gather
     chip = costs.CHIPS["v5p"]
-    assert floor.step_seconds == pytest.approx((weights / 4 + norms + kv) / chip.hbm_bytes + floor.collective_hops * chip.hop_latency)
+    assert floor.step_seconds == pytest.approx(
+        (weights / 4 + norms + kv) / chip.hbm_bytes + floor.collective_hops * chip.hop_latency
+    )
     assert floor.steps == 16384 and floor.seconds == pytest.approx(16384 * floor.step_seconds)
     # One chip per group: every chip reads all the weights, no collectives.
     alone = decode_layout.decode_floor(QWEN3_4B, chip, devices=8, tensor=1, **PRESET_ROLLOUT)
@@ -47,7 +68,14 @@ def test_floor_is_the_weight_and_kv_share_read_per_token_step_plus_the_groups_la
 
 def test_group_sizes_follow_the_heads_and_kv_heads_share_each_chips_pages():
     assert decode_layout.group_sizes(QWEN3_4B, 8) == [1, 2, 4, 8]
-    assert decode_layout.group_sizes(QWEN3_4B, 64) == [1, 2, 4, 8, 16, 32]  # 32 query heads; 16 and 32 repeat the 8 kv heads
+    assert decode_layout.group_sizes(QWEN3_4B, 64) == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+    ]  # 32 query heads; 16 and 32 repeat the 8 kv heads
     assert decode_layout.group_sizes(dataclasses.replace(QWEN3_4B, num_heads=12, num_kv_heads=4), 16) == [1, 2, 4]
     assert [decode_layout.pool_heads_per_chip(QWEN3_4B, g) for g in (1, 2, 8, 16, 32)] == [8, 4, 1, 1, 1]
 
@@ -70,7 +98,9 @@ def test_rollout_mesh_tensor_is_validated_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout\.mesh\.tensor='four'.*auto, train or a positive number"):
         validate_config(cfg)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, "float32"), {"w": (4, 4)}, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, "float32"), {"w": (4, 4)}, is_leaf=lambda x: isinstance(x, tuple)
+    )
     with pytest.raises(ConfigError, match=r"rollout\.mesh\.tensor=3: .* here: 1 \(or auto, train\)"):
         decode_layout.make_decode_layout("3", mesh, QWEN3_4B, shapes, chip=None, budget=None, rollout=PRESET_ROLLOUT)
 
@@ -100,8 +130,14 @@ def test_a_run_decoding_in_its_own_layout_logs_what_the_training_mesh_run_logs(t
     rows = {}
     for layout in ("auto", "train"):
         run_dir = tmp_path / layout
-        run_payload([sys.executable, "launch/train.py", *small_train_flags(run_dir, mesh__data=1, mesh__fsdp=2, mesh__tensor=4,
-                                                                           rollout__mesh__tensor=layout)], env)
+        run_payload(
+            [
+                sys.executable,
+                "launch/train.py",
+                *small_train_flags(run_dir, mesh__data=1, mesh__fsdp=2, mesh__tensor=4, rollout__mesh__tensor=layout),
+            ],
+            env,
+        )
         rows[layout] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows["auto"]) == len(rows["train"]) >= 2
     for auto, train in zip(rows["auto"], rows["train"]):
@@ -138,15 +174,27 @@ def test_tpu_decode_loop_gathers_no_weights_and_reads_near_its_floor(topology, g
     assert decoded.decode.resharded and not trained.decode.resharded
     weights = decoded.decode.floor.weight_bytes
     c, tensor = QWEN3_4B, decoded.decode.tensor
-    layer = 2 * (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size) / tensor
+    layer = (
+        2
+        * (
+            c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+            + 3 * c.hidden_size * c.intermediate_size
+        )
+        / tensor
+    )
     # The training mesh gathers every layer's fsdp-split weights at every token: the guard this layout removes.
     assert gathered_per_token_step(trained) > 0.5 * weights
     # What the decode loop gathers is at most the sampled logits (rows x vocabulary, float32), far below one layer's weights.
     logits = 16 // decoded.decode.floor.replicas * c.vocab_size * 4
     assert gathered_per_token_step(decoded) <= logits < 0.25 * layer
     sampler = next(s for s in decoded.steps if s.step == "sample")
-    per_layer = [x for x in sampler.decode_collectives if x.kind == "all-reduce" and x.group == tensor
-                 and x.bytes == 16 // (decoded.chips // tensor) * c.hidden_size * 2]  # one token per row, bf16
+    per_layer = [
+        x
+        for x in sampler.decode_collectives
+        if x.kind == "all-reduce"
+        and x.group == tensor
+        and x.bytes == 16 // (decoded.chips // tensor) * c.hidden_size * 2
+    ]  # one token per row, bf16
     assert len(per_layer) >= 2  # the attention output's and the MLP's row-parallel projections
     assert max(x.bytes for x in sampler.decode_collectives if x.kind == "all-gather") <= logits
     # Predicted from the compiled decode loop, within 1.5x of the floor; the resharding program moves the weights once.

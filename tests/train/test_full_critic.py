@@ -20,7 +20,9 @@ def test_the_value_model_is_a_fresh_copy_of_the_policy_trunk_with_a_zero_head():
     actor = init_params(CONFIG, jax.random.PRNGKey(0))
     critic = init_value_model(actor, jnp.float32)
     assert set(critic["trunk"]) == set(TRUNK) and "lm_head" in actor  # no vocabulary projection
-    for copied, original in zip(jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: actor[name] for name in TRUNK})):
+    for copied, original in zip(
+        jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: actor[name] for name in TRUNK})
+    ):
         np.testing.assert_array_equal(copied, original)
         assert copied.unsafe_buffer_pointer() != original.unsafe_buffer_pointer()  # donating one never frees the other
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, CONFIG.vocab_size)
@@ -33,8 +35,18 @@ def test_the_critic_step_trains_every_weight_of_the_value_model_and_leaves_the_a
     critic, critic_tx = init_value_model(actor, jnp.float32), adamw(1e-2)
     before = jax.tree.map(np.asarray, critic)
     mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
-                             critic=critic, critic_opt=critic_tx.init(critic), critic_tx=critic_tx, critic_kind="full")
+    steps = jit_update_steps(
+        mesh,
+        model_config=CONFIG,
+        temperature=1.0,
+        actor=actor,
+        actor_opt=actor_opt,
+        actor_tx=actor_tx,
+        critic=critic,
+        critic_opt=critic_tx.init(critic),
+        critic_tx=critic_tx,
+        critic_kind="full",
+    )
     hyper = {k: jnp.float32(v) for k, v in HYPER["critic"].items()}
     params, opt = critic, critic_tx.init(critic)
     losses = []
@@ -46,7 +58,9 @@ def test_the_critic_step_trains_every_weight_of_the_value_model_and_leaves_the_a
     assert losses[-1] < losses[0]
     values = steps.values(params, minibatch)
     assert values.shape == minibatch.response_mask.shape and np.all(np.abs(values) <= 1.0)
-    assert not any(x.is_deleted() for x in jax.tree.leaves(actor))  # the trunk was a copy: the donated critic freed nothing of the actor
+    assert not any(
+        x.is_deleted() for x in jax.tree.leaves(actor)
+    )  # the trunk was a copy: the donated critic freed nothing of the actor
 
 
 def test_ppo_with_critic_kind_full_starts_its_critic_from_the_policy_and_scores_without_actor_features(tmp_path):
@@ -54,14 +68,23 @@ def test_ppo_with_critic_kind_full_starts_its_critic_from_the_policy_and_scores_
     from comppo_jax.train.loop import starting_point, training_mesh
     from comppo_jax.train.methods import behaviour_pass, scoring_options
 
-    cfg = small_train_config(tmp_path, method="ppo", critic__kind="full", warm_start__steps=0, train__master_dtype="float32",
-                             model__arch__dtype="bfloat16", rollout__old_log_probs="sampler")
+    cfg = small_train_config(
+        tmp_path,
+        method="ppo",
+        critic__kind="full",
+        warm_start__steps=0,
+        train__master_dtype="float32",
+        model__arch__dtype="bfloat16",
+        rollout__old_log_probs="sampler",
+    )
     mesh, _ = training_mesh(cfg)
     checkpoints = RunCheckpoints(cfg.output_dir)
     start = starting_point(cfg, mesh, None, checkpoints, [], show_progress=False)
     critic, reference = start.state["critic"], start.reference()
     assert start.parts.recipe.critic == "full" and start.parts.hidden_layers == ()
-    for copied, policy in zip(jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: reference[name] for name in TRUNK})):
+    for copied, policy in zip(
+        jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: reference[name] for name in TRUNK})
+    ):
         assert copied.dtype == jnp.float32  # trained in the master dtype, from the bf16 starting policy
         np.testing.assert_array_equal(copied, policy.astype(jnp.float32))
     assert jax.tree.structure(start.state["critic_opt"].inner_state[0].mu) == jax.tree.structure(critic)

@@ -28,7 +28,9 @@ def assert_trees_equal(a, b):
 
 def test_a_non_finite_loss_leaves_params_and_optimizer_state_unchanged():
     actor, actor_opt, actor_tx, critic_module, critic, critic_opt, critic_tx, batch = update_inputs()
-    poisoned = batch._replace(advantages=batch.advantages.at[0, 0].set(jnp.nan), returns=batch.returns.at[1, 0].set(jnp.inf))
+    poisoned = batch._replace(
+        advantages=batch.advantages.at[0, 0].set(jnp.nan), returns=batch.returns.at[1, 0].set(jnp.inf)
+    )
     step = jax.jit(functools.partial(actor_step, config=CONFIG, tx=actor_tx, temperature=1.0))
     params, opt_state, metrics = step(actor, actor_opt, poisoned, HYPER["actor"])
     assert not metrics["actor_finite"]
@@ -46,10 +48,14 @@ def test_a_non_finite_loss_leaves_params_and_optimizer_state_unchanged():
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=2)
-    with pytest.raises(NonFiniteStateError, match=r"checkpoint 3 not saved: the state holds NaN or inf in \['actor'\]\['w'\]"):
+    with pytest.raises(
+        NonFiniteStateError, match=r"checkpoint 3 not saved: the state holds NaN or inf in \['actor'\]\['w'\]"
+    ):
         checkpoints.save(3, {"actor": {"w": jnp.array([1.0, jnp.nan])}, "count": jnp.int32(1)}, {})
     checkpoints.close()
-    assert checkpoints.manager.all_steps() == [] and not any(name.startswith("3") for name in os.listdir(tmp_path / "checkpoints"))
+    assert checkpoints.manager.all_steps() == [] and not any(
+        name.startswith("3") for name in os.listdir(tmp_path / "checkpoints")
+    )
 
 
 def test_stop_signals_set_a_flag_instead_of_killing():
@@ -83,7 +89,10 @@ def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_p
 
     monkeypatch.setattr(sampling, "score_responses", poisoned)
     config = small_train_config(tmp_path, steps=4, checkpoint__keep_last=10, train__max_skipped_updates=2)
-    with pytest.raises(NonFiniteError, match=r"step 5: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\), "):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 5: 2 consecutive updates skipped for non-finite values, last in rewards \(rows \[0\]\), ",
+    ):
         loop.train(config)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["skipped_updates"] for row in rows] == [0, 1, 1, 2, 3]
@@ -91,6 +100,8 @@ def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_p
     assert [row.get("nonfinite") for row in rows] == [None, poisoned_step, None, poisoned_step, poisoned_step]
     # Checkpoint k holds the state after step k: step 2 changed nothing, step 3 trained.
     assert_trees_equal(restored_state(tmp_path, 2), restored_state(tmp_path, 1))
-    assert not np.array_equal(restored_state(tmp_path, 3)["actor"]["embed"], restored_state(tmp_path, 2)["actor"]["embed"])
+    assert not np.array_equal(
+        restored_state(tmp_path, 3)["actor"]["embed"], restored_state(tmp_path, 2)["actor"]["embed"]
+    )
     assert_trees_equal(restored_state(tmp_path, 4), restored_state(tmp_path, 3))
     assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == [1, 2, 3, 4]

@@ -23,7 +23,9 @@ LORA = dict(model__lora__rank=4, model__lora__targets="q,v,gate,down", train__ac
 def test_a_lora_run_starts_with_one_base_which_is_its_reference_and_adamw_over_the_adapters(tmp_path):
     from comppo_jax.train.loop import starting_point, training_mesh
 
-    cfg = small_train_config(tmp_path, warm_start__steps=0, train__master_dtype="float32", model__arch__dtype="bfloat16", **LORA)
+    cfg = small_train_config(
+        tmp_path, warm_start__steps=0, train__master_dtype="float32", model__arch__dtype="bfloat16", **LORA
+    )
     mesh, _ = training_mesh(cfg)
     checkpoints = RunCheckpoints(cfg.output_dir)
     start = starting_point(cfg, mesh, None, checkpoints, [], show_progress=False)
@@ -41,22 +43,35 @@ def test_a_lora_run_starts_with_one_base_which_is_its_reference_and_adamw_over_t
 
 def launch(run, devices=1, **overrides):
     env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, "launch/train.py", *small_train_flags(run, **overrides)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "launch/train.py", *small_train_flags(run, **overrides)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def metric_rows(run):
-    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow
 def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_another_base(tmp_path):
     # 8 devices, data 2 x fsdp 2 x tensor 2: the adapters sharded as their base weights, decoding the merged weights in its own layout.
-    sharded = dict(LORA, steps=3, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, rollout__prompts_per_step=4, train__minibatch_size=4)
+    sharded = dict(
+        LORA, steps=3, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, rollout__prompts_per_step=4, train__minibatch_size=4
+    )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = launch(straight, devices=8, **sharded)
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(straight / "checkpoints" / "4" / "meta" / "metadata") as f:  # the checkpoint's leaves: the adapters, not the base
+    with open(
+        straight / "checkpoints" / "4" / "meta" / "metadata"
+    ) as f:  # the checkpoint's leaves: the adapters, not the base
         actor_leaves = [leaf for leaf in json.load(f)["digests"] if leaf.startswith("['actor']")]
     assert actor_leaves and all("_lora_" in leaf for leaf in actor_leaves), actor_leaves
     shutil.copytree(straight, resumed)
@@ -74,7 +89,9 @@ def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_
     (resumed / BASE_RECORD).write_text(json.dumps(record))
     shutil.rmtree(resumed / "checkpoints" / "4")
     result = launch(resumed, devices=8, resume=True, **sharded)
-    assert result.returncode != 0 and "is not the one this run's LoRA adapters were trained on" in result.stderr, result.stderr[-2000:]
+    assert result.returncode != 0 and "is not the one this run's LoRA adapters were trained on" in result.stderr, (
+        result.stderr[-2000:]
+    )
     assert (resumed / "checkpoints" / "3").is_dir()
 
 

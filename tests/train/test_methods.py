@@ -33,9 +33,14 @@ def test_recipes(method, gate, critic, expected):
 
 def test_only_grpo_with_the_sampler_log_probs_skips_the_behaviour_pass():
     # CompPO reads the gate (and TAC's features), PPO its standard critic's features, GRPO only the old log-probs.
-    assert [behaviour_pass(recipe(method), old) for method in ("comppo", "ppo", "grpo") for old in ("rescore", "sampler")] == [
-        True, True, True, True, True, False]
-    assert all(behaviour_pass(recipe("comppo", gate, critic), "sampler") for gate in ("fixed", "position") for critic in ("tac", "standard"))
+    assert [
+        behaviour_pass(recipe(method), old) for method in ("comppo", "ppo", "grpo") for old in ("rescore", "sampler")
+    ] == [True, True, True, True, True, False]
+    assert all(
+        behaviour_pass(recipe("comppo", gate, critic), "sampler")
+        for gate in ("fixed", "position")
+        for critic in ("tac", "standard")
+    )
 
 
 def test_bad_switches_are_named():
@@ -50,8 +55,12 @@ def test_bad_switches_are_named():
 def test_control_gates():
     rng = jax.random.PRNGKey(0)
     assert control_gate(recipe("comppo"), KAPPA, MASK, rng) is KAPPA
-    np.testing.assert_allclose(control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng), np.where(MASK, FIXED_GATE, 0.0))
-    np.testing.assert_allclose(control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng, fixed_value=0.33), np.where(MASK, 0.33, 0.0))
+    np.testing.assert_allclose(
+        control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng), np.where(MASK, FIXED_GATE, 0.0)
+    )
+    np.testing.assert_allclose(
+        control_gate(recipe("comppo", "fixed"), KAPPA, MASK, rng, fixed_value=0.33), np.where(MASK, 0.33, 0.0)
+    )
     shuffled = control_gate(recipe("comppo", "shuffle"), KAPPA, MASK, rng)
     assert sorted(np.asarray(shuffled)[np.asarray(MASK)]) == sorted(np.asarray(KAPPA)[np.asarray(MASK)])
     np.testing.assert_array_equal(control_gate(recipe("ppo"), KAPPA, MASK, rng), MASK.astype(np.float32))

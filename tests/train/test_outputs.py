@@ -28,7 +28,9 @@ def test_run_config_reads_back_as_the_config_that_ran(tmp_path, preset):
     save_run_config(config, str(tmp_path))
     loaded = load_run_config(str(tmp_path))
     assert loaded.to_dict() == config.to_dict()  # tuples stay tuples (JSON has only lists)
-    assert loaded.controller.warm_in_steps == config.controller.warm_in_steps and isinstance(loaded.controller.warm_in_steps, tuple)
+    assert loaded.controller.warm_in_steps == config.controller.warm_in_steps and isinstance(
+        loaded.controller.warm_in_steps, tuple
+    )
     if preset == "tiny.py":  # the presets' model.path must name a real checkpoint directory
         validate_config(loaded)
 
@@ -73,12 +75,24 @@ def test_run_config_errors_name_the_file(tmp_path):
 
 
 def test_curves_label_every_axis_start_accuracy_at_the_warm_start_and_keep_legends_off_the_data(tmp_path, monkeypatch):
-    rows = [{"step": step, "reward/mean": 0.1 * step, "kl_loss": 0.01, "clip_fraction": 0.02, "entropy": 0.5, "grad_norm": 1.0,
-             **({"dev_accuracy": 0.5 + 0.01 * step} if step % 2 == 0 else {})} for step in range(1, 9)]
+    rows = [
+        {
+            "step": step,
+            "reward/mean": 0.1 * step,
+            "kl_loss": 0.01,
+            "clip_fraction": 0.02,
+            "entropy": 0.5,
+            "grad_norm": 1.0,
+            **({"dev_accuracy": 0.5 + 0.01 * step} if step % 2 == 0 else {}),
+        }
+        for step in range(1, 9)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     saved = []
     savefig = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (saved.append(figure), savefig(figure, *args, **kwargs)))
+    monkeypatch.setattr(
+        Figure, "savefig", lambda figure, *args, **kwargs: (saved.append(figure), savefig(figure, *args, **kwargs))
+    )
     plot_run(str(tmp_path / "metrics.jsonl"), str(tmp_path / "curves.png"), title="t", warm_start_accuracy=0.4)
     (figure,) = saved
     figure.canvas.draw()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from comppo_jax.models import load_config_file, model_config
-from comppo_jax.train import cost as costs, decode_layout, overlap
-from conftest import REPO
+from comppo_jax.train import cost as costs
+from comppo_jax.train import decode_layout, overlap
 
 
 def qwen3_4b():
@@ -17,8 +18,17 @@ def qwen3_4b():
 def test_every_row_at_the_limit_decodes_in_the_decode_floor_of_its_best_group():
     config, chip = qwen3_4b(), costs.CHIPS["v5p"]
     seconds, group = overlap.rollout_seconds(config, chip, 8, np.full(16, 16384), 512)
-    floors = decode_layout.floors(config, chip, 8, num_prompts=4, samples=4, prompt_length=512, max_new_tokens=16384, page_size=64,
-                                  decode_slots=None)
+    floors = decode_layout.floors(
+        config,
+        chip,
+        8,
+        num_prompts=4,
+        samples=4,
+        prompt_length=512,
+        max_new_tokens=16384,
+        page_size=64,
+        decode_slots=None,
+    )
     best = min(floors, key=lambda f: f.seconds)
     assert group == best.tensor and seconds == pytest.approx(best.seconds, rel=0.02)
 
@@ -48,15 +58,27 @@ def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_docs_quote_with_the_l
 
 def test_scoring_on_the_learners_chips_beats_moving_the_critics_features_at_16k():
     lengths = overlap.long_tail_lengths(16, 16384)
-    best = lambda scoring: min(overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2,
-                                              scoring=scoring)[1:], key=lambda s: s.seconds).seconds
+    best = lambda scoring: (
+        min(
+            overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, scoring=scoring)[
+                1:
+            ],
+            key=lambda s: s.seconds,
+        ).seconds
+    )
     assert best("learner") < best("rollout")
     assert overlap.feature_bytes(qwen3_4b(), rows=16, length=16896) == pytest.approx(5.54e9, rel=0.01)
 
 
 def test_a_calibrated_learner_scales_every_learner_term_and_leaves_the_rollout():
     lengths = overlap.long_tail_lengths(16, 16384)
-    plain, scaled = (overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, learner_scale=scale)
-                     for scale in (1.0, 1.24))
+    plain, scaled = (
+        overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, learner_scale=scale)
+        for scale in (1.0, 1.24)
+    )
     for a, b in zip(plain, scaled):
-        assert b.learner == pytest.approx(1.24 * a.learner) and b.rollout == a.rollout and b.rollout_devices == a.rollout_devices
+        assert (
+            b.learner == pytest.approx(1.24 * a.learner)
+            and b.rollout == a.rollout
+            and b.rollout_devices == a.rollout_devices
+        )

@@ -46,7 +46,9 @@ def test_tiny_actor_step_compiles_for_tpu_and_its_arguments_are_the_analytic_cou
     (actor,) = result.steps
     assert result.chips == 4 and actor.error is None
     config = model_config(cfg.model)
-    params = sum(int(np.prod(shape)) for shape in jax.tree.leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
+    params = sum(
+        int(np.prod(shape)) for shape in jax.tree.leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    )
     moments = 2  # AdamW's mu and nu, float32 like the master params
     analytic = params * 4 * (1 + moments) / result.chips + actor_minibatch_bytes(cfg, result.chips)
     assert actor.arguments == pytest.approx(analytic, rel=0.01)
@@ -57,13 +59,19 @@ def test_tiny_actor_step_compiles_for_tpu_and_its_arguments_are_the_analytic_cou
 
 
 def test_out_of_memory_messages_become_one_line():
-    seen = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (22.91G) "
-            "exceeds available HBM (15.75G).")  # qwen3_4b at 16K on v5e:4x4 with materialized attention and logits
+    seen = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (22.91G) "
+        "exceeds available HBM (15.75G)."
+    )  # qwen3_4b at 16K on v5e:4x4 with materialized attention and logits
     assert plan._does_not_fit(seen) == "does not fit (needs 22.91G for HLO temporaries alone, 15.75G HBM)"
-    message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
-               "Used 57.27G of 15.75G hbm. Exceeded hbm capacity by 41.52G.")
+    message = (
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+        "Used 57.27G of 15.75G hbm. Exceeded hbm capacity by 41.52G."
+    )
     assert plan._does_not_fit(message) == "does not fit (needs 57.27G of 15.75G HBM)"
-    assert plan._does_not_fit("RESOURCE_EXHAUSTED: Exceeded hbm capacity by 3.1G") == "does not fit (exceeds HBM by 3.1G)"
+    assert (
+        plan._does_not_fit("RESOURCE_EXHAUSTED: Exceeded hbm capacity by 3.1G") == "does not fit (exceeds HBM by 3.1G)"
+    )
 
 
 def test_unknown_topology_and_step_are_named():
@@ -95,8 +103,12 @@ def test_offloading_idle_state_frees_its_hbm_and_the_plan_counts_the_transfers()
     # 2 epochs: the batch goes to the host once, and comes back a minibatch at a time for each of
     # the critic's epochs (with the features) and the actor's (without).
     epochs = 2 * (state["rollout_batch"] + state["actor_batch"])
-    assert results[True].transfer_bytes == 2 * (state["actor_opt"] + state["reference"]) + state["rollout_batch"] + epochs
-    assert "host transfers" in plan.format_plan(results[True]) and "host transfers" not in plan.format_plan(results[False])
+    assert (
+        results[True].transfer_bytes == 2 * (state["actor_opt"] + state["reference"]) + state["rollout_batch"] + epochs
+    )
+    assert "host transfers" in plan.format_plan(results[True]) and "host transfers" not in plan.format_plan(
+        results[False]
+    )
 
 
 @pytest.mark.slow
@@ -108,17 +120,26 @@ def test_a_full_copy_critic_is_planned_as_a_second_model():
     for kind in ("standard", "full"):
         cfg = tiny_config()
         cfg.method, cfg.critic.kind = "ppo", kind
-        results[kind] = plan.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("values", "critic"), log=lambda message: None)
+        results[kind] = plan.plan(
+            cfg, "v5e:2x2", prompt_length=PROMPT, steps=("values", "critic"), log=lambda message: None
+        )
     full, standard = results["full"], results["standard"]
     config = model_config(tiny_config().model)
-    count = lambda tree: sum(int(np.prod(shape)) for shape in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+    count = lambda tree: sum(
+        int(np.prod(shape)) for shape in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple))
+    )
     trunk = count(param_shapes(config)) - count(param_shapes(config).get("lm_head", ()))
     assert full.state["critic"] == pytest.approx((trunk + config.hidden_size + 1) * 4 / full.chips, rel=0.01)
     assert full.state["critic_opt"] == pytest.approx(2 * full.state["critic"], rel=0.01)
     assert standard.state["critic"] < full.state["critic"] / 100
     values = {kind: next(s for s in result.steps if s.step == "values") for kind, result in results.items()}
     cfg = tiny_config()
-    tokens = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt * (PROMPT + cfg.rollout.max_new_tokens) / full.chips
+    tokens = (
+        cfg.rollout.prompts_per_step
+        * cfg.rollout.samples_per_prompt
+        * (PROMPT + cfg.rollout.max_new_tokens)
+        / full.chips
+    )
     trunk_matmuls = plan.matmul_params(config) - config.hidden_size * config.vocab_size
     assert values["full"].cost.flops >= 2 * trunk_matmuls * tokens  # a whole forward pass per value pass
     assert values["standard"].cost.flops < values["full"].cost.flops / 100

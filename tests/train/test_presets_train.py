@@ -15,8 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def train(*flags):
-    return subprocess.run([sys.executable, "launch/train.py", "--config=configs/qwen3_4b.py", *flags],
-                          cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "launch/train.py", "--config=configs/qwen3_4b.py", *flags],
+        cwd=ROOT,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):
@@ -27,7 +33,9 @@ def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):
     assert result.returncode == 1 and "config.model.path=" in result.stderr and "does not exist" in result.stderr
     result = train(f"--config.model.path={tmp_path}", f"--config.data.path={tmp_path / 'dapo.parquet'}")
     assert result.returncode == 1 and "config.data.path=" in result.stderr and "dapo-math-17k.parquet" in result.stderr
-    result = train(f"--config.model.path={tmp_path}", "--config.method=compo", "--verbosity=1")  # the traceback on request
+    result = train(
+        f"--config.model.path={tmp_path}", "--config.method=compo", "--verbosity=1"
+    )  # the traceback on request
     assert result.returncode == 1 and "Traceback" in result.stderr and "pass --config.method=comppo" in result.stderr
 
 
@@ -38,16 +46,38 @@ def test_qwen3_preset_runs_two_steps_on_a_tiny_checkpoint_and_small_data(tmp_pat
     shutil.copytree(source, checkpoint)
     save_word_tokenizer(checkpoint, [str(d) for d in range(10)] + ["What", "is", "+", "?", "Answer", ":"])
     data = tmp_path / "dapo.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1 ?", "answer": str(i + 1)}) + "\n" for i in range(8)))
-    arch = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                head_dim=16, rope_theta=10000.0, dtype="float32")
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1 ?", "answer": str(i + 1)}) + "\n" for i in range(8))
+    )
+    arch = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        dtype="float32",
+    )
     result = train(
-        f"--config.model.path={checkpoint}", f"--config.data.path={data}", f"--config.output_dir={tmp_path / 'run'}",
+        f"--config.model.path={checkpoint}",
+        f"--config.data.path={data}",
+        f"--config.output_dir={tmp_path / 'run'}",
         *(f"--config.model.arch.{k}={v}" for k, v in arch.items()),
-        "--config.data.dev_size=2", "--config.steps=2", "--config.rollout.max_new_tokens=6", "--config.rollout.prompts_per_step=2",
-        "--config.rollout.samples_per_prompt=2", "--config.train.minibatch_size=2", "--config.train.critic_warmup_steps=0",
-        "--config.train.eval_every=1", "--config.critic.bottleneck=8", "--config.reward.workers=1", "--config.progress=False",
-        "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
+        "--config.data.dev_size=2",
+        "--config.steps=2",
+        "--config.rollout.max_new_tokens=6",
+        "--config.rollout.prompts_per_step=2",
+        "--config.rollout.samples_per_prompt=2",
+        "--config.train.minibatch_size=2",
+        "--config.train.critic_warmup_steps=0",
+        "--config.train.eval_every=1",
+        "--config.critic.bottleneck=8",
+        "--config.reward.workers=1",
+        "--config.progress=False",
+        "--config.mesh.fsdp=1",
+        "--config.mesh.tensor=1",
     )
     assert result.returncode == 0, result.stderr[-4000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

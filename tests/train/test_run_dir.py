@@ -48,14 +48,21 @@ def recorded_run(run, **overrides):
 # --- The config is the run's identity ----------------------------------------------------------
 
 
-def test_a_resume_that_changes_what_is_computed_is_refused_listing_each_change_and_writes_nothing(tmp_path, nothing_loads):
+def test_a_resume_that_changes_what_is_computed_is_refused_listing_each_change_and_writes_nothing(
+    tmp_path, nothing_loads
+):
     recorded_run(tmp_path)
     before = (tmp_path / "config.json").read_text()
     changed = dict(seed=7, train__actor_lr=2e-5, rollout__samples_per_prompt=8, warm_start__steps=0)
     with pytest.raises(ConfigError) as refused:
         loop.train(small_train_config(tmp_path, resume=True, **changed))
     message = str(refused.value)
-    for change in ("seed: 0 -> 7", "train.actor_lr: 1e-05 -> 2e-05", "rollout.samples_per_prompt: 2 -> 8", "warm_start.steps: 3 -> 0"):
+    for change in (
+        "seed: 0 -> 7",
+        "train.actor_lr: 1e-05 -> 2e-05",
+        "rollout.samples_per_prompt: 2 -> 8",
+        "warm_start.steps: 3 -> 0",
+    ):
         assert change in message, message
     assert "--config.resume_allow_changes=rollout.samples_per_prompt,seed,train.actor_lr,warm_start.steps" in message
     assert (tmp_path / "config.json").read_text() == before and not (tmp_path / run_dir.CHANGES_FILE).exists()
@@ -63,23 +70,50 @@ def test_a_resume_that_changes_what_is_computed_is_refused_listing_each_change_a
 
     # Harmless fields, a longer run and the named changes pass on to the loading.
     with pytest.raises(Loaded):
-        loop.train(small_train_config(tmp_path, resume=True, steps=9, progress=True, checkpoint__every=5, reward__workers=2,
-                                      resume_allow_changes="seed,train,rollout.samples_per_prompt,warm_start", **changed))
+        loop.train(
+            small_train_config(
+                tmp_path,
+                resume=True,
+                steps=9,
+                progress=True,
+                checkpoint__every=5,
+                reward__workers=2,
+                resume_allow_changes="seed,train,rollout.samples_per_prompt,warm_start",
+                **changed,
+            )
+        )
 
 
 def test_resume_changes_sorts_harmless_allowed_and_refused_fields(tmp_path, caplog):
     old = small_train_config(tmp_path)
-    new = small_train_config(tmp_path, resume=True, steps=50, train__eval_every=5, mesh__data=2, model__remat="full",
-                             train__lam=0.9, resume_allow_changes="train.lam,critic")
+    new = small_train_config(
+        tmp_path,
+        resume=True,
+        steps=50,
+        train__eval_every=5,
+        mesh__data=2,
+        model__remat="full",
+        train__lam=0.9,
+        resume_allow_changes="train.lam,critic",
+    )
     changes = {change["field"]: change for change in run_dir.resume_changes(new, old)}
     assert changes["train.lam"] == dict(field="train.lam", old=0.95, new=0.9, accepted="resume_allow_changes")
-    assert {name: changes[name]["accepted"] for name in ("steps", "train.eval_every", "mesh.data", "model.remat")} == dict.fromkeys(
-        ("steps", "train.eval_every", "mesh.data", "model.remat"), "harmless")
+    assert {
+        name: changes[name]["accepted"] for name in ("steps", "train.eval_every", "mesh.data", "model.remat")
+    } == dict.fromkeys(("steps", "train.eval_every", "mesh.data", "model.remat"), "harmless")
     assert "names critic, which this resume does not change" in caplog.text
     run_dir.record_changes(str(tmp_path), 12, list(changes.values()))
     rows = [json.loads(line) for line in (tmp_path / run_dir.CHANGES_FILE).read_text().splitlines()]
-    assert {"resumed_after_step": 12, "field": "train.lam", "old": 0.95, "new": 0.9, "accepted": "resume_allow_changes"} in rows
-    with pytest.raises(ConfigError, match=r"model.arch.hidden_size: 128 -> 64.*resume_allow_changes=model.arch.hidden_size"):
+    assert {
+        "resumed_after_step": 12,
+        "field": "train.lam",
+        "old": 0.95,
+        "new": 0.9,
+        "accepted": "resume_allow_changes",
+    } in rows
+    with pytest.raises(
+        ConfigError, match=r"model.arch.hidden_size: 128 -> 64.*resume_allow_changes=model.arch.hidden_size"
+    ):
         run_dir.resume_changes(small_train_config(tmp_path, model__arch__hidden_size=64), old)
 
 
@@ -92,10 +126,15 @@ def test_a_checkpoint_of_another_shape_or_dtype_is_refused_naming_the_leaf_and_n
         checkpoints.save(step, {"critic": {"kernel": jnp.zeros((128, 32))}, "count": jnp.int32(step)}, {})
     checkpoints.close()
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
-    with pytest.raises(CheckpointMismatchError, match=r"checkpoint 2 .* leaf \['critic'\]\['kernel'\] is float32\[128, 32\] but this "
-                                                      r"config's state has float32\[128, 64\].*nothing was moved"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"checkpoint 2 .* leaf \['critic'\]\['kernel'\] is float32\[128, 32\] but this "
+        r"config's state has float32\[128, 64\].*nothing was moved",
+    ):
         checkpoints.restore_newest_good({"critic": {"kernel": jnp.zeros((128, 64))}, "count": jnp.int32(0)})
-    with pytest.raises(CheckpointMismatchError, match=r"leaf \['count'\] is int32\[\] but this config's state has float32\[\]"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"leaf \['count'\] is int32\[\] but this config's state has float32\[\]"
+    ):
         checkpoints.restore_newest_good({"critic": {"kernel": jnp.zeros((128, 32))}, "count": jnp.float32(0)})
     assert checkpoints.manager.all_steps() == [1, 2] and not (tmp_path / "corrupt_checkpoints").exists()
     checkpoints.close()
@@ -105,8 +144,11 @@ def test_no_checkpoint_names_the_set_aside_ones_and_a_new_run_over_them_is_refus
     recorded_run(tmp_path)
     (tmp_path / "corrupt_checkpoints").mkdir()
     shutil.move(tmp_path / "checkpoints" / "1", tmp_path / "corrupt_checkpoints" / "1-20261125-101010")
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint under .*corrupt_checkpoints holds 1 set aside as damaged "
-                                                r"\(1-20261125-101010\): .*mv .*/corrupt_checkpoints/1-20261125-101010 .*/checkpoints/1"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no checkpoint under .*corrupt_checkpoints holds 1 set aside as damaged "
+        r"\(1-20261125-101010\): .*mv .*/corrupt_checkpoints/1-20261125-101010 .*/checkpoints/1",
+    ):
         loop.train(small_train_config(tmp_path, resume=True))
     with pytest.raises(FileExistsError, match="holds an earlier run's checkpoints set aside as damaged"):
         loop.train(small_train_config(tmp_path))
@@ -116,22 +158,37 @@ def test_no_checkpoint_names_the_set_aside_ones_and_a_new_run_over_them_is_refus
 
 
 def hold_lock(directory) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom comppo_jax.train.run_dir import RunLock\n"
-                               f"RunLock({str(directory)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)"],
-                              cwd=REPO, env=CPU_ONLY_ENV, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom comppo_jax.train.run_dir import RunLock\n"
+            f"RunLock({str(directory)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)",
+        ],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     return holder
 
 
-def test_a_second_command_refuses_naming_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path, nothing_loads, caplog):
+def test_a_second_command_refuses_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
+    tmp_path, nothing_loads, caplog
+):
     holder = hold_lock(tmp_path)
     try:
-        with pytest.raises(run_dir.RunDirectoryLocked, match=rf"{tmp_path} is in use by pid {holder.pid} on .*delete .*run.lock"):
+        with pytest.raises(
+            run_dir.RunDirectoryLocked, match=rf"{tmp_path} is in use by pid {holder.pid} on .*delete .*run.lock"
+        ):
             loop.train(small_train_config(tmp_path))
     finally:
         holder.kill()
         holder.wait()
-    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid  # a killed process leaves its lock behind
+    assert (
+        json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid
+    )  # a killed process leaves its lock behind
     with pytest.raises(Loaded):  # ... which the next command takes over
         loop.train(small_train_config(tmp_path))
     assert f"taking over a stale lock (pid {holder.pid}" in caplog.text and not (tmp_path / "run.lock").exists()
@@ -148,8 +205,14 @@ def test_a_reused_pid_does_not_hold_the_lock(tmp_path, caplog):
 
 
 def start(run, **overrides) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "launch/train.py", *small_train_flags(run, **overrides)], cwd=REPO, env=CPU_ONLY_ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "launch/train.py", *small_train_flags(run, **overrides)],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(condition, timeout=300):
@@ -172,9 +235,17 @@ def test_a_signal_during_the_warm_start_stops_in_seconds_with_one_line(tmp_path,
     assert time.time() - sent < 60 and run.returncode == 0, stderr[-2000:]
     assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr
     (line,) = [line for line in stdout.splitlines() if line.startswith("stopped")]
-    assert line.startswith("stopped during the warm start (step ") and "nothing to resume; start it again with: python launch/train.py" in line
-    resumed = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(tmp_path, resume=True)], cwd=REPO, env=CPU_ONLY_ENV,
-                             capture_output=True, text=True)
+    assert (
+        line.startswith("stopped during the warm start (step ")
+        and "nothing to resume; start it again with: python launch/train.py" in line
+    )
+    resumed = subprocess.run(
+        [sys.executable, "launch/train.py", *small_train_flags(tmp_path, resume=True)],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 1 and "no checkpoint under" in resumed.stderr and "yet" in resumed.stderr
     assert "run the same command without --config.resume" in resumed.stderr and "Traceback" not in resumed.stderr
 
@@ -190,10 +261,18 @@ def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_p
     # The stop lands at the next stage boundary of the dev evaluation or the first step: one compile at most.
     print(f"stopped {time.time() - sent:.1f} s after the SIGTERM")
     assert time.time() - sent < 30 and run.returncode == 0, stderr[-2000:]
-    assert any(line.startswith("stopped during ") and "before the run's first checkpoint" in line for line in stdout.splitlines()), stdout
+    assert any(
+        line.startswith("stopped during ") and "before the run's first checkpoint" in line
+        for line in stdout.splitlines()
+    ), stdout
     written = cache.stat().st_mtime
-    again = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(tmp_path, warm_start__steps=200)], cwd=REPO,
-                           env=CPU_ONLY_ENV, capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "launch/train.py", *small_train_flags(tmp_path, warm_start__steps=200)],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert cache.stat().st_mtime == written and json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
 
@@ -250,9 +329,14 @@ def test_a_reference_the_warm_start_cannot_replay_says_what_is_lost_and_what_to_
     run = copy_of(finished_run, tmp_path)
     shutil.rmtree(run / "reference")
     digests = json.loads((run / "reference_digests.json").read_text())
-    (run / "reference_digests.json").write_text(json.dumps(dict.fromkeys(digests, "0" * 16)))  # computed elsewhere, differently
-    with pytest.raises(CheckpointError, match=r"reference policy is lost: .* replaying the warm start gives other weights .*restore "
-                                              r".*reference .*from a backup, or start a new run"):
+    (run / "reference_digests.json").write_text(
+        json.dumps(dict.fromkeys(digests, "0" * 16))
+    )  # computed elsewhere, differently
+    with pytest.raises(
+        CheckpointError,
+        match=r"reference policy is lost: .* replaying the warm start gives other weights .*restore "
+        r".*reference .*from a backup, or start a new run",
+    ):
         loop.train(small_train_config(run, resume=True, checkpoint__keep_last=3))
     assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3"]
 
@@ -263,9 +347,26 @@ def test_a_reference_the_warm_start_cannot_replay_says_what_is_lost_and_what_to_
 @pytest.mark.slow
 def test_every_dev_evaluation_saves_so_the_best_checkpoint_is_the_best_evaluated_policy(tmp_path):
     # 1 critic warm-up step, then 4 actor updates evaluated every 2: steps 3 and 5; checkpoints only at the end otherwise.
-    finished = subprocess.run([sys.executable, "launch/train.py", *small_train_flags(
-        tmp_path, steps=4, train__eval_every=2, checkpoint__every=100, checkpoint__keep_last=1, checkpoint__keep_best=2,
-        rollout__temperature=1.0, warm_start__steps=60)], cwd=REPO, env=CPU_ONLY_ENV, capture_output=True, text=True)
+    finished = subprocess.run(
+        [
+            sys.executable,
+            "launch/train.py",
+            *small_train_flags(
+                tmp_path,
+                steps=4,
+                train__eval_every=2,
+                checkpoint__every=100,
+                checkpoint__keep_last=1,
+                checkpoint__keep_best=2,
+                rollout__temperature=1.0,
+                warm_start__steps=60,
+            ),
+        ],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evaluated = {row["step"]: row["dev_accuracy"] for row in rows if "dev_accuracy" in row}

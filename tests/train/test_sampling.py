@@ -18,14 +18,27 @@ def fake_sampled(rewards, prompt_width: int, tag: str, correct=None) -> Sampled:
     rows = len(rewards)
     response = 3
     tokens = np.arange(rows * (prompt_width + response)).reshape(rows, -1).astype(np.int32) + 1
-    generation = Generation(tokens, np.ones(tokens.shape, bool), np.full(rows, prompt_width, np.int32),
-                            tokens[:, prompt_width:], np.ones((rows, response), bool), np.zeros((rows, response), np.float32))
+    generation = Generation(
+        tokens,
+        np.ones(tokens.shape, bool),
+        np.full(rows, prompt_width, np.int32),
+        tokens[:, prompt_width:],
+        np.ones((rows, response), bool),
+        np.zeros((rows, response), np.float32),
+    )
     rewards = np.asarray(rewards, np.float32)
     correct = rewards > 0 if correct is None else correct
     verdicts = [Verdict.CORRECT if c else Verdict.INCORRECT for c in correct]
-    return Sampled(generation, [f"{tag}{g}" for g in range(rows // GROUP)], [f"{tag}{r}" for r in range(rows)], rewards,
-                   verdicts, {"reward/correct": float((rewards > 0).sum()), "reward/mean": float(rewards.mean())},
-                   np.ones((rows, response), bool), np.tile(rewards[:, None], (1, response)))
+    return Sampled(
+        generation,
+        [f"{tag}{g}" for g in range(rows // GROUP)],
+        [f"{tag}{r}" for r in range(rows)],
+        rewards,
+        verdicts,
+        {"reward/correct": float((rewards > 0).sum()), "reward/mean": float(rewards.mean())},
+        np.ones((rows, response), bool),
+        np.tile(rewards[:, None], (1, response)),
+    )
 
 
 def test_take_groups_keeps_whole_groups_in_order_and_pads_the_narrower_batch():
@@ -53,18 +66,26 @@ def test_dynamic_sampling_refills_dropped_groups_from_later_batches():
     assert batch.problems == ["a1", "b1", "c0"]
     metrics = batch.reward_metrics
     assert metrics["dynamic_sampling/refills"] == 2 and metrics["dynamic_sampling/uninformative_kept"] == 0
-    assert metrics["dynamic_sampling/dropped_fraction"] == pytest.approx(5 / 9)  # c1 and c2 count too: they were sampled
+    assert metrics["dynamic_sampling/dropped_fraction"] == pytest.approx(
+        5 / 9
+    )  # c1 and c2 count too: they were sampled
     assert metrics["reward/correct"] == 3 + 3 + 4 and metrics["reward/mean"] == pytest.approx(10 / 18)
 
 
 def test_dynamic_sampling_stops_at_the_refill_cap_and_fills_with_dropped_groups():
     first = fake_sampled([1, 1, 0, 1, 0, 0], 4, "a")
     draws = []
-    batch = dynamic_sampling(first, lambda r: draws.append(r) or fake_sampled([1, 1, 1, 1, 0, 0], 4, "b"), GROUP, max_refills=1)
+    batch = dynamic_sampling(
+        first, lambda r: draws.append(r) or fake_sampled([1, 1, 1, 1, 0, 0], 4, "b"), GROUP, max_refills=1
+    )
     assert draws == [1]
     # Informative first (a1), then the earliest dropped groups (a0, a2) keep the batch at three prompts, in order.
     assert batch.problems == ["a0", "a1", "a2"] and batch.reward_metrics["dynamic_sampling/uninformative_kept"] == 2
-    assert dynamic_sampling(first, None, GROUP, max_refills=0).problems == ["a0", "a1", "a2"]  # no refill: nothing drawn
+    assert dynamic_sampling(first, None, GROUP, max_refills=0).problems == [
+        "a0",
+        "a1",
+        "a2",
+    ]  # no refill: nothing drawn
 
 
 def test_an_informative_first_batch_is_kept_as_it_is():
@@ -79,7 +100,9 @@ def test_the_accuracy_filter_reads_verdicts_and_the_reward_filter_shaped_rewards
     a group with one correct answer whose shaped reward fell to the wrong answer's."""
     # Group 0: both correct, rewards 0.9 / 1.0 (shaped); group 1: one correct at reward 0, one wrong at 0.
     first = fake_sampled([0.9, 1.0, 0.0, 0.0], 4, "a", correct=[True, True, True, False])
-    assert dynamic_sampling(first, None, GROUP, max_refills=0).reward_metrics["dynamic_sampling/uninformative_kept"] == 1
+    assert (
+        dynamic_sampling(first, None, GROUP, max_refills=0).reward_metrics["dynamic_sampling/uninformative_kept"] == 1
+    )
     by_accuracy = dynamic_sampling(first, None, GROUP, max_refills=0, filter_by="accuracy")
     by_reward = dynamic_sampling(first, None, GROUP, max_refills=0, filter_by="reward")
     # Each filter keeps its informative group first, then fills with the dropped one, in group order.
@@ -102,8 +125,13 @@ def test_until_full_draws_until_the_batch_is_full_and_stops_after_a_pass_over_th
 
     batch = dynamic_sampling(first, draw, GROUP, max_refills=-1, train_prompts=10)  # 5 rounds of 2 prompts make a pass
     assert draws == [1, 2, 3] and batch.problems == ["d0", "d1"]
-    assert batch.reward_metrics["dynamic_sampling/refills"] == 3 and batch.reward_metrics["dynamic_sampling/uninformative_kept"] == 0
+    assert (
+        batch.reward_metrics["dynamic_sampling/refills"] == 3
+        and batch.reward_metrics["dynamic_sampling/uninformative_kept"] == 0
+    )
     draws.clear()
-    with pytest.raises(DynamicSamplingExhausted, match="drew 2 rounds of 2 prompts .* 4 training prompts, and found 0 of the 2"):
+    with pytest.raises(
+        DynamicSamplingExhausted, match="drew 2 rounds of 2 prompts .* 4 training prompts, and found 0 of the 2"
+    ):
         dynamic_sampling(first, draw, GROUP, max_refills=-1, train_prompts=4)
     assert draws == [1]

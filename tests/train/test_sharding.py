@@ -70,9 +70,15 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("critic", ["tac", "full"])
 def test_update_step_on_a_2x2x2_mesh_equals_one_device(critic):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", SCRIPT, critic], env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, critic], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "sharded == single device" in result.stdout
 
@@ -89,8 +95,14 @@ def test_make_mesh_sizes_and_errors():
 
 def test_rules_shard_weights_and_their_adam_moments_alike_and_replicate_the_rest():
     mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    tree = {"mu": {"layers": {"q_proj": np.zeros((2, 32, 64)), "attn_norm": np.zeros((2, 32))}, "embed": np.zeros((64, 32))},
-            "count": np.zeros(()), "layers": {"down_proj": np.zeros((2, 96, 31))}}
+    tree = {
+        "mu": {
+            "layers": {"q_proj": np.zeros((2, 32, 64)), "attn_norm": np.zeros((2, 32))},
+            "embed": np.zeros((64, 32)),
+        },
+        "count": np.zeros(()),
+        "layers": {"down_proj": np.zeros((2, 96, 31))},
+    }
     specs = jax.tree_util.tree_map_with_path(lambda path, x: sharding.leaf_spec(mesh, path, x.shape), tree)
     assert specs["mu"]["layers"]["q_proj"] == P(None, "fsdp", "tensor")
     assert specs["mu"]["layers"]["attn_norm"] == P() and specs["count"] == P()
@@ -105,8 +117,19 @@ def test_tiny_train_step_compiles_for_a_tpu_topology(chip):
     mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2), tpu_devices(chip))
     actor, actor_opt, actor_tx, module, critic, critic_opt, critic_tx, batch = update_inputs()
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-    steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
-                             critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind="tac")
+    steps = jit_update_steps(
+        mesh,
+        model_config=CONFIG,
+        temperature=1.0,
+        actor=actor,
+        actor_opt=actor_opt,
+        actor_tx=actor_tx,
+        critic=critic,
+        critic_opt=critic_opt,
+        critic_tx=critic_tx,
+        critic_module=module,
+        critic_kind="tac",
+    )
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         actor_step = steps.actor.trace(*abstract((actor, actor_opt, batch, HYPER["actor"], None))).lower().compile()
         critic_step = steps.critic.trace(*abstract((critic, critic_opt, batch, HYPER["critic"]))).lower().compile()
@@ -127,7 +150,9 @@ def test_to_memory_moves_arrays_between_host_and_device_memory_keeping_their_val
 
 def test_the_critics_features_split_their_width_over_tensor_where_it_divides():
     rows = ("data", "fsdp")
-    assert sharding.features_spec(4, 2560) == P(None, rows, None, "tensor")  # Qwen3-4B on a tensor-4 mesh: a quarter per chip
+    assert sharding.features_spec(4, 2560) == P(
+        None, rows, None, "tensor"
+    )  # Qwen3-4B on a tensor-4 mesh: a quarter per chip
     assert sharding.features_spec(4, 30) == P(None, rows)  # does not divide: replicated over tensor
     assert sharding.features_spec(1, 2560) == P(None, rows)
     assert sharding.constrain_features(jnp.ones((2, 4, 3, 8))).shape == (2, 4, 3, 8)  # no mesh: unchanged

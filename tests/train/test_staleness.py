@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from conftest import WALL_CLOCK, assert_same_checkpoint_state, small_train_config
 
 from comppo_jax.train import loop
 from comppo_jax.train.staleness import RolloutQueue, generating_version
-from conftest import WALL_CLOCK, assert_same_checkpoint_state, small_train_config
 
 
 def test_batch_n_is_generated_after_update_max_0_n_minus_1_minus_k():
@@ -36,12 +36,16 @@ class FakeStage:
 
     def finish(self, started, key, *, first):
         self.calls.append(("finish", started.step))
-        return SimpleNamespace(step=started.step, version=started.version, policy=started.policy, prompts=started.prompts)
+        return SimpleNamespace(
+            step=started.step, version=started.version, policy=started.policy, prompts=started.prompts
+        )
 
 
 def run_queue(staleness, steps, last_step, queue=None):
     """Takes batches `steps`; the actor after update v is "v" (its snapshot "copy of v")."""
-    queue = queue or RolloutQueue(FakeStage(), staleness, last_step, jax.random.PRNGKey(0), lambda actor: f"copy of {actor}")
+    queue = queue or RolloutQueue(
+        FakeStage(), staleness, last_step, jax.random.PRNGKey(0), lambda actor: f"copy of {actor}"
+    )
     taken = [queue.take(step, str(step - 1), first=step == steps[0]) for step in steps]
     return queue, taken
 
@@ -51,7 +55,9 @@ def test_the_queue_starts_batch_n_with_that_policy_before_update_n_minus_k_and_f
     queue, taken = run_queue(staleness, range(1, 7), last_step=6)
     assert [batch.version for batch in taken] == [generating_version(n, staleness) for n in range(1, 7)]
     # Staleness 0: the actor itself, started and finished in its own step (the synchronous loop).
-    assert [batch.policy for batch in taken] == [str(v) if staleness == 0 else f"copy of {v}" for v in (b.version for b in taken)]
+    assert [batch.policy for batch in taken] == [
+        str(v) if staleness == 0 else f"copy of {v}" for v in (b.version for b in taken)
+    ]
     assert [batch.prompts for batch in taken] == [[n - 1] for n in range(1, 7)]  # the stream in batch order
     starts = [call for call in queue.stage.calls if call[0] == "start"]
     assert [call[1] for call in starts] == list(range(1, 7)) and not queue.pending  # none past the last step
@@ -68,7 +74,9 @@ def test_a_queue_restored_from_what_a_checkpoint_saves_continues_as_the_straight
     state, meta = first.saved("3")
     assert len(state["behaviour"]) == staleness  # fixed by k: the checkpoint's structure does not change
     assert [entry["step"] for entry in meta["in_flight"]] == list(range(4, 4 + staleness))
-    assert [entry["version"] for entry in meta["in_flight"]] == [generating_version(n, staleness) for n in range(4, 4 + staleness)]
+    assert [entry["version"] for entry in meta["in_flight"]] == [
+        generating_version(n, staleness) for n in range(4, 4 + staleness)
+    ]
     stage = FakeStage()
     stage.next_prompt = first.stage.next_prompt  # the prompt stream's checkpointed position
     resumed = RolloutQueue(stage, staleness, 6, jax.random.PRNGKey(0), lambda actor: f"copy of {actor}")
@@ -81,19 +89,26 @@ def test_a_queue_restored_from_what_a_checkpoint_saves_continues_as_the_straight
 
 
 def metric_rows(run):
-    return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness, settings", [
-    (1, dict(rollout__dynamic_sampling=True, train__eval_every=2)),
-    (2, dict(train__proximal="recompute", gate_refresh="epoch")),
-])
+@pytest.mark.parametrize(
+    "staleness, settings",
+    [
+        (1, dict(rollout__dynamic_sampling=True, train__eval_every=2)),
+        (2, dict(train__proximal="recompute", gate_refresh="epoch")),
+    ],
+)
 def test_a_stale_run_resumed_from_a_mid_run_checkpoint_equals_the_straight_run_bitwise(tmp_path, staleness, settings):
     # Steps 1..5 (a critic warm-up step, then 4 actor updates), a checkpoint after each.
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    config = lambda run, **more: small_train_config(run, steps=4, rollout__staleness=staleness, checkpoint__keep_last=10, **settings,
-                                                    **more)
+    config = lambda run, **more: small_train_config(
+        run, steps=4, rollout__staleness=staleness, checkpoint__keep_last=10, **settings, **more
+    )
     loop.train(config(straight))
     rows = metric_rows(straight)
     assert [row["staleness"] for row in rows] == [min(staleness, n - 1) for n in range(1, 6)]
@@ -111,8 +126,17 @@ def test_a_stale_run_resumed_from_a_mid_run_checkpoint_equals_the_straight_run_b
     assert_same_checkpoint_state(straight, resumed, 5)
 
 
-SEPARATE = dict(steps=3, rollout__prompts_per_step=4, train__minibatch_size=4, train__eval_every=2, mesh__data=2, mesh__fsdp=2,
-                mesh__tensor=1, rollout__staleness=1, checkpoint__keep_last=10)
+SEPARATE = dict(
+    steps=3,
+    rollout__prompts_per_step=4,
+    train__minibatch_size=4,
+    train__eval_every=2,
+    mesh__data=2,
+    mesh__fsdp=2,
+    mesh__tensor=1,
+    rollout__staleness=1,
+    checkpoint__keep_last=10,
+)
 
 
 def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides):
@@ -127,13 +151,25 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
 
     flags = small_train_flags(run, **{**SEPARATE, **overrides})
     if processes > 1:
-        result = on_local_cluster(flags, processes=processes, devices_per_process=devices // processes, signal_after_rows=sigterm_after_rows,
-                                  signum=signal.SIGTERM if sigterm_after_rows is not None else None, metrics=run / "metrics.jsonl")
+        result = on_local_cluster(
+            flags,
+            processes=processes,
+            devices_per_process=devices // processes,
+            signal_after_rows=sigterm_after_rows,
+            signum=signal.SIGTERM if sigterm_after_rows is not None else None,
+            metrics=run / "metrics.jsonl",
+        )
         assert result.returncode == 0, cluster_tail(result)
         return result.stdout
     assert sigterm_after_rows is None, "a signal is sent to multi-process runs only"
-    result = subprocess.run([sys.executable, "launch/train.py", *flags], cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"))
+    result = subprocess.run(
+        [sys.executable, "launch/train.py", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr
 
@@ -148,7 +184,12 @@ def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_
         shutil.rmtree(resumed / "checkpoints" / str(step))
     (resumed / "summary.json").unlink()
     launch(resumed, mesh__rollout_devices=4, resume=True)
-    assert metric_rows(resumed) == metric_rows(straight) and [row["staleness"] for row in metric_rows(straight)] == [0, 1, 1, 1]
+    assert metric_rows(resumed) == metric_rows(straight) and [row["staleness"] for row in metric_rows(straight)] == [
+        0,
+        1,
+        1,
+        1,
+    ]
     assert_same_checkpoint_state(straight, resumed, 4)
 
 
@@ -194,11 +235,17 @@ def test_a_stale_batch_whose_importance_weights_are_not_finite_is_skipped_and_na
         return log_probs.at[0].set(np.nan), entropy
 
     monkeypatch.setattr(learner, "policy_token_stats", poisoned)
-    config = small_train_config(tmp_path, steps=4, rollout__staleness=1, train__proximal="recompute", train__max_skipped_updates=2)
-    with pytest.raises(NonFiniteError, match=r"step 2: 2 consecutive updates skipped for non-finite values, last in importance weights"):
+    config = small_train_config(
+        tmp_path, steps=4, rollout__staleness=1, train__proximal="recompute", train__max_skipped_updates=2
+    )
+    with pytest.raises(
+        NonFiniteError, match=r"step 2: 2 consecutive updates skipped for non-finite values, last in importance weights"
+    ):
         loop.train(config)
     rows = metric_rows(tmp_path)
-    assert [row["nonfinite"].split(",")[0] for row in rows] == ["importance weights"] * 2 and [row["skipped_updates"] for row in rows] == [1, 2]
+    assert [row["nonfinite"].split(",")[0] for row in rows] == ["importance weights"] * 2 and [
+        row["skipped_updates"] for row in rows
+    ] == [1, 2]
 
 
 def test_a_multi_process_split_into_unequal_halves_is_refused_before_anything_loads(tmp_path, monkeypatch):
@@ -209,7 +256,9 @@ def test_a_multi_process_split_into_unequal_halves_is_refused_before_anything_lo
     config = small_train_config(tmp_path, mesh__rollout_devices=1)
     mesh = make_mesh(config.mesh)  # 1 training device here; 2 rollout devices below
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match=r"a multi-process run needs as many rollout devices as training devices \(2 vs 1\)"):
+    with pytest.raises(
+        ConfigError, match=r"a multi-process run needs as many rollout devices as training devices \(2 vs 1\)"
+    ):
         decode_layout.check_config(config, mesh, [jax.devices()[0]] * 2)
 
 
@@ -234,11 +283,28 @@ def test_on_shared_devices_a_started_generation_is_computed_before_start_returns
     cfg = small_train_config(tmp_path)
     slow = jax.jit(lambda x: jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y), x))  # about a second here
     monkeypatch.setattr(rollout_stage, "generate", lambda *args, **kwargs: slow(jnp.ones((384, 384)) / 384))
-    monkeypatch.setattr(rollout_stage, "encode_prompts", lambda tokenizer, chosen: (np.zeros((1, 1), np.int32), np.ones((1, 1), bool)))
-    decode = SimpleNamespace(reshard=lambda params: params, replicated=lambda key: key, mesh=make_mesh(cfg.mesh), separate=separate)
-    stage = rollout_stage.RolloutStage(cfg, decode.mesh, None, SimpleNamespace(eos_token_id=2, pad_token_id=0), ([None] * 8, []),
-                                       None, decode, lambda: None, None, None, prompt_position=(0, 0), stop=None,
-                                       compiling=lambda what: None, show_progress=False)
+    monkeypatch.setattr(
+        rollout_stage, "encode_prompts", lambda tokenizer, chosen: (np.zeros((1, 1), np.int32), np.ones((1, 1), bool))
+    )
+    decode = SimpleNamespace(
+        reshard=lambda params: params, replicated=lambda key: key, mesh=make_mesh(cfg.mesh), separate=separate
+    )
+    stage = rollout_stage.RolloutStage(
+        cfg,
+        decode.mesh,
+        None,
+        SimpleNamespace(eos_token_id=2, pad_token_id=0),
+        ([None] * 8, []),
+        None,
+        decode,
+        lambda: None,
+        None,
+        None,
+        prompt_position=(0, 0),
+        stop=None,
+        compiling=lambda what: None,
+        show_progress=False,
+    )
     slow(jnp.ones((384, 384))).block_until_ready()  # compiled before the timed call
     started = stage.start(1, {}, 0, jax.random.PRNGKey(0))
     assert started.generation.is_ready() != separate

@@ -27,14 +27,26 @@ from comppo_jax.train.outputs import load_run_config
 def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
     progress = method == "comppo"
     old_log_probs = "sampler" if method == "grpo" else "rescore"
-    summary = train(small_train_config(tmp_path, method=method, plot=True, progress=progress,
-                                       train__critic_warmup_counts_toward_steps=warmup_counts, rollout__old_log_probs=old_log_probs))
+    summary = train(
+        small_train_config(
+            tmp_path,
+            method=method,
+            plot=True,
+            progress=progress,
+            train__critic_warmup_counts_toward_steps=warmup_counts,
+            rollout__old_log_probs=old_log_probs,
+        )
+    )
     if progress:  # every long phase shows itself: warm start, evaluations, first compiles, steps
         out, err = capsys.readouterr()
         assert "warm start: 100%" in err and "loss=" in err and "dev eval" in err and "comppo: 100%" in err
         assert [line for line in out.splitlines() if line.startswith("compiling ")] == [
-            "compiling the dev evaluation...", "compiling the sampler...", "compiling the scoring pass and credit...",
-            "compiling the critic update...", "compiling the actor update..."]
+            "compiling the dev evaluation...",
+            "compiling the sampler...",
+            "compiling the scoring pass and credit...",
+            "compiling the critic update...",
+            "compiling the actor update...",
+        ]
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["method"] == method and 0.0 <= summary["final_dev_accuracy"] <= 1.0
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -42,7 +54,9 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
     warmup = 0 if method == "grpo" else 1
     total = 2 if warmup_counts else 2 + warmup
     assert [s["step"] for s in steps] == list(range(1, total + 1))  # step N: the N-th step, checkpoint N after it
-    assert summary["steps"] == total and summary["actor_updates"] == total - warmup == sum("policy_loss" in s for s in steps)
+    assert summary["steps"] == total and summary["actor_updates"] == total - warmup == sum(
+        "policy_loss" in s for s in steps
+    )
     # Evaluations (every step here) count actor updates: a prepended warm-up step is not evaluated.
     prepended = total - 2
     assert [s["step"] for s in steps if "dev_accuracy" in s] == list(range(prepended + 1, total + 1))
@@ -68,21 +82,45 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
         assert {"gate/mean", "gate/iqr"} <= set(held_out) and held_out["problems"] == 2
     else:
         # The run directory alone restores: config.json is the config it ran with.
-        config = small_train_config(tmp_path, method=method, plot=True, progress=progress,
-                                    train__critic_warmup_counts_toward_steps=warmup_counts, rollout__old_log_probs=old_log_probs)
+        config = small_train_config(
+            tmp_path,
+            method=method,
+            plot=True,
+            progress=progress,
+            train__critic_warmup_counts_toward_steps=warmup_counts,
+            rollout__old_log_probs=old_log_probs,
+        )
         assert load_run_config(str(tmp_path)).to_dict() == config.to_dict()
         restored = restore_policy(str(tmp_path), "best")
         assert restored.step == summary["best_checkpoint_step"] and restored.cfg.to_dict() == config.to_dict()
         profile = load_position_schedule(tmp_path / "gate_profile.json")  # every rollout token's own gate, by t/T
-        assert profile.token_counts.sum() == sum(s["response_length"] * 4 for s in steps)  # 2 prompts x 2 samples per step
-        assert summary["mean_gate"] == pytest.approx(np.sum(profile.mean_gate * profile.token_counts) / profile.token_counts.sum())
+        assert profile.token_counts.sum() == sum(
+            s["response_length"] * 4 for s in steps
+        )  # 2 prompts x 2 samples per step
+        assert summary["mean_gate"] == pytest.approx(
+            np.sum(profile.mean_gate * profile.token_counts) / profile.token_counts.sum()
+        )
 
     # Resuming a finished run changes nothing and says so.
     written = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
     capsys.readouterr()
-    assert train(small_train_config(tmp_path, method=method, plot=True, resume=True,
-                                    train__critic_warmup_counts_toward_steps=warmup_counts, rollout__old_log_probs=old_log_probs)) == summary
-    assert capsys.readouterr().out == f"run already complete at step {total}: nothing to do ({tmp_path / 'summary.json'})\n"
+    assert (
+        train(
+            small_train_config(
+                tmp_path,
+                method=method,
+                plot=True,
+                resume=True,
+                train__critic_warmup_counts_toward_steps=warmup_counts,
+                rollout__old_log_probs=old_log_probs,
+            )
+        )
+        == summary
+    )
+    assert (
+        capsys.readouterr().out
+        == f"run already complete at step {total}: nothing to do ({tmp_path / 'summary.json'})\n"
+    )
     assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()} == written
 
 
@@ -95,7 +133,10 @@ def test_offloading_idle_state_to_host_changes_no_number(tmp_path, monkeypatch):
     for offload in (False, True):
         summary = train(small_train_config(tmp_path / str(offload), method="comppo", train__offload_idle=offload))
         lines = (tmp_path / str(offload) / "metrics.jsonl").read_text().splitlines()
-        rows[offload] = [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in lines], summary["final_dev_accuracy"]
+        rows[offload] = (
+            [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in lines],
+            summary["final_dev_accuracy"],
+        )
     assert rows[True] == rows[False]
     assert {"pinned_host", "device"} <= set(kinds)  # the offloaded run did move state between memories
 
@@ -127,10 +168,22 @@ def test_comppo_composes_with_the_post_paper_variants(tmp_path):
     """One CompPO run with every switch that composes with it: a sink-masked gate statistic refreshed
     per epoch, dynamic sampling, DAPO's decoupled clip and overlong shaping, GSPO's aggregation.
     Each shows in the metrics."""
-    summary = train(small_train_config(tmp_path, method="comppo", gate_statistic="sink_herfindahl", sink_tokens=1, gate_refresh="epoch",
-                                       rollout__dynamic_sampling=True, rollout__max_refills=2, train__clip_high_scale=1.4,
-                                       reward__length_penalty="overlong", reward__overlong_buffer=4, reward__length_penalty_on="all",
-                                       train__loss_aggregation="seq-mean-token-mean"))
+    summary = train(
+        small_train_config(
+            tmp_path,
+            method="comppo",
+            gate_statistic="sink_herfindahl",
+            sink_tokens=1,
+            gate_refresh="epoch",
+            rollout__dynamic_sampling=True,
+            rollout__max_refills=2,
+            train__clip_high_scale=1.4,
+            reward__length_penalty="overlong",
+            reward__overlong_buffer=4,
+            reward__length_penalty_on="all",
+            train__loss_aggregation="seq-mean-token-mean",
+        )
+    )
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "mean_gate" in summary and "kl_loss" in steps[-1]
     for row in steps:
@@ -155,10 +208,18 @@ def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
     PPO (per-token advantages) with a large learning rate, so ratios leave [0.8, 1.2] within a step; the
     3-step warm start answers nothing right, so DAPO's overlong shaping is what makes rewards (and advantages) differ."""
     base = dict(method="ppo", train__actor_lr=1e-2)
-    shaped = dict(reward__length_penalty="overlong", reward__overlong_buffer=12, reward__length_penalty_on="all",
-                  reward__length_penalty_schedule="constant")
-    runs = {"plain": {}, "shaped": shaped, "clip_high": dict(shaped, train__clip_high_scale=5.0),
-            "sequence_mean": dict(shaped, train__loss_aggregation="seq-mean-token-mean")}
+    shaped = dict(
+        reward__length_penalty="overlong",
+        reward__overlong_buffer=12,
+        reward__length_penalty_on="all",
+        reward__length_penalty_schedule="constant",
+    )
+    runs = {
+        "plain": {},
+        "shaped": shaped,
+        "clip_high": dict(shaped, train__clip_high_scale=5.0),
+        "sequence_mean": dict(shaped, train__loss_aggregation="seq-mean-token-mean"),
+    }
     rows = {}
     for name, switch in runs.items():
         train(small_train_config(tmp_path / name, **base, **switch))
@@ -170,7 +231,9 @@ def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
     # DAPO's higher upper clip clips fewer positive-advantage tokens than the symmetric clip.
     assert rows["clip_high"][first_update]["clip_fraction_high"] < rows["shaped"][first_update]["clip_fraction_high"]
     # The same advantages and ratios, reduced over responses instead of tokens.
-    assert rows["sequence_mean"][first_update]["policy_loss"] != pytest.approx(rows["shaped"][first_update]["policy_loss"], abs=1e-6)
+    assert rows["sequence_mean"][first_update]["policy_loss"] != pytest.approx(
+        rows["shaped"][first_update]["policy_loss"], abs=1e-6
+    )
     assert all("kl_loss" in row for row in rows["shaped"][first_update:])
 
 
@@ -188,13 +251,28 @@ def test_the_dynamic_sampling_filter_switch_reaches_the_loop(tmp_path, monkeypat
     monkeypatch.setattr(sampling, "score_responses", all_wrong_and_distinct)
     rows = {}
     for filter_by in ("accuracy", "reward"):
-        train(small_train_config(tmp_path / filter_by, method="grpo", rollout__dynamic_sampling=True, rollout__max_refills=1,
-                                 rollout__dynamic_sampling_filter=filter_by, train__kl_coef_grpo=0.0, train__eval_every=0))
+        train(
+            small_train_config(
+                tmp_path / filter_by,
+                method="grpo",
+                rollout__dynamic_sampling=True,
+                rollout__max_refills=1,
+                rollout__dynamic_sampling_filter=filter_by,
+                train__kl_coef_grpo=0.0,
+                train__eval_every=0,
+            )
+        )
         rows[filter_by] = _rows(tmp_path / filter_by)
     for row in rows["accuracy"]:
-        assert (row["dynamic_sampling/dropped_fraction"], row["dynamic_sampling/refills"], row["dynamic_sampling/uninformative_kept"]) == (
-            1.0, 1.0, 2.0)
+        assert (
+            row["dynamic_sampling/dropped_fraction"],
+            row["dynamic_sampling/refills"],
+            row["dynamic_sampling/uninformative_kept"],
+        ) == (1.0, 1.0, 2.0)
     for row in rows["reward"]:
-        assert (row["dynamic_sampling/dropped_fraction"], row["dynamic_sampling/refills"], row["dynamic_sampling/uninformative_kept"]) == (
-            0.0, 0.0, 0.0)
+        assert (
+            row["dynamic_sampling/dropped_fraction"],
+            row["dynamic_sampling/refills"],
+            row["dynamic_sampling/uninformative_kept"],
+        ) == (0.0, 0.0, 0.0)
     assert not any("kl_loss" in row for row in rows["accuracy"] + rows["reward"])

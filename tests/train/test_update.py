@@ -35,7 +35,9 @@ def test_fp32_master_weights_train_through_a_bf16_forward():
 def test_cast_params_is_identity_in_the_same_dtype():
     actor, *_ = update_inputs(batch=2)
     same = cast_params(actor, jnp.float32)
-    assert all(a.dtype == b.dtype and bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(same)))
+    assert all(
+        a.dtype == b.dtype and bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(same))
+    )
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(cast_params(actor, "bfloat16")))
 
 
@@ -43,17 +45,26 @@ def test_the_surrogate_follows_the_config():
     """PPO's upper clip is clip x clip_high_scale (DAPO's decoupled clip); GSPO gets its own clip range."""
     rng = np.random.default_rng(0)
     old = rng.normal(size=(3, 5)) * 0.3 - 1.0
-    log_probs, old = jnp.asarray(old + rng.normal(size=(3, 5)) * 0.4, jnp.float32), jnp.asarray(old, jnp.float32)  # ratios past 1.2
+    log_probs, old = (
+        jnp.asarray(old + rng.normal(size=(3, 5)) * 0.4, jnp.float32),
+        jnp.asarray(old, jnp.float32),
+    )  # ratios past 1.2
     advantages = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
     mask = jnp.asarray(np.arange(5)[None] < np.array([[5], [3], [1]]))
     decoupled = surrogate(ActorLoss(clip_high_scale=1.4), log_probs, old, advantages, mask, 0.2)
     expected = ppo_clip_loss(log_probs, old, advantages, mask, 0.2, 0.28)
-    assert float(decoupled[0]) == float(expected[0]) != float(ppo_clip_loss(log_probs, old, advantages, mask, 0.2, 0.2)[0])
+    assert (
+        float(decoupled[0]) == float(expected[0]) != float(ppo_clip_loss(log_probs, old, advantages, mask, 0.2, 0.2)[0])
+    )
     sequence = ActorLoss(policy_loss="gspo_token", aggregation="seq-mean-token-mean", sequence_clip=(3e-4, 4e-4))
-    expected = gspo_loss(log_probs, old, advantages, mask, 3e-4, 4e-4, token_level=True, aggregation="seq-mean-token-mean")
+    expected = gspo_loss(
+        log_probs, old, advantages, mask, 3e-4, 4e-4, token_level=True, aggregation="seq-mean-token-mean"
+    )
     assert float(surrogate(sequence, log_probs, old, advantages, mask, 0.2)[0]) == float(expected[0])
     dr_grpo = ActorLoss(aggregation="seq-mean-token-sum-norm", norm_length=16)
-    expected = ppo_clip_loss(log_probs, old, advantages, mask, 0.2, 0.2, aggregation="seq-mean-token-sum-norm", norm_length=16)
+    expected = ppo_clip_loss(
+        log_probs, old, advantages, mask, 0.2, 0.2, aggregation="seq-mean-token-sum-norm", norm_length=16
+    )
     assert float(surrogate(dr_grpo, log_probs, old, advantages, mask, 0.2)[0]) == float(expected[0])
 
 
@@ -93,19 +104,26 @@ def test_each_policy_loss_variant_trains_its_papers_objective_from_one_switch():
         # GSPO-token eq. 13: the same value, each token's ratio carrying s_i.
         (("train__policy_loss", "gspo_token"),): -np.mean(sequence_ratio * adv),
         # Dr.GRPO (its code): the mean over responses of the token sums over the longest response.
-        (("train__group_std_normalization", False),): -np.mean(np.sum(np.where(mask, ratio * adv[:, None], 0), 1)) / MAX_NEW_TOKENS,
+        (("train__group_std_normalization", False),): -np.mean(np.sum(np.where(mask, ratio * adv[:, None], 0), 1))
+        / MAX_NEW_TOKENS,
     }
     for switches, want in paper.items():
         got, loss = loop_surrogate(**dict(switches))
         assert got == pytest.approx(want, rel=1e-5), (switches, loss)
     # The example of the length bias: GSPO's sequence mean, not the token-weighted mean of the same tokens.
     gspo = loop_surrogate(train__policy_loss="gspo")[0]
-    assert gspo == pytest.approx(-(1 - 0.5 + 2) / 3, abs=3e-4) and paper[()] == pytest.approx(-(5 - 1 + 6) / 10, abs=3e-4)
+    assert gspo == pytest.approx(-(1 - 0.5 + 2) / 3, abs=3e-4) and paper[()] == pytest.approx(
+        -(5 - 1 + 6) / 10, abs=3e-4
+    )
     # An explicit aggregation still wins over the variant's own.
     assert loop_surrogate(train__policy_loss="gspo", train__loss_aggregation="token-mean")[0] == pytest.approx(
-        -np.sum(np.asarray(LENGTHS) * sequence_ratio * adv) / mask.sum(), rel=1e-5)
-    assert loop_surrogate(train__group_std_normalization=False, train__loss_aggregation="seq-mean-token-sum-norm")[0] == pytest.approx(
-        3 * paper[(("train__group_std_normalization", False),)], rel=1e-5)  # verl's form: the sum over the 3 responses
+        -np.sum(np.asarray(LENGTHS) * sequence_ratio * adv) / mask.sum(), rel=1e-5
+    )
+    assert loop_surrogate(train__group_std_normalization=False, train__loss_aggregation="seq-mean-token-sum-norm")[
+        0
+    ] == pytest.approx(
+        3 * paper[(("train__group_std_normalization", False),)], rel=1e-5
+    )  # verl's form: the sum over the 3 responses
 
 
 def test_dapo_clips_higher_and_drops_the_kl_term_from_one_config():
@@ -113,13 +131,22 @@ def test_dapo_clips_higher_and_drops_the_kl_term_from_one_config():
     far = [[0.22] + row[1:] for row in LOG_RATIOS]
     _, _, _, _, log_ratio, mask = variant_inputs(far)
     adv = np.asarray(ROW_ADVANTAGES)[:, None]
-    objective = lambda high: -np.sum(np.where(mask, np.minimum(np.exp(log_ratio) * adv, np.clip(np.exp(log_ratio), 0.8, high) * adv), 0))
+    objective = lambda high: (
+        -np.sum(np.where(mask, np.minimum(np.exp(log_ratio) * adv, np.clip(np.exp(log_ratio), 0.8, high) * adv), 0))
+    )
     ppo, ppo_loss = loop_surrogate(log_ratios=far)
     dapo, dapo_loss = loop_surrogate(log_ratios=far, train__clip_high_scale=1.4, train__kl_coef_grpo=0.0)
-    assert ppo == pytest.approx(objective(1.2) / 10, rel=1e-5) and dapo == pytest.approx(objective(1.28) / 10, rel=1e-5) and dapo < ppo
+    assert (
+        ppo == pytest.approx(objective(1.2) / 10, rel=1e-5)
+        and dapo == pytest.approx(objective(1.28) / 10, rel=1e-5)
+        and dapo < ppo
+    )
     assert ppo_loss.kl_term and not dapo_loss.kl_term
     # verl's convention: the KL aggregated as the policy loss is.
-    assert loop_surrogate(train__policy_loss="gspo", train__kl_aggregation="policy")[1].kl_aggregation == "seq-mean-token-mean"
+    assert (
+        loop_surrogate(train__policy_loss="gspo", train__kl_aggregation="policy")[1].kl_aggregation
+        == "seq-mean-token-mean"
+    )
     assert loop_surrogate(train__policy_loss="gspo")[1].kl_aggregation == "token-mean"
 
 
@@ -128,18 +155,28 @@ def test_a_lora_step_trains_only_the_adapters_and_leaves_the_base_arrays_in_plac
     from comppo_jax.train.update import apply_actor_step, jit_update_steps
 
     base, _, actor_tx, *_, batch = update_inputs()
-    actor = lora.join(base, lora.init_adapters(CONFIG, lora.LoraConfig(rank=4, targets=("q", "v", "down")), jax.random.PRNGKey(1)))
+    actor = lora.join(
+        base, lora.init_adapters(CONFIG, lora.LoraConfig(rank=4, targets=("q", "v", "down")), jax.random.PRNGKey(1))
+    )
     actor_opt = actor_tx.init(lora.trainable(actor))
-    assert jax.tree.structure(actor_opt.inner_state[0].mu) == jax.tree.structure(lora.trainable(actor))  # AdamW moments: adapters only
+    assert jax.tree.structure(actor_opt.inner_state[0].mu) == jax.tree.structure(
+        lora.trainable(actor)
+    )  # AdamW moments: adapters only
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-    steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx)
+    steps = jit_update_steps(
+        mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx
+    )
     before = jax.tree.map(np.asarray, lora.trainable(actor)["layers"])  # the step donates the adapters
     with jax.set_mesh(mesh):
         new_actor, new_opt, metrics = apply_actor_step(steps, actor, actor_opt, batch, HYPER["actor"])
     assert bool(metrics["actor_finite"]) and float(metrics["grad_norm"]) > 0
     # The base is read, not donated: the same arrays, still alive (the reference policy of a LoRA run is them).
-    assert all(a is b and not a.is_deleted() for a, b in zip(jax.tree.leaves(lora.base(new_actor)), jax.tree.leaves(base)))
+    assert all(
+        a is b and not a.is_deleted() for a, b in zip(jax.tree.leaves(lora.base(new_actor)), jax.tree.leaves(base))
+    )
     after = lora.trainable(new_actor)["layers"]
     changed = {name for name in before if np.any(before[name] != np.asarray(after[name]))}
-    assert changed == {f"{w}_lora_b" for w in ("q_proj", "v_proj", "down_proj")}  # B = 0 at the start: A's gradient is zero
+    assert changed == {
+        f"{w}_lora_b" for w in ("q_proj", "v_proj", "down_proj")
+    }  # B = 0 at the start: A's gradient is zero
     assert jax.tree.structure(new_opt.inner_state[0].mu) == jax.tree.structure(lora.trainable(new_actor))

@@ -44,69 +44,143 @@ def assign(**values):
 
 
 CASES = {
-    "method typo": (assign(method="compo"), r"config\.method='compo': expected one of \('comppo', 'grpo', 'ppo'\); pass --config\.method=comppo"),
-    "inverted envelope": (assign(gate_envelope__kappa_lo=0.9, gate_envelope__kappa_hi=0.1),
-                          r"config\.gate_envelope: kappa_lo=0\.9 must be below kappa_hi=0\.1"),
+    "method typo": (
+        assign(method="compo"),
+        r"config\.method='compo': expected one of \('comppo', 'grpo', 'ppo'\); pass --config\.method=comppo",
+    ),
+    "inverted envelope": (
+        assign(gate_envelope__kappa_lo=0.9, gate_envelope__kappa_hi=0.1),
+        r"config\.gate_envelope: kappa_lo=0\.9 must be below kappa_hi=0\.1",
+    ),
     "checkpoint every 0": (assign(checkpoint__every=0), r"config\.checkpoint\.every=0: must be >= 1"),
-    "position gate without schedule": (assign(gate="position"), r"config\.position_schedule='': gate='position' needs a position schedule"),
-    "position schedule missing": (assign(gate="position", position_schedule="/nowhere/gate_profile.json"),
-                                  r"config\.position_schedule='/nowhere/gate_profile\.json': does not exist"),
+    "position gate without schedule": (
+        assign(gate="position"),
+        r"config\.position_schedule='': gate='position' needs a position schedule",
+    ),
+    "position schedule missing": (
+        assign(gate="position", position_schedule="/nowhere/gate_profile.json"),
+        r"config\.position_schedule='/nowhere/gate_profile\.json': does not exist",
+    ),
     "no verifier workers": (assign(reward__workers=0), r"config\.reward\.workers=0: must be >= 1"),
     "deleted lam": (delete("train.lam"), r"config\.train\.lam is missing"),
     "negative learning rate": (assign(train__actor_lr=-1e-6), r"config\.train\.actor_lr=-1e-06: must be > 0"),
     "lam above one": (assign(train__lam=1.5), r"config\.train\.lam=1\.5: must be in \(0, 1\]"),
     "negative steps": (assign(steps=-3), r"config\.steps=-3: must be >= 1"),
-    "unknown critic": (assign(critic__kind="big"), r"config\.critic\.kind='big': expected one of \('tac', 'standard', 'full'\)"),
+    "unknown critic": (
+        assign(critic__kind="big"),
+        r"config\.critic\.kind='big': expected one of \('tac', 'standard', 'full'\)",
+    ),
     "unknown attention": (assign(model__attention="flash"), r"config\.model\.attention='flash': expected one of"),
     "unknown remat": (assign(model__remat="some"), r"config\.model\.remat='some': expected one of"),
-    "unknown data kind": (assign(data__kind="gsm8k"), r"config\.data\.kind='gsm8k': expected one of \('synthetic', 'dapo_math'\)"),
-    "missing data file": (assign(data__kind="dapo_math", data__path="/nowhere/dapo.parquet"), r"config\.data\.path='/nowhere/dapo\.parquet': does not exist"),
-    "warm start on DAPO-Math": (assign(data__kind="dapo_math", data__path=__file__),  # any existing file: it is not read
-                                r"config\.warm_start\.steps=3: the supervised warm start trains on worked solutions and "
-                                r"data\.kind='dapo_math' has none; pass --config\.warm_start\.steps=0"),
+    "unknown data kind": (
+        assign(data__kind="gsm8k"),
+        r"config\.data\.kind='gsm8k': expected one of \('synthetic', 'dapo_math'\)",
+    ),
+    "missing data file": (
+        assign(data__kind="dapo_math", data__path="/nowhere/dapo.parquet"),
+        r"config\.data\.path='/nowhere/dapo\.parquet': does not exist",
+    ),
+    "warm start on DAPO-Math": (
+        assign(data__kind="dapo_math", data__path=__file__),  # any existing file: it is not read
+        r"config\.warm_start\.steps=3: the supervised warm start trains on worked solutions and "
+        r"data\.kind='dapo_math' has none; pass --config\.warm_start\.steps=0",
+    ),
     "missing model": (assign(model__path="/nowhere/qwen3"), r"config\.model\.path='/nowhere/qwen3': does not exist"),
     "negative LoRA rank": (assign(model__lora__rank=-8), r"config\.model\.lora\.rank=-8: must be >= 0"),
-    "zero LoRA alpha": (assign(model__lora__rank=8, model__lora__alpha=0.0), r"config\.model\.lora\.alpha=0\.0: must be > 0"),
-    "unknown LoRA target": (assign(model__lora__rank=8, model__lora__targets="q,qkv"),
-                            r"config\.model\.lora\.targets='q,qkv': expected a comma-separated subset of q, k, v, o, gate, up, down"),
-    "minibatch does not divide": (assign(train__minibatch_size=3), r"config\.train\.minibatch_size=3: must divide the 4 responses per step"),
+    "zero LoRA alpha": (
+        assign(model__lora__rank=8, model__lora__alpha=0.0),
+        r"config\.model\.lora\.alpha=0\.0: must be > 0",
+    ),
+    "unknown LoRA target": (
+        assign(model__lora__rank=8, model__lora__targets="q,qkv"),
+        r"config\.model\.lora\.targets='q,qkv': expected a comma-separated subset of q, k, v, o, gate, up, down",
+    ),
+    "minibatch does not divide": (
+        assign(train__minibatch_size=3),
+        r"config\.train\.minibatch_size=3: must divide the 4 responses per step",
+    ),
     "top_p zero": (assign(rollout__top_p=0.0), r"config\.rollout\.top_p=0\.0: must be in \(0, 1\]"),
-    "unknown old log-probs": (assign(rollout__old_log_probs="stored"),
-                              r"config\.rollout\.old_log_probs='stored': expected one of \('rescore', 'sampler'\)"),
-    "unknown gate statistic": (assign(gate_statistic="entropi"), r"config\.gate_statistic='entropi': expected one of .*; "
-                                                                   r"pass --config\.gate_statistic=entropy"),
-    "gate statistic without a gate": (assign(method="grpo", gate_statistic="entropy"),
-                                      r"config\.gate_statistic='entropy': only CompPO's attention and shuffle gates read the statistic"),
-    "gate refresh of a fixed gate": (assign(gate="fixed", gate_refresh="epoch"),
-                                     r"config\.gate_refresh='epoch': only CompPO's attention and shuffle gates depend on the actor"),
-    "sequence ratio with per-token credit": (assign(train__policy_loss="gspo"),
-                                             r"config\.train\.policy_loss='gspo': .* pass --config\.train\.policy_loss=gspo_token"),
-    "Dr.GRPO switch without GRPO": (assign(method="ppo", train__group_std_normalization=False),
-                                    r"config\.train\.group_std_normalization=False: only GRPO's group-relative advantages"),
-    "dynamic sampling of single responses": (assign(rollout__dynamic_sampling=True, rollout__samples_per_prompt=1, train__minibatch_size=2),
-                                             r"config\.rollout\.dynamic_sampling=True: a group of one response always has equal rewards"),
-    "decoupled clip on a sequence ratio": (assign(method="grpo", train__policy_loss="gspo", train__clip_high_scale=1.4),
-                                           r"config\.train\.clip_high_scale=1\.4: scales the per-token ratio's clip; gspo clips"),
-    "unknown loss aggregation": (assign(train__loss_aggregation="seq-mean"), r"config\.train\.loss_aggregation='seq-mean': expected one of"),
-    "unknown penalty scope": (assign(reward__length_penalty_on="some"), r"config\.reward\.length_penalty_on='some': expected one of"),
-    "unknown penalty schedule": (assign(reward__length_penalty_schedule="ramp"), r"config\.reward\.length_penalty_schedule='ramp'"),
-    "unknown dynamic-sampling filter": (assign(rollout__dynamic_sampling_filter="length"),
-                                        r"config\.rollout\.dynamic_sampling_filter='length': expected one of"),
+    "unknown old log-probs": (
+        assign(rollout__old_log_probs="stored"),
+        r"config\.rollout\.old_log_probs='stored': expected one of \('rescore', 'sampler'\)",
+    ),
+    "unknown gate statistic": (
+        assign(gate_statistic="entropi"),
+        r"config\.gate_statistic='entropi': expected one of .*; "
+        r"pass --config\.gate_statistic=entropy",
+    ),
+    "gate statistic without a gate": (
+        assign(method="grpo", gate_statistic="entropy"),
+        r"config\.gate_statistic='entropy': only CompPO's attention and shuffle gates read the statistic",
+    ),
+    "gate refresh of a fixed gate": (
+        assign(gate="fixed", gate_refresh="epoch"),
+        r"config\.gate_refresh='epoch': only CompPO's attention and shuffle gates depend on the actor",
+    ),
+    "sequence ratio with per-token credit": (
+        assign(train__policy_loss="gspo"),
+        r"config\.train\.policy_loss='gspo': .* pass --config\.train\.policy_loss=gspo_token",
+    ),
+    "Dr.GRPO switch without GRPO": (
+        assign(method="ppo", train__group_std_normalization=False),
+        r"config\.train\.group_std_normalization=False: only GRPO's group-relative advantages",
+    ),
+    "dynamic sampling of single responses": (
+        assign(rollout__dynamic_sampling=True, rollout__samples_per_prompt=1, train__minibatch_size=2),
+        r"config\.rollout\.dynamic_sampling=True: a group of one response always has equal rewards",
+    ),
+    "decoupled clip on a sequence ratio": (
+        assign(method="grpo", train__policy_loss="gspo", train__clip_high_scale=1.4),
+        r"config\.train\.clip_high_scale=1\.4: scales the per-token ratio's clip; gspo clips",
+    ),
+    "unknown loss aggregation": (
+        assign(train__loss_aggregation="seq-mean"),
+        r"config\.train\.loss_aggregation='seq-mean': expected one of",
+    ),
+    "unknown penalty scope": (
+        assign(reward__length_penalty_on="some"),
+        r"config\.reward\.length_penalty_on='some': expected one of",
+    ),
+    "unknown penalty schedule": (
+        assign(reward__length_penalty_schedule="ramp"),
+        r"config\.reward\.length_penalty_schedule='ramp'",
+    ),
+    "unknown dynamic-sampling filter": (
+        assign(rollout__dynamic_sampling_filter="length"),
+        r"config\.rollout\.dynamic_sampling_filter='length': expected one of",
+    ),
     "refills below until-full": (assign(rollout__max_refills=-2), r"config\.rollout\.max_refills=-2: must be >= -1"),
-    "decode group larger than the devices": (assign(rollout__mesh__tensor="2"),
-                                             r"config\.rollout\.mesh\.tensor=2: a decode group must divide the 1 devices"),
-    "decode layout not a group size": (assign(rollout__mesh__tensor="half"),
-                                       r"config\.rollout\.mesh\.tensor='half': expected auto, train or a positive number"),
-    "unknown KL aggregation": (assign(train__kl_aggregation="seq"), r"config\.train\.kl_aggregation='seq': expected one of"),
+    "decode group larger than the devices": (
+        assign(rollout__mesh__tensor="2"),
+        r"config\.rollout\.mesh\.tensor=2: a decode group must divide the 1 devices",
+    ),
+    "decode layout not a group size": (
+        assign(rollout__mesh__tensor="half"),
+        r"config\.rollout\.mesh\.tensor='half': expected auto, train or a positive number",
+    ),
+    "unknown KL aggregation": (
+        assign(train__kl_aggregation="seq"),
+        r"config\.train\.kl_aggregation='seq': expected one of",
+    ),
     "negative sink tokens": (assign(sink_tokens=-1), r"config\.sink_tokens=-1: must be >= 0"),
     "negative staleness": (assign(rollout__staleness=-1), r"config\.rollout\.staleness=-1: must be >= 0"),
-    "unknown proximal policy": (assign(train__proximal="current"), r"config\.train\.proximal='current': expected one of"),
-    "decoupled objective on a sequence ratio": (assign(train__proximal="recompute", train__policy_loss="gspo_token"),
-                                                r"config\.train\.proximal='recompute': the decoupled objective weights per-token "
-                                                r"ratios; gspo_token clips a sequence ratio"),
-    "importance weight cap below one": (assign(train__importance_weight_cap=0.5), r"config\.train\.importance_weight_cap=0\.5: must be >= 1"),
-    "rollout devices leave none to train": (assign(mesh__rollout_devices=1),
-                                            r"config\.mesh\.rollout_devices=1 must leave every process devices for both stages"),
+    "unknown proximal policy": (
+        assign(train__proximal="current"),
+        r"config\.train\.proximal='current': expected one of",
+    ),
+    "decoupled objective on a sequence ratio": (
+        assign(train__proximal="recompute", train__policy_loss="gspo_token"),
+        r"config\.train\.proximal='recompute': the decoupled objective weights per-token "
+        r"ratios; gspo_token clips a sequence ratio",
+    ),
+    "importance weight cap below one": (
+        assign(train__importance_weight_cap=0.5),
+        r"config\.train\.importance_weight_cap=0\.5: must be >= 1",
+    ),
+    "rollout devices leave none to train": (
+        assign(mesh__rollout_devices=1),
+        r"config\.mesh\.rollout_devices=1 must leave every process devices for both stages",
+    ),
 }
 
 
@@ -136,6 +210,9 @@ def test_the_presets_validate(tmp_path):
         if config.model.path_required:  # the real presets need a checkpoint and data; everything else is valid
             with pytest.raises(ConfigError) as error:
                 validate_config(config)
-            assert {line.split("=")[0] for line in str(error.value).splitlines()} == {"config.model.path", "config.data.path"}
+            assert {line.split("=")[0] for line in str(error.value).splitlines()} == {
+                "config.model.path",
+                "config.data.path",
+            }
         else:
             validate_config(config)

@@ -15,7 +15,10 @@ def test_cache_computes_once_per_key_and_restores_exactly(tmp_path):
 
     def compute():
         calls.append(1)
-        return {"w": jnp.full((2, 3), 1.0 / 3, jnp.bfloat16), "layers": {"b": jnp.arange(3, dtype=jnp.float32) / 7}}, 0.25
+        return {
+            "w": jnp.full((2, 3), 1.0 / 3, jnp.bfloat16),
+            "layers": {"b": jnp.arange(3, dtype=jnp.float32) / 7},
+        }, 0.25
 
     first, loss = cached_warm_start(str(tmp_path), {"seed": 0}, template, compute)
     again, loss_again = cached_warm_start(str(tmp_path), {"seed": 0}, template, compute)

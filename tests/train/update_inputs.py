@@ -12,11 +12,24 @@ from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train.methods import spread_over_sequence
 from comppo_jax.train.update import Minibatch, adamw
 
-CONFIG = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(1,), pad_token_id=0)
+CONFIG = ModelConfig(
+    architecture="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+    eos_token_ids=(1,),
+    pad_token_id=0,
+)
 TOP_K = 4
-HYPER = {"actor": dict(learning_rate=1e-3, clip=0.2, kl_coef=2e-3, grad_clip=1.0),
-         "critic": dict(learning_rate=1e-3, value_clip=0.5, grad_clip=1.0)}
+HYPER = {
+    "actor": dict(learning_rate=1e-3, clip=0.2, kl_coef=2e-3, grad_clip=1.0),
+    "critic": dict(learning_rate=1e-3, value_clip=0.5, grad_clip=1.0),
+}
 
 
 def update_inputs(batch: int = 8, prompt: int = 6, response: int = 10, seed: int = 0):
@@ -28,19 +41,35 @@ def update_inputs(batch: int = 8, prompt: int = 6, response: int = 10, seed: int
     response_mask = jnp.arange(response)[None, :] < lengths[:, None]
     attention_mask = jnp.concatenate([jnp.ones((batch, prompt), bool), response_mask], axis=1)
     tokens = jnp.where(attention_mask, tokens, 0)
-    generation = Generation(tokens, attention_mask, jnp.full((batch,), prompt, jnp.int32), tokens[:, prompt:], response_mask,
-                            jnp.zeros((batch, response)))
+    generation = Generation(
+        tokens,
+        attention_mask,
+        jnp.full((batch,), prompt, jnp.int32),
+        tokens[:, prompt:],
+        response_mask,
+        jnp.zeros((batch, response)),
+    )
     hidden_layers = fused_hidden_layers(CONFIG.num_layers, 2)
-    rollout = score_rollout(actor, actor, CONFIG, generation, window="response", temperature=1.0, hidden_layers=hidden_layers,
-                            top_k=TOP_K)
+    rollout = score_rollout(
+        actor, actor, CONFIG, generation, window="response", temperature=1.0, hidden_layers=hidden_layers, top_k=TOP_K
+    )
     critic_module = TransportAlignedCritic(bottleneck=8, query_block=4)
     critic = init_tac(critic_module, keys[2], len(hidden_layers), CONFIG.hidden_size, TOP_K)
     actor_tx, critic_tx = adamw(1e-3), adamw(1e-3)
     noise = lambda key: jnp.where(response_mask, jax.random.normal(key, response_mask.shape), 0.0)
     minibatch = Minibatch(
-        tokens, attention_mask, generation.prompt_lengths, generation.response_tokens, response_mask,
-        rollout.log_probs + 0.1 * noise(keys[3]), rollout.ref_log_probs, noise(keys[4]), jnp.tanh(noise(keys[5])),
-        jnp.zeros(response_mask.shape), spread_over_sequence(rollout.kappa, generation.prompt_lengths, tokens.shape[1]),
-        rollout.hidden_states, rollout.routing,
+        tokens,
+        attention_mask,
+        generation.prompt_lengths,
+        generation.response_tokens,
+        response_mask,
+        rollout.log_probs + 0.1 * noise(keys[3]),
+        rollout.ref_log_probs,
+        noise(keys[4]),
+        jnp.tanh(noise(keys[5])),
+        jnp.zeros(response_mask.shape),
+        spread_over_sequence(rollout.kappa, generation.prompt_lengths, tokens.shape[1]),
+        rollout.hidden_states,
+        rollout.routing,
     )
     return actor, actor_tx.init(actor), actor_tx, critic_module, critic, critic_tx.init(critic), critic_tx, minibatch
