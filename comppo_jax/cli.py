@@ -291,7 +291,7 @@ def _override_problem(name: str, argument: str, argv: list[str]) -> ConfigFileEr
         return None
     try:
         config = _load_config(argument)
-    except Exception:  # noqa: BLE001 -- the error being diagnosed is the one to report
+    except Exception:  # the error being diagnosed is the one to report
         return None
     for arg in overrides:
         dotted, _, text = arg.split(".", 1)[1].partition("=")
@@ -345,7 +345,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
             # ml_collections defers an OSError loading a config file (the file is missing, or
             # get_config raised one) to the config's first use: this is one.
             getattr(flags.FLAGS[name].value, "lock", None)
-    except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
+    except Exception as error:  # reported in one line, or in full with --verbosity
         _fail_before_main(error, argv)
     return remaining
 
@@ -358,7 +358,7 @@ def define_config_file(name: str, default: str | None, help_string: str):
 
     try:
         holder = config_flags.DEFINE_config_file(name, default, help_string)
-    except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
+    except Exception as error:  # reported in one line, or in full with --verbosity
         _fail_before_main(error, sys.argv, {name: default})
     # Listed under the entry point that defines it (as ml_collections would), not this module: --help reads that.
     caller = sys._getframe(1).f_globals.get("__name__")
@@ -374,7 +374,7 @@ def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
     if any(arg in HELP_FLAGS for arg in sys.argv[1:]):
         try:
             print_help(sys.argv, field_help or {})
-        except Exception as error:  # noqa: BLE001 -- a config file flag that does not load
+        except Exception as error:  # a config file flag that does not load
             _fail_before_main(error, sys.argv)
         sys.exit(0)
 
@@ -389,7 +389,7 @@ def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
         except KeyboardInterrupt:  # Ctrl-C where train() does not catch it (loading, imports): no traceback either
             print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
             _exit_failed(130)
-        except Exception as error:  # noqa: BLE001 -- reported in one line, or in full with --verbosity
+        except Exception as error:  # reported in one line, or in full with --verbosity
             if verbose:
                 traceback.print_exc()
             else:

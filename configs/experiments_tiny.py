@@ -2,9 +2,10 @@
 
     python launch/experiment.py --experiment=configs/experiments_tiny.py:main --root=runs/experiments_tiny
 
-What is smaller than the paper, and why (a 2-core CPU): 3 seeds (0, 1, 2) instead of 5 (2 for the
-stress grid and the variants); a 2x2 LR x KL screen instead of 3x3; 40 RL steps with a dev
-evaluation every 5 (Last-4 instead of Last-20); held-out diagnostics on 16 dev prompts. docs/results_tiny.md reports these runs.
+What is smaller than the paper, and why (a 2-core CPU): 3 seeds (0, 1, 2) instead of 5 (2 for
+the stress grid and the variants); a 2x2 LR x KL screen instead of 3x3; 40 RL steps with a dev
+evaluation every 5 (Last-4 instead of Last-20); held-out diagnostics on 16 dev prompts.
+docs/results_tiny.md reports these runs.
 """
 
 import importlib.util

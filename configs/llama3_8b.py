@@ -1,4 +1,5 @@
-"""Llama-3.1-8B-Instruct, the paper's transfer backbone. Training sections: appendix C's primary configuration (comppo_jax/train/paper.py).
+"""Llama-3.1-8B-Instruct, the paper's transfer backbone. Training sections: appendix C's primary configuration
+(comppo_jax/train/paper.py).
 
 Usage: --config=configs/llama3_8b.py --config.model.path=/path/to/Llama-3.1-8B-Instruct
 """

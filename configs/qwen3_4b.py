@@ -1,4 +1,5 @@
-"""Qwen3-4B, the paper's primary backbone. Training sections: appendix C's primary configuration (comppo_jax/train/paper.py).
+"""Qwen3-4B, the paper's primary backbone. Training sections: appendix C's primary configuration
+(comppo_jax/train/paper.py).
 
 Usage: --config=configs/qwen3_4b.py --config.model.path=/path/to/Qwen3-4B
 """

@@ -8,7 +8,8 @@
     python launch/benchmark.py host      # a step's host-side work: decoding and verifying the responses
     python launch/benchmark.py step      # a train step's programs: predicted (launch/plan.py's cost model) vs measured
     python launch/benchmark.py step --peer=tunix --tunix_python=/tmp/tunix_venv/bin/python  # a GRPO step: ours vs tunix
-    python launch/benchmark.py step --peer=tunix --method=ppo --tunix_python=...  # CompPO, PPO, GRPO vs tunix's PPO, per phase
+    python launch/benchmark.py step --peer=tunix --method=ppo --tunix_python=...
+                                         # CompPO, PPO, GRPO vs tunix's PPO, per phase
     python launch/benchmark.py lora      # LoRA vs full fine-tuning: actor state, update time, decoding merged or not
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.

@@ -113,7 +113,8 @@ def main(argv):
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.seed,
     }
-    # Sets finished by an earlier run with these settings are read, not recomputed; decided once, before any process writes.
+    # Sets finished by an earlier run with these settings are read, not recomputed; decided once, before any process
+    # writes.
     done = {name: _finished(os.path.join(output, f"{name}.json"), settings) for name in sets}
 
     policy_config, params = restore_actor(cfg, checkpoints, step)
@@ -174,8 +175,8 @@ def main(argv):
             indent=2,
         )
     print(
-        f"checkpoint {_CHECKPOINT.value} step {step}: {samples} samples per problem at temperature {cfg.eval.temperature}, "
-        f"top-p {cfg.eval.top_p}; mean (standard error)"
+        f"checkpoint {_CHECKPOINT.value} step {step}: {samples} samples per problem at temperature "
+        f"{cfg.eval.temperature}, top-p {cfg.eval.top_p}; mean (standard error)"
     )
     print("| set | problems | " + " | ".join(metrics) + " |")
     print("|" + "---|" * (len(metrics) + 2))

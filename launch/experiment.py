@@ -71,8 +71,8 @@ def main(argv):
             writer.writerows(rows)
     failed = "".join(f"\n- {run.arm} seed {run.seed}: {why}" for run, why in outcome.failures.items())
     report = (
-        f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; exact commands in "
-        f"`commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
+        f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; "
+        f"exact commands in `commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
         + "".join(f"\n![{name}]({name})\n" for name in plots)
         + (f"\n## Failed runs{failed}\n" if failed else "")
     )

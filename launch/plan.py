@@ -145,7 +145,8 @@ def print_overlap(cfg, name: str, topology: str) -> None:
         )
         scale = seconds / roofline
         print(
-            f"learner calibrated on the compiled programs: {seconds:.3g} s against the roofline's {roofline:.3g} s (x{scale:.2f})"
+            f"learner calibrated on the compiled programs: {seconds:.3g} s against the roofline's {roofline:.3g} s "
+            f"(x{scale:.2f})"
         )
     for label, lengths in (
         ("every response at the limit", np.full(rows, limit)),
@@ -155,8 +156,8 @@ def print_overlap(cfg, name: str, topology: str) -> None:
             config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat, learner_scale=scale
         )
         print(
-            f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, longest {lengths.max()}), "
-            f"{epochs} epochs:"
+            f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, "
+            f"longest {lengths.max()}), {epochs} epochs:"
         )
         print("\n".join(plan.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
         moved = overlap.splits(
@@ -172,8 +173,8 @@ def print_overlap(cfg, name: str, topology: str) -> None:
         )
         best = min(moved[1:], key=lambda s: s.seconds)
         print(
-            f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} rollout chips, "
-            f"{best.seconds:.3g} s, {moved[0].seconds / best.seconds:.2f}x",
+            f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} "
+            f"rollout chips, {best.seconds:.3g} s, {moved[0].seconds / best.seconds:.2f}x",
             flush=True,
         )
 

@@ -37,15 +37,16 @@ def main(argv):
         command = shlex.join(["python", sys.argv[0], *arguments, "--config.resume=True"])
         during = f" during {summary['stopped_during']}" if "stopped_during" in summary else ""
         print(
-            f"stopped{during}: checkpoint {summary['stopped_at_step']} saved at {summary['checkpoint']}; resume with: {command}",
+            f"stopped{during}: checkpoint {summary['stopped_at_step']} saved at {summary['checkpoint']}; "
+            f"resume with: {command}",
             flush=True,
         )
         return
     if "stopped_during" in summary:
         command = shlex.join(["python", sys.argv[0], *arguments])
         print(
-            f"stopped during {summary['stopped_during']}, before the run's first checkpoint: nothing to resume; start it again "
-            f"with: {command}",
+            f"stopped during {summary['stopped_during']}, before the run's first checkpoint: nothing to resume; "
+            f"start it again with: {command}",
             flush=True,
         )
         return

@@ -2,7 +2,7 @@
 
 `attention_with_concentration(q, k, v, attention_mask, window_start, *, sm_scale=None,
 block_q=None, block_k=None, backend=None)` -> (out [B, L, Hq, D], herfindahl [B, L] f32,
-window_size [B, L] int32); definitions in ../shared/DESIGN.md (paper eq. herfindahl).
+window_size [B, L] int32); definitions in docs/conventions.md (paper eq. herfindahl).
 
 Backends:
 - "tpu": one Mosaic kernel (`pallas_kernels.tpu`), blockwise, never materializes [L, L].
@@ -23,15 +23,23 @@ pass, so `forward(..., window_start=...)` stays differentiable in its logits.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
+from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.common import DEFAULT_SINK_TOKENS, STATISTICS, causal_attention, window_sizes
+from pallas_kernels.common import (
+    DEFAULT_SINK_TOKENS,
+    STATISTICS,
+    ConcentrationOutputs,
+    causal_attention,
+    window_sizes,
+)
 from pallas_kernels.gpu import attention_with_concentration_gpu
 from pallas_kernels.reference import attention_with_concentration_reference
 from pallas_kernels.tpu import attention_with_concentration_tpu
 
-BACKENDS = {
+BACKENDS: dict[str, Callable[..., ConcentrationOutputs]] = {
     "tpu": attention_with_concentration_tpu,
     "gpu": attention_with_concentration_gpu,
     "interpret": functools.partial(attention_with_concentration_tpu, interpret=True),
@@ -45,26 +53,27 @@ def default_backend() -> str:
     platform = jax.default_backend()
     if platform not in PLATFORM_BACKENDS:
         raise ValueError(
-            f"no attention_with_concentration backend for platform {platform!r}; pass backend= one of {sorted(BACKENDS)}"
+            f"no attention_with_concentration backend for platform {platform!r}; "
+            f"pass backend= one of {sorted(BACKENDS)}"
         )
     return PLATFORM_BACKENDS[platform]
 
 
 def attention_with_concentration(
-    q,
-    k,
-    v,
-    attention_mask,
-    window_start,
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"],
     *,
-    sm_scale=None,
-    block_q=None,
-    block_k=None,
-    backend=None,
-    return_lse=False,
-    statistics=(),
-    sink_tokens=DEFAULT_SINK_TOKENS,
-):
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+    statistics: Sequence[str] = (),
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+) -> ConcentrationOutputs:
     """Causal GQA attention plus (herfindahl [B, L] f32, window_size [B, L] int32); see module doc.
 
     `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
@@ -103,17 +112,23 @@ def attention_with_concentration(
     return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start)
 
 
-def _with_xla_gradient(kernel, sm_scale):
+def _with_xla_gradient(
+    kernel: Callable[..., ConcentrationOutputs], sm_scale: float | None
+) -> Callable[[Array, Array, Array, Array, Array], ConcentrationOutputs]:
     """`kernel` whose output's VJP is that of `causal_attention`; the statistics get no gradient."""
 
     @jax.custom_vjp
-    def attention(q, k, v, attention_mask, window_start):
+    def attention(q: Array, k: Array, v: Array, attention_mask: Array, window_start: Array) -> ConcentrationOutputs:
         return kernel(q, k, v, attention_mask, window_start)
 
-    def forward_pass(q, k, v, attention_mask, window_start):
+    def forward_pass(
+        q: Array, k: Array, v: Array, attention_mask: Array, window_start: Array
+    ) -> tuple[ConcentrationOutputs, tuple[Array, Array, Array, Array]]:
         return kernel(q, k, v, attention_mask, window_start), (q, k, v, attention_mask)
 
-    def backward_pass(residuals, cotangents):
+    def backward_pass(
+        residuals: tuple[Array, Array, Array, Array], cotangents: tuple[Array, ...]
+    ) -> tuple[Array | None, ...]:
         q, k, v, attention_mask = residuals
         _, pullback = jax.vjp(lambda q, k, v: causal_attention(q, k, v, attention_mask, sm_scale=sm_scale), q, k, v)
         return (*pullback(cotangents[0]), None, None)  # mask and window_start: not differentiable

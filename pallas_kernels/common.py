@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
 
 
-def check_attention_inputs(q, k, v, attention_mask, window_start=None):
+def check_attention_inputs(
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"] | None = None,
+) -> tuple[int, int, int, int, int]:
     """Validates shapes/dtypes (window_start=None: attention without a concentration window);
     returns (batch, length, num_heads, head_dim, num_kv_heads)."""
     if q.ndim != 4:
@@ -24,7 +33,8 @@ def check_attention_inputs(q, k, v, attention_mask, window_start=None):
         raise ValueError(f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads})")
     if attention_mask.shape != (batch, length) or attention_mask.dtype != jnp.bool_:
         raise ValueError(
-            f"attention_mask must be bool [B, L] = [{batch}, {length}], got {attention_mask.dtype} {attention_mask.shape}"
+            f"attention_mask must be bool [B, L] = [{batch}, {length}], "
+            f"got {attention_mask.dtype} {attention_mask.shape}"
         )
     if window_start is not None and (
         window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer)
@@ -41,7 +51,7 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def window_sizes(attention_mask, window_start):
+def window_sizes(attention_mask: Bool[Array, "B L"], window_start: Int[Array, " B"]) -> Int[Array, "B L"]:
     """n [B, L] int32: real keys in [window_start, p] for each query p (0 when p < window_start).
 
     Computed from prefix counts of the mask, so no kernel needs to count keys.
@@ -53,7 +63,14 @@ def window_sizes(attention_mask, window_start):
     return jnp.where(positions >= window_start[:, None], counts - before, 0).astype(jnp.int32)
 
 
-def causal_attention(q, k, v, attention_mask, *, sm_scale=None):
+def causal_attention(
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    *,
+    sm_scale: float | None = None,
+) -> Float[Array, "B L Hq D"]:
     """Plain causal GQA attention, `jax.nn.dot_product_attention` (XLA; cuDNN where it applies).
 
     The layers without concentration use it, and it supplies the gradient of the kernels' output.
@@ -73,7 +90,13 @@ DEFAULT_SINK_TOKENS = 4  # StreamingLLM's count of attention-sink tokens
 _PARTIALS = {"entropy": ("plogp",), "max_weight": ("peak",), "sink_herfindahl": ("sink_mass", "sink_square")}
 
 
-def check_statistics(statistics, sink_tokens: int) -> tuple[str, ...]:
+# What every attention-with-concentration backend returns: (out [B, L, Hq, D], herfindahl [B, L] f32,
+# window_size [B, L] int32), then the per-head LSE [B, Hq, L] f32 with `return_lse`, then
+# {statistic: [B, L] f32} with a non-empty `statistics`.
+ConcentrationOutputs = tuple[Array | dict[str, Array], ...]
+
+
+def check_statistics(statistics: Iterable[str], sink_tokens: int) -> tuple[str, ...]:
     """`statistics` as a tuple of known names, or a ValueError naming the unknown one."""
     statistics = tuple(statistics)
     for name in statistics:
@@ -86,12 +109,19 @@ def check_statistics(statistics, sink_tokens: int) -> tuple[str, ...]:
     return statistics
 
 
-def partial_names(statistics) -> tuple[str, ...]:
+def partial_names(statistics: Iterable[str]) -> tuple[str, ...]:
     """The running sums (and the running max "peak") the kernels keep per query for `statistics`."""
     return ("mass", "square") + tuple(name for statistic in statistics for name in _PARTIALS[statistic])
 
 
-def window_partials(head_mean, in_window, key_positions, window_start, statistics, sink_tokens: int) -> dict:
+def window_partials(
+    head_mean: Float[Array, "... K"],
+    in_window: Bool[Array, "... K"],
+    key_positions: Int[Array, "... K"],
+    window_start: Array,
+    statistics: Sequence[str],
+    sink_tokens: int,
+) -> dict[str, Float[Array, "... 1"]]:
     """Per-query partial sums over the last (key) axis of one block of head-mean probabilities
     (unnormalized over the window; keepdims), for `partial_names(statistics)`."""
     a = jnp.where(in_window, head_mean, 0.0)
@@ -107,17 +137,17 @@ def window_partials(head_mean, in_window, key_positions, window_start, statistic
     return partials
 
 
-def merge_partials(name: str, running, block):
+def merge_partials(name: str, running: Array, block: Array) -> Array:
     """The running value of partial `name` after one more key block."""
     return jnp.maximum(running, block) if name == "peak" else running + block
 
 
-def finish_statistics(partials: dict, statistics) -> tuple:
+def finish_statistics(partials: dict[str, Array], statistics: Sequence[str]) -> tuple[Array, dict[str, Array]]:
     """(herfindahl, {statistic: value}) from the partials over the whole window; 0 on an empty
     window. With the window mass M = sum_i m_i of the head-mean probabilities m_i, a_i = m_i / M:
     H = sum m^2 / M^2, entropy = -sum a log a = log M - sum m log m / M, max_weight = max m / M."""
 
-    def herfindahl(mass, square):
+    def herfindahl(mass: Array, square: Array) -> Array:
         has_window = mass > 0
         safe = jnp.where(has_window, mass, 1.0)
         return jnp.where(has_window, square / (safe * safe), 0.0)

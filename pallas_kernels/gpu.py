@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import (
     DEFAULT_SINK_TOKENS,
     MASK_VALUE,
+    ConcentrationOutputs,
     check_attention_inputs,
     check_statistics,
     finish_statistics,
@@ -44,12 +47,24 @@ def _is_power_of_two(value: int) -> bool:
     return value >= 16 and value & (value - 1) == 0
 
 
-def _attention_kernel(q_ref, k_ref, v_ref, key_mask_ref, out_ref, lse_ref, *, sm_scale, block_q, block_k, allow_tf32):
+def _attention_kernel(
+    q_ref: jax.Ref,
+    k_ref: jax.Ref,
+    v_ref: jax.Ref,
+    key_mask_ref: jax.Ref,
+    out_ref: jax.Ref,
+    lse_ref: jax.Ref,
+    *,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    allow_tf32: bool,
+) -> None:
     q_block = pl.program_id(0)
     q = q_ref[...]  # (bq, D)
     q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
 
-    def kv_step(kv_block, carry):
+    def kv_step(kv_block: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         acc, running_max, running_sum = carry
         keys = pl.ds(kv_block * block_k, block_k)
         k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
@@ -76,21 +91,21 @@ def _attention_kernel(q_ref, k_ref, v_ref, key_mask_ref, out_ref, lse_ref, *, sm
 
 
 def _concentration_kernel(
-    window_start_ref,
-    q_ref,
-    k_ref,
-    lse_ref,
-    key_mask_ref,
-    herfindahl_ref,
-    *statistic_refs,
-    sm_scale,
-    block_q,
-    block_k,
-    group,
-    allow_tf32,
-    statistics,
-    sink_tokens,
-):
+    window_start_ref: jax.Ref,
+    q_ref: jax.Ref,
+    k_ref: jax.Ref,
+    lse_ref: jax.Ref,
+    key_mask_ref: jax.Ref,
+    herfindahl_ref: jax.Ref,
+    *statistic_refs: jax.Ref,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    group: int,
+    allow_tf32: bool,
+    statistics: tuple[str, ...],
+    sink_tokens: int,
+) -> None:
     q_block, batch = pl.program_id(0), pl.program_id(1)
     num_heads = q_ref.shape[1]
     window_start = window_start_ref[batch]
@@ -98,10 +113,10 @@ def _concentration_kernel(
     q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
     names = partial_names(statistics)
 
-    def kv_step(kv_block, partials):
+    def kv_step(kv_block: Array, partials: tuple[Array, ...]) -> tuple[Array, ...]:
         keys = pl.ds(kv_block * block_k, block_k)
 
-        def head_step(head, head_sum):
+        def head_step(head: Array, head_sum: Array) -> Array:
             scores = pltriton.dot(
                 q_ref[queries, head, :], k_ref[keys, lax.div(head, group), :], trans_b=True, allow_tf32=allow_tf32
             )
@@ -124,22 +139,22 @@ def _concentration_kernel(
 
 
 def attention_with_concentration_gpu(
-    q,
-    k,
-    v,
-    attention_mask,
-    window_start,
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"],
     *,
-    sm_scale=None,
-    block_q=None,
-    block_k=None,
-    num_warps=None,
-    num_stages=2,
-    interpret=False,
-    return_lse=False,
-    statistics=(),
-    sink_tokens=DEFAULT_SINK_TOKENS,
-):
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+    return_lse: bool = False,
+    statistics: Sequence[str] = (),
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+) -> ConcentrationOutputs:
     """Blockwise attention with concentration via Triton; same contract as the package entry point.
 
     `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32; a
@@ -194,7 +209,11 @@ def attention_with_concentration_gpu(
         interpret=interpret,
         name="attention_concentration",
     )(window_start, q, k, lse, key_mask)
-    outputs = (out[:, :length], herfindahl[:, :length], window_sizes(attention_mask, window_start))
+    outputs: ConcentrationOutputs = (
+        out[:, :length],
+        herfindahl[:, :length],
+        window_sizes(attention_mask, window_start),
+    )
     if return_lse:
         outputs += (lse[:, :, :length],)
     return outputs + ({name: rows[:, :length] for name, rows in zip(statistics, values)},) if statistics else outputs

@@ -1,6 +1,6 @@
 """Materialized attention with per-token concentration: the test oracle (small L only).
 
-Definitions (../shared/DESIGN.md, paper eq. herfindahl): for the query at position p,
+Definitions (docs/conventions.md, "The concentration window"; paper eq. herfindahl): for the query at position p,
 `a_pi` is the attention probability on key i averaged over all query heads, restricted to
 the window keys i in [window_start, p] that are real tokens, and renormalized there;
 `H_p = sum_i a_pi^2` and `n_p` is the number of window keys. Where the window is empty
@@ -10,11 +10,15 @@ The optional statistics (`pallas_kernels.common.STATISTICS`) are of the same a_p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import (
     DEFAULT_SINK_TOKENS,
+    ConcentrationOutputs,
     check_attention_inputs,
     check_statistics,
     finish_statistics,
@@ -23,17 +27,17 @@ from pallas_kernels.common import (
 
 
 def attention_with_concentration_reference(
-    q,
-    k,
-    v,
-    attention_mask,
-    window_start,
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"],
     *,
-    sm_scale=None,
-    return_lse=False,
-    statistics=(),
-    sink_tokens=DEFAULT_SINK_TOKENS,
-):
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    statistics: Sequence[str] = (),
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+) -> ConcentrationOutputs:
     """Causal GQA attention that materializes the [L, L] probabilities.
 
     q [B, L, Hq, D]; k, v [B, L, Hkv, D]; attention_mask [B, L] bool; window_start [B] int32.
@@ -69,7 +73,7 @@ def attention_with_concentration_reference(
         sink_tokens,
     )
     herfindahl, values = finish_statistics({name: x[..., 0] for name, x in partials.items()}, statistics)
-    outputs = (out, herfindahl, in_window.sum(-1).astype(jnp.int32))
+    outputs: ConcentrationOutputs = (out, herfindahl, in_window.sum(-1).astype(jnp.int32))
     if return_lse:
         lse = jax.nn.logsumexp(logits, axis=-1).reshape(batch, num_heads, length)
         outputs += (jnp.where(allowed.any(-1)[:, None, :], lse, 0.0),)

@@ -15,9 +15,9 @@ for ALL query heads, because the head average couples them (paper eq. herfindahl
 Nothing of size [L, L] exists: the largest arrays are the [Hq, block_q, D] q/out blocks and the
 [block_q, block_k] logits of one head. Per-row statistics live as (block_q, 128) lane-replicated
 tiles and the concentration leaves the kernel as a lane-major (1, block_q) row (one 2-D
-transpose) of a [B, num_q_blocks, 1, block_q] array, so no lane<->sublane reshape is needed (those fail on v4). Blocks that the causal
-mask or the window rule out are skipped with `pl.when`, and their index maps are clamped so they
-are not fetched either.
+transpose) of a [B, num_q_blocks, 1, block_q] array, so no lane<->sublane reshape is needed
+(those fail on v4). Blocks that the causal mask or the window rule out are skipped with
+`pl.when`, and their index maps are clamped so they are not fetched either.
 
 With `interpret=True` the same kernel runs on CPU (the "interpret" backend, used by the tests).
 No VJP is defined: this is the scoring pass (no gradient flows through it; see the package doc).
@@ -27,16 +27,19 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import (
     DEFAULT_SINK_TOKENS,
     MASK_VALUE,
+    ConcentrationOutputs,
     check_attention_inputs,
     check_statistics,
     finish_statistics,
@@ -63,7 +66,16 @@ def vmem_bytes(
     return q_and_out + k_and_v + scratch + temporaries
 
 
-def default_block_sizes(length, num_heads, num_kv_heads, head_dim, itemsize, *, lane_multiple=LANES, partials=2):
+def default_block_sizes(
+    length: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    *,
+    lane_multiple: int = LANES,
+    partials: int = 2,
+) -> tuple[int, int]:
     """Largest (block_q, block_k) whose program fits VMEM_BUDGET_BYTES; small L gets one block."""
     whole = round_up(length, lane_multiple)
     candidates = ((256, 512), (128, 512), (128, 256), (128, 128), (64, 256), (64, 128), (32, 128), (16, 128), (8, 128))
@@ -78,23 +90,23 @@ def default_block_sizes(length, num_heads, num_kv_heads, head_dim, itemsize, *, 
 
 
 def _concentration_attention_kernel(
-    window_start_ref,  # [B] int32, scalar-prefetched to SMEM
-    q_ref,  # (Hq, bq, D)
-    k_ref,  # (Hkv, bk, D)
-    v_ref,  # (Hkv, bk, D)
-    key_mask_ref,  # (1, bk) int32, 1 = real token
-    out_ref,  # (Hq, bq, D)
-    herfindahl_ref,  # (1, bq) f32, lane-major
-    lse_ref,  # (Hq, 1, bq) f32, lane-major
-    *refs,  # one (1, bq) output per statistic, then the scratch below
+    window_start_ref: jax.Ref,  # [B] int32, scalar-prefetched to SMEM
+    q_ref: jax.Ref,  # (Hq, bq, D)
+    k_ref: jax.Ref,  # (Hkv, bk, D)
+    v_ref: jax.Ref,  # (Hkv, bk, D)
+    key_mask_ref: jax.Ref,  # (1, bk) int32, 1 = real token
+    out_ref: jax.Ref,  # (Hq, bq, D)
+    herfindahl_ref: jax.Ref,  # (1, bq) f32, lane-major
+    lse_ref: jax.Ref,  # (Hq, 1, bq) f32, lane-major
+    *refs: jax.Ref,  # one (1, bq) output per statistic, then the scratch below
     sm_scale: float,
     block_q: int,
     block_k: int,
     group: int,
-    precision,
+    precision: lax.Precision,
     statistics: tuple[str, ...],
     sink_tokens: int,
-):
+) -> None:
     statistic_refs, refs = refs[: len(statistics)], refs[len(statistics) :]
     max_scratch, sum_scratch, acc_scratch = refs[:3]  # (Hq, bq, LANES): running max then LSE; denominator; (Hq, bq, D)
     partial_scratch = dict(
@@ -110,7 +122,7 @@ def _concentration_attention_kernel(
     k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
     visible = (k_pos <= q_pos) & (key_mask_ref[...] != 0)
 
-    def logits(head):
+    def logits(head: Array) -> tuple[Array, Array]:
         kv_head = lax.div(head, group)
         scores = lax.dot_general(
             q_ref[head],
@@ -122,14 +134,14 @@ def _concentration_attention_kernel(
         return scores * sm_scale, kv_head
 
     @pl.when((phase == 0) & (kv_block == 0))
-    def _init_softmax():
+    def _init_softmax() -> None:
         max_scratch[...] = jnp.full(max_scratch.shape, MASK_VALUE, jnp.float32)
         sum_scratch[...] = jnp.zeros(sum_scratch.shape, jnp.float32)
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
     @pl.when((phase == 0) & causal_block)
-    def _online_softmax():
-        def head_step(head, carry):
+    def _online_softmax() -> None:
+        def head_step(head: Array, carry: int) -> int:
             scores, kv_head = logits(head)
             scores = jnp.where(visible, scores, MASK_VALUE)
             max_prev = max_scratch[head]
@@ -151,8 +163,8 @@ def _concentration_attention_kernel(
         lax.fori_loop(0, num_heads, head_step, 0)
 
     @pl.when((phase == 0) & (kv_block == last_kv_block))
-    def _finish_softmax():
-        def head_step(head, carry):
+    def _finish_softmax() -> None:
+        def head_step(head: Array, carry: int) -> int:
             total = sum_scratch[head]
             seen = total > 0  # False only for a query with no visible key (left padding)
             safe_total = jnp.where(seen, total, 1.0)
@@ -165,13 +177,13 @@ def _concentration_attention_kernel(
         lax.fori_loop(0, num_heads, head_step, 0)
 
     @pl.when((phase == 1) & (kv_block == 0))
-    def _init_concentration():
+    def _init_concentration() -> None:
         for scratch in partial_scratch.values():  # every partial starts at 0 (the running max too: a >= 0)
             scratch[...] = jnp.zeros(scratch.shape, jnp.float32)
 
     @pl.when((phase == 1) & causal_block & (kv_block >= lax.div(window_start, block_k)))
-    def _accumulate_concentration():
-        def head_step(head, head_sum):
+    def _accumulate_concentration() -> None:
+        def head_step(head: Array, head_sum: Array) -> Array:
             scores, _ = logits(head)
             return head_sum + jnp.exp(scores - max_scratch[head][:, :1])
 
@@ -182,7 +194,7 @@ def _concentration_attention_kernel(
             scratch[...] = merge_partials(name, scratch[...], block[name])
 
     @pl.when((phase == 1) & (kv_block == pl.num_programs(3) - 1))
-    def _finish_concentration():
+    def _finish_concentration() -> None:
         herfindahl, values = finish_statistics(
             {name: scratch[...] for name, scratch in partial_scratch.items()}, statistics
         )
@@ -191,7 +203,17 @@ def _concentration_attention_kernel(
             ref[...] = values[name].T[:1, :]
 
 
-def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q, block_k, keep_last_in_phase_1):
+def _kv_index_map(
+    batch: Array,
+    q_block: Array,
+    phase: Array,
+    kv_block: Array,
+    window_start_ref: jax.Ref,
+    *,
+    block_q: int,
+    block_k: int,
+    keep_last_in_phase_1: bool,
+) -> Array:
     """Clamps kv_block to the blocks the program computes on, so skipped steps fetch nothing new."""
     last = lax.div((q_block + 1) * block_q - 1, block_k)
     first = jnp.where(phase == 1, lax.div(window_start_ref[batch], block_k), 0)
@@ -201,20 +223,20 @@ def _kv_index_map(batch, q_block, phase, kv_block, window_start_ref, *, block_q,
 
 
 def attention_with_concentration_tpu(
-    q,
-    k,
-    v,
-    attention_mask,
-    window_start,
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"],
     *,
-    sm_scale=None,
-    block_q=None,
-    block_k=None,
-    interpret=False,
-    return_lse=False,
-    statistics=(),
-    sink_tokens=DEFAULT_SINK_TOKENS,
-):
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool = False,
+    return_lse: bool = False,
+    statistics: Sequence[str] = (),
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+) -> ConcentrationOutputs:
     """Blockwise attention with concentration on TPU (or interpreted on CPU).
 
     Same contract as `pallas_kernels.attention_with_concentration`. On TPU block_q must be a
@@ -245,7 +267,7 @@ def attention_with_concentration_tpu(
     padded = round_up(length, math.lcm(block_q, block_k))
     pad = padded - length
 
-    def heads_major(x):  # [B, L, H, D] -> [B, H, Lp, D]
+    def heads_major(x: Array) -> Array:  # [B, L, H, D] -> [B, H, Lp, D]
         return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
     key_mask = jnp.pad(attention_mask, ((0, 0), (0, pad))).astype(jnp.int32)[:, None, :]
@@ -311,7 +333,7 @@ def attention_with_concentration_tpu(
     )(window_start, heads_major(q), heads_major(k), heads_major(v), key_mask)
     out = out.transpose(0, 2, 1, 3)[:, :length]
     per_token = lambda rows: rows.reshape(batch, padded)[:, :length]
-    outputs = (out, per_token(herfindahl), window_sizes(attention_mask, window_start))
+    outputs: ConcentrationOutputs = (out, per_token(herfindahl), window_sizes(attention_mask, window_start))
     if return_lse:
         outputs += (lse.transpose(0, 2, 1, 3, 4).reshape(batch, num_heads, padded)[:, :, :length],)
     return outputs + ({name: per_token(rows) for name, rows in zip(statistics, values)},) if statistics else outputs

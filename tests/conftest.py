@@ -27,6 +27,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# How long a test waits on a subprocess (or a notebook cell) before calling it hung. A guard
+# against hangs, not a speed check: a busy machine (three workers on two cores under CI) makes
+# the runs several times slower, and no test may fail for that.
+HANG_S = 1800
+
 
 def hf_model_config(architecture: str, tie_word_embeddings: bool):
     import transformers
@@ -124,7 +129,10 @@ def save_word_tokenizer(path, words) -> dict:
         unk_token="<unk>",
         additional_special_tokens=["<user>", "<assistant>"],
     )
-    fast.chat_template = "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    fast.chat_template = (
+        "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     fast.save_pretrained(path)
     return vocab
 
@@ -338,7 +346,7 @@ def _on_local_cluster_once(
                 break
             time.sleep(0.05)
     try:
-        output, _ = process.communicate(timeout=600)
+        output, _ = process.communicate(timeout=HANG_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # a hung run must not outlive the test
         raise

@@ -1,4 +1,5 @@
-"""How the launch/ entry points start: --help, a quiet CPU without an accelerator, and one error line for a config that does not load."""
+"""How the launch/ entry points start: --help, a quiet CPU without an accelerator, and one error line for a
+config that does not load."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, require_libtpu
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, require_libtpu
 
 from comppo_jax.cli import _config_rows, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
@@ -18,7 +19,7 @@ from comppo_jax.models.loading import PRESET_DIR
 from comppo_jax.train.paper import FIELD_HELP
 
 
-def launch(*args, env=CPU_ONLY_ENV, timeout=300):
+def launch(*args, env=CPU_ONLY_ENV, timeout=HANG_S):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -136,7 +137,8 @@ CONFIG_CASES = {
 CONFIG_FILES = {
     "unclosed.py": "def get_config():\n    return dict(steps=(1\n",
     "no_get_config.py": "STEPS = 1\n",
-    "presets.py": "def get_config(name):\n    if name == 'file':\n        raise FileNotFoundError('file.json does not exist')\n"
+    "presets.py": "def get_config(name):\n    if name == 'file':\n"
+    "        raise FileNotFoundError('file.json does not exist')\n"
     "    raise ValueError(f'no preset {name!r}')\n",
     "dapo.jsonl": '{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": "2"}}\n',
 }
@@ -147,7 +149,7 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
     for name, text in CONFIG_FILES.items():
         (tmp_path / name).write_text(text)
     arguments, line = CONFIG_CASES[case]
-    result = launch("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments), timeout=60)
+    result = launch("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments), timeout=HANG_S)
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         f"error: {line.format(tmp=tmp_path)}",
@@ -156,22 +158,23 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
 
 
 def test_a_config_error_with_verbosity_shows_the_traceback():
-    result = launch("launch/train.py", "--config.stepz=5", "--verbosity=1", timeout=60)
+    result = launch("launch/train.py", "--config.stepz=5", "--verbosity=1", timeout=HANG_S)
     assert result.returncode == 1 and "Traceback" in result.stderr and 'Did you mean "steps"' in result.stderr
 
 
 def test_an_override_of_a_parameterised_config_file_is_checked_against_its_fields():
     """`file.py:arg` passes arg to get_config: the fields named are that config's."""
     result = launch(
-        "launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1", timeout=60
+        "launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1", timeout=HANG_S
     )
     assert result.returncode == 1 and result.stderr.splitlines()[0] == (
-        "error: ConfigFileError: --experiment.seed=1: configs/experiments.py:main has no field seed; did you mean seeds?"
+        "error: ConfigFileError: --experiment.seed=1: configs/experiments.py:main has no field seed; "
+        "did you mean seeds?"
     ), result.stderr
 
 
 def test_help_with_a_config_that_does_not_load_fails_in_one_line():
-    result = launch("launch/train.py", "--config=configs/tiy.py", "--help", timeout=60)
+    result = launch("launch/train.py", "--config=configs/tiy.py", "--help", timeout=HANG_S)
     assert result.returncode == 1 and result.stderr.splitlines() == [
         "error: ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)",
         "(--verbosity=1 shows the traceback)",

@@ -7,29 +7,33 @@ Python-number arguments are checked before the jitted call (`unit_interval_argum
 
 import functools
 import inspect
+from collections.abc import Callable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def check_floating(name, x):
+def check_floating(name: str, x: jax.Array | np.ndarray) -> None:
     """Raises ValueError unless `x` has a floating dtype."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must have a floating dtype, got {x.dtype} (shape {tuple(x.shape)})")
 
 
-def check_mask(name, x):
+def check_mask(name: str, x: jax.Array | np.ndarray) -> None:
     """Raises ValueError unless `x` is a bool, integer or floating 0/1 mask."""
     if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
         raise ValueError(f"{name} must be a bool, integer or floating 0/1 mask, got {x.dtype} (shape {tuple(x.shape)})")
 
 
-def check_rank(name, x, rank, layout):
+def check_rank(name: str, x: jax.Array | np.ndarray, rank: int, layout: str) -> None:
     """Raises ValueError unless `x` has `rank` dims; `layout` reads e.g. "[B, T]"."""
     if x.ndim != rank:
         raise ValueError(f"{name} must have shape {layout}, got shape {tuple(x.shape)}")
 
 
-def check_same_shape(ref_name, ref, **others):
+def check_same_shape(ref_name: str, ref: jax.Array | np.ndarray, **others: jax.Array | np.ndarray) -> None:
     """Raises ValueError naming the first of `others` whose shape differs from `ref`."""
     for name, x in others.items():
         if x.shape != ref.shape:
@@ -38,7 +42,7 @@ def check_same_shape(ref_name, ref, **others):
             )
 
 
-def check_bt(**arrays):
+def check_bt(**arrays: jax.Array | np.ndarray) -> None:
     """Checks that every array is [B, T] with the shape of the first one.
 
     The first keyword is the reference. Names containing "mask" are checked as
@@ -54,7 +58,7 @@ def check_bt(**arrays):
     check_same_shape(ref_name, ref, **dict(rest))
 
 
-def unit_interval_arguments(*names):
+def unit_interval_arguments(*names: str) -> Callable[[Any], Callable[..., Any]]:
     """Decorates a jitted function so that the arguments `names`, when given as Python numbers,
     must lie in [0, 1] (ValueError naming the argument otherwise).
 
@@ -63,11 +67,11 @@ def unit_interval_arguments(*names):
     the jitted function's.
     """
 
-    def decorate(jitted):
+    def decorate(jitted: Any) -> Callable[..., Any]:  # a `jax.jit` wrapper (its type is private to jax)
         signature = inspect.signature(jitted)
 
         @functools.wraps(jitted)
-        def checked(*args, **kwargs):
+        def checked(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             for name in names:
@@ -76,7 +80,11 @@ def unit_interval_arguments(*names):
                     raise ValueError(f"{name} must be in [0, 1], got {value}")
             return jitted(*args, **kwargs)
 
-        checked.lower, checked.trace, checked.eval_shape = jitted.lower, jitted.trace, jitted.eval_shape
+        checked.lower, checked.trace, checked.eval_shape = (  # type: ignore[attr-defined]  # function attributes
+            jitted.lower,
+            jitted.trace,
+            jitted.eval_shape,
+        )
         return checked
 
     return decorate

@@ -3,7 +3,7 @@
 Also DAPO's group filter (`informative_groups`), which runs on host rewards.
 
 Per-token arrays are [B, T], aligned with the response tokens y_1..y_T, with
-`mask[b, t] = 1` on valid tokens (../shared/DESIGN.md, "Index conventions"). All
+`mask[b, t] = 1` on valid tokens (docs/conventions.md, "Index conventions"). All
 arithmetic is float32 whatever the input precision; outputs are float32.
 """
 
@@ -12,18 +12,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Shaped
 
 from comppo_jax.credit import _validation
 
 _METHODS = ("scan", "associative")
 
 
-def _shift_left(x):
+def _shift_left(x: Float[Array, "B T"]) -> Float[Array, "B T"]:
     """x[:, t + 1] at column t, with zero past the end (V_{T+1} = m_{T+1} = 0)."""
     return jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
 
 
-def _reverse_scan(b, c):
+def _reverse_scan(b: Float[Array, "B T"], c: Float[Array, "B T"]) -> Float[Array, "B T"]:
     """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, by one reverse loop over time.
 
     A_t overwrites b_t in b's time-major copy once b_t is read, which spares
@@ -34,7 +35,7 @@ def _reverse_scan(b, c):
     if length == 0:
         return b
 
-    def step(i, carry):
+    def step(i: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
         a_next, out = carry
         t = length - 1 - i
         b_t = jax.lax.dynamic_index_in_dim(out, t, keepdims=False)
@@ -55,7 +56,7 @@ _CPU_GROUP_ROWS = 8
 _CPU_SEPARATE_LOOPS = 8
 
 
-def _reverse_scan_cpu(b, c):
+def _reverse_scan_cpu(b: Float[Array, "B T"], c: Float[Array, "B T"]) -> Float[Array, "B T"]:
     """`_reverse_scan` for XLA:CPU, in groups of `_CPU_GROUP_ROWS` rows."""
     rows, length = b.shape
     group = _CPU_GROUP_ROWS
@@ -73,13 +74,13 @@ def _reverse_scan_cpu(b, c):
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
-def _affine_scan_sequential(b, c):
+def _affine_scan_sequential(b: Float[Array, "B T"], c: Float[Array, "B T"]) -> Float[Array, "B T"]:
     """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, by a reverse loop over time: one
     loop over all rows on accelerators, `_reverse_scan_cpu` on CPU."""
     return jax.lax.platform_dependent(b, c, cpu=_reverse_scan_cpu, default=_reverse_scan)
 
 
-def _compose_affine(later, earlier):
+def _compose_affine(later: tuple[Array, Array], earlier: tuple[Array, Array]) -> tuple[Array, Array]:
     """Composes x -> b_e + c_e x after x -> b_l + c_l x (the map of the earlier step
     applied to the result of the later ones)."""
     b_later, c_later = later
@@ -87,7 +88,7 @@ def _compose_affine(later, earlier):
     return b_earlier + c_earlier * b_later, c_earlier * c_later
 
 
-def _affine_scan_associative(b, c):
+def _affine_scan_associative(b: Float[Array, "B T"], c: Float[Array, "B T"]) -> Float[Array, "B T"]:
     """A_t = b_t + c_t A_{t+1}, A_{T+1} = 0, in O(log T) depth.
 
     Each step is the affine map x -> b_t + c_t x; A_t is the composition of the
@@ -99,7 +100,14 @@ def _affine_scan_associative(b, c):
 
 @_validation.unit_interval_arguments("lam")
 @functools.partial(jax.jit, static_argnames=("method",))
-def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
+def comp_gae(
+    rewards: Float[Array, "B T"],
+    values: Float[Array, "B T"],
+    kappa: Float[Array, "B T"],
+    mask: Shaped[Array, "B T"],
+    lam: float | Float[Array, ""] = 0.95,
+    method: str = "scan",
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Computation-conditioned GAE, paper eqs. (comp_td) and (comp_gae).
 
     With V_{T+1} = A_{T+1} = 0 and m the mask:
@@ -155,7 +163,14 @@ def comp_gae(rewards, values, kappa, mask, lam=0.95, method="scan"):
 
 @_validation.unit_interval_arguments("gamma", "lam")
 @functools.partial(jax.jit, static_argnames=("method",))
-def gae(rewards, values, mask, gamma=1.0, lam=0.95, method="scan"):
+def gae(
+    rewards: Float[Array, "B T"],
+    values: Float[Array, "B T"],
+    mask: Shaped[Array, "B T"],
+    gamma: float | Float[Array, ""] = 1.0,
+    lam: float | Float[Array, ""] = 0.95,
+    method: str = "scan",
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Standard masked GAE, paper eq. (stdgae): `comp_gae` with kappa_t = gamma.
 
     Args:
@@ -174,7 +189,9 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95, method="scan"):
 
 @_validation.unit_interval_arguments("lam")
 @jax.jit
-def transport_kernel(kappa, lam, mask=None):
+def transport_kernel(
+    kappa: Float[Array, "B T"], lam: float | Float[Array, ""], mask: Shaped[Array, "B T"] | None = None
+) -> Float[Array, "B T T"]:
     """Explicit causal transport kernel K of paper eq. (cct_kernel), for small T.
 
         K[b, t, u] = 1[u >= t] m_t lam^{u-t} prod_{j=t}^{u-1} kappa_j m_{j+1}
@@ -208,7 +225,7 @@ def transport_kernel(kappa, lam, mask=None):
     return jnp.where(upper[None], exclusive, 0.0) * m[:, :, None]
 
 
-def _check_group_size(group_size, rewards):
+def _check_group_size(group_size: int, rewards: Array | np.ndarray) -> None:
     """Raises ValueError unless `group_size` is a positive int dividing len(rewards)."""
     batch = rewards.shape[0]
     if not isinstance(group_size, (int, np.integer)) or group_size < 1 or batch % group_size:
@@ -219,7 +236,13 @@ def _check_group_size(group_size, rewards):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "normalize_std"))
-def grpo_advantages(rewards, group_size, mask, eps=1e-6, normalize_std=True):
+def grpo_advantages(
+    rewards: Float[Array, " B"],
+    group_size: int,
+    mask: Shaped[Array, "B T"],
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+) -> Float[Array, "B T"]:
     """Group-relative advantages, paper eq. (group_broadcast).
 
     Rows are grouped by `group_size` consecutive responses to the same prompt;
@@ -263,7 +286,7 @@ def grpo_advantages(rewards, group_size, mask, eps=1e-6, normalize_std=True):
     return scores.reshape(batch, 1) * mask.astype(bool).astype(jnp.float32)
 
 
-def informative_groups(rewards, group_size):
+def informative_groups(rewards: Float[ArrayLike, " B"], group_size: int) -> Bool[np.ndarray, " groups"]:
     """DAPO's dynamic-sampling filter: which groups have rewards that are not all equal.
 
     A group whose rewards are all equal gets zero GRPO advantage and so no
@@ -293,7 +316,9 @@ def informative_groups(rewards, group_size):
 
 
 @jax.jit
-def whiten_advantages(advantages, mask, eps=1e-8):
+def whiten_advantages(
+    advantages: Float[Array, "B T"], mask: Shaped[Array, "B T"], eps: float = 1e-8
+) -> Float[Array, "B T"]:
     """Whitens advantages over all valid tokens of the batch (paper alg. 1, "normalize").
 
     Same statistics as verl's `masked_whiten` and TRL's `masked_whiten`: masked
@@ -319,7 +344,7 @@ def whiten_advantages(advantages, mask, eps=1e-8):
 
 
 @jax.jit
-def clip_advantages(advantages, clip):
+def clip_advantages(advantages: Float[Array, "B T"], clip: float | Float[Array, ""]) -> Float[Array, "B T"]:
     """Clips advantages to [-clip, clip] (paper app. C: 5.0/4.0/3.5/2.5 by phase).
 
     Padding zeros stay zero.

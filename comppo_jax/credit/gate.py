@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray, Real, Shaped
 
 from comppo_jax.credit import _validation
 
@@ -25,7 +26,7 @@ FIXED_GATE = 0.61  # The full method's empirical mean gate (paper sec. 6.3, fact
 
 
 @jax.jit
-def normalized_concentration(herfindahl, n):
+def normalized_concentration(herfindahl: Float[Array, "*shape"], n: Real[Array, "*shape"]) -> Float[Array, "*shape"]:
     """Length-normalized attention concentration, paper eq. (cnorm).
 
         c_t = log(n_t H_t) / log(n_t)   for n_t >= 2,   c_t = 1/2 otherwise.
@@ -56,7 +57,7 @@ def normalized_concentration(herfindahl, n):
 GATE_STATISTICS = ("herfindahl", "entropy", "sink_herfindahl", "max_weight")
 
 
-def _normalized_log_statistic(log_statistic, n):
+def _normalized_log_statistic(log_statistic: Array, n: Array) -> Array:
     """c = (log n + log S) / log n, clipped to [0, 1], for n >= 2, and 1/2 otherwise."""
     long_window = n >= 2
     log_n = jnp.log(jnp.where(long_window, n.astype(jnp.float32), 2.0))
@@ -65,7 +66,7 @@ def _normalized_log_statistic(log_statistic, n):
 
 
 @jax.jit
-def entropy_concentration(entropy, n):
+def entropy_concentration(entropy: Float[Array, "*shape"], n: Real[Array, "*shape"]) -> Float[Array, "*shape"]:
     """Concentration from the Shannon entropy E_t = -sum_i a_ti log a_ti of the window
     distribution (the analogue of eq. cnorm, whose H gives the order-2 Renyi entropy -log H):
 
@@ -83,7 +84,7 @@ def entropy_concentration(entropy, n):
 
 
 @jax.jit
-def max_weight_concentration(max_weight, n):
+def max_weight_concentration(max_weight: Float[Array, "*shape"], n: Real[Array, "*shape"]) -> Float[Array, "*shape"]:
     """Concentration from the largest window weight a_max = max_i a_ti (order-infinity Renyi
     entropy -log a_max, normalized as eq. cnorm):
 
@@ -101,7 +102,7 @@ def max_weight_concentration(max_weight, n):
     return _normalized_log_statistic(jnp.log(safe), n)
 
 
-def statistic_concentration(statistic: str, value, n):
+def statistic_concentration(statistic: str, value: Float[Array, "B T"], n: Real[Array, "B T"]) -> Float[Array, "B T"]:
     """c_t in [0, 1] for the gate statistic `statistic` (one of GATE_STATISTICS) with value [B, T]
     and its own window size n [B, T]:
 
@@ -119,7 +120,7 @@ def statistic_concentration(statistic: str, value, n):
     raise ValueError(f"gate statistic {statistic!r} is not one of {GATE_STATISTICS}")
 
 
-def _check_envelope(kappa_lo, kappa_hi, tau):
+def _check_envelope(kappa_lo: float, kappa_hi: float, tau: float) -> None:
     if not 0.0 <= kappa_lo <= kappa_hi <= 1.0:
         raise ValueError(
             f"the gate envelope needs 0 <= kappa_lo <= kappa_hi <= 1, got kappa_lo={kappa_lo}, kappa_hi={kappa_hi}"
@@ -129,7 +130,9 @@ def _check_envelope(kappa_lo, kappa_hi, tau):
 
 
 @functools.partial(jax.jit, static_argnames=("kappa_lo", "kappa_hi", "tau"))
-def retention_gate(c, kappa_lo=0.1, kappa_hi=0.9, tau=4.0):
+def retention_gate(
+    c: Float[Array, "*shape"], kappa_lo: float = 0.1, kappa_hi: float = 0.9, tau: float = 4.0
+) -> Float[Array, "*shape"]:
     """Attention retention gate, paper eq. (kappa_attention).
 
         kappa_t = kappa_lo + (kappa_hi - kappa_lo) * sigmoid(tau (c_t - 1/2))
@@ -150,7 +153,7 @@ def retention_gate(c, kappa_lo=0.1, kappa_hi=0.9, tau=4.0):
     return kappa_lo + (kappa_hi - kappa_lo) * s
 
 
-def gate_range(kappa_lo=0.1, kappa_hi=0.9, tau=4.0):
+def gate_range(kappa_lo: float = 0.1, kappa_hi: float = 0.9, tau: float = 4.0) -> tuple[float, float]:
     """Returns (g(0), g(1)), the realized range of `retention_gate` (paper sec. 5).
 
     g(1) is the supremum kappa_bar used by the contraction and bounded-trace
@@ -158,14 +161,14 @@ def gate_range(kappa_lo=0.1, kappa_hi=0.9, tau=4.0):
     """
     _check_envelope(kappa_lo, kappa_hi, tau)
 
-    def g(c):
+    def g(c: float) -> float:
         return kappa_lo + (kappa_hi - kappa_lo) / (1.0 + math.exp(-tau * (c - 0.5)))
 
     return g(0.0), g(1.0)
 
 
 @jax.jit
-def fixed_gate(mask, value=FIXED_GATE):
+def fixed_gate(mask: Shaped[Array, "B T"], value: float = FIXED_GATE) -> Float[Array, "B T"]:
     """Fixed-gate control: kappa_t = `value` on every valid token (paper sec. 6.3).
 
     Args:
@@ -181,7 +184,7 @@ def fixed_gate(mask, value=FIXED_GATE):
 
 
 @jax.jit
-def shuffle_gate(kappa, mask, rng):
+def shuffle_gate(kappa: Float[Array, "B T"], mask: Shaped[Array, "B T"], rng: PRNGKeyArray) -> Float[Array, "B T"]:
     """Global-shuffle control (paper sec. 6.4): one seeded permutation of the
     realized gate values over ALL valid positions of the batch.
 

@@ -29,10 +29,12 @@ import dataclasses
 import json
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
 from comppo_jax.credit import _validation
 
@@ -51,20 +53,20 @@ class PositionSchedule:
       metadata: free-form JSON-serializable dict saved with the schedule.
     """
 
-    mean_gate: np.ndarray
-    token_counts: np.ndarray
-    metadata: dict = dataclasses.field(default_factory=dict)
+    mean_gate: Float[np.ndarray, " n_bins"]
+    token_counts: Int[np.ndarray, " n_bins"]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
-    def n_bins(self):
+    def n_bins(self) -> int:
         return self.mean_gate.shape[0]
 
     @property
-    def bin_edges(self):
+    def bin_edges(self) -> Float[np.ndarray, " n_bins+1"]:
         return np.linspace(0.0, 1.0, self.n_bins + 1)
 
 
-def position_bins(mask, n_bins=DEFAULT_BINS):
+def position_bins(mask: Shaped[Array | np.ndarray, "B T"], n_bins: int = DEFAULT_BINS) -> Int[Array, "B T"]:
     """Bin index of every token's relative position t/T (see module docstring).
 
     Args:
@@ -82,7 +84,16 @@ def position_bins(mask, n_bins=DEFAULT_BINS):
     return jnp.where(valid, (n_bins * t - 1) // length, 0)
 
 
-def fit_position_schedule(kappa, mask, n_bins=DEFAULT_BINS, metadata=None):
+def fit_position_schedule(
+    kappa: Float[Array | np.ndarray, "B T"]
+    | list[Float[Array | np.ndarray, "B T"]]
+    | tuple[Float[Array | np.ndarray, "B T"], ...],
+    mask: Shaped[Array | np.ndarray, "B T"]
+    | list[Shaped[Array | np.ndarray, "B T"]]
+    | tuple[Shaped[Array | np.ndarray, "B T"], ...],
+    n_bins: int = DEFAULT_BINS,
+    metadata: dict[str, Any] | None = None,
+) -> PositionSchedule:
     """Fits the position-only schedule: the mean gate in each bin of t/T.
 
     Runs on the host (NumPy accumulation) since it is fit once, offline.
@@ -118,7 +129,9 @@ def fit_position_schedule(kappa, mask, n_bins=DEFAULT_BINS, metadata=None):
     return schedule_from_totals(sums, counts, metadata)
 
 
-def position_bin_totals(kappa, mask, n_bins=DEFAULT_BINS):
+def position_bin_totals(
+    kappa: Float[ArrayLike, "B T"], mask: Shaped[ArrayLike, "B T"], n_bins: int = DEFAULT_BINS
+) -> tuple[Float[np.ndarray, " n_bins"], Int[np.ndarray, " n_bins"]]:
     """(sum of kappa, token count) per bin of t/T for one [B, T] batch (host NumPy).
 
     Summed over batches, these are all a schedule needs, so a training run can
@@ -132,7 +145,9 @@ def position_bin_totals(kappa, mask, n_bins=DEFAULT_BINS):
     )
 
 
-def schedule_from_totals(sums, counts, metadata=None):
+def schedule_from_totals(
+    sums: Float[ArrayLike, " n_bins"], counts: Int[ArrayLike, " n_bins"], metadata: dict[str, Any] | None = None
+) -> PositionSchedule:
     """The `PositionSchedule` of accumulated per-bin kappa sums and token counts."""
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.int64)
     total = counts.sum()
@@ -143,12 +158,12 @@ def schedule_from_totals(sums, counts, metadata=None):
 
 
 @jax.jit
-def _lookup(mean_gate, mask):
+def _lookup(mean_gate: Float[Array, " n_bins"], mask: Shaped[Array, "B T"]) -> Float[Array, "B T"]:
     bins = position_bins(mask, mean_gate.shape[0])
     return jnp.where(mask.astype(bool), mean_gate[bins], 0.0)
 
 
-def apply_position_schedule(schedule, mask):
+def apply_position_schedule(schedule: PositionSchedule, mask: Shaped[Array, "B T"]) -> Float[Array, "B T"]:
     """Position-only gate: kappa_t = the schedule's mean gate at t/T.
 
     Args:
@@ -163,7 +178,7 @@ def apply_position_schedule(schedule, mask):
     return _lookup(jnp.asarray(schedule.mean_gate, jnp.float32), mask)
 
 
-def save_position_schedule(schedule, path):
+def save_position_schedule(schedule: PositionSchedule, path: str | os.PathLike[str]) -> None:
     """Writes `schedule` as JSON (format in the module docstring)."""
     record = {
         "format": FORMAT,
@@ -179,7 +194,7 @@ def save_position_schedule(schedule, path):
         f.write("\n")
 
 
-def _field(record, path, name, kind):
+def _field(record: dict[str, Any], path: str, name: str, kind: type) -> Any:
     if name not in record:
         raise ValueError(f"{path}: missing field {name!r}")
     value = record[name]
@@ -188,7 +203,9 @@ def _field(record, path, name, kind):
     return value
 
 
-def _number_list(record, path, name, length, kind):
+def _number_list(
+    record: dict[str, Any], path: str, name: str, length: int, kind: type[int] | tuple[type[int], type[float]]
+) -> list[Any]:
     values = _field(record, path, name, list)
     if len(values) != length:
         raise ValueError(f"{path}: field {name!r} must have {length} entries, got {len(values)}")
@@ -198,7 +215,7 @@ def _number_list(record, path, name, length, kind):
     return values
 
 
-def load_position_schedule(path):
+def load_position_schedule(path: str | os.PathLike[str]) -> PositionSchedule:
     """Reads a schedule written by `save_position_schedule`.
 
     Raises:

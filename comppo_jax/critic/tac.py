@@ -6,7 +6,7 @@ native-attention routing and kappa enter through `stop_gradient`, so a critic lo
 the policy (the paper's "reuse actor activations" without a second Transformer).
 
 Shapes: per-position arrays are over the sequence, [B, L]; the caller reads V_t at the
-position before y_t (../shared/DESIGN.md, index conventions), where kappa_t is placed too.
+position before y_t (docs/conventions.md, "Index conventions"), where kappa_t is placed too.
 """
 
 from __future__ import annotations

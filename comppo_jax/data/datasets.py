@@ -145,7 +145,8 @@ def encodable_problems(
             continue
         if max_prompt_tokens is not None and length > max_prompt_tokens:
             bad.append(
-                f"problem {index} ({problem.id or problem.prompt[:40]!r}): {length} prompt tokens, more than {max_prompt_tokens}"
+                f"problem {index} ({problem.id or problem.prompt[:40]!r}): {length} prompt tokens, "
+                f"more than {max_prompt_tokens}"
             )
             continue
         kept.append(problem)

@@ -223,7 +223,8 @@ def score_responses(
     """Terminal rewards [B] float32, per-response verdicts, and counts for the metrics."""
     if not len(responses) == len(golds) == len(response_lengths):
         raise ValueError(
-            f"responses ({len(responses)}), golds ({len(golds)}) and response_lengths ({len(response_lengths)}) must have the same length"
+            f"responses ({len(responses)}), golds ({len(golds)}) and response_lengths ({len(response_lengths)}) "
+            "must have the same length"
         )
     answers = [extract_answer(text) for text in responses]
     to_check = [i for i, answer in enumerate(answers) if answer is not None]

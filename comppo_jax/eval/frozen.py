@@ -77,7 +77,8 @@ def pass_k_values(spec: str, samples: int) -> tuple[int, ...]:
 
 
 def mean_and_standard_error(values) -> tuple[float, float]:
-    """(mean, standard error of the mean) of per-problem values (ints or Fractions, summed exactly); SE 0 below 2 values."""
+    """(mean, standard error of the mean) of per-problem values (ints or Fractions, summed exactly); SE 0 below 2
+    values."""
     count = len(values)
     if count == 0:
         return 0.0, 0.0

@@ -88,7 +88,8 @@ def gate_html(
     )
     heading = f"<div><b>{html.escape(title)}</b></div>" if title else ""
     return (
-        f'<div style="margin-bottom:1em">{heading}<div style="font-family:monospace;white-space:pre-wrap;line-height:1.5">'
+        f'<div style="margin-bottom:1em">{heading}'
+        '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.5">'
         f"{''.join(spans)}</div>{legend}</div>"
     )
 

@@ -96,7 +96,8 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
             tokens, mask = encode_prompts(tokenizer, chunk)
 
             def score(sampler, key):
-                """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and estimator."""
+                """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and
+                estimator."""
                 generation = generate(
                     sampler,
                     policy_config,

@@ -138,7 +138,8 @@ def per_seed_table(outcome: Outcome, exp, arms, seeds, labels=None) -> str:
 def main_report(exp, outcome: Outcome):
     arms = [name for name, _ in exp.arms]
     parts = [
-        f"Screen: one run per grid cell at seed {exp.screen_seed}; the selected cell (best Final, ties by Best) is bold."
+        f"Screen: one run per grid cell at seed {exp.screen_seed}; "
+        "the selected cell (best Final, ties by Best) is bold."
     ]
     for arm in arms:
         cells = grid_cells(dict(exp.grids).get(arm, ()))
@@ -230,7 +231,8 @@ def factorial_report(exp, outcome: Outcome):
         "Clamp sat.",
     ]
     parts = [
-        f"Seeds {seeds}. Critic columns: held-out token sample at each run's final checkpoint (comppo_jax.eval.held_out).",
+        f"Seeds {seeds}. Critic columns: held-out token sample at each run's final checkpoint "
+        "(comppo_jax.eval.held_out).",
         table(header + ([target] if target else []), rows),
         "Best / Final with 95% t intervals:\n\n"
         + table(["Variant", "Best", "Final"], [r[:3] for r in summary_rows(outcome, exp, arms, seeds, labels)]),
@@ -247,8 +249,8 @@ def factorial_report(exp, outcome: Outcome):
     ]
     rows.append(["Interaction I", signed_ci(interaction["best"]), signed_ci(interaction["final"])])
     parts.append(
-        "Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), points:\n\n"
-        + table(["Contrast", "Best", "Final"], rows)
+        "Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), "
+        "points:\n\n" + table(["Contrast", "Best", "Final"], rows)
     )
     finals = [t_interval(values["final"][arm]) for arm in arms]
     plots = {
@@ -335,8 +337,8 @@ def stress_report(exp, outcome: Outcome):
     if not rows:
         return "No stress-grid run finished.", {}
     parts = [
-        f"Stable: final >= the run's base (warm-start) accuracy, peak-to-final drop < {pts(exp.max_drop)} points, and no "
-        f"{exp.run_below} consecutive post-peak evaluations below base.",
+        f"Stable: final >= the run's base (warm-start) accuracy, peak-to-final drop < {pts(exp.max_drop)} points, "
+        f"and no {exp.run_below} consecutive post-peak evaluations below base.",
         table(["Cell", "Best", "Final", "Stable seeds"], rows),
     ]
     summary = [
@@ -362,7 +364,7 @@ def stress_report(exp, outcome: Outcome):
 
 def group_report(exp, outcome: Outcome):
     rows = []
-    for arm, overrides in exp.arms:
+    for arm, _overrides in exp.arms:
         for seed, result in sorted(outcome.arms.get(arm, {}).items()):
             e = endpoints(result, exp)
             settings = dict(parse_override(o) for o in result.run.overrides)
@@ -373,8 +375,8 @@ def group_report(exp, outcome: Outcome):
     if not rows:
         return "No run finished.", {}
     return (
-        "Single runs (point estimates, no training-seed intervals); frozen macro: launch/eval.py on each run's final checkpoint.\n\n"
-        + table(["Method", "Seed", "Trajectories/update", "ID Best", "ID Final"], rows)
+        "Single runs (point estimates, no training-seed intervals); frozen macro: launch/eval.py on each run's "
+        "final checkpoint.\n\n" + table(["Method", "Seed", "Trajectories/update", "ID Best", "ID Final"], rows)
     ), {}
 
 

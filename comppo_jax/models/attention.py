@@ -20,11 +20,14 @@ The model picks one through `ModelConfig.attention` (config `model.attention`).
 from __future__ import annotations
 
 import functools
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+from jaxtyping import Array, Bool, Float, Int
 
 from comppo_jax.models.config import ATTENTION
 from comppo_jax.sharding import BATCH, heads_axis, per_shard
@@ -34,7 +37,7 @@ from pallas_kernels.common import MASK_VALUE, causal_attention, check_attention_
 DEFAULT_BLOCK = 512
 
 
-def resolve_implementation(implementation: str, dtype, platform: str | None = None) -> str:
+def resolve_implementation(implementation: str, dtype: DTypeLike, platform: str | None = None) -> str:
     """The concrete implementation "auto" stands for on `platform` (default: JAX's backend; a plan
     for another platform, like launch/plan.py's TPU compile from a CPU, resolves it first)."""
     if implementation not in ATTENTION:
@@ -50,8 +53,15 @@ def resolve_implementation(implementation: str, dtype, platform: str | None = No
 
 
 def training_attention(
-    q, k, v, attention_mask, *, implementation: str = "auto", sm_scale: float | None = None, block: int = DEFAULT_BLOCK
-):
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    *,
+    implementation: str = "auto",
+    sm_scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> Float[Array, "B L Hq D"]:
     """Causal GQA attention over the real keys; see the module docstring for `implementation`."""
     check_attention_inputs(q, k, v, attention_mask)
     chosen = resolve_implementation(implementation, q.dtype)
@@ -66,20 +76,29 @@ def training_attention(
     )
 
 
-def _scale(sm_scale, head_dim):
+def _scale(sm_scale: float | None, head_dim: int) -> float:
     return head_dim**-0.5 if sm_scale is None else sm_scale
 
 
 # --- chunked: flash attention in XLA -----------------------------------------------------------
 
 
-def _pad_length(x, length, value=0):
+def _pad_length(x: Array, length: int, value: bool | int = 0) -> Array:
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, length - x.shape[1])
     return jnp.pad(x, pad, constant_values=value)
 
 
-def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK):
+def chunked_attention(
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    *,
+    sm_scale: float | None = None,
+    block_q: int = DEFAULT_BLOCK,
+    block_k: int = DEFAULT_BLOCK,
+) -> Float[Array, "B L Hq D"]:
     """Flash attention (online softmax over key blocks) in plain XLA, with a blockwise VJP.
 
     Query blocks are mapped one after another; each visits only the key blocks at or before
@@ -108,7 +127,14 @@ def chunked_attention(q, k, v, attention_mask, *, sm_scale=None, block_q=DEFAULT
     return out.reshape(batch, padded, num_heads, head_dim)[:, :length]
 
 
-def _one_block_attention(q, k, v, attention_mask, scale, query_slices: int = 2):
+def _one_block_attention(
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    scale: float,
+    query_slices: int = 2,
+) -> Float[Array, "B L Hq D"]:
     """Causal GQA softmax attention over all of L at once (the [L, L] block flash would hold),
     heads leading: each (row, kv head) is one contiguous [G * l, D] x [D, keys] matmul, which XLA
     runs faster on CPU than the token-major einsums of the blocked path. The queries go in
@@ -134,7 +160,14 @@ def _one_block_attention(q, k, v, attention_mask, scale, query_slices: int = 2):
     return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
 
-def _block_logits(q_block, k_block, key_mask_block, q_start, k_start, scale):
+def _block_logits(
+    q_block: Float[Array, "B bq Hkv G D"],
+    k_block: Float[Array, "B bk Hkv D"],
+    key_mask_block: Bool[Array, "B bk"],
+    q_start: int | Array,
+    k_start: int | Array,
+    scale: float,
+) -> tuple[Float[Array, "B Hkv G bq bk"], Bool[Array, "B 1 1 bq bk"]]:
     """Scaled logits [B, Hkv, G, bq, bk] (float32) with causal and padding masks applied."""
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, preferred_element_type=jnp.float32) * scale
     q_pos = q_start + jnp.arange(q_block.shape[1])
@@ -143,30 +176,38 @@ def _block_logits(q_block, k_block, key_mask_block, q_start, k_start, scale):
     return jnp.where(visible, logits, MASK_VALUE), visible
 
 
-def _slice(x, start, size):
+def _slice(x: Array, start: int | Array, size: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
-def _unblock(blocks):
+def _unblock(blocks: Array) -> Array:
     """[n, B, block, ...] stacked by `lax.map` -> [B, n * block, ...]."""
     return jnp.moveaxis(blocks, 0, 1).reshape((blocks.shape[1], -1) + blocks.shape[3:])
 
 
-def _last_key_block(q_start, block_q, block_k):
+def _last_key_block(q_start: int | Array, block_q: int, block_k: int) -> Array:
     """Number of key blocks at or before the diagonal of the query block starting at q_start."""
     return jax.lax.div(q_start + block_q - 1, block_k) + 1
 
 
-def _flash_forward(q, k, v, key_mask, scale, block_q, block_k):
+def _flash_forward(
+    q: Float[Array, "B Lp Hkv G D"],
+    k: Float[Array, "B Lp Hkv D"],
+    v: Float[Array, "B Lp Hkv D"],
+    key_mask: Bool[Array, "B Lp"],
+    scale: float,
+    block_q: int,
+    block_k: int,
+) -> tuple[Float[Array, "B Lp Hkv G D"], Float[Array, "B Hkv G Lp"]]:
     """(out [B, Lp, Hkv, G, D] in q's dtype, lse [B, Hkv, G, Lp] float32)."""
     batch, padded, num_kv, groups, head_dim = q.shape
 
-    def query_block(i):
+    def query_block(i: Array) -> tuple[Array, Array]:
         q_start = i * block_q
         q_block = _slice(q, q_start, block_q)
         stats_shape = (batch, num_kv, groups, block_q)
 
-        def key_block(j, carry):
+        def key_block(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             row_max, row_sum, acc = carry
             k_start = j * block_k
             logits, _ = _block_logits(
@@ -197,22 +238,30 @@ def _flash_forward(q, k, v, key_mask, scale, block_q, block_k):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, key_mask, scale, block_q, block_k):
+def _flash(q: Array, k: Array, v: Array, key_mask: Array, scale: float, block_q: int, block_k: int) -> Array:
     return _flash_forward(q, k, v, key_mask, scale, block_q, block_k)[0]
 
 
-def _flash_fwd(q, k, v, key_mask, scale, block_q, block_k):
+def _flash_fwd(
+    q: Array, k: Array, v: Array, key_mask: Array, scale: float, block_q: int, block_k: int
+) -> tuple[Array, tuple[Array, Array, Array, Array, Array, Array]]:
     out, lse = _flash_forward(q, k, v, key_mask, scale, block_q, block_k)
     return out, (q, k, v, key_mask, out, lse)
 
 
-def _flash_bwd(scale, block_q, block_k, residuals, d_out):
+def _flash_bwd(
+    scale: float,
+    block_q: int,
+    block_k: int,
+    residuals: tuple[Array, Array, Array, Array, Array, Array],
+    d_out: Array,
+) -> tuple[Array, Array, Array, None]:
     q, k, v, key_mask, out, lse = residuals
     batch, padded, num_kv, groups, head_dim = q.shape
     # rowsum(dO * O) per query row: the softmax Jacobian's diagonal correction.
     d_sum = jnp.einsum("bqhgd,bqhgd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
-    def probs_and_dlogits(q_start, k_start):
+    def probs_and_dlogits(q_start: Array, k_start: Array) -> tuple[Array, Array, Array, Array]:
         """P and dS of one [bq, bk] block, recomputed from the saved LSE."""
         q_block = _slice(q, q_start, block_q)
         logits, visible = _block_logits(
@@ -227,10 +276,10 @@ def _flash_bwd(scale, block_q, block_k, residuals, d_out):
         d_sum_block = jax.lax.dynamic_slice_in_dim(d_sum, q_start, block_q, axis=3)
         return probs, probs * (d_probs - d_sum_block[..., None]), q_block, d_out_block
 
-    def dq_block(i):
+    def dq_block(i: Array) -> Array:
         q_start = i * block_q
 
-        def key_block(j, d_q):
+        def key_block(j: Array, d_q: Array) -> Array:
             k_start = j * block_k
             _, d_logits, _, _ = probs_and_dlogits(q_start, k_start)
             return d_q + jnp.einsum(
@@ -248,10 +297,10 @@ def _flash_bwd(scale, block_q, block_k, residuals, d_out):
         )
         return (d_q * scale).astype(q.dtype)
 
-    def dkv_block(j):
+    def dkv_block(j: Array) -> tuple[Array, Array]:
         k_start = j * block_k
 
-        def query_block(i, carry):
+        def query_block(i: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
             d_k, d_v = carry
             probs, d_logits, q_block, d_out_block = probs_and_dlogits(i * block_q, k_start)
             d_v = d_v + jnp.einsum(
@@ -277,7 +326,15 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # --- cudnn: jax.nn.dot_product_attention on packed rows ---------------------------------------
 
 
-def cudnn_attention(q, k, v, attention_mask, *, sm_scale=None, implementation="cudnn"):
+def cudnn_attention(
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    *,
+    sm_scale: float | None = None,
+    implementation: Literal["xla", "cudnn"] = "cudnn",
+) -> Float[Array, "B L Hq D"]:
     """`jax.nn.dot_product_attention(is_causal=True)` with each row's real tokens packed first.
 
     cuDNN's fused kernel takes causal masking and per-row key lengths, not an arbitrary padding
@@ -306,7 +363,16 @@ def cudnn_attention(q, k, v, attention_mask, *, sm_scale=None, implementation="c
 # --- splash: the Pallas TPU kernel --------------------------------------------------------------
 
 
-def splash_attention(q, k, v, attention_mask, *, sm_scale=None, block=DEFAULT_BLOCK, interpret=False):
+def splash_attention(
+    q: Float[Array, "B L Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    attention_mask: Bool[Array, "B L"],
+    *,
+    sm_scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+    interpret: bool = False,
+) -> Float[Array, "B L Hq D"]:
     """JAX's Pallas splash attention (TPU), forward and backward, padding as segment ids.
 
     Real tokens are segment 1 and padding segment 0, so a real query sees exactly the real keys
@@ -323,7 +389,7 @@ def splash_attention(q, k, v, attention_mask, *, sm_scale=None, block=DEFAULT_BL
     q = heads_first(q * jnp.asarray(_scale(sm_scale, head_dim), q.dtype))
     k, v = heads_first(k), heads_first(v)
     segments = _pad_length(attention_mask, padded, False).astype(jnp.int32)
-    sizes = dict.fromkeys(
+    sizes: dict[str, Any] = dict.fromkeys(
         [
             "block_q",
             "block_kv",
@@ -337,7 +403,7 @@ def splash_attention(q, k, v, attention_mask, *, sm_scale=None, block=DEFAULT_BL
         block,
     )
 
-    def local(q, k, v, segments):
+    def local(q: Array, k: Array, v: Array, segments: Int[Array, "B Lp"]) -> Array:
         mask = splash.MultiHeadMask([splash.CausalMask((padded, padded))] * q.shape[1])
         kernel = splash.make_splash_mha(
             mask, block_sizes=splash.BlockSizes(**sizes), head_shards=1, q_seq_shards=1, interpret=interpret

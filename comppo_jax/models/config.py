@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 DTYPES = ("float32", "bfloat16")
@@ -54,10 +54,11 @@ class ModelConfig:
     attention: str = "auto"
     remat: str = "none"
     logits_chunk: int = 0
-    # LoRA adapters in the params (comppo_jax.models.lora) add (lora_alpha / rank) * x @ A @ B (config `model.lora.alpha`).
+    # LoRA adapters in the params (comppo_jax.models.lora) add (lora_alpha / rank) * x @ A @ B
+    # (config `model.lora.alpha`).
     lora_alpha: float = 64.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
             raise ConfigError(
                 f"architecture={self.architecture!r} is not supported; expected one of {sorted(ARCHITECTURES.values())}"
@@ -76,7 +77,8 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
+                "(grouped-query attention)"
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
@@ -99,7 +101,7 @@ class ModelConfig:
         """Qwen3 RMS-normalizes each query/key head before RoPE."""
         return self.architecture == "qwen3"
 
-    def replace(self, **changes) -> ModelConfig:
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -125,7 +127,7 @@ class ModelConfig:
         """
         architecture = _architecture(hf)
 
-        def required(name):
+        def required(name: str) -> Any:
             if name not in hf or hf[name] is None:
                 raise ConfigError(f"config.json field {name!r} is missing")
             return hf[name]
@@ -200,15 +202,17 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     if architectures:
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
             raise ConfigError(
-                f"config.json field 'architectures'={architectures!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
+                f"config.json field 'architectures'={architectures!r} is not supported; "
+                f"expected one of {sorted(ARCHITECTURES)}"
             )
         return ARCHITECTURES[architectures[0]]
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES.values():
         raise ConfigError(
-            f"config.json field 'model_type'={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES.values())}"
+            f"config.json field 'model_type'={model_type!r} is not supported; "
+            f"expected one of {sorted(ARCHITECTURES.values())}"
         )
-    return model_type
+    return cast(str, model_type)  # one of ARCHITECTURES' values
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def tensor_layout(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...], i
 
 
 @contextlib.contextmanager
-def _open_safetensors(file: str):
+def _open_safetensors(file: str) -> Iterator[Any]:
     """`safe_open(file)` whose errors (truncated or corrupt file, bad header) become CheckpointError naming it."""
     try:
         with safe_open(file, framework="numpy") as f:
@@ -267,6 +268,8 @@ def to_peft(config: ModelConfig, adapters: dict, path: str, *, base_model: str) 
 def _shard(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[dict[str, np.ndarray]]:
     if max_shard_bytes is None:
         return [tensors]
+    shards: list[dict[str, np.ndarray]]
+    current: dict[str, np.ndarray]
     shards, current, size = [], {}, 0
     for name, tensor in tensors.items():
         if current and size + tensor.nbytes > max_shard_bytes:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
 
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq, scan_layers
@@ -19,17 +20,19 @@ from pallas_kernels.common import causal_attention
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [N, B, S, Hkv, hd] post-RoPE keys, config.dtype
-    v: jax.Array  # [N, B, S, Hkv, hd]
-    valid: jax.Array  # [B, S] bool: slot holds a real token
-    next_position: jax.Array  # [B] int32: RoPE position of the next token
+    k: Float[Array, "N B S Hkv hd"]  # post-RoPE keys, config.dtype
+    v: Float[Array, "N B S Hkv hd"]
+    valid: Bool[Array, "B S"]  # slot holds a real token
+    next_position: Int[Array, " B"]  # int32: RoPE position of the next token
 
 
-def _final_logits(params, config, x):
+def _final_logits(params: dict, config: ModelConfig, x: Float[Array, "B L D"]) -> Float[Array, "B V"]:
     return lm_logits(params, config, rms_norm(x, params["final_norm"], config.rms_norm_eps))[:, -1]
 
 
-def prefill(params: dict, config: ModelConfig, tokens, attention_mask, max_length: int):
+def prefill(
+    params: dict, config: ModelConfig, tokens: Int[Array, "B P"], attention_mask: Bool[Array, "B P"], max_length: int
+) -> tuple[Float[Array, "B V"], KVCache]:
     """Runs the left-padded prompt tokens [B, P] and returns (logits of its last slot [B, V], cache)."""
     batch, length = tokens.shape
     if max_length < length:
@@ -38,7 +41,7 @@ def prefill(params: dict, config: ModelConfig, tokens, attention_mask, max_lengt
     inv_freq = jnp.asarray(rope_inv_freq(config))
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
 
-    def step(x, scanned):
+    def step(x: Array, scanned: tuple[dict[str, Array]]) -> tuple[Array, tuple[Array, Array]]:
         attention = lambda q, k, v: (causal_attention(q, k, v, attention_mask), (k, v))
         return _decoder_layer(scanned[0], x, positions, config, inv_freq, attention)
 
@@ -53,7 +56,9 @@ def prefill(params: dict, config: ModelConfig, tokens, attention_mask, max_lengt
     return _final_logits(params, config, x), cache
 
 
-def decode_step(params: dict, config: ModelConfig, token, cache: KVCache, slot):
+def decode_step(
+    params: dict, config: ModelConfig, token: Int[Array, " B"], cache: KVCache, slot: int | Int[Array, ""]
+) -> tuple[Float[Array, "B V"], KVCache]:
     """Feeds one token per row [B] at cache slot `slot` (a traced int); returns (logits [B, V], cache)."""
     dtype = jnp.dtype(config.dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config))
@@ -61,11 +66,13 @@ def decode_step(params: dict, config: ModelConfig, token, cache: KVCache, slot):
     visible = valid & (jnp.arange(valid.shape[1]) <= slot)[None]  # [B, S]
     positions = cache.next_position[:, None]
 
-    def step(carry, scanned):
+    def step(
+        carry: tuple[Array, Array, Array], scanned: tuple[dict[str, Array], Array]
+    ) -> tuple[tuple[Array, Array, Array], None]:
         x, keys, values = carry
         layer, index = scanned
 
-        def attention(q, k, v):
+        def attention(q: Array, k: Array, v: Array) -> tuple[Array, tuple[Array, Array]]:
             # Write only the new slot, in place in the carried cache, then read the layer back.
             start = (index, 0, slot, 0, 0)
             new_keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), start)

@@ -36,7 +36,7 @@ _ARCHITECTURE_FIELDS = (
 EXECUTION_FIELDS = ("attention", "remat", "logits_chunk")
 
 
-def _section_dict(model_section: Mapping[str, Any]) -> dict:
+def _section_dict(model_section: Mapping[str, Any]) -> dict[str, Any]:
     return model_section.to_dict() if hasattr(model_section, "to_dict") else dict(model_section)
 
 
@@ -70,14 +70,16 @@ def load_policy(model_section: Mapping[str, Any], rng: jax.Array) -> tuple[Model
     return config, params
 
 
-def load_config_file(path: str | pathlib.Path):
-    """`get_config()` of an ml_collections config file, as `--config=path` loads it."""
+def load_config_file(path: str | pathlib.Path) -> Any:
+    """`get_config()` of an ml_collections config file, as `--config=path` loads it (by convention an
+    `ml_collections.ConfigDict`)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # spec is None for a file with no import loader (not .py): module_from_spec raises AttributeError then.
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module.get_config()
 
 

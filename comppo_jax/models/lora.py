@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
 
 from comppo_jax.models.config import ConfigError, ModelConfig
 from comppo_jax.models.transformer import LORA_A as A
@@ -46,7 +49,7 @@ class LoraConfig:
     targets: tuple[str, ...] = tuple(TARGETS)
 
     @classmethod
-    def of(cls, model_section) -> LoraConfig:
+    def of(cls, model_section: Mapping[str, Any]) -> LoraConfig:
         """The `model.lora` section of a config (absent: full fine-tuning; comppo_jax.train.validation
         checks its fields); targets comma-separated."""
         section = model_section.get("lora")
@@ -83,12 +86,12 @@ def adapter_shapes(config: ModelConfig, lora: LoraConfig) -> dict:
     return {"layers": shapes}
 
 
-def init_adapters(config: ModelConfig, lora: LoraConfig, rng: jax.Array, dtype: str = "float32") -> dict:
+def init_adapters(config: ModelConfig, lora: LoraConfig, rng: PRNGKeyArray, dtype: str = "float32") -> dict:
     """Fresh adapters: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's Kaiming-uniform init), B = 0."""
     shapes = adapter_shapes(config, lora)["layers"]
     keys = dict(zip(sorted(shapes), jax.random.split(rng, len(shapes))))
 
-    def make(name, shape):
+    def make(name: str, shape: tuple[int, ...]) -> Array:
         if name.endswith(B):
             return jnp.zeros(shape, dtype)
         bound = 1.0 / math.sqrt(shape[1])

@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int
 
 from comppo_jax.sharding import BATCH, context_platform, heads_axis, per_shard
 from pallas_kernels.common import MASK_VALUE
@@ -83,12 +87,12 @@ def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = 
 class PagePool:
     """The pool's arrays ((k, v), or (kv,) combined) in `layout`; the sizes are static."""
 
-    arrays: tuple
+    arrays: tuple[Array, ...]
     layout: str
     pages_per_layer: int
     page_size: int
 
-    def with_arrays(self, *arrays) -> PagePool:
+    def with_arrays(self, *arrays: Array) -> PagePool:
         return dataclasses.replace(self, arrays=arrays)
 
     @property
@@ -97,7 +101,13 @@ class PagePool:
 
 
 def empty_pool(
-    num_layers: int, pages_per_layer: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, backend: str
+    num_layers: int,
+    pages_per_layer: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: DTypeLike,
+    backend: str,
 ) -> PagePool:
     total, layout = num_layers * pages_per_layer, LAYOUTS[backend]
     shape = {
@@ -112,14 +122,14 @@ def empty_pool(
     )
 
 
-def _as_layout(layout: str, k, v) -> tuple:
+def _as_layout(layout: str, k: Float[Array, "*rows Hkv hd"], v: Float[Array, "*rows Hkv hd"]) -> tuple[Array, ...]:
     """Per-token rows k, v [..., Hkv, hd] -> what one token occupies in each pool array."""
     if layout == "combined":
         return (jnp.stack([k, v], axis=-2).reshape(k.shape[:-2] + (-1, k.shape[-1])),)  # k/v interleaved
     return k, v
 
 
-def fit_heads(pool: PagePool, x):
+def fit_heads(pool: PagePool, x: Float[Array, "*rows Hkv hd"]) -> Float[Array, "*rows pool_Hkv hd"]:
     """Keys or values x [..., Hkv, hd] with each head repeated to the pool's kv heads: a pool split
     over more devices than there are kv heads keeps each head `sharding.kv_head_repeat` times."""
     repeat, remainder = divmod(num_kv_heads(pool), x.shape[-2])
@@ -130,7 +140,14 @@ def fit_heads(pool: PagePool, x):
     return x if repeat == 1 else jnp.repeat(x, repeat, axis=-2)
 
 
-def write_tokens(pool: PagePool, layer, pages, offsets, k, v) -> PagePool:
+def write_tokens(
+    pool: PagePool,
+    layer: int | Int[Array, ""],
+    pages: Int[Array, " S"],
+    offsets: Int[Array, " S"],
+    k: Float[Array, "S Hkv hd"],
+    v: Float[Array, "S Hkv hd"],
+) -> PagePool:
     """Writes one token per row: k, v [S, Hkv, hd] at logical `pages` [S], `offsets` [S] of `layer`."""
     physical = layer * pool.pages_per_layer + pages
     values = _as_layout(pool.layout, fit_heads(pool, k), fit_heads(pool, v))
@@ -142,7 +159,9 @@ def write_tokens(pool: PagePool, layer, pages, offsets, k, v) -> PagePool:
     return pool.with_arrays(*(index(a).set(x.astype(a.dtype)) for a, x in zip(pool.arrays, values)))
 
 
-def write_pages(pool: PagePool, first_page: int, k, v) -> PagePool:
+def write_pages(
+    pool: PagePool, first_page: int, k: Float[Array, "N n page_size Hkv hd"], v: Float[Array, "N n page_size Hkv hd"]
+) -> PagePool:
     """Writes whole pages for every layer: k, v [N, n, page_size, Hkv, hd] to logical pages
     [first_page, first_page + n) (a static range: the prompts' pages). Token by token, with the
     decode steps' own scatter, so the pool keeps one layout (the TPU kernel's) from the start."""
@@ -155,21 +174,21 @@ def write_pages(pool: PagePool, first_page: int, k, v) -> PagePool:
     return pool
 
 
-def copy_pages(pool: PagePool, source, destination) -> PagePool:
+def copy_pages(pool: PagePool, source: Int[Array, " S"], destination: Int[Array, " S"]) -> PagePool:
     """Copies logical pages `source` [S] to `destination` [S] in every layer (copy-on-write), one
     page at a time in place (a gather of pages can make XLA re-lay out the whole pool)."""
     layers = pool.arrays[0].shape[pool.page_axis] // pool.pages_per_layer
     offsets = jnp.arange(layers)[:, None] * pool.pages_per_layer
     src, dst = (offsets + source[None]).reshape(-1), (offsets + destination[None]).reshape(-1)
 
-    def copy_one(i, arrays):
+    def copy_one(i: Array, arrays: tuple[Array, ...]) -> tuple[Array, ...]:
         page = lambda a: jax.lax.dynamic_slice_in_dim(a, src[i], 1, pool.page_axis)
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, page(a), dst[i], pool.page_axis) for a in arrays)
 
     return pool.with_arrays(*jax.lax.fori_loop(0, src.shape[0], copy_one, pool.arrays))
 
 
-def pool_specs(pool: PagePool, num_heads: int) -> tuple:
+def pool_specs(pool: PagePool, num_heads: int) -> tuple[P, ...]:
     """PartitionSpecs of shard-stacked pool arrays [D, ...]: D over the batch axes, kv heads over
     `tensor` when it divides both head counts (as the query heads are split)."""
     heads = heads_axis(num_heads, num_kv_heads(pool))
@@ -185,8 +204,16 @@ def num_kv_heads(pool: PagePool) -> int:
 
 
 def decode_attention(
-    q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None, sm_scale: float | None = None
-):
+    q: Float[Array, "S Hq hd"],
+    pool: PagePool,
+    layer: int | Int[Array, ""],
+    tables: Int[Array, "S max_pages"],
+    lengths: Int[Array, " S"],
+    *,
+    backend: str,
+    num_pages: int | Int[Array, ""] | None = None,
+    sm_scale: float | None = None,
+) -> Float[Array, "S Hq hd"]:
     """One query per sequence over its filled pages: q [S, Hq, hd] -> [S, Hq, hd].
 
     tables [S, max_pages] int32 logical pages; lengths [S] int32 tokens to attend (>= 1, the
@@ -196,8 +223,9 @@ def decode_attention(
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     physical = tables + layer * pool.pages_per_layer
     if backend == "xla":
+        k_and_v = cast("tuple[Array, Array]", pool.arrays)  # the XLA path's layout: heads_first, (k, v)
         return _xla_decode_attention(
-            q, *pool.arrays, physical, lengths, tables.shape[1] if num_pages is None else num_pages, scale
+            q, *k_and_v, physical, lengths, tables.shape[1] if num_pages is None else num_pages, scale
         )
     if backend in ("tpu", "tpu_interpret"):
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
@@ -207,7 +235,7 @@ def decode_attention(
         kv = pool.arrays[0]
         page_bytes = kv[0].size * kv.dtype.itemsize
         kv_pages_per_block = max(1, min(physical.shape[1], KV_BLOCK_BYTES // (2 * page_bytes)))
-        attend = functools.partial(
+        attend: Callable[..., Array] = functools.partial(
             rpa.ragged_paged_attention,
             sm_scale=scale,
             num_kv_pages_per_block=kv_pages_per_block,
@@ -235,7 +263,16 @@ def decode_attention(
     )
 
 
-def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backend: str, num_pages=None):
+def sharded_decode_attention(
+    q: Float[Array, "D S Hq hd"],
+    pool: PagePool,
+    layer: int | Int[Array, ""],
+    tables: Int[Array, "D S W"],
+    lengths: Int[Array, "D S"],
+    *,
+    backend: str,
+    num_pages: int | Int[Array, ""] | None = None,
+) -> Float[Array, "D S Hq hd"]:
     """`decode_attention` for shard-stacked inputs: q [D, S, Hq, hd], pool arrays [D, ...], tables
     [D, S, W], lengths [D, S]; shard d's rows read shard d's pool. Under a mesh each device runs its
     own shards (`sharding.per_shard`): D over the batch axes, heads over `tensor` where it divides them."""
@@ -243,8 +280,15 @@ def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backe
 
     num_pages = tables.shape[-1] if num_pages is None else num_pages
 
-    def local(q, arrays, layer, tables, lengths, num_pages):
-        def one(q, arrays, tables, lengths):
+    def local(
+        q: Array,
+        arrays: tuple[Array, ...],
+        layer: int | Array,
+        tables: Array,
+        lengths: Array,
+        num_pages: int | Array,
+    ) -> Array:
+        def one(q: Array, arrays: tuple[Array, ...], tables: Array, lengths: Array) -> Array:
             return decode_attention(
                 q, pool.with_arrays(*arrays), layer, tables, lengths, backend=backend, num_pages=num_pages
             )
@@ -258,11 +302,11 @@ def sharded_decode_attention(q, pool: PagePool, layer, tables, lengths, *, backe
     return per_shard(local, in_specs=specs, out_specs=rows)(q, pool.arrays, layer, tables, lengths, num_pages)
 
 
-def _interpret(attend):
+def _interpret(attend: Callable[..., Array]) -> Callable[..., Array]:
     """The TPU kernel under Pallas' TPU interpreter (CPU tests)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    def run(*args):
+    def run(*args: Any) -> Array:
         with pltpu.force_tpu_interpret_mode():
             return attend(*args)
 
@@ -273,7 +317,15 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
-def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, num_pages, scale):
+def _xla_decode_attention(
+    q: Float[Array, "S Hq hd"],
+    k_pool: Float[Array, "Hkv P page_size hd"],
+    v_pool: Float[Array, "Hkv P page_size hd"],
+    physical: Int[Array, "S W"],
+    lengths: Int[Array, " S"],
+    num_pages: int | Int[Array, ""],
+    scale: float,
+) -> Float[Array, "S Hq hd"]:
     """Heads-first pages, `chunk` at a time: each chunk gathers to [Hkv, S, chunk * page_size, hd],
     so each (kv head, row) is one batch entry of both matmuls and nothing is transposed; an online
     softmax (running peak, total and output) combines the ceil(num_pages / chunk) chunks."""
@@ -286,7 +338,7 @@ def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, num_pages, scale
     query = jnp.swapaxes(q.reshape(rows, num_kv, groups, head_dim), 0, 1)  # [Hkv, S, G, hd]
     span = chunk * page_size
 
-    def attend_chunk(i):
+    def attend_chunk(i: int | Array) -> tuple[Array, Array, Array]:
         """(peak [Hkv, S, G], total, unnormalized output [Hkv, S, G, hd]) of chunk i alone."""
         pages = jax.lax.dynamic_slice_in_dim(physical, i * chunk, chunk, axis=1)
         k, v = (pool[:, pages].reshape(num_kv, rows, span, head_dim) for pool in (k_pool, v_pool))
@@ -298,7 +350,7 @@ def _xla_decode_attention(q, k_pool, v_pool, physical, lengths, num_pages, scale
         out = jnp.einsum("hstg,hstd->hsgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return peak, weights.sum(axis=2), out
 
-    def add_chunk(i, carry):
+    def add_chunk(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         # A chunk past a row's length has peak MASK_VALUE, so its weight below is 0.
         (peak, total, out), (chunk_peak, chunk_total, chunk_out) = carry, attend_chunk(i)
         new_peak = jnp.maximum(peak, chunk_peak)

@@ -9,8 +9,9 @@ Params are a plain dict of arrays; the decoder layers are stacked on a leading a
             gate_proj / up_proj [N, D, F], down_proj [N, F, D]
 
 LoRA adapters, when present, sit beside the weight they adapt (`q_proj_lora_a` [N, D, r],
-`q_proj_lora_b` [N, r, Hq*hd], ...; comppo_jax.models.lora). Matrices are stored [in, out] (x @ W). Matmuls run in `config.dtype` with float32
-accumulation; RMSNorm, RoPE, softmax and the logits are float32.
+`q_proj_lora_b` [N, r, Hq*hd], ...; comppo_jax.models.lora). Matrices are stored [in, out] (x @ W).
+Matmuls run in `config.dtype` with float32 accumulation; RMSNorm, RoPE, softmax and the logits are
+float32.
 
 Memory at long lengths: attention runs `config.attention` (comppo_jax.models.attention: splash on
 TPU, cuDNN on GPU, chunked flash attention in XLA on CPU), each scanned layer is rematerialized
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 import pallas_kernels
 from comppo_jax import sharding
@@ -46,18 +49,19 @@ REMAT_POLICIES = {
 class FinalAttention(NamedTuple):
     """The final layer's attention inputs, detached: enough to recompute its probabilities blockwise."""
 
-    q: jax.Array  # [B, L, Hq, hd] after q-norm and RoPE, config.dtype
-    k: jax.Array  # [B, L, Hkv, hd] after k-norm and RoPE, config.dtype
-    lse: jax.Array  # [B, Hq, L] float32, per-head log-sum-exp of the scaled causal logits
+    q: Float[Array, "B L Hq hd"]  # after q-norm and RoPE, config.dtype
+    k: Float[Array, "B L Hkv hd"]  # after k-norm and RoPE, config.dtype
+    lse: Float[Array, "B Hq L"]  # float32, per-head log-sum-exp of the scaled causal logits
 
 
 class ForwardOutput(NamedTuple):
-    logits: jax.Array | None  # [B, L, V] float32 (None with compute_logits=False)
-    hidden_states: jax.Array  # [K, B, L, D], the requested `hidden_layers` (HF indexing)
-    herfindahl: jax.Array | None  # [B, L] float32, final-layer concentration (None without window_start)
-    window_size: jax.Array | None  # [B, L] int32, n for the same window
+    logits: Float[Array, "B L V"] | None  # float32 (None with compute_logits=False)
+    hidden_states: Float[Array, "K B L D"]  # the requested `hidden_layers` (HF indexing)
+    herfindahl: Float[Array, "B L"] | None  # float32, final-layer concentration (None without window_start)
+    window_size: Int[Array, "B L"] | None  # int32, n for the same window
     final_attention: FinalAttention | None = None  # with return_final_attention=True
-    statistics: dict | None = None  # {name: [B, L] float32}, the `concentration_statistics` asked for
+    # {name: [B, L] float32}, the `concentration_statistics` asked for
+    statistics: dict[str, Float[Array, "B L"]] | None = None
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -82,14 +86,14 @@ def param_shapes(config: ModelConfig) -> dict:
     return shapes
 
 
-def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dict:
+def init_params(config: ModelConfig, rng: PRNGKeyArray, init_std: float = 0.02) -> dict:
     """Random params: N(0, init_std) matrices, unit norm weights, in `config.dtype`."""
     shapes = param_shapes(config)
     is_shape = lambda x: isinstance(x, tuple)
     keys = iter(jax.random.split(rng, len(jax.tree.leaves(shapes, is_leaf=is_shape))))
     dtype = jnp.dtype(config.dtype)
 
-    def make(path, shape):
+    def make(path: tuple[Any, ...], shape: tuple[int, ...]) -> Array:
         key = next(keys)
         if "norm" in jax.tree_util.keystr(path):
             return jnp.ones(shape, dtype)
@@ -98,7 +102,7 @@ def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> 
     return jax.tree_util.tree_map_with_path(make, shapes, is_leaf=is_shape)
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x: Float[Array, "*batch D"], weight: Float[Array, " D"], eps: float) -> Float[Array, "*batch D"]:
     """RMSNorm with float32 statistics; returns x's dtype."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
@@ -122,7 +126,9 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
+def apply_rope(
+    x: Float[Array, "B L H hd"], positions: Int[Array, "B L"], inv_freq: Float[Array, " hd//2"]
+) -> Float[Array, "B L H hd"]:
     """Rotate-half RoPE (HF convention). x [B, L, H, hd]; positions [B, L]."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, hd/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
@@ -133,7 +139,7 @@ def apply_rope(x, positions, inv_freq):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _project(x, weight):
+def _project(x: Float[Array, "B L D"], weight: Float[Array, "D E"]) -> Float[Array, "B L E"]:
     return jnp.einsum("bld,de->ble", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -142,12 +148,14 @@ def _project(x, weight):
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 
 
-def lora_scale(config: ModelConfig, lora_a) -> float:
+def lora_scale(config: ModelConfig, lora_a: Float[Array, "*N D r"]) -> float:
     """alpha / r (PEFT's scaling) for an adapter whose A has rank r on its last axis."""
     return config.lora_alpha / lora_a.shape[-1]
 
 
-def _adapted(y, x, layer, name: str, config: ModelConfig):
+def _adapted(
+    y: Float[Array, "B L E"], x: Float[Array, "B L D"], layer: dict[str, Array], name: str, config: ModelConfig
+) -> Float[Array, "B L E"]:
     """y = x @ W plus W's low-rank adapter term, when W = layer[name] has one."""
     if name + LORA_A not in layer:
         return y
@@ -155,11 +163,17 @@ def _adapted(y, x, layer, name: str, config: ModelConfig):
     return y + (low_rank * lora_scale(config, layer[name + LORA_A])).astype(y.dtype)
 
 
-def _linear(x, layer, name: str, config: ModelConfig):
+def _linear(x: Float[Array, "B L D"], layer: dict[str, Array], name: str, config: ModelConfig) -> Float[Array, "B L E"]:
     return _adapted(_project(x, layer[name]), x, layer, name, config)
 
 
-def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
+def _qkv(
+    layer: dict[str, Array],
+    x: Float[Array, "B L D"],
+    positions: Int[Array, "B L"],
+    config: ModelConfig,
+    inv_freq: Float[Array, " hd//2"],
+) -> tuple[Float[Array, "B L Hq hd"], Float[Array, "B L Hkv hd"], Float[Array, "B L Hkv hd"]]:
     batch, length, _ = x.shape
     hd = config.head_dim
     if "qkv_proj" in layer:  # one matmul (`fuse_projections`)
@@ -178,7 +192,7 @@ def _qkv(layer, x, positions, config: ModelConfig, inv_freq):
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _mlp(layer, x, config: ModelConfig):
+def _mlp(layer: dict[str, Array], x: Float[Array, "B L D"], config: ModelConfig) -> Float[Array, "B L D"]:
     if "gate_up_proj" in layer:  # one matmul (`fuse_projections`)
         gate, up = (
             _adapted(y, x, layer, name, config)
@@ -189,7 +203,17 @@ def _mlp(layer, x, config: ModelConfig):
     return _linear(jax.nn.silu(gate) * up, layer, "down_proj", config)
 
 
-def _decoder_layer(layer, x, positions, config, inv_freq, attention):
+_Statistics = TypeVar("_Statistics")
+
+
+def _decoder_layer(
+    layer: dict[str, Array],
+    x: Float[Array, "B L D"],
+    positions: Int[Array, "B L"],
+    config: ModelConfig,
+    inv_freq: Float[Array, " hd//2"],
+    attention: Callable[[Array, Array, Array], tuple[Array, _Statistics]],
+) -> tuple[Float[Array, "B L D"], _Statistics]:
     """One pre-norm block; `attention(q, k, v)` returns (out, final-layer statistics)."""
     batch, length, _ = x.shape
     q, k, v = _qkv(layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, config, inv_freq)
@@ -217,7 +241,13 @@ def layers_unrolled() -> bool:
     return sharding.context_platform() == "cpu"
 
 
-def scan_layers(step, carry, layers: dict, *per_layer):
+_Carry = TypeVar("_Carry")
+_Output = TypeVar("_Output")
+
+
+def scan_layers(
+    step: Callable[[_Carry, Any], tuple[_Carry, _Output]], carry: _Carry, layers: dict, *per_layer: Array
+) -> tuple[_Carry, _Output]:
     """`jax.lax.scan(step, carry, (layers, *per_layer))` over the stacked decoder layers.
 
     On an accelerator, a scan: one compiled layer (compile time flat in depth), the weights as
@@ -229,7 +259,7 @@ def scan_layers(step, carry, layers: dict, *per_layer):
     return jax.lax.scan(step, carry, (layers, *per_layer))
 
 
-def lm_logits(params: dict, config: ModelConfig, final_hidden):
+def lm_logits(params: dict, config: ModelConfig, final_hidden: Float[Array, "B L D"]) -> Float[Array, "B L V"]:
     """float32 logits [B, L, V] from the final-norm hidden states (tied or separate head)."""
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     return jnp.einsum("bld,dv->blv", final_hidden, head.astype(final_hidden.dtype), preferred_element_type=jnp.float32)
@@ -244,7 +274,13 @@ def _hidden_slots(config: ModelConfig, hidden_layers: tuple[int, ...]) -> np.nda
     return slots
 
 
-def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers):
+def _check_forward_inputs(
+    config: ModelConfig,
+    tokens: Int[Array, "B L"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"] | None,
+    hidden_layers: tuple[int, ...],
+) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be int [B, L], got {tokens.dtype} {tokens.shape}")
     if attention_mask.shape != tokens.shape or attention_mask.dtype != jnp.bool_:
@@ -273,9 +309,9 @@ def _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_l
 def forward(
     params: dict,
     config: ModelConfig,
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    window_start: jax.Array | None = None,
+    tokens: Int[Array, "B L"],
+    attention_mask: Bool[Array, "B L"],
+    window_start: Int[Array, " B"] | None = None,
     *,
     hidden_layers: tuple[int, ...] | None = None,
     concentration_backend: str | None = None,
@@ -314,7 +350,7 @@ def forward(
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
     embedded = params["embed"].astype(dtype)[tokens]
 
-    def concentrated(q, k, v):
+    def concentrated(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Any]]:
         # Per batch shard with all heads: H_t is a statistic of the head-averaged attention.
         kernel = sharding.per_shard(
             functools.partial(
@@ -327,7 +363,14 @@ def forward(
             in_specs=P(sharding.BATCH),
             out_specs=P(sharding.BATCH),
         )
-        out, herfindahl, window_size, *rest = kernel(q, k, v, attention_mask, window_start.astype(jnp.int32))
+        # Only called with a window_start (mypy does not narrow it inside this closure).
+        out, herfindahl, window_size, *rest = kernel(
+            q,
+            k,
+            v,
+            attention_mask,
+            window_start.astype(jnp.int32),  # type: ignore[union-attr]
+        )
         statistics = {"herfindahl": herfindahl, "window_size": window_size}
         if return_final_attention:
             statistics["final_attention"] = FinalAttention(q, k, rest.pop(0))
@@ -335,18 +378,21 @@ def forward(
             statistics["statistics"] = rest.pop(0)
         return out, jax.lax.stop_gradient(statistics)
 
-    def no_statistics(q, k, v):  # zeros shaped like the final layer's statistics
+    def no_statistics(q: Array, k: Array, v: Array) -> dict[str, Any]:  # zeros shaped like the final layer's statistics
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(concentrated, q, k, v)[1])
 
-    def causal(q, k, v):
+    def causal(q: Array, k: Array, v: Array) -> Array:
         return training_attention(q, k, v, attention_mask, implementation=config.attention)
 
-    def plain(q, k, v):
+    def plain(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Any]]:
         return causal(q, k, v), no_statistics(q, k, v)
 
-    def step(carry, scanned):
+    def step(
+        carry: tuple[Array, Array | None, dict[str, Any]], scanned: tuple[dict[str, Array], Array, Array]
+    ) -> tuple[tuple[Array, Array | None, dict[str, Any]], None]:
         x, captured, statistics = carry
         layer, index, slot = scanned
+        attention: Callable[[Array, Array, Array], tuple[Array, dict[str, Any]]]
         attention = lambda q, k, v: (causal(q, k, v), {})
         if window_start is not None:
             attention = lambda q, k, v: jax.lax.cond(index == config.num_layers - 1, concentrated, plain, q, k, v)

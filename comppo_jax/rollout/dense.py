@@ -14,9 +14,11 @@ or at `max_new_tokens`. `num_samples` responses per prompt are consecutive rows 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.kv_cache import decode_step, prefill
@@ -24,7 +26,9 @@ from comppo_jax.rollout.engine import right_align_prompts, sample_token
 from comppo_jax.rollout.sampler import Generation, assemble, check_and_default
 
 
-def left_align(tokens, mask, pad_token_id):
+def left_align(
+    tokens: Int[Array, "B P"], mask: Bool[Array, "B P"], pad_token_id: int
+) -> tuple[Int[Array, "B P"], Bool[Array, "B P"]]:
     """Moves each row's real tokens to the end (stable), whatever its padding side."""
     order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
     aligned_mask = jnp.take_along_axis(mask, order, 1)
@@ -46,9 +50,9 @@ def left_align(tokens, mask, pad_token_id):
 def generate_dense(
     params: dict,
     config: ModelConfig,
-    prompt_tokens,
-    prompt_mask,
-    rng,
+    prompt_tokens: Int[Array, "B P"],
+    prompt_mask: Bool[Array, "B P"],
+    rng: PRNGKeyArray,
     *,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -74,11 +78,11 @@ def generate_dense(
     batch, prompt_slots = tokens.shape
     logits, cache = prefill(params, config, tokens, mask, prompt_slots + max_new_tokens)
 
-    def keep_going(state):
+    def keep_going(state: tuple[Any, ...]) -> Array:
         step, _, _, done, *_ = state
         return (step < max_new_tokens) & ~jnp.all(done)
 
-    def body(state):
+    def body(state: tuple[Any, ...]) -> tuple[Any, ...]:
         step, cache, logits, done, response, log_probs, rng = state
         rng, key = jax.random.split(rng)
         token = sample_token(key, logits, temperature, top_p)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from comppo_jax import sharding
 from comppo_jax.models import paged_cache
@@ -89,7 +90,16 @@ class Layout(NamedTuple):
         return np.minimum(self.first_prompts()[:, None] + np.arange(self.prompts)[None], self.num_prompts - 1)
 
 
-def make_layout(num_prompts, prompt_width, *, num_samples, max_new_tokens, page_size, decode_slots, shards=1) -> Layout:
+def make_layout(
+    num_prompts: int,
+    prompt_width: int,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    page_size: int,
+    decode_slots: int | None,
+    shards: int = 1,
+) -> Layout:
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if decode_slots is not None and decode_slots < 1:
@@ -147,7 +157,7 @@ class _State(NamedTuple):
     response_length: jax.Array  # [R_shard] int32
 
 
-def top_p_filter(logits, top_p: float):
+def top_p_filter(logits: Float[Array, "*B V"], top_p: float) -> Float[Array, "*B V"]:
     """Masks (to -inf) the tokens outside the smallest set whose probability reaches top_p.
 
     The most likely token always stays, so a tiny top_p is greedy.
@@ -159,7 +169,7 @@ def top_p_filter(logits, top_p: float):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def first_argmax(logits):
+def first_argmax(logits: Float[Array, "*B V"]) -> Int[Array, "*B"]:
     """`jnp.argmax` over the last axis (the first maximal index) as two plain reductions, which XLA
     on CPU runs ~4x faster than its index-carrying reduce."""
     vocab = logits.shape[-1]
@@ -167,7 +177,7 @@ def first_argmax(logits):
     return jnp.min(jnp.where(logits == peak, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
 
 
-def sample_token(rng, logits, temperature: float, top_p: float):
+def sample_token(rng: PRNGKeyArray, logits: Float[Array, "B V"], temperature: float, top_p: float) -> Int[Array, " B"]:
     """A token per row [B] from logits [B, V]: greedy when temperature == 0, else nucleus sampling."""
     if temperature == 0.0:
         return first_argmax(logits)
@@ -177,14 +187,18 @@ def sample_token(rng, logits, temperature: float, top_p: float):
     return jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
 
 
-def right_align_prompts(tokens, mask, pad_token_id):
+def right_align_prompts(
+    tokens: Int[Array, "B P"], mask: Bool[Array, "B P"], pad_token_id: int
+) -> tuple[Int[Array, "B P"], Bool[Array, "B P"]]:
     """Moves each row's real tokens to the front (stable), whatever its padding side."""
     order = jnp.argsort(~mask, axis=1, stable=True)
     aligned_mask = jnp.take_along_axis(mask, order, 1)
     return jnp.where(aligned_mask, jnp.take_along_axis(tokens, order, 1), pad_token_id), aligned_mask
 
 
-def prefill_prompts(params, config: ModelConfig, tokens, mask, layout: Layout):
+def prefill_prompts(
+    params: dict, config: ModelConfig, tokens: Int[Array, "DB P"], mask: Bool[Array, "DB P"], layout: Layout
+) -> tuple[Float[Array, "D B V"], Float[Array, "D N BP page_size Hkv hd"], Float[Array, "D N BP page_size Hkv hd"]]:
     """Runs each shard's right-padded prompts, tokens [D * prompts, P], once. Returns (logits at
     each one's last token [D, prompts, V], its keys and values as pages [D, N, prompts *
     prompt_pages, page_size, Hkv, hd] each)."""
@@ -192,14 +206,14 @@ def prefill_prompts(params, config: ModelConfig, tokens, mask, layout: Layout):
     inv_freq = jnp.asarray(rope_inv_freq(config))
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
-    def layer_step(x, scanned):
+    def layer_step(x: Array, scanned: tuple[dict[str, Array]]) -> tuple[Array, tuple[Array, Array]]:
         attention = lambda q, k, v: (training_attention(q, k, v, mask, implementation=config.attention), (k, v))
         return _decoder_layer(scanned[0], x, positions, config, inv_freq, attention)
 
     x, (keys, values) = scan_layers(layer_step, params["embed"].astype(dtype)[tokens], params["layers"])
     padded = layout.prompt_pages * layout.page_size
 
-    def as_pages(a):  # [N, D * B, P, Hkv, hd] -> [D, N, B * prompt_pages, page_size, Hkv, hd]
+    def as_pages(a: Array) -> Array:  # [N, D * B, P, Hkv, hd] -> [D, N, B * prompt_pages, page_size, Hkv, hd]
         a = jnp.pad(a, ((0, 0), (0, 0), (0, padded - a.shape[2]), (0, 0), (0, 0)))
         a = a.reshape(a.shape[0], layout.shards, layout.prompts * layout.prompt_pages, layout.page_size, *a.shape[3:])
         return jnp.swapaxes(a, 0, 1)
@@ -213,14 +227,14 @@ def prefill_prompts(params, config: ModelConfig, tokens, mask, layout: Layout):
 # --- one shard's steps (vmapped over shards) -------------------------------------------------
 
 
-def _take_pages(state: _State, wanted):
+def _take_pages(state: _State, wanted: Bool[Array, " S"]) -> tuple[Int[Array, " S"], _State]:
     """Pops one free page for each True in `wanted` [S]; returns (pages [S], state)."""
     rank = jnp.cumsum(wanted) - 1
     pages = state.free_pages[jnp.clip(state.free_count - 1 - rank, 0)]
     return jnp.where(wanted, pages, TRASH_PAGE), state._replace(free_count=state.free_count - wanted.sum())
 
 
-def _return_pages(state: _State, ending) -> _State:
+def _return_pages(state: _State, ending: Bool[Array, " S"]) -> _State:
     """Pushes the private pages (table entries shared..pages) of the `ending` slots back on the stack."""
     entry = jnp.arange(state.tables.shape[1])[None]
     private = (ending[:, None] & (entry >= state.shared[:, None]) & (entry < state.pages[:, None])).reshape(-1)
@@ -233,7 +247,7 @@ def _return_pages(state: _State, ending) -> _State:
     )
 
 
-def _initial_state(pool, layout: Layout, vocab_size: int, pad: int) -> _State:
+def _initial_state(pool: paged_cache.PagePool, layout: Layout, vocab_size: int, pad: int) -> _State:
     slots, first_private = layout.slots, 1 + layout.prompts * layout.prompt_pages
     zeros = jnp.zeros((slots,), jnp.int32)
     return _State(
@@ -255,7 +269,14 @@ def _initial_state(pool, layout: Layout, vocab_size: int, pad: int) -> _State:
     )
 
 
-def _admit(state: _State, shard, first_prompt, layout: Layout, prompt_lengths, prompt_logits) -> _State:
+def _admit(
+    state: _State,
+    shard: Int[Array, ""],
+    first_prompt: Int[Array, ""],
+    layout: Layout,
+    prompt_lengths: Int[Array, " prompts"],
+    prompt_logits: Float[Array, "prompts V"],
+) -> _State:
     """Free slots take the next waiting rows; a partly filled last prompt page is copied to a private page."""
     free = state.row < 0
     row = state.next_row + jnp.cumsum(free) - 1
@@ -285,7 +306,15 @@ def _admit(state: _State, shard, first_prompt, layout: Layout, prompt_lengths, p
     )
 
 
-def _sample_and_allocate(state: _State, shard, layout: Layout, rng, eos, temperature, top_p):
+def _sample_and_allocate(
+    state: _State,
+    shard: Int[Array, ""],
+    layout: Layout,
+    rng: PRNGKeyArray,
+    eos: Int[Array, " E"],
+    temperature: float,
+    top_p: float,
+) -> tuple[_State, Int[Array, " S"], Int[Array, " S"], Bool[Array, " S"], Bool[Array, " S"]]:
     """Samples each live slot's token, records it, and gives a fresh page to rows starting one.
     Returns (state, tokens [S], the page each token's keys and values go to [S], feeds [S], ends [S])."""
     live = state.row >= 0
@@ -315,7 +344,13 @@ def _sample_and_allocate(state: _State, shard, layout: Layout, rng, eos, tempera
     return state._replace(tables=tables, pages=state.pages + needs_page), tokens, write_page, feeds, ends
 
 
-def _finish_step(state: _State, pool, logits, feeds, ends) -> _State:
+def _finish_step(
+    state: _State,
+    pool: paged_cache.PagePool,
+    logits: Float[Array, "S V"],
+    feeds: Bool[Array, " S"],
+    ends: Bool[Array, " S"],
+) -> _State:
     state = _return_pages(state._replace(pool=pool), ends)
     return state._replace(
         row=jnp.where(ends, -1, state.row),
@@ -329,7 +364,7 @@ def _finish_step(state: _State, pool, logits, feeds, ends) -> _State:
 # --- all shards at once ----------------------------------------------------------------------
 
 
-def layer_weights(params, unrolled: bool):
+def layer_weights(params: dict, unrolled: bool) -> dict[str, Array] | tuple[dict[str, Array], ...]:
     """The decoder layers as `decode_layers` takes them: stacked [N, ...] (scanned), or a tuple of
     per-layer dicts with fused projections (unrolled, `fuse_projections`). On CPU a scanned
     layer's weights are copied out of the stack at every step (its matmuls need them contiguous):
@@ -342,8 +377,17 @@ def layer_weights(params, unrolled: bool):
 
 
 def decode_layers(
-    params, layers, config: ModelConfig, tokens, pool, tables, length, write_page, backend: str, num_pages=None
-):
+    params: dict,
+    layers: dict[str, Array] | tuple[dict[str, Array], ...],
+    config: ModelConfig,
+    tokens: Int[Array, "D S"],
+    pool: paged_cache.PagePool,
+    tables: Int[Array, "D S W"],
+    length: Int[Array, "D S"],
+    write_page: Int[Array, "D S"],
+    backend: str,
+    num_pages: int | Int[Array, ""] | None = None,
+) -> tuple[Float[Array, "D S V"], paged_cache.PagePool]:
     """Feeds one token per slot, tokens [D, S] at positions `length` [D, S], its keys and values
     going to `write_page` [D, S]; attends over each slot's pages `tables` [D, S, W] in its shard's
     pool. `layers` comes from `layer_weights`. The XLA path reads the first `num_pages` (traced)
@@ -362,11 +406,13 @@ def decode_layers(
     offset = length % pool.page_size
     per_shard = lambda a: a.reshape((shards, slots) + a.shape[1:])
 
-    def layer_step(carry, scanned):
+    def layer_step(
+        carry: tuple[Array, paged_cache.PagePool], scanned: tuple[dict[str, Array], int | Array]
+    ) -> tuple[tuple[Array, paged_cache.PagePool], None]:
         x, pool = carry
         layer, index = scanned
 
-        def attention(q, k, v):
+        def attention(q: Array, k: Array, v: Array) -> tuple[Array, paged_cache.PagePool]:
             write = lambda pool, *rows: paged_cache.write_tokens(pool, index, *rows)
             pool_now = jax.vmap(write)(pool, write_page, offset, per_shard(k[:, 0]), per_shard(v[:, 0]))
             out = paged_cache.sharded_decode_attention(
@@ -387,11 +433,11 @@ def decode_layers(
 
 
 def run_engine(
-    params,
+    params: dict,
     config: ModelConfig,
-    prompt_tokens,
-    prompt_mask,
-    rng,
+    prompt_tokens: Int[Array, "B P"],
+    prompt_mask: Bool[Array, "B P"],
+    rng: PRNGKeyArray,
     *,
     num_samples: int,
     max_new_tokens: int,
@@ -399,10 +445,10 @@ def run_engine(
     decode_slots: int | None,
     temperature: float,
     top_p: float,
-    eos,
+    eos: Int[Array, " E"],
     pad: int,
     backend: str,
-):
+) -> tuple[Int[Array, "B P"], Int[Array, " B"], Int[Array, "R T"], Float[Array, "R T"], Int[Array, " R"]]:
     """Generates every row. Returns (right-padded prompts [B, P], their lengths [B], response [R, T],
     log-probs [R, T], response lengths [R]). Traced inside `generate`'s jit."""
     num_prompts, prompt_width = prompt_tokens.shape
@@ -420,7 +466,7 @@ def run_engine(
     prompt_logits, keys, values = prefill_prompts(params, config, tokens[shard_prompts], mask[shard_prompts], layout)
     prompt_lengths = mask.sum(axis=1).astype(jnp.int32)[shard_prompts].reshape(layout.shards, layout.prompts)
 
-    def shard_init(keys, values):
+    def shard_init(keys: Array, values: Array) -> _State:
         pool = paged_cache.empty_pool(
             config.num_layers,
             layout.pages_per_layer,
@@ -442,9 +488,10 @@ def run_engine(
     layers = layer_weights(params, unrolled=layers_unrolled())
     shard_ids, first_prompts = jnp.arange(layout.shards), jnp.asarray(layout.first_prompts())
 
-    def body(state):
+    def body(state: _State) -> _State:
         waiting = jnp.any((state.row < 0) & (state.next_row < layout.shard_rows)[:, None])
-        admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))
+        # (mypy cannot match a *tuple of unknown length followed by more positional arguments)
+        admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))  # type: ignore[call-arg]
         with jax.named_scope(ADMIT_SCOPE):
             state = jax.lax.cond(
                 waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state

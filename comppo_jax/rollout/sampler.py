@@ -9,10 +9,12 @@ consecutive rows (a GRPO group).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.paged_cache import resolve_paged_attention
@@ -24,15 +26,16 @@ DEFAULT_PAGE_SIZE = 64
 
 
 class Generation(NamedTuple):
-    tokens: jax.Array  # [B', P + T] int32: prompt + response + right padding
-    attention_mask: jax.Array  # [B', P + T] bool
-    prompt_lengths: jax.Array  # [B'] int32, P_b
-    response_tokens: jax.Array  # [B', T] int32, y_1..y_T (pad_token_id past the end)
-    response_mask: jax.Array  # [B', T] bool, 1 on y_1..y_T (EOS included)
-    log_probs: jax.Array  # [B', T] float32, log softmax(logits / temperature) of y_t; 0 on padding
+    # R = B * num_samples rows.
+    tokens: Int[Array, "R P+T"]  # int32: prompt + response + right padding
+    attention_mask: Bool[Array, "R P+T"]
+    prompt_lengths: Int[Array, " R"]  # int32, P_b
+    response_tokens: Int[Array, "R T"]  # int32, y_1..y_T (pad_token_id past the end)
+    response_mask: Bool[Array, "R T"]  # 1 on y_1..y_T (EOS included)
+    log_probs: Float[Array, "R T"]  # float32, log softmax(logits / temperature) of y_t; 0 on padding
 
 
-def engine_options(rollout) -> dict:
+def engine_options(rollout: Mapping[str, Any]) -> dict[str, Any]:
     """`generate`'s engine keywords from a config's rollout section (decode_slots 0: one slot per row).
     Configs written before the engine had these fields get the defaults."""
     return dict(
@@ -42,7 +45,13 @@ def engine_options(rollout) -> dict:
     )
 
 
-def check_and_default(config: ModelConfig, prompt_tokens, prompt_mask, eos_token_ids, pad_token_id):
+def check_and_default(
+    config: ModelConfig,
+    prompt_tokens: Int[Array, "B P"],
+    prompt_mask: Bool[Array, "B P"],
+    eos_token_ids: Sequence[int] | None,
+    pad_token_id: int | None,
+) -> tuple[Int[Array, " E"], int]:
     """Validates prompt_tokens / prompt_mask [B, P]; returns (EOS ids array, pad id) with the config's defaults."""
     if prompt_tokens.ndim != 2 or prompt_mask.shape != prompt_tokens.shape:
         raise ValueError(
@@ -53,7 +62,14 @@ def check_and_default(config: ModelConfig, prompt_tokens, prompt_mask, eos_token
     return eos, pad
 
 
-def assemble(prompts, prompt_lengths, response, response_mask, log_probs, pad: int) -> Generation:
+def assemble(
+    prompts: Int[Array, "R P"],
+    prompt_lengths: Int[Array, " R"],
+    response: Int[Array, "R T"],
+    response_mask: Bool[Array, "R T"],
+    log_probs: Float[Array, "R T"],
+    pad: int,
+) -> Generation:
     """Rows as DESIGN.md lays them out, from right-padded prompts [R, P] (real tokens first), their
     lengths [R] and the response [R, T] with its mask: prompt + response + right padding."""
     prompt_width, max_new_tokens = prompts.shape[1], response.shape[1]
@@ -90,9 +106,9 @@ def assemble(prompts, prompt_lengths, response, response_mask, log_probs, pad: i
 def generate(
     params: dict,
     config: ModelConfig,
-    prompt_tokens,
-    prompt_mask,
-    rng,
+    prompt_tokens: Int[Array, "B P"],
+    prompt_mask: Bool[Array, "B P"],
+    rng: PRNGKeyArray,
     *,
     max_new_tokens: int,
     temperature: float = 1.0,

@@ -2,7 +2,7 @@
 
 Per response token y_t everything is read at the state before it, sequence position
 p_t = P + t - 2 (0-based: P - 1 + (t - 1)), so per-token arrays are the slice [P-1, P+T-1) of
-the sequence (../shared/DESIGN.md, index conventions). The pass yields the behaviour log-probs,
+the sequence (docs/conventions.md, "Index conventions"). The pass yields the behaviour log-probs,
 the final layer's concentration H_t -> c_t -> kappa_t (paper eqs. herfindahl, cnorm,
 kappa_attention; the concentration kernel), the hidden states and top-K routing the TAC critic
 reuses, and the reference policy's log-probs. Everything is detached and stored with the
@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from comppo_jax import sharding
 from comppo_jax.credit import GATE_STATISTICS, entropy_from_logits, retention_gate, statistic_concentration
@@ -38,35 +39,41 @@ OLD_LOG_PROBS = ("rescore", "sampler")
 class Rollout(NamedTuple):
     """A scored batch. Per-token arrays are [B, T], aligned with y_1..y_T, 0 on padding."""
 
-    tokens: jax.Array  # [B, L] int32, prompt + response + right padding
-    attention_mask: jax.Array  # [B, L] bool
-    prompt_lengths: jax.Array  # [B] int32
-    response_mask: jax.Array  # [B, T] bool
-    log_probs: jax.Array  # [B, T] behaviour log pi(y_t | h_t), teacher-forced (or the sampler's)
-    ref_log_probs: jax.Array | None  # [B, T] reference policy, or None without one
-    herfindahl: (
-        jax.Array | None
-    )  # [B, T] H_t of the final layer over the window (None: no behaviour pass), whatever gate_statistic
-    window_size: jax.Array | None  # [B, T] int32 n_t
-    kappa: jax.Array | None  # [B, T] retention gate kappa_t (of the gate_statistic's c_t)
-    hidden_states: jax.Array  # [L', B, L, D] the critic's fused layers (sequence coordinates)
+    tokens: Int[Array, "B L"]  # int32, prompt + response + right padding
+    attention_mask: Bool[Array, "B L"]
+    prompt_lengths: Int[Array, " B"]  # int32
+    response_mask: Bool[Array, "B T"]
+    log_probs: Float[Array, "B T"]  # behaviour log pi(y_t | h_t), teacher-forced (or the sampler's)
+    ref_log_probs: Float[Array, "B T"] | None  # reference policy, or None without one
+    # H_t of the final layer over the window (None: no behaviour pass), whatever gate_statistic
+    herfindahl: Float[Array, "B T"] | None
+    window_size: Int[Array, "B T"] | None  # int32 n_t
+    kappa: Float[Array, "B T"] | None  # retention gate kappa_t (of the gate_statistic's c_t)
+    hidden_states: Float[Array, "K B L D"]  # the critic's fused layers (sequence coordinates), K = len(hidden_layers)
     routing: Routing | None  # TAC's top-K native-attention routing [B, L, K], or None
 
 
-def response_positions(prompt_lengths, length: int):
+def response_positions(prompt_lengths: Int[Array, " B"], length: int) -> Int[Array, "B T"]:
     """[B, T] sequence positions p_t = P - 1 + (t - 1) of the states before y_1..y_T."""
     return prompt_lengths[:, None] - 1 + jnp.arange(length)[None]
 
 
-def gather_response(x, prompt_lengths, length: int):
+def gather_response(
+    x: Shaped[Array, "B L *rest"], prompt_lengths: Int[Array, " B"], length: int
+) -> Shaped[Array, "B T *rest"]:
     """x [B, L, ...] -> [B, T, ...] at the positions before each response token."""
     positions = jnp.clip(response_positions(prompt_lengths, length), 0, x.shape[1] - 1)
     return jnp.take_along_axis(x, positions.reshape(positions.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 def response_token_stats(
-    params: dict, config: ModelConfig, final_hidden, prompt_lengths, response_tokens, temperature: float = 1.0
-):
+    params: dict,
+    config: ModelConfig,
+    final_hidden: Float[Array, "B L D"],
+    prompt_lengths: Int[Array, " B"],
+    response_tokens: Int[Array, "B T"],
+    temperature: float = 1.0,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(log pi(y_t | h_t), entropy) [B, T] float32 from the final-norm hidden states [B, L, D].
 
     log-probs are of softmax(logits / temperature); the entropy is of softmax(logits). The
@@ -80,7 +87,7 @@ def response_token_stats(
     to_chunks = lambda x: jnp.moveaxis(pad(x).reshape((batch, padded // chunk, chunk) + x.shape[2:]), 1, 0)
 
     @jax.checkpoint
-    def chunk_stats(inputs):
+    def chunk_stats(inputs: tuple[Array, Array]) -> tuple[Array, Array]:
         hidden, tokens = inputs  # [B, C, D], [B, C]
         logits = lm_logits(params, config, hidden)
         scaled = logits / temperature
@@ -93,7 +100,7 @@ def response_token_stats(
     return from_chunks(log_probs), from_chunks(entropy)
 
 
-def window_start_of(window: str, prompt_lengths):
+def window_start_of(window: str, prompt_lengths: Int[Array, " B"]) -> Int[Array, " B"]:
     """[B] first key position of the concentration window: P for "response", 0 for "full"."""
     if window not in WINDOWS:
         raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
@@ -109,9 +116,9 @@ def extra_statistics(gate_statistic: str) -> tuple[str, ...]:
 
 def response_gate(
     out: ForwardOutput,
-    attention_mask,
-    prompt_lengths,
-    window_start,
+    attention_mask: Bool[Array, "B L"],
+    prompt_lengths: Int[Array, " B"],
+    window_start: Int[Array, " B"],
     length: int,
     *,
     gate_statistic: str,
@@ -119,14 +126,15 @@ def response_gate(
     kappa_lo: float,
     kappa_hi: float,
     tau: float,
-):
+) -> tuple[Float[Array, "B T"], Int[Array, "B T"], Float[Array, "B T"]]:
     """(H_t, n_t, kappa_t) [B, T] from a forward pass's final-layer statistics (paper eqs. herfindahl,
-    cnorm, kappa_attention), kappa from the c_t of `gate_statistic` (`statistic_concentration`)."""
-    herfindahl = gather_response(out.herfindahl, prompt_lengths, length)
-    window_size = gather_response(out.window_size, prompt_lengths, length)
+    cnorm, kappa_attention), kappa from the c_t of `gate_statistic` (`statistic_concentration`).
+    `out` comes from a forward pass with a window_start, so its concentration fields are not None."""
+    herfindahl = gather_response(out.herfindahl, prompt_lengths, length)  # type: ignore[arg-type]
+    window_size = gather_response(out.window_size, prompt_lengths, length)  # type: ignore[arg-type]
     value, n = herfindahl, window_size
     if gate_statistic != "herfindahl":
-        value = gather_response(out.statistics[gate_statistic], prompt_lengths, length)
+        value = gather_response(out.statistics[gate_statistic], prompt_lengths, length)  # type: ignore[index]
     if gate_statistic == "sink_herfindahl":  # its own window: without the first sink_tokens key positions
         n = gather_response(window_sizes(attention_mask, window_start + sink_tokens), prompt_lengths, length)
     kappa = retention_gate(
@@ -152,10 +160,10 @@ def response_gate(
 def policy_gate(
     params: dict,
     config: ModelConfig,
-    tokens,
-    attention_mask,
-    prompt_lengths,
-    response_mask,
+    tokens: Int[Array, "B L"],
+    attention_mask: Bool[Array, "B L"],
+    prompt_lengths: Int[Array, " B"],
+    response_mask: Bool[Array, "B T"],
     *,
     length: int,
     window: str = "response",
@@ -165,7 +173,7 @@ def policy_gate(
     kappa_hi: float = 0.9,
     tau: float = 4.0,
     backend: str | None = None,
-):
+) -> Float[Array, "B T"]:
     """kappa_t [B, T] of `params` on a scored batch (0 on padding), detached: the gate alone, as the
     behaviour pass computes it (no logits, no critic features). `gate_refresh=epoch` calls it with
     the current actor at the start of each update epoch."""
@@ -198,8 +206,14 @@ def policy_gate(
 
 
 def policy_token_stats(
-    params: dict, config: ModelConfig, tokens, attention_mask, prompt_lengths, response_tokens, temperature: float = 1.0
-):
+    params: dict,
+    config: ModelConfig,
+    tokens: Int[Array, "B L"],
+    attention_mask: Bool[Array, "B L"],
+    prompt_lengths: Int[Array, " B"],
+    response_tokens: Int[Array, "B T"],
+    temperature: float = 1.0,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Teacher-forced (log-probs, entropies) [B, T] of y_1..y_T under `params` (`response_token_stats`)."""
     out = forward(params, config, tokens, attention_mask, hidden_layers=(config.num_layers,), compute_logits=False)
     return response_token_stats(params, config, out.hidden_states[0], prompt_lengths, response_tokens, temperature)
@@ -265,7 +279,7 @@ def score_rollout(
     mask = generation.attention_mask
     response_mask = generation.response_mask
     zero = lambda x: jnp.where(response_mask, x, jnp.zeros((), x.dtype))
-    ref_log_probs = None
+    ref_log_probs: Array | None = None
     if ref_params is not None:
         ref_log_probs, _ = policy_token_stats(
             ref_params,
@@ -328,7 +342,7 @@ def score_rollout(
         kappa_hi=kappa_hi,
         tau=tau,
     )
-    routing = None
+    routing: Routing | None = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)
     return jax.lax.stop_gradient(

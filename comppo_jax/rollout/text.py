@@ -4,53 +4,59 @@ Below both training (its dev evaluations and rollouts) and evaluation (frozen be
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 import tqdm
+from jaxtyping import Array, PRNGKeyArray
 
+from comppo_jax.data.datasets import Problem
 from comppo_jax.data.rewards import Verdict, VerifierPool, extract_answer
-from comppo_jax.data.tokenizers import pad_batch
+from comppo_jax.data.tokenizers import CharTokenizer, HFTokenizer, pad_batch
 from comppo_jax.models import ModelConfig
-from comppo_jax.rollout.sampler import generate
+from comppo_jax.rollout.sampler import Generation, generate
 from comppo_jax.sharding import to_host
 
+Tokenizer = CharTokenizer | HFTokenizer  # what comppo_jax.data.tokenizers.load_tokenizer returns
 
-def encode_prompts(tokenizer, problems):
+
+def encode_prompts(tokenizer: Tokenizer, problems: Sequence[Problem]) -> tuple[Array, ...]:
     """(tokens [B, P], mask [B, P]) left-padded prompt ids of `problems`."""
     return tuple(
         jnp.asarray(x) for x in pad_batch([tokenizer.encode_prompt(p.prompt) for p in problems], tokenizer.pad_token_id)
     )
 
 
-def decode_responses(tokenizer, generation):
+def decode_responses(tokenizer: Tokenizer, generation: Generation) -> list[str]:
     """The text of each generated response (its valid tokens, EOS dropped), one per row."""
     tokens, mask = to_host(generation.response_tokens), to_host(generation.response_mask)
     return [tokenizer.decode(row[m & (row != tokenizer.eos_token_id)]) for row, m in zip(tokens, mask)]
 
 
-def answers_correct(problems, answers, pool: VerifierPool) -> list[bool]:
+def answers_correct(problems: Sequence[Problem], answers: Sequence[str | None], pool: VerifierPool) -> list[bool]:
     """Whether each extracted answer (None: no answer, incorrect) verifies against its problem's gold."""
     answered = [i for i, a in enumerate(answers) if a is not None]
-    verdicts = pool.check([(problems[i].answer, answers[i]) for i in answered])
+    verdicts = pool.check([(problems[i].answer, answers[i]) for i in answered])  # type: ignore[misc]  # not None
     correct = [False] * len(answers)
     for i, verdict in zip(answered, verdicts):
         correct[i] = verdict is Verdict.CORRECT
     return correct
 
 
-def count_correct(problems, answers, pool: VerifierPool) -> int:
+def count_correct(problems: Sequence[Problem], answers: Sequence[str | None], pool: VerifierPool) -> int:
     """How many extracted `answers` (None: no answer, incorrect) verify against the problems' gold."""
     return sum(answers_correct(problems, answers, pool))
 
 
 def generated_answers(
-    params,
+    params: dict,
     config: ModelConfig,
-    tokenizer,
-    problems,
+    tokenizer: Tokenizer,
+    problems: Sequence[Problem],
     *,
     max_new_tokens: int,
-    rng=None,
+    rng: PRNGKeyArray | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     num_samples: int = 1,
@@ -75,16 +81,16 @@ def generated_answers(
 
 
 def greedy_accuracy(
-    params,
+    params: dict,
     config: ModelConfig,
-    tokenizer,
-    problems,
+    tokenizer: Tokenizer,
+    problems: Sequence[Problem],
     pool: VerifierPool,
     *,
     max_new_tokens: int,
     batch_size: int = 64,
     progress: str = "",
-    after_batch=None,
+    after_batch: Callable[[], object] | None = None,
 ) -> float:
     """Fraction of `problems` whose greedy response's answer verifies against the gold; `progress`:
     the description of a transient bar over the batches ("" for none); `after_batch()` runs after

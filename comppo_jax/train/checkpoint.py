@@ -324,9 +324,9 @@ class RunCheckpoints:
             if tuple(stored.shape) != tuple(leaf.shape) or jnp.dtype(stored.dtype) != jnp.dtype(leaf.dtype):
                 raise CheckpointMismatchError(
                     f"checkpoint {step} under {self.steps_directory} leaf {name} is {jnp.dtype(stored.dtype).name}"
-                    f"{list(stored.shape)} but this config's state has {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}: it was saved "
-                    "with another config (a shape such as critic.bottleneck, the model, or a dtype differs), so it cannot be "
-                    "restored into this run; nothing was moved"
+                    f"{list(stored.shape)} but this config's state has {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}: "
+                    "it was saved with another config (a shape such as critic.bottleneck, the model, or a dtype "
+                    "differs), so it cannot be restored into this run; nothing was moved"
                 )
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -392,9 +392,10 @@ class RunCheckpoints:
             return ""
         quarantine = os.path.join(self.directory, QUARANTINE_DIR)
         return (
-            f"{quarantine} holds {len(aside)} set aside as damaged ({', '.join(aside)}): if one is wanted anyway, move it back "
-            f"as its step number (mv {quarantine}/{aside[-1]} {self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to "
-            "start over, choose another --config.output_dir"
+            f"{quarantine} holds {len(aside)} set aside as damaged ({', '.join(aside)}): if one is wanted anyway, "
+            f"move it back as its step number (mv {quarantine}/{aside[-1]} "
+            f"{self.steps_directory}/{aside[-1].split('-')[0]}) and resume; to start over, choose another "
+            "--config.output_dir"
         )
 
     def no_checkpoint_message(self) -> str:
@@ -403,8 +404,8 @@ class RunCheckpoints:
         if note:
             return f"config.resume=True but there is no checkpoint under {self.steps_directory}; {note}"
         return (
-            f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before its first "
-            "checkpoint): run the same command without --config.resume to start it"
+            f"config.resume=True but there is no checkpoint under {self.steps_directory} yet (the run stopped before "
+            "its first checkpoint): run the same command without --config.resume to start it"
         )
 
     def _quarantine(self, step: int) -> None:
@@ -508,10 +509,11 @@ class RunCheckpoints:
             differing = [leaf for leaf, digest in digests.items() if expected.get(leaf) != digest]
             if differing:
                 raise CheckpointError(
-                    f"the run's reference policy is lost: {path} cannot be read, and replaying the warm start gives other weights "
-                    f"(leaf {differing[0]}: digest {digests[differing[0]]}, saved {expected.get(differing[0])}; another machine or "
-                    f"library version computes it differently). The KL term needs the run's own reference: restore {path} and "
-                    f"{digests_path} from a backup, or start a new run with another --config.output_dir"
+                    f"the run's reference policy is lost: {path} cannot be read, and replaying the warm start gives "
+                    f"other weights (leaf {differing[0]}: digest {digests[differing[0]]}, saved "
+                    f"{expected.get(differing[0])}; another machine or library version computes it differently). "
+                    f"The KL term needs the run's own reference: restore {path} and {digests_path} from a backup, or "
+                    "start a new run with another --config.output_dir"
                 )
         self.save_reference(params)
         if jax.process_index() == 0:

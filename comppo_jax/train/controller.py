@@ -12,14 +12,14 @@ and epochs; the controller reads them only on steps that update the actor):
 
 | signal | unit and aggregation | paper numbers (warning/strong/hard-stop) | used here ("calibrated") |
 |---|---|---|---|
-| entropy | nats, token-mean over response tokens | EMA below 8.0/7.5/6.5 | EMA below 0.40/0.25/0.15 x the run's baseline |
-| entropy drop | oldest four of an 8-step window minus the EMA | 1.5/3.0 nats (strong/hard-stop) | 0.1875/0.375 of the oldest four's mean |
-| KL loss | k3 to the reference, token-mean | EMA at least 2.85/3.20/4.00 | EMA at least 0.05/0.10/0.20 |
-| PPO KL | mean(old_logp - logp), token-mean | EMA at least 0.08/0.12/0.22 | the paper's |
-| clip fraction | fraction of response tokens on the clipped branch | EMA at least 0.14/0.18/0.25 | the paper's |
-| grad norm | global L2 norm of the actor gradient before clipping | EMA at least 40/80 (warning/strong) | the paper's |
-| dev accuracy drop | running best minus this evaluation (fraction of problems) | at least 0.04/0.08/0.20 | the paper's |
-| response-clip ratio | fraction of responses that reach rollout.max_new_tokens | at least 0.65 (hard-stop) | the paper's |
+| entropy | nats, token-mean over response tokens | EMA < 8.0/7.5/6.5 | EMA < 0.40/0.25/0.15 x the run's baseline |
+| entropy drop | oldest four's mean (8-step window) minus the EMA | none/1.5/3.0 nats | none/0.1875/0.375 of that mean |
+| KL loss | k3 to the reference, token-mean | EMA >= 2.85/3.20/4.00 | EMA >= 0.05/0.10/0.20 |
+| PPO KL | mean(old_logp - logp), token-mean | EMA >= 0.08/0.12/0.22 | the paper's |
+| clip fraction | fraction of response tokens on the clipped branch | EMA >= 0.14/0.18/0.25 | the paper's |
+| grad norm | global L2 norm of the actor gradient before clipping | EMA >= 40/80 (warning/strong) | the paper's |
+| dev accuracy drop | running best minus this evaluation (fraction of problems) | >= 0.04/0.08/0.20 | the paper's |
+| response-clip ratio | fraction of responses that reach rollout.max_new_tokens | >= 0.65 (hard-stop) | the paper's |
 
 The paper does not state the units of its signals. Three of its numbers fit no sensible unit of
 these metrics, so `thresholds="calibrated"` (the default) restates those rules:
@@ -349,7 +349,8 @@ def reward_schedule(reward, max_new_tokens: int) -> RewardSchedule:
         )
     if not 0 < reward.overlong_buffer <= max_new_tokens:
         raise ValueError(
-            f"config.reward.overlong_buffer={reward.overlong_buffer} must be in (0, rollout.max_new_tokens={max_new_tokens}]"
+            f"config.reward.overlong_buffer={reward.overlong_buffer} must be in "
+            f"(0, rollout.max_new_tokens={max_new_tokens}]"
         )
     if not 0 < reward.overlong_penalty:
         raise ValueError(f"config.reward.overlong_penalty={reward.overlong_penalty} must be > 0")

@@ -79,9 +79,9 @@ def check_config(cfg, mesh: Mesh, rollout_devices: list | None = None) -> None:
     )
     if rollout_devices and jax.process_count() > 1 and len(rollout_devices) != mesh.devices.size:
         raise ConfigError(
-            f"config.mesh.rollout_devices={cfg.mesh.rollout_devices}: a multi-process run needs as many rollout devices as "
-            f"training devices ({len(rollout_devices)} vs {mesh.devices.size}): the weights move between the two sets "
-            "shard by shard (sharding.move); pass half of each process's devices"
+            f"config.mesh.rollout_devices={cfg.mesh.rollout_devices}: a multi-process run needs as many rollout "
+            f"devices as training devices ({len(rollout_devices)} vs {mesh.devices.size}): the weights move between "
+            "the two sets shard by shard (sharding.move); pass half of each process's devices"
         )
 
 
@@ -352,5 +352,8 @@ def describe(layout: DecodeLayout) -> str:
     if layout.separate:
         text += f" on the rollout stage's own {devices} devices"
     if layout.floor is not None:
-        text += f"; decode floor {layout.floor.seconds:.3g} s per rollout ({layout.floor.step_seconds * 1e3:.3g} ms per token step)"
+        text += (
+            f"; decode floor {layout.floor.seconds:.3g} s per rollout "
+            f"({layout.floor.step_seconds * 1e3:.3g} ms per token step)"
+        )
     return text

@@ -51,9 +51,9 @@ class StopSignals:
         del frame
         if self.received is None:
             print(
-                f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint, or within seconds during "
-                "the warm start, the first dev evaluation or the first step's compiles (further signals are ignored; kill -9 "
-                "stops at once, and the newest checkpoint stays whole)",
+                f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint, or within "
+                "seconds during the warm start, the first dev evaluation or the first step's compiles (further "
+                "signals are ignored; kill -9 stops at once, and the newest checkpoint stays whole)",
                 file=sys.stderr,
                 flush=True,
             )

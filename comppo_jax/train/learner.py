@@ -320,7 +320,8 @@ class Learner:
                 *jax.tree.leaves(features)
             )  # every device copy, though the caller's experience still names one
         for epoch, order in enumerate(orders):
-            # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the rollout's.
+            # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the
+            # rollout's.
             if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
                 self.compiling("the gate refresh")
                 fresh, kappa = refreshed_credit(

@@ -72,7 +72,7 @@ from comppo_jax.train.rollout_stage import RolloutStage, load_encodable_problems
 from comppo_jax.train.staleness import RolloutQueue
 from comppo_jax.train.update import adamw, cast_params, jit_update_steps, minibatch_shardings
 from comppo_jax.train.validation import validate_config
-from comppo_jax.train.warm_start import cached_warm_start, warm_start
+from comppo_jax.train.warm_start import LENGTH_BUCKET, cached_warm_start, warm_start
 
 
 def check_batch(cfg, mesh) -> None:
@@ -93,6 +93,7 @@ def warm_start_key(cfg) -> dict:
     """Everything the warm-started policy depends on (its cache key): not LoRA, whose adapters
     train on top of it, so runs of any rank share one warm start."""
     settings = {k: v for k, v in cfg.warm_start.to_dict().items() if k != "cache_dir"}
+    settings["length_bucket"] = LENGTH_BUCKET  # the padding changes the float sums
     model = {k: v for k, v in cfg.model.to_dict().items() if k != "lora"}
     return {"model": model, "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
 
@@ -380,8 +381,10 @@ class StartingPoint(NamedTuple):
     parts: RunParts
     state: dict  # actor, actor_opt, critic, critic_opt, rng: on the training mesh
     meta: dict  # recorder.initial_meta()'s fields, as restored
-    reference: Callable  # () -> the frozen reference policy (fetched from host memory with train.offload_idle; a LoRA run's base)
-    snapshot: Callable  # actor -> a fresh compute-dtype copy on the training mesh (the generating policy of a batch started ahead)
+    # () -> the frozen reference policy (fetched from host memory with train.offload_idle; a LoRA run's base)
+    reference: Callable
+    # actor -> a fresh compute-dtype copy on the training mesh (the generating policy of a batch started ahead)
+    snapshot: Callable
     behaviour: list  # a resumed run's policies of the batches in flight (rollout.staleness), else []
     actor_tx: Any
     critic_tx: Any
@@ -467,7 +470,8 @@ def starting_point(
         behaviour = state.pop("behaviour", [])
         if main_process:
             print(
-                f"resuming from step {meta['step']} of {total_steps(cfg, parts.recipe)} ({checkpoints.steps_directory}/{meta['step']})",
+                f"resuming from step {meta['step']} of {total_steps(cfg, parts.recipe)} "
+                f"({checkpoints.steps_directory}/{meta['step']})",
                 flush=True,
             )
             save_run_config(cfg, cfg.output_dir)

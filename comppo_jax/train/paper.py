@@ -91,7 +91,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         tokenizer=("", 'HF tokenizer directory ("": the one saved with path; no path either: the character tokenizer)'),
         attention=(
             "auto",
-            "training attention: auto | xla | chunked | splash | splash_interpret | cudnn (comppo_jax.models.attention)",
+            "training attention: auto | xla | chunked | splash | splash_interpret | cudnn "
+            "(comppo_jax.models.attention)",
         ),
         remat=("full", "per-layer jax.checkpoint policy: none | full | dots | dots_no_batch"),
         logits_chunk=(1024, "response tokens per chunk of the vocabulary projection (0: all at once)"),
@@ -101,7 +102,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         "model.lora.",
         rank=(
             0,
-            "LoRA rank (0: full fine-tuning): adapters train beside the frozen base, which is also the reference policy",
+            "LoRA rank (0: full fine-tuning): adapters train beside the frozen base, which is also the reference "
+            "policy",
         ),
         alpha=(64.0, "LoRA scale numerator: the adapter term is (alpha / rank) * x @ A @ B (PEFT's lora_alpha)"),
         targets=("q,k,v,o,gate,up,down", "the adapted projections, comma-separated: any of q, k, v, o, gate, up, down"),
@@ -150,7 +152,8 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         decode_slots=(0, "rows decoded at once (0: every row; fewer bounds the cache and reuses slots as rows end)"),
         paged_attention=(
             "auto",
-            "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | gpu | gpu_interpret",
+            "decode attention: auto (the Pallas kernel on TPU / GPU, XLA elsewhere) | xla | tpu | tpu_interpret | "
+            "gpu | gpu_interpret",
         ),
         old_log_probs=(
             "rescore",

@@ -21,10 +21,10 @@ concentration kernel):
 
 Per chip, `compiled.memory_analysis()` gives arguments, outputs (those not aliased to donated
 arguments), temporaries, generated code and the compiler's peak; "args+out+temp+code" is their
-sum, the conservative bound next to the peak. State a step does not take but that stays in HBM meanwhile (e.g. the reference
-params and the critic during the actor step) is added as "resident", so each step's total is
-what the chip must hold; with `train.offload_idle` the state `OFFLOADED` names waits in host
-memory instead, and the plan counts its bytes and transfers.
+sum, the conservative bound next to the peak. State a step does not take but that stays in HBM
+meanwhile (e.g. the reference params and the critic during the actor step) is added as
+"resident", so each step's total is what the chip must hold; with `train.offload_idle` the state
+`OFFLOADED` names waits in host memory instead, and the plan counts its bytes and transfers.
 
 The same compiled programs give the step time: `comppo_jax.train.cost` reads each one's FLOPs,
 HBM and collective bytes per chip from its optimized HLO, `step_times` takes their roofline time
@@ -773,8 +773,9 @@ def format_summary(result: Plan, chip: costs.Chip | None = None) -> str:
     chip = _chip(result, chip)
     summary = step_summary(result, chip)
     text = (
-        f"predicted step on {chip.name}: {summary.seconds:.3g} s, MFU {summary.mfu:.1%} ({result.model_flops / 1e15:.3g} PFLOP "
-        f"of model FLOPs), {summary.generated_tokens_per_second:.3g} generated tokens/s"
+        f"predicted step on {chip.name}: {summary.seconds:.3g} s, MFU {summary.mfu:.1%} "
+        f"({result.model_flops / 1e15:.3g} PFLOP of model FLOPs), {summary.generated_tokens_per_second:.3g} "
+        "generated tokens/s"
     )
     if summary.uncounted:
         text += "; counted once (no trip count or FLOP model): " + ", ".join(summary.uncounted)
@@ -840,11 +841,12 @@ def format_plan(result: Plan) -> str:
     """The per-chip memory and step-time tables as text."""
     state = ", ".join(f"{name} {_gib(value)}" for name, value in result.state.items())
     lines = [
-        f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, {result.length} tokens "
-        "per row; GiB per chip",
+        f"{result.topology}: {result.chips} chips, mesh {result.mesh}, {result.attention} attention, "
+        f"{result.length} tokens per row; GiB per chip",
         f"state: {state}; sample's KV page pool {_gib(result.page_pool)}"
         + (
-            f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, moved per step {_gib(result.transfer_bytes)}"
+            f"; in host memory (train.offload_idle) up to {_gib(result.host_bytes)}, "
+            f"moved per step {_gib(result.transfer_bytes)}"
             if result.transfer_bytes
             else ""
         ),
@@ -865,8 +867,9 @@ def format_decode(result: Plan) -> list[str]:
     floor = decode.floor
     if floor is not None:
         lines.append(
-            f"  floor per chip per token step: weights {floor.weight_bytes / 1e9:.3g} GB + live KV {floor.kv_bytes / 1e9:.3g} GB "
-            f"read, {floor.collective_hops:.0f} collective hops; {floor.steps} token steps"
+            f"  floor per chip per token step: weights {floor.weight_bytes / 1e9:.3g} GB + "
+            f"live KV {floor.kv_bytes / 1e9:.3g} GB read, {floor.collective_hops:.0f} collective hops; "
+            f"{floor.steps} token steps"
         )
     sampler = next((s for s in result.steps if s.step == "sample" and s.decode_collectives), None)
     if sampler is not None:

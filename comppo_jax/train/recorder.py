@@ -117,7 +117,8 @@ class Recorder:
     def record(
         self, step: int, metrics: dict, experience, learned, *, skipped: SkippedUpdates, phase: str, started: float
     ) -> None:
-        """Writes step `step`'s metrics (after its dev evaluation and the controller), with its first response as a sample."""
+        """Writes step `step`'s metrics (after its dev evaluation and the controller), with its first response as a
+        sample."""
         metrics["skipped_updates"] = skipped.total
         if learned.nonfinite:
             metrics["nonfinite"] = ", ".join(learned.nonfinite)

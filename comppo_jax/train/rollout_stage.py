@@ -83,7 +83,9 @@ class Experience(NamedTuple):
     step: int
     version: int  # updates the generating (behaviour) policy had: its checkpoint step
     sampled: Sampled  # the generation, its problems, texts, rewards and verdicts
-    rollout: Any  # comppo_jax.rollout.Rollout: behaviour and reference log-probs, own kappa, the critic's features (freed by the learner after the critic's epochs)
+    # comppo_jax.rollout.Rollout: behaviour and reference log-probs, own kappa, the critic's features (freed by the
+    # learner after the critic's epochs)
+    rollout: Any
     reshard_seconds: float  # moving the weights into the decode layout
     generation_window: tuple[float, float]  # (dispatched, ready) wall times of its first generation round
 

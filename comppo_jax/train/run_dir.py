@@ -126,8 +126,9 @@ class RunLock:
             where = "" if record.get("host") == here else " (another host: its liveness cannot be checked from here)"
             raise RunDirectoryLocked(
                 f"{os.path.dirname(self.path)} is in use by pid {record['pid']} on {record.get('host')}{where} since "
-                f"{record.get('since')} ({str(record.get('command', ''))[:300]!r}): one process writes a run directory; wait for it or stop it, "
-                f"choose another --config.output_dir, or delete {self.path} if that process is gone"
+                f"{record.get('since')} ({str(record.get('command', ''))[:300]!r}): one process writes a run "
+                "directory; wait for it or stop it, choose another --config.output_dir, or delete "
+                f"{self.path} if that process is gone"
             )
         logging.warning(
             "%s: taking over a stale lock (%s) left by a process that is gone",

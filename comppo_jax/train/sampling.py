@@ -150,10 +150,10 @@ def dynamic_sampling(
         sampled = draw(len(rounds))
     if until_full and len(kept) < wanted:
         raise DynamicSamplingExhausted(
-            f"dynamic sampling drew {len(rounds)} rounds of {wanted} prompts in one step, a whole pass over the {train_prompts} "
-            f"training prompts, and found {len(kept)} of the {wanted} informative groups the batch needs ({filter_by} filter: the "
-            "policy answers nearly every group all right or all wrong); pass --config.rollout.max_refills=<count> to fill the "
-            "batch with uninformative groups after that many refills"
+            f"dynamic sampling drew {len(rounds)} rounds of {wanted} prompts in one step, a whole pass over the "
+            f"{train_prompts} training prompts, and found {len(kept)} of the {wanted} informative groups the batch "
+            f"needs ({filter_by} filter: the policy answers nearly every group all right or all wrong); pass "
+            "--config.rollout.max_refills=<count> to fill the batch with uninformative groups after that many refills"
         )
     uninformative_kept = max(wanted - len(kept), 0)
     chosen = sorted(kept[:wanted] + dropped[:uninformative_kept])

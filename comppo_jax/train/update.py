@@ -225,7 +225,8 @@ def critic_step(
 class UpdateSteps(NamedTuple):
     """The jitted, sharded steps of one run (critic entries are None without a critic)."""
 
-    actor: Callable  # (trainable, opt_state, minibatch, hyper, frozen) -> (trainable, opt_state, metrics); see `apply_actor_step`
+    # (trainable, opt_state, minibatch, hyper, frozen) -> (trainable, opt_state, metrics); see `apply_actor_step`
+    actor: Callable
     critic: Callable | None  # (params, opt_state, minibatch, hyper) -> (params, opt_state, metrics)
     values: Callable | None  # (params, batch) -> V [B, T]
 

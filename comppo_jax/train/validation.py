@@ -113,8 +113,9 @@ def _check_paths(problems: _Problems, cfg) -> None:
     model = cfg.model
     if model.get("path_required") and not model.path:
         problems.lines.append(
-            "config.model.path='': this preset needs a local HF checkpoint: pass --config.model.path=/path/to/hf_checkpoint "
-            "(a directory with config.json, *.safetensors and the tokenizer); nothing is downloaded"
+            "config.model.path='': this preset needs a local HF checkpoint: pass "
+            "--config.model.path=/path/to/hf_checkpoint (a directory with config.json, *.safetensors and the "
+            "tokenizer); nothing is downloaded"
         )
     if model.path and not os.path.isdir(model.path):
         problems.add(

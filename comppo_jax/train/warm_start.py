@@ -27,6 +27,11 @@ from absl import logging
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout import policy_token_stats
+from pallas_kernels.common import round_up
+
+# Batches are padded to a multiple of this many tokens, so the jitted step compiles once per
+# bucket instead of once per new longest row (each compile is seconds; a padded token is not).
+LENGTH_BUCKET = 16
 
 
 def noisy_solution(problem, rng: np.random.Generator, answer_noise: float) -> str:
@@ -38,12 +43,17 @@ def noisy_solution(problem, rng: np.random.Generator, answer_noise: float) -> st
 
 
 def supervised_batch(tokenizer, problems, rng: np.random.Generator, batch_size: int, answer_noise: float = 0.0):
-    """(tokens, mask, prompt_lengths, response_tokens, response_mask) for random problems."""
+    """(tokens, mask, prompt_lengths, response_tokens, response_mask) for random problems, right-padded
+    to a multiple of `LENGTH_BUCKET` tokens."""
     chosen = [problems[i] for i in rng.integers(0, len(problems), batch_size)]
     prompts = [tokenizer.encode_prompt(p.prompt) for p in chosen]
     responses = [tokenizer.encode(noisy_solution(p, rng, answer_noise)) + [tokenizer.eos_token_id] for p in chosen]
-    tokens, mask = pad_batch([p + r for p, r in zip(prompts, responses)], tokenizer.pad_token_id, side="right")
-    response_tokens, response_mask = pad_batch(responses, tokenizer.pad_token_id, side="right")
+    rows = [p + r for p, r in zip(prompts, responses)]
+    bucketed = lambda lists: round_up(max(map(len, lists)), LENGTH_BUCKET)
+    tokens, mask = pad_batch(rows, tokenizer.pad_token_id, side="right", length=bucketed(rows))
+    response_tokens, response_mask = pad_batch(
+        responses, tokenizer.pad_token_id, side="right", length=bucketed(responses)
+    )
     prompt_lengths = np.array([len(p) for p in prompts], np.int32)
     return tuple(jnp.asarray(x) for x in (tokens, mask, prompt_lengths, response_tokens, response_mask))
 
@@ -120,7 +130,7 @@ def cached_warm_start(cache_dir: str, key: dict, template, compute):
                     raise KeyError(f"no {missing[0]} ({len(missing)} missing)")
                 params = [jnp.asarray(stored[n]).astype(leaf.dtype) for n, (_, leaf) in zip(names, leaves)]
                 return jax.tree_util.tree_unflatten(treedef, params), float(stored["loss"])
-        except Exception as error:  # noqa: BLE001 -- zip, npy and key errors of a damaged file: it is only a cache
+        except Exception as error:  # zip, npy and key errors of a damaged file: it is only a cache
             aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
             os.replace(path, aside)
             logging.warning(

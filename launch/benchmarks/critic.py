@@ -7,8 +7,9 @@ For each model shape and length T (batch 1, one prompt of T/8 tokens, response w
 - critic fwd+bwd: the gradient of a value loss w.r.t. the TAC parameters, i.e. fusion,
   projections and the routed pooling, which is O(T * K) in time and memory.
 "per 1K tokens" divides by T / 1024: flat for an O(T * K) stage, growing for O(T^2) ones.
-Shapes: configs/tiny.py with its critic section, and a Qwen3-0.6B-like model with Qwen3-4B's (hidden 1024, 16/8 heads, head dim 128,
-critic section (2 layers, vocab cut to 4096 so the CPU LM head does not dominate).
+Shapes: configs/tiny.py with its critic section, and a Qwen3-0.6B-like model with Qwen3-4B's
+(hidden 1024, 16/8 heads, head dim 128, critic section (2 layers, vocab cut to 4096 so the CPU
+LM head does not dominate).
 """
 
 from __future__ import annotations

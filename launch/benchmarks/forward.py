@@ -77,8 +77,9 @@ def run(batch: int = 16, length: int = 256, repeats: int = 5) -> list[dict]:
         for name, seconds in timings.items()
     ]
     print(
-        f"forward: configs/tiny.py {config.architecture} ({config.num_layers} layers, hidden {config.hidden_size}), batch {batch} x {length} tokens, "
-        f"median of {repeats} interleaved rounds; jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores"
+        f"forward: configs/tiny.py {config.architecture} ({config.num_layers} layers, hidden {config.hidden_size}), "
+        f"batch {batch} x {length} tokens, median of {repeats} interleaved rounds; jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, {os.cpu_count()} CPU cores"
     )
     print_table(rows, ["implementation", "ms", "tokens/s", "speed vs torch"])
     return rows

@@ -88,8 +88,9 @@ def run(repeats: int = 3) -> None:
         )
     cfg, prompt_length = shape_config("tiny", 0)
     print(
-        f"{cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + {cfg.rollout.max_new_tokens} tokens, "
-        f"minibatch {cfg.train.minibatch_size}, float32, on {jax.devices()[0].device_kind} ({len(jax.devices())} device(s))"
+        f"{cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + "
+        f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, float32, on "
+        f"{jax.devices()[0].device_kind} ({len(jax.devices())} device(s))"
     )
     print_table(
         table,

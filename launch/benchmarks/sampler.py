@@ -256,7 +256,8 @@ def tiny_table(batch: int, length: int, repeats: int) -> None:
     medians = interleaved_medians(names, repeats)
     reference = medians[list(names)[1]]
     print(
-        f"tiny: configs/tiny.py, batch {batch}, prompt {TINY_PROMPT}, {steps} new tokens greedy; token agreement {agreement:.3f}"
+        f"tiny: configs/tiny.py, batch {batch}, prompt {TINY_PROMPT}, {steps} new tokens greedy; "
+        f"token agreement {agreement:.3f}"
     )
     print_table(
         [
@@ -336,8 +337,9 @@ def plain_decode_table(params, batch: int, lengths: list[int], repeats: int, tun
         f", tunix {tunix.ready['tunix']} (jax {tunix.ready['jax']})" if tunix else ""
     )
     print(
-        f"\nplain decode: decode-heavy counter model, {batch} rows x {PROMPT}-token prompts, every row to N new tokens, "
-        f"greedy; {versions}" + ("" if tunix_python else "; tunix skipped (pass --tunix_python=<its venv's python>)")
+        f"\nplain decode: decode-heavy counter model, {batch} rows x {PROMPT}-token prompts, every row to N new "
+        f"tokens, greedy; {versions}"
+        + ("" if tunix_python else "; tunix skipped (pass --tunix_python=<its venv's python>)")
     )
     print_table(rows, ["new tokens", "implementation", "ms/step", "token agreement", "engine speed-up"])
     print("\n" + matmul_floor_line(params, batch))
@@ -370,8 +372,9 @@ def uniform_table(params, batch: int, length: int, machine: Machine) -> None:
     ]
     print(
         f"\nuniform: {batch} rows x {PROMPT}-token prompts, every row to {length} new tokens; bounds from weights "
-        f"{weight_bytes(params) / 2**20:.0f} MiB + live KV at {machine.read_bandwidth / 1e9:.1f} GB/s read (a copy runs at "
-        f"{machine.copy_bandwidth / 1e9:.1f} GB/s) and matmuls at {machine.matmul_flops / 1e9:.0f} GFLOP/s"
+        f"{weight_bytes(params) / 2**20:.0f} MiB + live KV at {machine.read_bandwidth / 1e9:.1f} GB/s read "
+        f"(a copy runs at {machine.copy_bandwidth / 1e9:.1f} GB/s) and matmuls at "
+        f"{machine.matmul_flops / 1e9:.0f} GFLOP/s"
     )
     print_table(
         rows, ["implementation", "s", "ms/step", "memory bound ms", "compute bound ms", "x bound", "engine speed-up"]
@@ -424,9 +427,9 @@ def long_tailed_table(params, batch: int, longest: int, machine: Machine) -> Non
             }
         )
     print(
-        f"\nlong-tailed: {batch} prompts x {SAMPLES} samples = {batch * SAMPLES} rows, {batch} decode slots, lengths up to "
-        f"{longest} (mean {row_lengths.mean():.0f}), sampled at temperature 1; memory = compiled temporaries (cache or page pool "
-        f"+ activations)"
+        f"\nlong-tailed: {batch} prompts x {SAMPLES} samples = {batch * SAMPLES} rows, {batch} decode slots, "
+        f"lengths up to {longest} (mean {row_lengths.mean():.0f}), sampled at temperature 1; memory = compiled "
+        f"temporaries (cache or page pool + activations)"
     )
     print_table(
         rows,

@@ -281,7 +281,8 @@ def run(
         )
     print(
         f"{model}: {cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + "
-        f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, {config.dtype}, on {devices[0].device_kind}"
+        f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, {config.dtype}, "
+        f"on {devices[0].device_kind}"
     )
     print(
         f"peaks ({chip.name}): {chip.bf16_flops / 1e9:.4g} GFLOP/s bf16, {chip.fp32_flops / 1e9:.4g} GFLOP/s fp32, "
@@ -407,8 +408,9 @@ def grpo_peer(tunix_python: str, repeats: int) -> None:
         for phase, seconds in phases.items()
     ]
     print(
-        f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, {prompt_length} + "
-        f"{cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; tunix {ready['tunix']} "
+        f"GRPO step, tiny: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, "
+        f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; "
+        f"tunix {ready['tunix']} "
         f"(jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on {jax.devices()[0].device_kind}"
     )
     print_table(table, ["phase", "comppo_jax s", "tunix s", "tunix / ours"])
@@ -503,8 +505,9 @@ def credit_peer(tunix_python: str, repeats: int) -> None:
     rows = cfg.train.minibatch_size
     print(
         f"credit step, tiny: {cfg.rollout.prompts_per_step} prompts x {group} samples (tunix PPO: {rows} prompts x 1), "
-        f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; seconds, medians of {repeats} "
-        f"interleaved rounds; tunix {ready['tunix']} (jax {ready['jax']}), comppo_jax on jax {jax.__version__}, on "
+        f"{prompt_length} + {cfg.rollout.max_new_tokens} tokens, one update over the {rows} rows; seconds, "
+        f"medians of {repeats} interleaved rounds; tunix {ready['tunix']} (jax {ready['jax']}), comppo_jax on "
+        f"jax {jax.__version__}, on "
         f"{jax.devices()[0].device_kind}"
     )
     print_table(table, ["phase", *columns, "tunix PPO / CompPO", "CompPO / GRPO"])

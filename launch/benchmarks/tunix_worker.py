@@ -30,11 +30,11 @@ import time
 # JSON lines only and send everything else to stderr.
 PROTOCOL_OUT, sys.stdout = sys.stdout, sys.stderr
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from tunix.generate import sampler as sampler_lib  # noqa: E402
-from tunix.models.qwen3 import model as qwen3_model  # noqa: E402
-from tunix.models.qwen3 import params as qwen3_params  # noqa: E402
+import jax
+import jax.numpy as jnp
+from tunix.generate import sampler as sampler_lib
+from tunix.models.qwen3 import model as qwen3_model
+from tunix.models.qwen3 import params as qwen3_params
 
 # No real token has id -1. As pad id, it marks the not-yet-generated tail of the Sampler's
 # token buffer (which the Sampler masks out) without ever colliding with a prompt or generated
@@ -188,7 +188,7 @@ def run_worker(main, script: str) -> None:
         main(sys.argv[1])
     except SystemExit:
         raise
-    except Exception as error:  # noqa: BLE001 - report anything, then exit nonzero
+    except Exception as error:  # report anything, then exit nonzero
         import traceback
 
         traceback.print_exc()

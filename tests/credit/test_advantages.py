@@ -84,7 +84,8 @@ def test_comp_gae_equals_transport_kernel_times_delta(batch):
 
 
 def test_transport_kernel_entries_and_sensitivity():
-    """Eq. (cct_kernel) entry by entry, and eq. (sensitivity): dA_t / d r_u = K[t, u] (r enters delta_u with weight 1)."""
+    """Eq. (cct_kernel) entry by entry, and eq. (sensitivity): dA_t / d r_u = K[t, u] (r enters delta_u with
+    weight 1)."""
     rng = np.random.default_rng(0)
     kappa = rng.uniform(0.1, 0.9, (2, 6)).astype(np.float32)
     mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1]], bool)

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import HANG_S
 
 from comppo_jax.eval import experiment as ex
 from comppo_jax.eval.report import factorial_report, main_report, stress_report
@@ -184,7 +185,7 @@ def test_controls_experiment_end_to_end(tmp_path):
         f"--experiment.overrides={overrides!r}",
         "--experiment.held_out_problems=2",
     ]
-    first = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=900)
+    first = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     folder = tmp_path / "controls"
     report = (folder / "report.md").read_text()
@@ -200,7 +201,7 @@ def test_controls_experiment_end_to_end(tmp_path):
     for run in runs:
         held_out = json.loads((run / "held_out.json").read_text())
         assert {"gate/mean", "gate/median", "critic/value_mae"} <= set(held_out) and held_out["problems"] == 2
-    second = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
     assert second.returncode == 0 and "start " not in second.stdout
 
 

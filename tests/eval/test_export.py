@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import CPU_ONLY_ENV, REPO, right_padded_batch, small_train_flags
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, right_padded_batch, small_train_flags
 
 from comppo_jax.models import forward, from_hf, lora, to_hf
 from comppo_jax.models.hf import to_peft
@@ -79,7 +79,7 @@ def export(*args):
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
 
 
@@ -97,7 +97,7 @@ def lora_run(tmp_path_factory):
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return run
@@ -151,7 +151,7 @@ def test_a_full_fine_tuning_run_exports_hf_and_says_why_not_peft(tmp_path):
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     result = export(f"--run={run}", f"--out={tmp_path / 'peft'}", "--format=peft")

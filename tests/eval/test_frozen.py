@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, small_train_config
+from conftest import CPU_ONLY_ENV, HANG_S, small_train_config
 from ml_collections import config_dict
 
 from comppo_jax.eval import majority_answer
@@ -96,7 +96,7 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
         "--config.eval.samples=8",
         "--config.eval.temperature=1.0",
     ]
-    result = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     (output,) = (run / "eval").iterdir()  # step_<best>
     with open(output / "results.csv") as f:
@@ -115,18 +115,19 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     finished = json.loads((output / "gsm8k.json").read_text())
     finished["metrics"]["greedy_pass@1"] = 0.5
     (output / "gsm8k.json").write_text(json.dumps(finished))
-    again = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "| gsm8k | 3 | 0.500 (" in again.stdout
 
-    # At temperature 0 the one sample is the greedy response: avg@1 is greedy pass@1 (other settings: every set recomputed).
+    # At temperature 0 the one sample is the greedy response: avg@1 is greedy pass@1 (other settings: every set
+    # recomputed).
     greedy = subprocess.run(
         command[:-2] + ["--config.eval.samples=1", "--config.eval.temperature=0.0"],
         cwd=ROOT,
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert greedy.returncode == 0, greedy.stderr[-4000:]
     for row in json.loads((output / "results.json").read_text())["rows"]:
@@ -138,6 +139,6 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert missing.returncode != 0 and "no checkpoint '7'" in missing.stderr

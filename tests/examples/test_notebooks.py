@@ -1,6 +1,6 @@
 """The notebooks in examples/ run top to bottom on the tiny config, in a fresh kernel each, with their
-`parameters` cell overridden (papermill's convention: the cell tagged "parameters"); a cell that
-raises fails the test. The stored notebooks carry no outputs."""
+`parameters` cell overridden (launch/notebooks.py's `execute`); a cell that raises fails the test. The
+stored notebooks carry the outputs of a whole run (launch/notebooks.py), so their plots show when browsing."""
 
 from __future__ import annotations
 
@@ -8,22 +8,17 @@ import os
 
 import nbformat
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, small_train_config
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, small_train_config
+
+from launch import notebooks
 
 EXAMPLES = os.path.join(REPO, "examples")
-NOTEBOOKS = ("credit.ipynb", "gate_on_text.ipynb", "evaluate_checkpoint.ipynb")
+NOTEBOOKS = notebooks.NOTEBOOKS
 
 
 def execute(name: str, **parameters) -> nbformat.NotebookNode:
-    """Runs examples/`name` in its own directory with `parameters` assigned after its parameters cell."""
-    from nbclient import NotebookClient
-
-    notebook = nbformat.read(os.path.join(EXAMPLES, name), as_version=4)
-    cell = next(c for c in notebook.cells if "parameters" in c.metadata.get("tags", ()))
-    cell.source += "".join(f"\n{key} = {value!r}" for key, value in parameters.items())
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": EXAMPLES}})
-    client.execute(env=CPU_ONLY_ENV)  # CPU only: the TPU ahead-of-time tests may hold libtpu's lock
-    return notebook
+    # CPU only: the TPU ahead-of-time tests may hold libtpu's lock.
+    return notebooks.execute(name, timeout_s=HANG_S, env=CPU_ONLY_ENV, **parameters)
 
 
 def outputs(notebook, kind: str) -> list:
@@ -46,15 +41,19 @@ def streamed(notebook) -> str:
     )
 
 
-def test_notebooks_are_stored_clean():
-    """Outputs stay out of git (no images in the repo), and each notebook has a parameters cell."""
+def test_notebooks_are_stored_with_the_outputs_of_one_whole_run():
+    """Every code cell ran, in order, in one kernel, without an error, and the plots are there; each notebook
+    has one parameters cell. Regenerate them with `python launch/notebooks.py`."""
     assert sorted(n for n in os.listdir(EXAMPLES) if n.endswith(".ipynb")) == sorted(NOTEBOOKS)
     for name in NOTEBOOKS:
         notebook = nbformat.read(os.path.join(EXAMPLES, name), as_version=4)
         nbformat.validate(notebook)
         code = [c for c in notebook.cells if c.cell_type == "code"]
-        assert all(c.outputs == [] and c.execution_count is None for c in code), f"{name} holds outputs: clear them"
+        assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), f"{name}: run launch/notebooks.py"
+        errors = [out for c in code for out in c.outputs if out.output_type == "error"]
+        assert not errors, f"{name} stored with an error: {errors[0].get('ename')}"
         assert sum("parameters" in c.metadata.get("tags", ()) for c in code) == 1, name
+        assert outputs(notebook, "image/png"), f"{name} holds no plot"
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import CPU_ONLY_ENV
+from conftest import CPU_ONLY_ENV, HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +18,7 @@ def benchmark(*args):
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
 
 
@@ -87,5 +87,7 @@ def test_host_suite_times_decoding_and_verification():
     result = benchmark("host", "--batch=4", "--length=64", "--repeats=1")
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.strip()]
-    rows = [line.split() for line in lines[lines.index(next(l for l in lines if l.split()[0] == "work")) + 1 :]]
+    rows = [
+        line.split() for line in lines[lines.index(next(line for line in lines if line.split()[0] == "work")) + 1 :]
+    ]
     assert [row[0] for row in rows] == ["decode", "verify"] and all(float(row[-1]) >= 0 for row in rows)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import (
     CPU_ONLY_ENV,
+    HANG_S,
     REPO,
     WALL_CLOCK,
     assert_same_checkpoint_state,
@@ -71,7 +72,7 @@ def one_process(run_dir, cache, devices=8, **overrides):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
 
 
@@ -165,7 +166,7 @@ def test_two_process_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path
 
 @pytest.mark.slow
 def test_a_stalled_process_ends_the_run_within_the_collective_timeout():
-    """Process 1 stalls 120 s before an all-reduce (a hung host). Process 0's all-reduce fails after the
+    """Process 1 stalls 900 s before an all-reduce (a hung host). Process 0's all-reduce fails after the
     20 s collective timeout (long enough for the processes' first all-reduce, which waits for the
     slower compile), it exits at once (not in jax.distributed's shutdown barrier), and process 1 stops
     with it, so the run ends long before the stall would."""
@@ -180,17 +181,18 @@ def test_a_stalled_process_ends_the_run_within_the_collective_timeout():
             "--grace_s=1",
             "--",
             "tests/launch/collective_stall.py",
-            "--stall_s=120",
+            "--stall_s=900",
         ],
         cwd=REPO,
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     elapsed = time.time() - start
     events = "\n".join(line for line in result.stdout.splitlines() if "all-reduce" in line or "error" in line.lower())
     assert result.returncode != 0, events
     assert "[p1] all-reduce 0: 4.0" in result.stdout and "[p0] all-reduce 0: 4.0" in result.stdout, events
     assert "[p0] error: JaxRuntimeError" in result.stdout and "Timed out waiting 20000ms" in result.stdout, events
-    assert elapsed < 100, (elapsed, events)
+    # Far below the stall, with room for a busy machine's start-up and compiles.
+    assert elapsed < 600, (elapsed, events)

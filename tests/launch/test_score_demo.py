@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import CPU_ONLY_ENV
+from conftest import CPU_ONLY_ENV, HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,13 +26,14 @@ def test_score_demo_prints_per_token_concentration():
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("model: qwen3, 2 layers")
     table = lines[
-        lines.index(next(l for l in lines if l.split() == ["t", "token", "n_t", "H_t", "c_t", "kappa_t"])) + 1 :
+        lines.index(next(line for line in lines if line.split() == ["t", "token", "n_t", "H_t", "c_t", "kappa_t"]))
+        + 1 :
     ]
     first, second, third = (row.split() for row in table[:3])
     assert (first[2], first[3]) == ("0", "0.0000")  # y_1 has an empty response window

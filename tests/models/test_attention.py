@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HANG_S
 
 from comppo_jax.models import ConfigError, ModelConfig, forward, init_params
 from comppo_jax.models.attention import (
@@ -213,6 +214,6 @@ print("ok", error)
 def test_splash_runs_per_shard_under_a_context_mesh():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     result = subprocess.run(
-        [sys.executable, "-c", SHARDED_SPLASH], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SHARDED_SPLASH], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -2,7 +2,8 @@
 
 Under the run's mesh (data 2 x fsdp 2 x tensor 2) the engine splits the prompts over 4 shards,
 each with its own slots and page pool, and kv heads over `tensor` (repeated where `tensor` exceeds
-them); the Pallas kernel path runs per shard (`sharding.per_shard`). Row r's tokens depend only on (rng, r), so they must match exactly.
+them); the Pallas kernel path runs per shard (`sharding.per_shard`). Row r's tokens depend only on (rng, r), so they
+must match exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import subprocess
 import sys
 import textwrap
+
+from conftest import HANG_S
 
 SCRIPT = textwrap.dedent(
     """
@@ -23,7 +26,8 @@ SCRIPT = textwrap.dedent(
 
     assert len(jax.devices()) == 8
     config = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(6, 7, 8, 9), pad_token_id=0)
+                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
+                         eos_token_ids=(6, 7, 8, 9), pad_token_id=0)
     params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
     rng = np.random.default_rng(0)
     prompts = jnp.asarray(rng.integers(10, 64, (6, 7)), jnp.int32)  # 6 prompts: the last of 4 shards is padded
@@ -31,7 +35,8 @@ SCRIPT = textwrap.dedent(
 
     def same(a, b):
         for field in a._fields:
-            np.testing.assert_allclose(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), atol=1e-5, err_msg=field)
+            np.testing.assert_allclose(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), atol=1e-5,
+                                       err_msg=field)
 
     # The run's mesh: params by the sharding rules, the engine split over data x fsdp.
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -43,7 +48,8 @@ SCRIPT = textwrap.dedent(
         alone = alone_runs[backend, slots] = generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
         with jax.set_mesh(mesh):
             split = generate(sharded, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
-            compiled = generate.lower(sharded, config, prompts, mask, jax.random.PRNGKey(1), **kwargs).compile().as_text()
+            lowered = generate.lower(sharded, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
+            compiled = lowered.compile().as_text()
         same(alone, split)
         lengths = np.asarray(alone.response_mask).sum(axis=1)
         assert lengths.min() < 10 <= lengths.max(), lengths  # EOS ended some rows early
@@ -58,23 +64,29 @@ SCRIPT = textwrap.dedent(
     # tensor 4 > 2 kv heads: the pool keeps each kv head twice, so each device holds one head of
     # its shard's pages (a replicated pool would hold both: twice the bytes, plus its copies).
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
-    kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, num_samples=2, page_size=4, decode_slots=None, paged_attention="xla")
+    kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, num_samples=2, page_size=4, decode_slots=None,
+                  paged_attention="xla")
     with jax.set_mesh(mesh):
         assert engine.pool_kv_heads(config) == 4
-        split = generate(sharding.put(params, sharding.tree_shardings(mesh, params)), config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
+        placed = sharding.put(params, sharding.tree_shardings(mesh, params))
+        split = generate(placed, config, prompts, mask, jax.random.PRNGKey(1), **kwargs)
         long = dict(kwargs, max_new_tokens=4096)  # the pool dominates the program's temporaries
-        temp = generate.lower(params, config, prompts, mask, jax.random.PRNGKey(1), **long).compile().memory_analysis().temp_size_in_bytes
-        device_pool = engine.pool_bytes(config, engine.make_layout(6, 7, num_samples=2, max_new_tokens=4096, page_size=4,
-                                                                   decode_slots=None, shards=2)) / 4
+        lowered = generate.lower(params, config, prompts, mask, jax.random.PRNGKey(1), **long)
+        temp = lowered.compile().memory_analysis().temp_size_in_bytes
+        layout = engine.make_layout(6, 7, num_samples=2, max_new_tokens=4096, page_size=4, decode_slots=None,
+                                    shards=2)
+        device_pool = engine.pool_bytes(config, layout) / 4
     same(alone_runs["xla", None], split)
     assert temp < 2 * device_pool, (temp, device_pool)
     print("repeated kv heads ok")
 
     # Megatron-style sharded params with no context mesh: one shard, XLA partitions the matmuls.
     model_mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
-    megatron = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(model_mesh, P(*([None] * (x.ndim - 1)), "model") if x.ndim >= 2 else P())), params)
+    last_axis = lambda x: P(*([None] * (x.ndim - 1)), "model") if x.ndim >= 2 else P()
+    megatron = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(model_mesh, last_axis(x))), params)
     kwargs = dict(max_new_tokens=6, temperature=1.0, top_p=0.9, num_samples=2)
-    same(generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs), generate(megatron, config, prompts, mask, jax.random.PRNGKey(1), **kwargs))
+    same(generate(params, config, prompts, mask, jax.random.PRNGKey(1), **kwargs),
+         generate(megatron, config, prompts, mask, jax.random.PRNGKey(1), **kwargs))
     print("sharded ok")
     """
 )
@@ -82,6 +94,6 @@ SCRIPT = textwrap.dedent(
 
 def test_generate_on_a_mesh_matches_unsharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "repeated kv heads ok" in result.stdout and "sharded ok" in result.stdout

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, WALL_CLOCK, small_train_config, small_train_flags
 
 from comppo_jax.models import CheckpointError
 from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
@@ -56,7 +56,8 @@ def restored_state(run_dir, step):
 
 
 def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedProcess:
-    """Runs launch/train.py and sends it SIGTERM twice (the second during its save) once metrics.jsonl has `rows` rows."""
+    """Runs launch/train.py and sends it SIGTERM twice (the second during its save) once metrics.jsonl has
+    `rows` rows."""
     process = subprocess.Popen(
         [sys.executable, "launch/train.py", *small_train_flags(run_dir, **overrides)],
         cwd=REPO,
@@ -74,7 +75,7 @@ def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedP
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.1)
-    stdout, stderr = process.communicate(timeout=240)
+    stdout, stderr = process.communicate(timeout=HANG_S)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
@@ -252,7 +253,8 @@ checkpoints = RunCheckpoints(sys.argv[1], keep_last=1, keep_best=0)
 checkpoints.save(1, {"w": jnp.ones(8)}, {"next_step": 1})
 checkpoints.confirm_saves(wait=True)
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a write past 200 kB fails with EFBIG, like a full disk
-checkpoints.save(2, {"w": jnp.asarray(np.random.default_rng(0).standard_normal(500_000), jnp.float32)}, {"next_step": 2})
+large = jnp.asarray(np.random.default_rng(0).standard_normal(500_000), jnp.float32)
+checkpoints.save(2, {"w": large}, {"next_step": 2})
 try:
     checkpoints.confirm_saves(wait=True)
 except Exception as error:
@@ -266,7 +268,7 @@ def test_a_failed_async_save_is_one_error_naming_step_path_and_cause_and_loses_n
         capture_output=True,
         text=True,
         env=CPU_ONLY_ENV,
-        timeout=300,
+        timeout=HANG_S,
     )
     raised = [line for line in result.stdout.splitlines() if line.startswith("RAISED")]
     assert raised and raised[0].startswith(

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import (
     CPU_ONLY_ENV,
+    HANG_S,
     REPO,
     WALL_CLOCK,
     cluster_tail,
@@ -106,7 +107,7 @@ def test_rollout_mesh_tensor_is_validated_by_name(tmp_path):
 
 
 def run_payload(command, env) -> str:
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stdout
 
@@ -184,7 +185,8 @@ def test_tpu_decode_loop_gathers_no_weights_and_reads_near_its_floor(topology, g
     )
     # The training mesh gathers every layer's fsdp-split weights at every token: the guard this layout removes.
     assert gathered_per_token_step(trained) > 0.5 * weights
-    # What the decode loop gathers is at most the sampled logits (rows x vocabulary, float32), far below one layer's weights.
+    # What the decode loop gathers is at most the sampled logits (rows x vocabulary, float32), far below one
+    # layer's weights.
     logits = 16 // decoded.decode.floor.replicas * c.vocab_size * 4
     assert gathered_per_token_step(decoded) <= logits < 0.25 * layer
     sampler = next(s for s in decoded.steps if s.step == "sample")

@@ -12,7 +12,15 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, WALL_CLOCK, assert_same_checkpoint_state, small_train_config, small_train_flags
+from conftest import (
+    CPU_ONLY_ENV,
+    HANG_S,
+    REPO,
+    WALL_CLOCK,
+    assert_same_checkpoint_state,
+    small_train_config,
+    small_train_flags,
+)
 
 from comppo_jax.models import lora
 from comppo_jax.train.checkpoint import BASE_RECORD, RunCheckpoints
@@ -49,7 +57,7 @@ def launch(run, devices=1, **overrides):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
 
 
@@ -62,7 +70,8 @@ def metric_rows(run):
 
 @pytest.mark.slow
 def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_another_base(tmp_path):
-    # 8 devices, data 2 x fsdp 2 x tensor 2: the adapters sharded as their base weights, decoding the merged weights in its own layout.
+    # 8 devices, data 2 x fsdp 2 x tensor 2: the adapters sharded as their base weights, decoding the merged
+    # weights in its own layout.
     sharded = dict(
         LORA, steps=3, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, rollout__prompts_per_step=4, train__minibatch_size=4
     )
@@ -82,7 +91,8 @@ def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_
     assert metric_rows(resumed) == metric_rows(straight)
     assert_same_checkpoint_state(straight, resumed, 4)
 
-    # Another base under the same adapters (here: the record of the original says other weights) is refused, nothing lost.
+    # Another base under the same adapters (here: the record of the original says other weights) is refused,
+    # nothing lost.
     record = json.loads((resumed / BASE_RECORD).read_text())
     leaf = sorted(record["digests"])[0]
     record["digests"][leaf] = "0" * 16

@@ -47,7 +47,8 @@ def test_the_learner_halves_on_twice_the_chips_and_the_split_pays_the_longer_sta
 
 
 def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_docs_quote_with_the_learner_at_peak():
-    # docs/benchmarks.md quotes this prediction with the learner at peak FLOPs: 1.297x (1.39x calibrated on the compiled programs).
+    # docs/benchmarks.md quotes this prediction with the learner at peak FLOPs: 1.297x (1.39x calibrated on the
+    # compiled programs).
     lengths = overlap.long_tail_lengths(16, 16384)
     results = overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2)
     best = min(results[1:], key=lambda s: s.seconds)

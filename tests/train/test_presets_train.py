@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_ONLY_ENV, save_word_tokenizer
+from conftest import CPU_ONLY_ENV, HANG_S, save_word_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,7 +21,7 @@ def train(*flags):
         env=CPU_ONLY_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tpu_devices
+from conftest import HANG_S, tpu_devices
 from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
@@ -39,8 +39,9 @@ SCRIPT = textwrap.dedent(
         if KIND == "full":
             critic = init_value_model(actor, jnp.float32)
             critic_opt = critic_tx.init(critic)
-        steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx,
-                                 critic=critic, critic_opt=critic_opt, critic_tx=critic_tx, critic_module=module, critic_kind=KIND)
+        steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt,
+                                 actor_tx=actor_tx, critic=critic, critic_opt=critic_opt, critic_tx=critic_tx,
+                                 critic_module=module, critic_kind=KIND)
         state = (actor, actor_opt, critic, critic_opt)
         actor, actor_opt, critic, critic_opt = sharding.put(state, sharding.tree_shardings(mesh, state))
         batch = sharding.put(batch, minibatch_shardings(mesh, with_routing=True, hidden_size=CONFIG.hidden_size))
@@ -54,11 +55,13 @@ SCRIPT = textwrap.dedent(
     single, _, _, _ = one_step((1, 1, 1), jax.devices()[:1])
     sharded, actor, critic, batch = one_step((2, 2, 2), jax.devices())
     if KIND == "full":  # the value model's trunk is sharded as the policy's weights
-        assert critic["trunk"]["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor"), critic["trunk"]["layers"]["q_proj"].sharding
+        trunk_q = critic["trunk"]["layers"]["q_proj"].sharding
+        assert trunk_q.spec == P(None, "fsdp", "tensor"), trunk_q
     assert actor["layers"]["q_proj"].sharding.spec == P(None, "fsdp", "tensor"), actor["layers"]["q_proj"].sharding
     assert actor["embed"].sharding.spec == P("tensor", "fsdp")
     assert len(actor["layers"]["q_proj"].addressable_shards) == 8
-    assert batch.tokens.sharding.spec == P(("data", "fsdp")) and batch.hidden_states.sharding.spec == P(None, ("data", "fsdp"), None, "tensor")
+    assert batch.tokens.sharding.spec == P(("data", "fsdp"))
+    assert batch.hidden_states.sharding.spec == P(None, ("data", "fsdp"), None, "tensor")
     paths = jax.tree_util.tree_flatten_with_path(jax.device_get(single))[0]
     for (path, a), b in zip(paths, jax.tree.leaves(jax.device_get(sharded))):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
@@ -77,7 +80,7 @@ def test_update_step_on_a_2x2x2_mesh_equals_one_device(critic):
         PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
     )
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, critic], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, critic], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "sharded == single device" in result.stdout

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import WALL_CLOCK, assert_same_checkpoint_state, small_train_config
+from conftest import HANG_S, WALL_CLOCK, assert_same_checkpoint_state, small_train_config
 
 from comppo_jax.train import loop
 from comppo_jax.train.staleness import RolloutQueue, generating_version
@@ -167,7 +167,7 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
         env=dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -176,7 +176,8 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
 
 @pytest.mark.slow
 def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_run_bitwise(tmp_path):
-    # 8 devices: the rollout stage decodes on 4, the learner trains on the other 4 (data 2 x fsdp 2, which 8 devices would refuse).
+    # 8 devices: the rollout stage decodes on 4, the learner trains on the other 4 (data 2 x fsdp 2, which 8
+    # devices would refuse).
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(straight, mesh__rollout_devices=4)
     shutil.copytree(straight, resumed)

@@ -206,7 +206,8 @@ def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
     """Runs that differ from a base run in one switch only: the first step that the switch can act on
     sees the same samples and, until the switch acts, the same params, so the metric it governs must move.
     PPO (per-token advantages) with a large learning rate, so ratios leave [0.8, 1.2] within a step; the
-    3-step warm start answers nothing right, so DAPO's overlong shaping is what makes rewards (and advantages) differ."""
+    3-step warm start answers nothing right, so DAPO's overlong shaping is what makes rewards (and advantages)
+    differ."""
     base = dict(method="ppo", train__actor_lr=1e-2)
     shaped = dict(
         reward__length_penalty="overlong",

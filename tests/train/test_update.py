@@ -127,7 +127,8 @@ def test_each_policy_loss_variant_trains_its_papers_objective_from_one_switch():
 
 
 def test_dapo_clips_higher_and_drops_the_kl_term_from_one_config():
-    # One token of each row past 1 + 0.2 but under 1 + 0.28: PPO's symmetric clip stops it, DAPO's decoupled clip does not.
+    # One token of each row past 1 + 0.2 but under 1 + 0.28: PPO's symmetric clip stops it, DAPO's decoupled clip
+    # does not.
     far = [[0.22] + row[1:] for row in LOG_RATIOS]
     _, _, _, _, log_ratio, mask = variant_inputs(far)
     adv = np.asarray(ROW_ADVANTAGES)[:, None]

@@ -56,3 +56,43 @@ def test_a_damaged_cache_is_named_set_aside_and_recomputed(tmp_path, damage, cap
     assert f"warm-start cache {path} cannot be read" in caplog.text and str(aside) in caplog.text
     cached_warm_start(str(tmp_path), {"seed": 0}, template, compute)  # the recomputed file is whole again
     assert len(calls) == 2
+
+
+def test_the_warm_start_compiles_one_program_for_batches_of_many_lengths(tmp_path):
+    """The tiny task's batches have many longest rows; padded to buckets they share fewer programs."""
+    import jax
+    from conftest import small_train_config
+
+    from comppo_jax.data.tokenizers import load_tokenizer
+    from comppo_jax.models import ModelConfig, init_params
+    from comppo_jax.train import warm_start as module
+    from comppo_jax.train.rollout_stage import load_encodable_problems
+
+    cfg = small_train_config(str(tmp_path))
+    tokenizer = load_tokenizer("")
+    problems, _ = load_encodable_problems(cfg, tokenizer)
+    steps, batch_size = 12, 4
+    rng = np.random.default_rng(cfg.seed)
+    batches = [module.supervised_batch(tokenizer, problems, rng, batch_size) for _ in range(steps)]
+    # Without the buckets each longest (row, response) pair would be a program of its own.
+    longest = {tuple(int(np.asarray(batch[i]).sum(axis=1).max()) for i in (1, 4)) for batch in batches}
+    buckets = {(batch[0].shape[1], batch[3].shape[1]) for batch in batches}
+    assert all(length % module.LENGTH_BUCKET == 0 for bucket in buckets for length in bucket), buckets
+    assert len(buckets) < len(longest), (buckets, longest)
+
+    config = ModelConfig(
+        architecture="qwen3",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    params = init_params(config, jax.random.PRNGKey(0))
+    module.supervised_step.clear_cache()
+    module.warm_start(
+        params, config, tokenizer, problems, steps=steps, batch_size=batch_size, learning_rate=1e-3, seed=cfg.seed
+    )
+    assert module.supervised_step._cache_size() == len(buckets)
