@@ -27,6 +27,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# LLVM's optimization passes are most of XLA:CPU's compile time, and compiling is most of what these
+# small tests do (tests/rollout/test_sampler.py alone: 150 s of CPU at the default level, 94 s at 0).
+# The level changes how fast the compiled code runs, not what it computes; subprocesses inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 # How long a test waits on a subprocess (or a notebook cell) before calling it hung. A guard
 # against hangs, not a speed check: a busy machine (three workers on two cores under CI) makes
 # the runs several times slower, and no test may fail for that.
@@ -263,6 +269,13 @@ def small_train_config(output_dir, **overrides):
 # libtpu's lockfile (/tmp/libtpu_lockfile) while the TPU ahead-of-time tests hold it.
 CPU_ONLY_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
+
+def fake_devices_env(devices: int, **extra: str) -> dict:
+    """CPU_ONLY_ENV for a subprocess with `devices` fake CPU devices, keeping this session's XLA_FLAGS."""
+    flags = f"{CPU_ONLY_ENV.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(CPU_ONLY_ENV, XLA_FLAGS=flags, **extra)
+
+
 # XLA:CPU over gloo rarely leaves two processes' devices waiting in different all-reduces (twice in
 # 17 launcher runs of the SIGTERM/SIGKILL/resume sequence, looped; once in 4 two-process tests, none
 # in the next 3; TPU collectives do not go through gloo). The launcher's collective timeout turns that
@@ -363,7 +376,19 @@ def cluster_tail(result, chars: int = 4000) -> str:
 
 
 # The longest files (minutes each, measured with --durations), started first on alternate workers.
-LONGEST_FILES = ("launch/test_local_cluster.py", "eval/test_experiment.py", "train/test_checkpoint.py")
+LONGEST_FILES = (
+    # the slow tier's
+    "launch/test_local_cluster.py",
+    "eval/test_experiment.py",
+    "train/test_checkpoint.py",
+    # the fast tier's (under a minute each of these alone in the slow tier)
+    "pallas_kernels/test_kernels.py",
+    "rollout/test_sampler.py",
+    "rollout/test_engine.py",
+    "models/test_attention.py",
+    "models/test_forward.py",
+    "pallas_kernels/test_compile.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

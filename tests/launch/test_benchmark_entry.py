@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import CPU_ONLY_ENV, HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,6 +60,7 @@ def test_kernel_suite_prints_time_and_memory_side_by_side():
     assert all(float(row[-1]) > 0 for row in rows)  # memory MiB
 
 
+@pytest.mark.slow
 def test_critic_suite_prints_stages_against_the_policy_forward():
     result = benchmark("critic", "--length=64", "--repeats=1")
     assert result.returncode == 0, result.stderr
@@ -67,6 +69,7 @@ def test_critic_suite_prints_stages_against_the_policy_forward():
     assert {row[0] for row in rows} == {"tiny", "qwen3-0.6b-like"}
 
 
+@pytest.mark.slow
 def test_sampler_suite_prints_each_workload_against_the_other_samplers():
     result = benchmark("sampler", "--batch=2", "--length=8", "--repeats=1")
     assert result.returncode == 0, result.stderr

@@ -21,6 +21,7 @@ from conftest import (
     WALL_CLOCK,
     assert_same_checkpoint_state,
     cluster_tail,
+    fake_devices_env,
     on_local_cluster,
     restored_on_one_device,
     small_train_flags,
@@ -65,7 +66,7 @@ def flags(run_dir, cache, **overrides):
 
 
 def one_process(run_dir, cache, devices=8, **overrides):
-    env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = fake_devices_env(devices)
     return subprocess.run(
         [sys.executable, "launch/train.py", *flags(run_dir, cache, **overrides)],
         cwd=REPO,

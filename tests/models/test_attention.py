@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HANG_S
+from conftest import HANG_S, fake_devices_env
 
 from comppo_jax.models import ConfigError, ModelConfig, forward, init_params
 from comppo_jax.models.attention import (
@@ -212,7 +211,7 @@ print("ok", error)
 
 
 def test_splash_runs_per_shard_under_a_context_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(4)
     result = subprocess.run(
         [sys.executable, "-c", SHARDED_SPLASH], env=env, capture_output=True, text=True, timeout=HANG_S
     )

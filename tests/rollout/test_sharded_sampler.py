@@ -8,12 +8,12 @@ must match exactly.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
-from conftest import HANG_S
+import pytest
+from conftest import HANG_S, fake_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -92,8 +92,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh_matches_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(8)
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "repeated kv heads ok" in result.stdout and "sharded ok" in result.stdout

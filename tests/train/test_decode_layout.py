@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import (
-    CPU_ONLY_ENV,
     HANG_S,
     REPO,
     WALL_CLOCK,
     cluster_tail,
+    fake_devices_env,
     on_local_cluster,
     require_libtpu,
     small_train_config,
@@ -112,8 +112,9 @@ def run_payload(command, env) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_every_layout_samples_as_the_training_mesh_on_eight_devices():
-    env = dict(CPU_ONLY_ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = fake_devices_env(8)
     assert "decode layouts ok" in run_payload([sys.executable, "tests/rollout/decode_layouts.py"], env)
 
 
@@ -127,7 +128,7 @@ def test_every_layout_samples_as_the_training_mesh_on_two_processes():
 def test_a_run_decoding_in_its_own_layout_logs_what_the_training_mesh_run_logs(tmp_path):
     """rollout.mesh.tensor through train(): auto (on a CPU the mesh's tensor axis, 4 of the 8 devices,
     replicated twice) against decoding on the training mesh (fsdp 2 x tensor 4)."""
-    env = dict(CPU_ONLY_ENV, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = fake_devices_env(8)
     rows = {}
     for layout in ("auto", "train"):
         run_dir = tmp_path / layout

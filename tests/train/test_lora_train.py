@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import (
-    CPU_ONLY_ENV,
     HANG_S,
     REPO,
     WALL_CLOCK,
     assert_same_checkpoint_state,
+    fake_devices_env,
     small_train_config,
     small_train_flags,
 )
@@ -50,7 +50,7 @@ def test_a_lora_run_starts_with_one_base_which_is_its_reference_and_adamw_over_t
 
 
 def launch(run, devices=1, **overrides):
-    env = dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = fake_devices_env(devices)
     return subprocess.run(
         [sys.executable, "launch/train.py", *small_train_flags(run, **overrides)],
         cwd=REPO,

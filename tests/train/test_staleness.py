@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import HANG_S, WALL_CLOCK, assert_same_checkpoint_state, small_train_config
+from conftest import HANG_S, WALL_CLOCK, assert_same_checkpoint_state, fake_devices_env, small_train_config
 
 from comppo_jax.train import loop
 from comppo_jax.train.staleness import RolloutQueue, generating_version
@@ -147,7 +147,7 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
     import subprocess
     import sys
 
-    from conftest import CPU_ONLY_ENV, REPO, cluster_tail, on_local_cluster, small_train_flags
+    from conftest import REPO, cluster_tail, on_local_cluster, small_train_flags
 
     flags = small_train_flags(run, **{**SEPARATE, **overrides})
     if processes > 1:
@@ -168,7 +168,7 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
         capture_output=True,
         text=True,
         timeout=HANG_S,
-        env=dict(CPU_ONLY_ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
+        env=fake_devices_env(devices),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr
