@@ -156,10 +156,15 @@ class _KeepSteps(preservation_policy.PreservationPolicy):
         return [info.step in self.steps for info in checkpoints]
 
 
-def _expected_metricless_save(record: std_logging.LogRecord) -> bool:
-    """Drops Orbax's warning for a save without metrics: only the steps that evaluate carry the dev
-    accuracy that ranks the best checkpoints, so the others have none by design."""
-    return record.getMessage() != "Requested `tracked_metric`; did not provide metrics."
+# Orbax warnings that describe what was asked for: a save without metrics (only the steps that
+# evaluate carry the dev accuracy that ranks the best checkpoints), and a read-only manager (an
+# evaluation, an export or a notebook opening a run) being read-only.
+_EXPECTED_WARNINGS = ("Requested `tracked_metric`; did not provide metrics.", "Given directory is read only=")
+
+
+def _expected_orbax_warning(record: std_logging.LogRecord) -> bool:
+    """False (drop) for the warnings in `_EXPECTED_WARNINGS`."""
+    return not record.getMessage().startswith(_EXPECTED_WARNINGS)
 
 
 class RunCheckpoints:
@@ -177,7 +182,7 @@ class RunCheckpoints:
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
-        std_logging.getLogger("absl").addFilter(_expected_metricless_save)
+        std_logging.getLogger("absl").addFilter(_expected_orbax_warning)
         dev_accuracy = lambda metrics: metrics["dev_accuracy"]
         policy = preservation_policy.AnyPreservationPolicy(
             [
@@ -196,6 +201,7 @@ class RunCheckpoints:
             enable_async_checkpointing=True,
             create=not self.read_only,
             read_only=self.read_only,
+            save_interval_steps=0 if self.read_only else 1,  # Orbax sets (and warns) otherwise
         )
         return ocp.CheckpointManager(
             os.path.join(self.directory, "checkpoints"), options=options, item_names=("state", "meta")

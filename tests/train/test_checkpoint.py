@@ -37,6 +37,21 @@ def test_keeps_the_last_n_and_the_best_by_dev_accuracy(tmp_path):
     checkpoints.close()
 
 
+def test_saving_without_metrics_and_reading_a_run_log_no_orbax_warning(tmp_path, caplog):
+    """The steps that do not evaluate save without a dev accuracy, and evaluation opens runs read-only:
+    both by design, so neither may print Orbax's warnings (a user reads WARNING as a fault)."""
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=1, keep_best=1)
+    with caplog.at_level("WARNING"):
+        checkpoints.save(1, {"w": np.arange(4.0)}, {"next_step": 1}, None)
+        checkpoints.wait()
+        checkpoints.close()
+        reader = RunCheckpoints(str(tmp_path), read_only=True)
+        restored, _ = reader.restore({"w": np.zeros(4)}, step=1)
+        reader.close()
+    np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+    assert [record.getMessage() for record in caplog.records if record.levelname == "WARNING"] == []
+
+
 def test_resume_without_a_checkpoint_and_rerun_without_resume_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint under"):
         RunCheckpoints(str(tmp_path), keep_last=1).restore({"w": np.zeros(2)})
