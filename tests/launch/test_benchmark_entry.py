@@ -1,4 +1,5 @@
-"""`launch/benchmark.py` runs a suite end to end (tiny sizes) and rejects unknown suites."""
+"""`launch/benchmark.py` runs a suite end to end (tiny sizes) and rejects unknown suites; the suites that
+compile a model (forward, critic, sampler) are slow tests."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def benchmark(*args):
     )
 
 
+@pytest.mark.slow
 def test_forward_suite_prints_ratio_table():
     result = benchmark("forward", "--batch=2", "--length=16", "--repeats=1")
     assert result.returncode == 0, result.stderr
