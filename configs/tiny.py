@@ -1,7 +1,7 @@
 """The embedded default: CompPO with a 4-layer Qwen3-shaped model on the synthetic arithmetic task.
 
 A supervised warm start on the task's worked solutions gives an imperfect, non-zero policy; then
-60 RL steps on a laptop CPU (about 7 minutes on 2 cores; docs/benchmarks.md#tiny-default-run).
+60 RL steps on a laptop CPU (about 4 minutes on 2 cores; docs/benchmarks.md#tiny-default-run).
 `model.path` empty means random init from `model.arch`; set it to load an HF checkpoint.
 """
 

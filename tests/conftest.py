@@ -15,7 +15,7 @@ import pytest
 
 VOCAB = 101
 
-# The tests run in two pytest-xdist workers, and the TPU ahead-of-time tests in both load libtpu;
+# The tests run in pytest-xdist workers, and the TPU ahead-of-time tests in each load libtpu;
 # without this, the second to load it fails on libtpu's single-process lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -34,7 +34,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 # How long a test waits on a subprocess (or a notebook cell) before calling it hung. A guard
-# against hangs, not a speed check: a busy machine (three workers on two cores under CI) makes
+# against hangs, not a speed check: a busy machine (several workers on two cores under CI) makes
 # the runs several times slower, and no test may fail for that.
 HANG_S = 1800
 
