@@ -381,7 +381,7 @@ LONGEST_FILES = (
     "launch/test_local_cluster.py",
     "eval/test_experiment.py",
     "train/test_checkpoint.py",
-    # the fast tier's (under a minute each of these alone in the slow tier)
+    # the fast tier's
     "pallas_kernels/test_kernels.py",
     "rollout/test_sampler.py",
     "rollout/test_engine.py",

@@ -8,12 +8,11 @@ import os
 
 import nbformat
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, small_train_config
+from conftest import CPU_ONLY_ENV, HANG_S, small_train_config
 
 from launch import notebooks
 
-EXAMPLES = os.path.join(REPO, "examples")
-NOTEBOOKS = notebooks.NOTEBOOKS
+EXAMPLES, NOTEBOOKS = notebooks.EXAMPLES, notebooks.NOTEBOOKS
 
 
 def execute(name: str, **parameters) -> nbformat.NotebookNode:
