@@ -6,8 +6,9 @@ Runs what has not finished (launch/train.py subprocesses, `--jobs` at a time; id
 shared between experiments under <root>/runs/) and, when the experiment asks for them, held-out
 gate and critic diagnostics of each run's final checkpoint (launch/eval.py, written beside the
 run), then writes <root>/<name>/:
-report.md (tables shaped like the paper's), *.png (bar plots), runs.csv (every run's endpoints)
-and commands.sh (the exact training commands). `--report_only` skips training and reports what
+report.md (tables shaped like the paper's, and a link to each run's own report.html,
+launch/report.py's page), *.png (bar plots), runs.csv (every run's endpoints) and commands.sh
+(the exact training commands). `--report_only` skips training and reports what
 exists. Failed runs are listed and make the exit status non-zero; nothing finished is lost.
 """
 
@@ -32,6 +33,7 @@ def main(argv):
     del argv
     from comppo_jax.eval import experiment as experiments
     from comppo_jax.eval.report import REPORTS, endpoints
+    from comppo_jax.eval.run_report import write_run_report
 
     exp = _EXPERIMENT.value
     root = _ROOT.value
@@ -69,11 +71,26 @@ def main(argv):
             writer = csv.DictWriter(f, columns)
             writer.writeheader()
             writer.writerows(rows)
+    # Each finished run's own page (comppo_jax.eval.run_report), linked from the report.
+    pages = []
+    for result in finished:
+        try:
+            page = os.path.relpath(write_run_report(result.directory), folder)
+        except (OSError, ValueError) as error:
+            log(f"no report page for {result.directory}: {error}")
+            continue
+        pages.append(f"- {result.run.arm} seed {result.run.seed}: [{page}]({page})")
     failed = "".join(f"\n- {run.arm} seed {run.seed}: {why}" for run, why in outcome.failures.items())
     report = (
         f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; "
         f"exact commands in `commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
         + "".join(f"\n![{name}]({name})\n" for name in plots)
+        + (
+            "\n## Run pages\n\nEach run's report: curves, phases, and its kept responses coloured by gate and "
+            "advantage.\n\n" + "\n".join(pages) + "\n"
+            if pages
+            else ""
+        )
         + (f"\n## Failed runs{failed}\n" if failed else "")
     )
     with open(os.path.join(folder, "report.md"), "w") as f:

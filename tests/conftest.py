@@ -192,6 +192,42 @@ def require_libtpu():
         pytest.skip(message)
 
 
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium, chromium-driver
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium driven by selenium; skips without it, or fails when
+    COMPPO_REQUIRE_BROWSER=1 (CI, which installs it). Flags keep it off the network."""
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(path)]
+    if missing or importlib.util.find_spec("selenium") is None:
+        absent = ", ".join(missing) or "selenium"
+        message = f"no headless browser ({absent} missing: apt-get install chromium chromium-driver)"
+        if os.environ.get("COMPPO_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,2400",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
 def tpu_devices(chip):
     """The 4 devices of a 2x2 TPU topology via libtpu, for ahead-of-time compiles on this CPU."""
     require_libtpu()
@@ -432,3 +468,49 @@ def assert_same_checkpoint_state(a_dir, b_dir, step):
     a, b = restored_on_one_device(a_dir, step), restored_on_one_device(b_dir, step)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def stand_in_batch(cfg, recipe, *, lengths=(10, 7, 10, 3), seed=0):
+    """A rewarded, scored batch as the learner leaves it (comppo_jax.train.samples' inputs), with
+    random gates, values and rewards on host arrays: `lengths` responses of a group of
+    cfg.rollout.samples_per_prompt, the longest lengths[0] tokens."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from comppo_jax.credit import grpo_advantages, retention_gate
+    from comppo_jax.data.datasets import Problem
+    from comppo_jax.data.rewards import Verdict
+    from comppo_jax.train.methods import control_gate
+    from comppo_jax.train.sampling import Sampled
+
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    batch, length = len(lengths), int(lengths.max())
+    mask = np.arange(length)[None] < lengths[:, None]
+    tokens = rng.integers(32, 127, (batch, length)) * mask
+    concentration = rng.uniform(0, 1, (batch, length)).astype(np.float32)
+    kappa = np.asarray(retention_gate(concentration)) * mask
+    window = np.maximum(np.arange(length)[None] + 4, 0) * mask
+    rewards = rng.choice([0.0, 1.0], batch)
+    reward_tokens = np.zeros((batch, length), np.float32)
+    reward_tokens[np.arange(batch), lengths - 1] = rewards
+    group = cfg.rollout.samples_per_prompt
+    sampled = Sampled(
+        generation=SimpleNamespace(response_tokens=tokens),
+        problems=[Problem(f"prompt {i}", "1", str(i), "test") for i in range(batch // group)],
+        texts=["".join(chr(int(t)) for t in row[:n]) for row, n in zip(tokens, lengths)],
+        rewards=rewards,
+        verdicts=[Verdict.CORRECT if r else Verdict.INCORRECT for r in rewards],
+        reward_metrics={},
+        host_mask=mask,
+        reward_tokens=reward_tokens,
+    )
+    credit_kappa = np.asarray(control_gate(recipe, kappa, mask, jax.random.key(seed), fixed_value=cfg.fixed_gate))
+    advantages = np.asarray(grpo_advantages(rewards, group, mask)) if recipe.estimator == "grpo" else None
+    scored = SimpleNamespace(
+        rollout=SimpleNamespace(kappa=kappa, herfindahl=rng.uniform(0, 1, (batch, length)) * mask, window_size=window),
+        kappa=credit_kappa,
+        batch=SimpleNamespace(old_values=rng.normal(0, 0.5, (batch, length)) * mask, advantages=advantages),
+    )
+    return sampled, scored

@@ -153,6 +153,25 @@ def retention_gate(
     return kappa_lo + (kappa_hi - kappa_lo) * s
 
 
+@functools.partial(jax.jit, static_argnames=("kappa_lo", "kappa_hi", "tau"))
+def gate_concentration(
+    kappa: Float[Array, "*shape"], kappa_lo: float = 0.1, kappa_hi: float = 0.9, tau: float = 4.0
+) -> Float[Array, "*shape"]:
+    """The c_t a gate kappa_t of `retention_gate` was computed from: eq. (kappa_attention) inverted,
+
+        c_t = 1/2 + logit((kappa_t - kappa_lo) / (kappa_hi - kappa_lo)) / tau,
+
+    whichever statistic gave c_t (config gate_statistic). Exact up to float rounding for gates in
+    [g(0), g(1)]; values outside (kappa_lo, kappa_hi) are clipped into it first.
+    """
+    _check_envelope(kappa_lo, kappa_hi, tau)
+    _validation.check_floating("kappa", kappa)
+    if not kappa_hi > kappa_lo:
+        raise ValueError(f"a constant envelope (kappa_lo = kappa_hi = {kappa_lo}) cannot be inverted")
+    share = jnp.clip((kappa.astype(jnp.float32) - kappa_lo) / (kappa_hi - kappa_lo), 1e-7, 1.0 - 1e-7)
+    return 0.5 + (jnp.log(share) - jnp.log1p(-share)) / tau
+
+
 def gate_range(kappa_lo: float = 0.1, kappa_hi: float = 0.9, tau: float = 4.0) -> tuple[float, float]:
     """Returns (g(0), g(1)), the realized range of `retention_gate` (paper sec. 5).
 

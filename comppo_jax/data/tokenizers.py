@@ -66,6 +66,12 @@ def load_tokenizer(path: str | None):
     return HFTokenizer(path) if path else CharTokenizer()
 
 
+def token_pieces(tokenizer, tokens) -> list[str]:
+    """The text of each token, decoded alone: what gets one colour in a gate-on-text view. For a
+    byte-level BPE, a character split over two tokens shows as replacement characters on both."""
+    return [tokenizer.decode([int(token)]) for token in tokens]
+
+
 def pad_batch(token_lists, pad_token_id: int, *, side: str = "left", length: int | None = None):
     """(tokens [B, P] int32, mask [B, P] bool) numpy arrays; P = the longest row unless given."""
     import numpy as np

@@ -17,13 +17,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from comppo_jax.data.tokenizers import token_pieces
+
+__all__ = ["gate_html", "plot_gate_text", "token_pieces"]
+
 COLORMAP = "viridis"
-
-
-def token_pieces(tokenizer, tokens) -> list[str]:
-    """The text of each token, decoded alone: what gets one colour. For a byte-level BPE, a
-    character split over two tokens shows as replacement characters on both."""
-    return [tokenizer.decode([int(token)]) for token in tokens]
 
 
 def _colors(kappa, vmin: float, vmax: float) -> np.ndarray:

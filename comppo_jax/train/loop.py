@@ -291,7 +291,7 @@ def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
         )
         rollouts.restore(meta.get("in_flight", []), start.behaviour)
         learner = Learner(cfg, model_config, parts, steps, batch_shardings, start.offload, meta, compiling)
-        recorder = Recorder(cfg, checkpoints, meta, main_process=main_process)
+        recorder = Recorder(cfg, checkpoints, meta, start.tokenizer, main_process=main_process)
         return schedule(cfg, stop, state, rollouts, learner, recorder, show_progress, compiling)
 
 

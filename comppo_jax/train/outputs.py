@@ -5,7 +5,9 @@
 evaluates the same way, so a run directory alone is enough to restore and evaluate it.
 
 `metrics.jsonl` has one JSON object per step (numbers, the phase name and one sampled
-response); TensorBoard event files under `tensorboard/` get every numeric metric. Steps count
+response); the other loggers of `config.loggers` get every numeric metric: TensorBoard event
+files under `tensorboard/`, a Weights & Biases run (`WandbLogger`, with the kept responses of
+comppo_jax.train.samples as a table). Steps count
 from 1: row `step` N describes the run's N-th step, the state after it is checkpoint N, and step 0
 is the warm-started policy before any RL step. On resume from checkpoint N, rows after step N
 (and a new run's: rows of an attempt that stopped before its first checkpoint) are set aside into
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 
 import numpy as np
 from absl import logging
@@ -133,13 +136,100 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(spans)
 
 
-class MetricsWriter:
-    """Appends step metrics to `output_dir`/metrics.jsonl and TensorBoard; keeps the rows of steps
-    1..`resumed_step` (the checkpoint the run resumed from; 0: a new run; `resumed_rows`). Disabled
-    (`enabled=False`) it writes nothing: a multi-process run's other processes."""
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+WANDB_ID_FILE = "wandb_run_id"
 
-    def __init__(self, output_dir: str, resumed_step: int = 0, tensorboard: bool = True, enabled: bool = True):
-        self.file = self.tensorboard = None
+
+def parse_loggers(spec: str) -> tuple[str, ...]:
+    """config.loggers ("jsonl,tensorboard,wandb") as names; ValueError naming what is wrong."""
+    names = tuple(dict.fromkeys(name.strip() for name in spec.split(",") if name.strip()))
+    unknown = [name for name in names if name not in LOGGERS]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(map(repr, unknown))}: expected a comma-separated subset of {LOGGERS}")
+    if "jsonl" not in names:
+        raise ValueError(
+            "jsonl is always on (resume, plots and launch/report.py read metrics.jsonl): add it, e.g. jsonl,wandb"
+        )
+    return names
+
+
+class WandbLogger:
+    """A Weights & Biases run for a run directory: its scalars against `step` (so a resume that
+    repeats steps logs them again rather than being dropped) and the kept responses as a table.
+    The run id is kept in `<output_dir>/wandb_run_id`, so a resume continues the same W&B run;
+    `WANDB_MODE=offline` writes it under `<output_dir>/wandb/` with no network."""
+
+    def __init__(self, output_dir: str, config: dict):
+        import wandb  # the wandb extra
+
+        id_path = os.path.join(output_dir, WANDB_ID_FILE)
+        if os.path.exists(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = uuid.uuid4().hex[:8]  # W&B's own id form: 8 lowercase letters and digits
+            with open(id_path, "w") as f:
+                f.write(run_id + "\n")
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "comppo_jax"),
+            id=run_id,
+            resume="allow",
+            dir=output_dir,
+            name=os.path.basename(os.path.abspath(output_dir)),
+            config=config,
+        )
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, metrics: dict) -> None:
+        self.run.log({name: value for name, value in metrics.items() if _scalar(value)})
+
+    def log_samples(self, record: dict) -> None:
+        """comppo_jax.train.samples' record as a table: one row per kept response, its per-token
+        arrays as JSON text."""
+        columns = ["step", "row", "prompt", "response", "reward", "verdict", "length", "mean_kappa", "tokens"]
+        rows = []
+        for response in record["responses"]:
+            kappa = [v for v in response["tokens"].get("kappa", []) if v is not None]
+            rows.append(
+                [
+                    record["step"],
+                    response["row"],
+                    response["prompt"],
+                    response["response"],
+                    response["reward"],
+                    response["verdict"],
+                    response["length"],
+                    float(np.mean(kappa)) if kappa else None,
+                    json.dumps({"t": response["t"], "pieces": response["pieces"], **response["tokens"]}),
+                ]
+            )
+        self.run.log({"step": record["step"], "samples": self.wandb.Table(columns=columns, data=rows)})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _scalar(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class MetricsWriter:
+    """Writes step metrics to `output_dir`/metrics.jsonl and the other `loggers` (parse_loggers'
+    names), and kept responses to the loggers that take them (wandb's table); keeps the rows of
+    steps 1..`resumed_step` (the checkpoint the run resumed from; 0: a new run; `resumed_rows`).
+    Disabled (`enabled=False`) it writes nothing: a multi-process run's other processes.
+    `config`: the run's config as a dict, for wandb."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        resumed_step: int = 0,
+        loggers: tuple[str, ...] = ("jsonl", "tensorboard"),
+        enabled: bool = True,
+        config: dict | None = None,
+    ):
+        self.file = self.tensorboard = self.wandb = None
         if not enabled:
             return
         self.path = os.path.join(output_dir, METRICS_FILE)
@@ -148,12 +238,14 @@ class MetricsWriter:
         for row in kept:
             self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if tensorboard:
+        if "tensorboard" in loggers:
             from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
 
             self.tensorboard = SummaryWriter(
                 os.path.join(output_dir, "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None
             )
+        if "wandb" in loggers:
+            self.wandb = WandbLogger(output_dir, config or {})
 
     def write(self, metrics: dict) -> None:
         if self.file is None:
@@ -162,15 +254,23 @@ class MetricsWriter:
         self.file.flush()
         if self.tensorboard is not None:
             for name, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "step":
+                if _scalar(value) and name != "step":
                     self.tensorboard.add_scalar(name, value, metrics["step"])
             self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics)
+
+    def write_samples(self, record: dict) -> None:
+        if self.wandb is not None:
+            self.wandb.log_samples(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 PANELS = (  # (title, y-axis label, metrics)

@@ -81,7 +81,12 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
             "with resume: fields (or sections) that may differ from the run's config.json although they change "
             "what is computed, comma-separated; each change is recorded in config_changes.jsonl",
         ),
-        tensorboard=(True, "write TensorBoard events under output_dir/tensorboard"),
+        loggers=(
+            "jsonl,tensorboard",
+            "where each step's metrics go, comma-separated: jsonl (metrics.jsonl, always on: resume, plots and "
+            "launch/report.py read it) | tensorboard (output_dir/tensorboard) | wandb (Weights & Biases, the "
+            "wandb extra; WANDB_MODE=offline logs under output_dir/wandb with no network)",
+        ),
         plot=(True, "write curves.png at the end"),
     )
     config.model = _section(
@@ -309,6 +314,20 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         every=(10, "async Orbax checkpoint every this many steps (and at the end)"),
         keep_last=(2, "newest checkpoints kept"),
         keep_best=(1, "best checkpoints by dev accuracy kept"),
+    )
+    # Responses kept with their per-token credit for launch/report.py (comppo_jax.train.samples).
+    config.outputs = _section(
+        "outputs.",
+        sample_every=(
+            0,
+            "keep sampled responses with their per-token gate, advantages and values every this many steps "
+            "(0: at each dev evaluation, train.eval_every; -1: never), one file per step under output_dir/samples",
+        ),
+        samples_per_step=(4, "responses kept per such step (spread over the batch)"),
+        sample_tokens=(
+            2048,
+            "most tokens kept of one response (its first and last halves beyond that), which bounds a step's file",
+        ),
     )
     config.eval = _section(
         "eval.",

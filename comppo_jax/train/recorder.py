@@ -2,9 +2,11 @@
 
 `Recorder.step_metrics` gathers a step's numbers from the rollout (rewards, lengths, the policy's
 own gate) and the learner (losses, norms, the critic's diagnostics); `Recorder.record` writes them
-(metrics.jsonl, TensorBoard) and saves an async Orbax checkpoint every `checkpoint.every` steps,
-at every dev evaluation (so keep_best keeps the best evaluated policy), at the last step and when
-a stop was requested. `Recorder.meta` is what a checkpoint holds beside the state: the step, the
+(metrics.jsonl and the other config.loggers: TensorBoard, wandb) and keeps a few responses with
+their per-token credit every `outputs.sample_every` steps (comppo_jax.train.samples);
+`Recorder.checkpoint` saves an async Orbax checkpoint every `checkpoint.every` steps, at every
+dev evaluation (so keep_best keeps the best evaluated policy), at the last step and when a stop
+was requested. `Recorder.meta` is what a checkpoint holds beside the state: the step, the
 stages' own state (the prompt stream's position, the controller, the skipped-update guard) and the
 run's gate profile. `Recorder.finish` writes summary.json, gate_profile.json and curves.png.
 """
@@ -27,7 +29,8 @@ from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates
 from comppo_jax.train.methods import critic_warmup, prepended_warmup, total_steps
 from comppo_jax.train.methods import recipe as make_recipe
-from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, plot_run
+from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, parse_loggers, plot_run
+from comppo_jax.train.samples import keeps_samples, kept_responses, save_samples
 
 # The rollouts' own gates averaged per bin of t/T over the whole run (a comppo_jax.credit position
 # schedule): the position-only control of a later run reads it (config.position_schedule).
@@ -49,9 +52,10 @@ def initial_meta() -> dict:
 class Recorder:
     """Metrics, checkpoints and the summary of one run (module docstring)."""
 
-    def __init__(self, cfg, checkpoints: RunCheckpoints, meta: dict, *, main_process: bool):
+    def __init__(self, cfg, checkpoints: RunCheckpoints, meta: dict, tokenizer, *, main_process: bool):
         self.cfg, self.checkpoints, self.meta, self.main_process = cfg, checkpoints, meta, main_process
-        made = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
+        self.tokenizer = tokenizer  # the kept responses' token pieces
+        made = self.recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
         self.last_step, self.warmup, self.prepended = (
             total_steps(cfg, made),
             critic_warmup(cfg, made),
@@ -60,7 +64,11 @@ class Recorder:
         self.has_critic = made.critic != "none"
         self.update_windows: list[tuple[float, float]] = []  # the last updates' (start, end) wall times
         self.writer = MetricsWriter(
-            cfg.output_dir, resumed_step=meta["step"], tensorboard=cfg.tensorboard, enabled=main_process
+            cfg.output_dir,
+            resumed_step=meta["step"],
+            loggers=parse_loggers(cfg.loggers),
+            enabled=main_process,
+            config=cfg.to_dict(),
         )
 
     def evaluates(self, step: int) -> bool:
@@ -118,7 +126,8 @@ class Recorder:
         self, step: int, metrics: dict, experience, learned, *, skipped: SkippedUpdates, phase: str, started: float
     ) -> None:
         """Writes step `step`'s metrics (after its dev evaluation and the controller), with its first response as a
-        sample."""
+        sample, and keeps a few responses with their per-token credit when the step is one to keep
+        (comppo_jax.train.samples)."""
         metrics["skipped_updates"] = skipped.total
         if learned.nonfinite:
             metrics["nonfinite"] = ", ".join(learned.nonfinite)
@@ -135,6 +144,11 @@ class Recorder:
             },
         )
         self.writer.write(metrics)
+        if keeps_samples(self.cfg.outputs, step, self.evaluates(step)):
+            kept = kept_responses(self.cfg, self.recipe, self.tokenizer, step, sampled, learned.scored)
+            if self.main_process:
+                save_samples(self.cfg.output_dir, kept)
+            self.writer.write_samples(kept)
 
     def checkpoint(self, step: int, state: dict, metrics: dict, stages_meta: dict, *, stopping: bool) -> None:
         """Starts step `step`'s checkpoint when it is due (module docstring); `stages_meta`: the

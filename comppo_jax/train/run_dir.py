@@ -9,7 +9,7 @@ the run's identity across resumes.
   what is computed (model, data, seed, method, gate, critic, shapes, warm start, rollout sizes,
   loss settings: everything not in `HARMLESS`) refuse the resume in one line listing each
   change, old -> new, unless `--config.resume_allow_changes=<field or section>,...` names them;
-  harmless ones (progress, plots, checkpoint and eval cadence, output paths, workers, timeouts,
+  harmless ones (progress, plots, loggers, kept samples, checkpoint and eval cadence, output paths, workers, timeouts,
   the mesh and the kernels, which change how a step runs, not what it computes) and `steps`
   pass. `record_changes` appends every accepted change, with the step it applies from, to
   `<output_dir>/config_changes.jsonl`.
@@ -37,7 +37,9 @@ HARMLESS = (
     "output_dir",
     "progress",
     "plot",
-    "tensorboard",
+    "tensorboard",  # the loggers' field before `loggers`
+    "loggers",
+    "outputs",
     "resume",
     "resume_step",
     "resume_allow_changes",

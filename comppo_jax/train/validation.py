@@ -11,6 +11,7 @@ mistake costs seconds, not the 11-minute warm start. The mesh-dependent divisibi
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 
@@ -26,6 +27,7 @@ from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
 from comppo_jax.train.decode_layout import parse_tensor
 from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES, PROXIMAL
+from comppo_jax.train.outputs import parse_loggers
 from comppo_jax.train.sampling import DYNAMIC_SAMPLING_FILTERS
 
 CRITIC_KINDS = ("tac", "standard", "full")
@@ -273,6 +275,16 @@ def validate_config(cfg) -> None:
             "expected auto, train or a positive number of devices per tensor-parallel group, "
             "e.g. --config.rollout.mesh.tensor=4",
         )
+    try:
+        loggers = parse_loggers(problems.value("loggers"))
+    except ValueError as error:
+        problems.add("loggers", str(error))
+    else:
+        if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+            problems.add("loggers", "wandb is not installed: pip install 'comppo_jax[wandb]' (or drop wandb)")
+    problems.number("outputs.sample_every", low=-1, integer=True)
+    problems.number("outputs.samples_per_step", low=0, integer=True)
+    problems.number("outputs.sample_tokens", low=2, integer=True)
     problems.number("steps", low=1, integer=True)
     problems.number("seed", low=0, integer=True)
     for name in ("train.actor_lr", "train.critic_lr"):

@@ -17,6 +17,7 @@ from comppo_jax.credit import (
     FIXED_GATE,
     GATE_STATISTICS,
     entropy_concentration,
+    gate_concentration,
     gate_range,
     max_weight_concentration,
     statistic_concentration,
@@ -164,3 +165,13 @@ def test_shuffle_gate_is_uniform_over_positions():
         np.testing.assert_allclose(freq, 1 / 3, atol=0.08)
     with pytest.raises(ValueError, match=r"mask has shape \(3, 2\) but kappa has shape \(2, 3\)"):
         shuffle_gate(kappa, mask.T, jax.random.key(0))
+
+
+@pytest.mark.parametrize("envelope", [(0.1, 0.9, 4.0), (0.3, 0.7, 1.5), (0.0, 1.0, 8.0)])
+def test_gate_concentration_inverts_the_retention_gate(envelope):
+    lo, hi, tau = envelope
+    c = jnp.linspace(0.0, 1.0, 101)
+    kappa = retention_gate(c, kappa_lo=lo, kappa_hi=hi, tau=tau)
+    np.testing.assert_allclose(gate_concentration(kappa, kappa_lo=lo, kappa_hi=hi, tau=tau), c, atol=2e-4)
+    with pytest.raises(ValueError, match="constant envelope"):
+        gate_concentration(kappa, kappa_lo=0.5, kappa_hi=0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -191,6 +192,8 @@ def test_controls_experiment_end_to_end(tmp_path):
     report = (folder / "report.md").read_text()
     assert "| full - position |" in report and "| full - shuffle |" in report and "Mean / median" in report
     assert (folder / "controls_final.png").stat().st_size > 0
+    links = re.findall(r"\]\((\.\./runs/[^)]+/report\.html)\)", report)
+    assert len(links) == 3 and all((folder / link).exists() for link in links)  # each run's own page
     commands = (folder / "commands.sh").read_text()
     assert commands.count("launch/train.py") == 3 and "--config.gate=position" in commands
     runs = list((tmp_path / "runs").iterdir())

@@ -117,7 +117,7 @@ def test_a_resume_sets_torn_and_later_rows_aside_and_keeps_the_rest(tmp_path, ca
     resumed run does again. Neither stops the resume: both go, verbatim, to a named file."""
     rows = [json.dumps({"step": step, "reward/mean": step / 10}) for step in range(1, 6)]
     (tmp_path / METRICS_FILE).write_text("\n".join(rows) + '\n{"step": 6, "reward/me')
-    writer = MetricsWriter(str(tmp_path), resumed_step=3, tensorboard=False)
+    writer = MetricsWriter(str(tmp_path), resumed_step=3, loggers=("jsonl",))
     writer.write({"step": 4, "reward/mean": 0.0})
     writer.close()
     assert [row["step"] for row in written_rows(tmp_path)] == [1, 2, 3, 4]
@@ -127,11 +127,11 @@ def test_a_resume_sets_torn_and_later_rows_aside_and_keeps_the_rest(tmp_path, ca
 
 
 def test_a_resume_without_its_metrics_file_warns_naming_the_missing_steps(tmp_path, caplog):
-    writer = MetricsWriter(str(tmp_path), resumed_step=9, tensorboard=False)
+    writer = MetricsWriter(str(tmp_path), resumed_step=9, loggers=("jsonl",))
     writer.close()
     assert "no rows for step(s) 1-9 of the 9 the run resumes after (the file is missing)" in caplog.text
     (tmp_path / METRICS_FILE).write_text("\n".join(json.dumps({"step": s}) for s in (1, 2, 5, 6)) + "\n")
-    MetricsWriter(str(tmp_path), resumed_step=7, tensorboard=False).close()
+    MetricsWriter(str(tmp_path), resumed_step=7, loggers=("jsonl",)).close()
     assert "no rows for step(s) 3-4, 7 of the 7 the run resumes after (lost)" in caplog.text
     assert [row["step"] for row in written_rows(tmp_path)] == [1, 2, 5, 6]
 
@@ -140,7 +140,7 @@ def test_a_new_run_sets_an_earlier_attempts_rows_aside_instead_of_truncating_the
     """A run that stopped before its first checkpoint starts again as a new run: its rows are kept aside."""
     rows = [json.dumps({"step": step}) for step in (1, 2)]
     (tmp_path / METRICS_FILE).write_text("\n".join(rows) + "\n")
-    MetricsWriter(str(tmp_path), tensorboard=False).close()
+    MetricsWriter(str(tmp_path), loggers=("jsonl",)).close()
     assert written_rows(tmp_path) == []
     assert (tmp_path / f"{METRICS_FILE}.set_aside_at_step_0").read_text().splitlines() == rows
     assert "set aside into" in caplog.text

@@ -19,6 +19,7 @@ from comppo_jax.eval.restore import restore_policy
 from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.loop import train
 from comppo_jax.train.outputs import load_run_config
+from comppo_jax.train.samples import load_samples
 
 
 @pytest.mark.slow
@@ -73,6 +74,11 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
     if method != "grpo":
         assert {"critic/value_mae", "critic/clamp_saturation"} <= set(steps[1])
     assert (tmp_path / "curves.png").stat().st_size > 0
+    # Responses kept with their credit at each evaluation (outputs.sample_every=0), as the method has it.
+    records, unreadable = load_samples(str(tmp_path))
+    assert [r["step"] for r in records] == [s["step"] for s in steps if "dev_accuracy" in s] and not unreadable
+    credit = {"grpo"} if method == "grpo" else {"kappa", "H", "n", "c", "value", "comp_gae", "gae"}
+    assert set(records[0]["responses"][0]["tokens"]) == credit and records[0]["method"] == method
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
     if method == "grpo":
         assert not (tmp_path / "gate_profile.json").exists() and "mean_gate" not in summary

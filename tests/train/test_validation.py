@@ -177,6 +177,19 @@ CASES = {
         assign(train__importance_weight_cap=0.5),
         r"config\.train\.importance_weight_cap=0\.5: must be >= 1",
     ),
+    "misspelt logger": (
+        assign(loggers="jsonl,tensorbord"),
+        r"config\.loggers='jsonl,tensorbord': unknown 'tensorbord': expected a comma-separated subset of "
+        r"\('jsonl', 'tensorboard', 'wandb'\)",
+    ),
+    "loggers without metrics.jsonl": (
+        assign(loggers="tensorboard"),
+        r"config\.loggers='tensorboard': jsonl is always on \(resume, plots and launch/report.py read",
+    ),
+    "kept responses every -2 steps": (
+        assign(outputs__sample_every=-2),
+        r"config\.outputs\.sample_every=-2: must be >= -1",
+    ),
     "rollout devices leave none to train": (
         assign(mesh__rollout_devices=1),
         r"config\.mesh\.rollout_devices=1 must leave every process devices for both stages",
@@ -216,3 +229,12 @@ def test_the_presets_validate(tmp_path):
             }
         else:
             validate_config(config)
+
+
+def test_wandb_without_its_extra_is_named_before_anything_loads(tmp_path, nothing_loads, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"config\.loggers='jsonl,wandb': wandb is not installed: pip install"):
+        loop.train(small_train_config(tmp_path, loggers="jsonl,wandb"))

@@ -1,0 +1,244 @@
+"""One training run as a self-contained HTML page: where its credit went, token by token.
+
+    python launch/report.py --run=runs/tiny            # writes runs/tiny/report.html
+    write_run_report("runs/tiny")                       # the same from Python; returns the path
+
+The page needs no network and no server (open it from disk). It shows the run's config and
+summary, its curves (curves.png, or drawn from metrics.jsonl for a run still going), the phase
+controller's timeline (each step's phase from metrics.jsonl), the gate profile by position
+(gate_profile.json), and a browser of the responses the run kept (comppo_jax.train.samples): pick
+a step and a response, and each token is coloured by its gate kappa_t or by its advantage A_t
+(a toggle), with t, H_t, c_t, kappa_t, A_t and V_t on hover. Beside it the same tokens are coloured
+by the other estimator's advantage from the same rewards and values: GAE (kappa_t = gamma = 1)
+for a CompPO run, Comp-GAE with the policy's own gate for a PPO run, so the difference the gate
+makes shows token by token; a plot below draws both advantages and kappa_t against t.
+
+Colours: kappa_t on viridis over the gate's realized range [g(0), g(1)] (`gate_range`);
+advantages on a red-white-blue scale symmetric about 0, scaled by the response's largest |A|
+over both estimators. The page's script maps values through the lookup tables written into it
+(`color_of` is the same map in Python).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import importlib.resources
+import io
+import json
+import math
+import os
+
+from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run, read_metrics
+from comppo_jax.train.recorder import GATE_PROFILE_FILE
+from comppo_jax.train.samples import load_samples
+
+REPORT_FILE = "report.html"
+PAGE_TEMPLATE = "run_report.html"  # the page's markup, style and script, beside this module
+LUT_SIZE = 256
+KAPPA_COLORMAP, ADVANTAGE_COLORMAP = "viridis", "RdBu"
+PHASE_COLORS = {"stable": "#4c9a2a", "warning": "#e3b505", "strong": "#e07b00", "hard_stop": "#c0392b"}
+# The estimator whose advantage a run updated with -> the one shown beside it (None: GRPO has no values).
+COMPARED = {"comp_gae": "gae", "gae": "comp_gae", "grpo": None}
+ESTIMATOR_NAMES = {
+    "comp_gae": "Comp-GAE (eq. comp_gae)",
+    "gae": "GAE, kappa = gamma = 1 (eq. stdgae)",
+    "grpo": "GRPO (group-relative)",
+}
+
+
+def color_table(colormap: str) -> list[str]:
+    """LUT_SIZE hex colours of a matplotlib colormap, from its low end to its high end."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps[colormap]
+    return [matplotlib.colors.to_hex(cmap(i / (LUT_SIZE - 1))) for i in range(LUT_SIZE)]
+
+
+def color_of(table: list[str], value: float, low: float, high: float) -> str:
+    """The colour `value` gets on a scale from `low` to `high` (the page's own `colorOf`)."""
+    scaled = min(max((value - low) / max(high - low, 1e-12), 0.0), 1.0)
+    return table[math.floor(scaled * (LUT_SIZE - 1) + 0.5)]
+
+
+def _read_json(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error})") from error
+
+
+def _png_data_uri(figure_or_path) -> str:
+    if isinstance(figure_or_path, str):
+        with open(figure_or_path, "rb") as f:
+            data = f.read()
+    else:
+        buffer = io.BytesIO()
+        figure_or_path.savefig(buffer, format="png", dpi=100)
+        data = buffer.getvalue()
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
+    """curves.png as a data URI, drawn from metrics.jsonl when the run has not written it."""
+    path = os.path.join(run_dir, "curves.png")
+    if os.path.exists(path):
+        return _png_data_uri(path)
+    if not rows:
+        return ""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        png = os.path.join(folder, "curves.png")
+        plot_run(
+            os.path.join(run_dir, METRICS_FILE),
+            png,
+            title=f"{os.path.basename(os.path.abspath(run_dir))} (in progress)" if summary is None else "",
+        )
+        return _png_data_uri(png)
+
+
+def phase_timeline(rows: list[dict]) -> str:
+    """One cell per step coloured by the controller's phase after it, and the list of changes."""
+    phased = [(row["step"], row["phase"]) for row in rows if "phase" in row]
+    if not phased:
+        return "<p>No step has logged a phase yet.</p>"
+    cells = "".join(
+        f'<span class="phase" data-step="{step}" data-phase="{html.escape(phase)}" '
+        f'title="step {step}: {html.escape(phase)}" style="background:{PHASE_COLORS.get(phase, "#888")}"></span>'
+        for step, phase in phased
+    )
+    changes = [
+        f"step {step}: {before} &rarr; {phase}"
+        for (_, before), (step, phase) in zip(phased, phased[1:])
+        if phase != before
+    ]
+    legend = " ".join(
+        f'<span class="swatch" style="background:{color}"></span>{name}' for name, color in PHASE_COLORS.items()
+    )
+    listed = "; ".join(changes) if changes else f"{phased[0][1]} throughout"
+    return (
+        f'<div id="phases" class="timeline">{cells}</div>'
+        f'<div class="legend">steps {phased[0][0]}-{phased[-1][0]} &nbsp; {legend}</div><p>{listed}</p>'
+    )
+
+
+def gate_profile_svg(run_dir: str) -> str:
+    """The run's mean gate per bin of t/T (gate_profile.json) as an inline SVG bar chart."""
+    profile = _read_json(os.path.join(run_dir, GATE_PROFILE_FILE))
+    if profile is None:
+        return "<p>No gate profile: it is written when a run with a gate (CompPO, PPO) finishes.</p>"
+    means, edges = profile["mean_gate"], profile["bin_edges"]
+    width, height, pad = 520, 180, 30
+    low = min(means) - 0.02
+    high = max(means) + 0.02
+    bars = []
+    for i, mean in enumerate(means):
+        x = pad + (width - 2 * pad) * edges[i]
+        w = (width - 2 * pad) * (edges[i + 1] - edges[i]) - 1
+        h = (height - 2 * pad) * (mean - low) / max(high - low, 1e-9)
+        bars.append(
+            f'<rect x="{x:.1f}" y="{height - pad - h:.1f}" width="{w:.1f}" height="{h:.1f}" fill="#4C72B0">'
+            f"<title>t/T in [{edges[i]:.2f}, {edges[i + 1]:.2f}): mean kappa {mean:.4f} "
+            f"({profile['token_counts'][i]} tokens)</title></rect>"
+        )
+    return (
+        f'<svg id="gate-profile" width="{width}" height="{height}" role="img">{"".join(bars)}'
+        f'<text x="{pad}" y="{height - 8}" font-size="11">t/T = 0</text>'
+        f'<text x="{width - pad - 40}" y="{height - 8}" font-size="11">t/T = 1</text>'
+        f'<text x="{pad}" y="14" font-size="11">mean kappa {low:.3f}-{high:.3f} over the run\'s rollouts</text></svg>'
+    )
+
+
+def _table(values: dict) -> str:
+    rows = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v) if not isinstance(v, str) else v)}</td></tr>"
+        for k, v in values.items()
+    )
+    return f"<table>{rows}</table>"
+
+
+KEY_FIELDS = ("method", "gate", "critic.kind", "gate_statistic", "seed", "steps", "model.path", "data.kind")
+
+
+def _field(config: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+
+
+def run_report_html(run_dir: str) -> str:
+    """The page (module docstring) of the run in `run_dir`; raises FileNotFoundError when the
+    directory holds no run (no config.json and no metrics.jsonl)."""
+    config = _read_json(os.path.join(run_dir, CONFIG_FILE))
+    metrics_path = os.path.join(run_dir, METRICS_FILE)
+    if config is None and not os.path.exists(metrics_path):
+        raise FileNotFoundError(
+            f"{run_dir} holds no training run (no {CONFIG_FILE}, no {METRICS_FILE}): pass a launch/train.py output_dir"
+        )
+    rows = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    records, unreadable = load_samples(run_dir)
+    name = os.path.basename(os.path.abspath(run_dir))
+    status = (
+        "finished"
+        if summary is not None
+        else (f"in progress or stopped after step {rows[-1]['step']}" if rows else "no step yet")
+    )
+    key_fields = {field: _field(config or {}, field) for field in KEY_FIELDS}
+    data = {
+        "steps": records,
+        "compared": COMPARED,
+        "names": ESTIMATOR_NAMES,
+        "kappaColors": color_table(KAPPA_COLORMAP),
+        "advantageColors": color_table(ADVANTAGE_COLORMAP),
+    }
+    curves = _curves(run_dir, rows, summary)
+    unreadable_note = (
+        "<p class='warn'>Kept-response files that do not parse (left out): "
+        + "; ".join(html.escape(line) for line in unreadable)
+        + "</p>"
+        if unreadable
+        else ""
+    )
+    body = f"""
+<h1>{html.escape(name)}: {html.escape(str(key_fields["method"]))} run report</h1>
+<p>{html.escape(os.path.abspath(run_dir))} &middot; {status} &middot; {len(rows)} steps logged &middot;
+{len(records)} steps with kept responses</p>
+<h2>Summary</h2>
+{_table(summary) if summary is not None else "<p>No summary.json yet: the run has not finished.</p>"}
+<h2>Config</h2>
+{_table(key_fields)}
+<details><summary>the whole config.json</summary><pre>{html.escape(json.dumps(config, indent=2, sort_keys=True))}</pre>
+</details>
+<h2>Curves</h2>
+{f'<img id="curves" src="{curves}" alt="curves">' if curves else "<p>No metrics yet.</p>"}
+<h2>Phase controller</h2>
+{phase_timeline(rows)}
+<h2>Gate profile by position</h2>
+{gate_profile_svg(run_dir)}
+<h2>Where the credit went</h2>
+{unreadable_note}
+<div id="browser"></div>
+"""
+    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    page = importlib.resources.files("comppo_jax.eval").joinpath(PAGE_TEMPLATE).read_text()
+    return (
+        page.replace("__TITLE__", html.escape(f"{name} report")).replace("__BODY__", body).replace("__DATA__", payload)
+    )
+
+
+def write_run_report(run_dir: str, out: str | None = None) -> str:
+    """Writes run_report_html(run_dir) to `out` (default <run_dir>/report.html); returns the path."""
+    out = out or os.path.join(run_dir, REPORT_FILE)
+    page = run_report_html(run_dir)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        f.write(page)
+    os.replace(out + ".tmp", out)
+    return out

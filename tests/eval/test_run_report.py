@@ -1,0 +1,214 @@
+"""The run report (launch/report.py, comppo_jax.eval.run_report) read in a real browser: headless
+Chromium loads the page from disk and the tests read the rendered DOM; and a trained run's kept
+responses, W&B offline log and page end to end (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, small_train_config, small_train_flags, stand_in_batch
+
+from comppo_jax.credit import fit_position_schedule, save_position_schedule
+from comppo_jax.data.tokenizers import CharTokenizer
+from comppo_jax.eval.run_report import ADVANTAGE_COLORMAP, KAPPA_COLORMAP, color_of, color_table, run_report_html
+from comppo_jax.train.methods import recipe as make_recipe
+from comppo_jax.train.outputs import save_run_config
+from comppo_jax.train.recorder import GATE_PROFILE_FILE
+from comppo_jax.train.samples import kept_responses, save_samples
+
+PHASES = ["stable", "stable", "warning", "warning", "stable", "stable"]
+
+
+def report(run_dir, *extra):
+    return subprocess.run(
+        [sys.executable, "launch/report.py", f"--run={run_dir}", *extra],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A CompPO run's directory as the recorder leaves it: config, six steps of metrics with a
+    phase change, a gate profile and responses kept at steps 3 and 6."""
+    path = tmp_path_factory.mktemp("run")
+    cfg = small_train_config(path)
+    save_run_config(cfg, str(path))
+    with open(path / "metrics.jsonl", "w") as f:
+        for step, phase in enumerate(PHASES, 1):
+            f.write(json.dumps({"step": step, "phase": phase, "reward/mean": 0.1 * step, "gate/mean": 0.5}) + "\n")
+    recipe = make_recipe("comppo")
+    for step in (3, 6):
+        sampled, scored = stand_in_batch(cfg, recipe, seed=step)
+        save_samples(str(path), kept_responses(cfg, recipe, CharTokenizer(), step, sampled, scored))
+    kappa, mask = scored.rollout.kappa, sampled.host_mask
+    save_position_schedule(fit_position_schedule(kappa, mask), str(path / GATE_PROFILE_FILE))
+    return path
+
+
+def rgba(hex_color: str) -> str:
+    """A #rrggbb colour as the browser's computed style reads it."""
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r}, {g}, {b}, 1)"
+
+
+def spans(browser, pane):
+    from selenium.webdriver.common.by import By
+
+    return browser.find_elements(By.CSS_SELECTOR, f"#{pane}-tokens .tok")
+
+
+def test_the_page_lists_the_kept_steps_colours_each_token_by_its_gate_and_toggles_to_advantages(
+    run_dir, browser, tmp_path
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    result = report(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    page = run_dir / "report.html"
+    assert result.stdout.strip() == str(page)
+    assert "http://" not in page.read_text().replace("http://www.w3.org/2000/svg", "")  # nothing to fetch
+    browser.get(page.as_uri())
+    assert browser.get_log("browser") == []  # no script error
+    picker = Select(browser.find_element(By.ID, "step-picker"))
+    assert [option.text for option in picker.options] == ["3", "6"]
+    assert [cell.get_attribute("data-phase") for cell in browser.find_elements(By.CSS_SELECTOR, "#phases .phase")] == (
+        PHASES
+    )
+    assert "step 3: stable → warning" in browser.page_source.replace("&rarr;", "→")
+
+    picker.select_by_visible_text("6")
+    Select(browser.find_element(By.ID, "response-picker")).select_by_index(1)
+    record = json.loads((run_dir / "samples" / "step_000006.json").read_text())
+    response = record["responses"][1]
+    kappa = response["tokens"]["kappa"]
+    shown = spans(browser, "primary")
+    assert len(shown) == len(response["t"]) == response["length"] > 0
+    assert [span.text for span in shown] == [piece or "∅" for piece in response["pieces"]]
+    kappa_colors = color_table(KAPPA_COLORMAP)
+    low, high = record["kappa_range"]
+    for span, value in zip(shown, kappa):
+        assert span.value_of_css_property("background-color") == rgba(color_of(kappa_colors, value, low, high))
+    assert len({span.value_of_css_property("background-color") for span in shown}) > 1
+    title = shown[0].get_attribute("title")
+    assert "t=1 " in title and "H_t=" in title and "c_t=" in title and "kappa_t=" in title and "V_t=" in title
+    browser.save_screenshot(str(tmp_path / "report_kappa.png"))
+
+    browser.find_element(By.ID, "color-toggle").click()
+    assert browser.find_element(By.ID, "color-toggle").get_attribute("data-color") == "advantage"
+    advantages, standard = np.asarray(response["tokens"]["comp_gae"]), np.asarray(response["tokens"]["gae"])
+    scale = max(np.abs(advantages).max(), np.abs(standard).max())
+    advantage_colors = color_table(ADVANTAGE_COLORMAP)
+    for pane, values in (("primary", advantages), ("compared", standard)):
+        shown = spans(browser, pane)
+        assert len(shown) == len(values)
+        for span, value in zip(shown, values):
+            assert span.value_of_css_property("background-color") == rgba(
+                color_of(advantage_colors, value, -scale, scale)
+            )
+    assert "GAE" in browser.find_element(By.ID, "compared-title").text
+    assert browser.find_elements(By.CSS_SELECTOR, "#advantage-plot polyline")
+    screenshot = tmp_path / "report_advantage.png"
+    browser.save_screenshot(str(screenshot))
+    print(f"screenshots: {tmp_path}/report_kappa.png, {screenshot}")
+    assert screenshot.stat().st_size > 10_000
+
+
+def test_a_run_without_kept_responses_says_so_and_a_directory_without_a_run_is_named(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    save_run_config(small_train_config(tmp_path), str(tmp_path))
+    page = run_report_html(str(tmp_path))
+    assert "No summary.json yet" in page and "No gate profile" in page
+    (tmp_path / "report.html").write_text(page)
+    browser.get((tmp_path / "report.html").as_uri())
+    assert "No kept responses" in browser.find_element(By.ID, "browser").text
+    result = report(tmp_path / "nothing")
+    assert result.returncode != 0 and "holds no training run" in result.stderr
+
+
+def wandb_records(path):
+    """The records of a W&B run file (`run-<id>.wandb`: a ":W&B" header, then LevelDB-log
+    blocks of 32 KiB holding wandb_internal_pb2.Record messages, maybe split across blocks)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    position, block, pending = 7, 32768, b""
+    while position + 7 <= len(data):
+        left = block - position % block
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # a block's zero-filled tail
+            position += left
+            continue
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or a split record's last part
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+@pytest.mark.slow
+def test_a_trained_run_keeps_responses_at_each_evaluation_logs_them_to_wandb_offline_and_reports_them(
+    tmp_path, browser
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "launch/train.py", *small_train_flags(run, loggers="jsonl,tensorboard,wandb")],
+        cwd=REPO,
+        env=dict(CPU_ONLY_ENV, WANDB_MODE="offline", WANDB_SILENT="true"),
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [row["step"] for row in rows if "dev_accuracy" in row]
+    assert evaluated == [2, 3]  # the critic warm-up step is not evaluated
+    kept = sorted(os.listdir(run / "samples"))
+    assert kept == ["step_000002.json", "step_000003.json"]  # outputs.sample_every=0: with each evaluation
+    record = json.loads((run / "samples" / kept[-1]).read_text())
+    assert len(record["responses"]) == 4 and record["estimator"] == "comp_gae"
+    assert {"kappa", "H", "c", "value", "comp_gae", "gae"} <= set(record["responses"][0]["tokens"])
+
+    # W&B, offline: the scalars against `step` and one table per kept step, in the run directory.
+    run_id = (run / "wandb_run_id").read_text().strip()
+    (offline,) = (run / "wandb").glob(f"offline-run-*-{run_id}")
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in wandb_records(offline / f"run-{run_id}.wandb")
+        if r.WhichOneof("record_type") == "history"
+    ]
+    logged = {h["step"]: h["reward/mean"] for h in history if "reward/mean" in h}
+    assert logged == pytest.approx({row["step"]: row["reward/mean"] for row in rows})
+    assert sorted(h["step"] for h in history if "samples/_type" in h) == [2, 3]
+    tables = sorted((offline / "files" / "media" / "table").glob("samples_*.table.json"))
+    assert len(tables) == 2
+    table = json.loads(tables[-1].read_text())
+    assert table["columns"][:4] == ["step", "row", "prompt", "response"] and len(table["data"]) == 4
+    assert {row[3] for row in table["data"]} == {response["response"] for response in record["responses"]}
+
+    result = report(run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    browser.get((run / "report.html").as_uri())
+    assert [o.text for o in Select(browser.find_element(By.ID, "step-picker")).options] == ["2", "3"]
+    Select(browser.find_element(By.ID, "step-picker")).select_by_visible_text("3")
+    assert len(spans(browser, "primary")) == len(record["responses"][0]["t"])
+    assert "finished" in browser.find_element(By.TAG_NAME, "body").text
+    browser.save_screenshot(str(tmp_path / "trained_run_report.png"))
