@@ -83,9 +83,10 @@ def _png_data_uri(figure_or_path) -> str:
 
 
 def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
-    """curves.png as a data URI, drawn from metrics.jsonl when the run has not written it."""
-    path = os.path.join(run_dir, "curves.png")
-    if os.path.exists(path):
+    """curves.png as a data URI, drawn from metrics.jsonl when the run has not written it since
+    its last step (still going, or resumed to go further)."""
+    path, metrics = os.path.join(run_dir, "curves.png"), os.path.join(run_dir, METRICS_FILE)
+    if os.path.exists(path) and (not os.path.exists(metrics) or os.path.getmtime(path) >= os.path.getmtime(metrics)):
         return _png_data_uri(path)
     if not rows:
         return ""

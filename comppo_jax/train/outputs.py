@@ -156,14 +156,15 @@ def parse_loggers(spec: str) -> tuple[str, ...]:
 class WandbLogger:
     """A Weights & Biases run for a run directory: its scalars against `step` (so a resume that
     repeats steps logs them again rather than being dropped) and the kept responses as a table.
-    The run id is kept in `<output_dir>/wandb_run_id`, so a resume continues the same W&B run;
-    `WANDB_MODE=offline` writes it under `<output_dir>/wandb/` with no network."""
+    The run id is kept in `<output_dir>/wandb_run_id`, so a resume continues the same W&B run (a
+    new run starts its own); `WANDB_MODE=offline` writes it under `<output_dir>/wandb/` with no
+    network."""
 
-    def __init__(self, output_dir: str, config: dict):
+    def __init__(self, output_dir: str, config: dict, resuming: bool):
         import wandb  # the wandb extra
 
         id_path = os.path.join(output_dir, WANDB_ID_FILE)
-        if os.path.exists(id_path):
+        if resuming and os.path.exists(id_path):
             with open(id_path) as f:
                 run_id = f.read().strip()
         else:
@@ -245,7 +246,7 @@ class MetricsWriter:
                 os.path.join(output_dir, "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None
             )
         if "wandb" in loggers:
-            self.wandb = WandbLogger(output_dir, config or {})
+            self.wandb = WandbLogger(output_dir, config or {}, resuming=resumed_step > 0)
 
     def write(self, metrics: dict) -> None:
         if self.file is None:

@@ -144,3 +144,19 @@ def test_a_new_run_sets_an_earlier_attempts_rows_aside_instead_of_truncating_the
     assert written_rows(tmp_path) == []
     assert (tmp_path / f"{METRICS_FILE}.set_aside_at_step_0").read_text().splitlines() == rows
     assert "set aside into" in caplog.text
+
+
+def test_wandb_offline_logs_under_the_run_directory_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # in the test extra; the wandb extra for users
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_id = lambda: (tmp_path / "wandb_run_id").read_text().strip()
+    writer = MetricsWriter(str(tmp_path), loggers=("jsonl", "wandb"), config={"method": "comppo"})
+    writer.write({"step": 1, "reward/mean": 0.5, "phase": "stable", "sample": {"response": "x"}})
+    writer.close()
+    first = run_id()
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{first}/run-{first}.wandb"))) == 1
+    MetricsWriter(str(tmp_path), resumed_step=1, loggers=("jsonl", "wandb")).close()
+    assert run_id() == first  # the resume's W&B run is the run's own
+    MetricsWriter(str(tmp_path), resumed_step=0, loggers=("jsonl", "wandb")).close()
+    assert run_id() != first  # a new run in the directory starts its own
