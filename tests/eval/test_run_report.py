@@ -22,6 +22,7 @@ from comppo_jax.train.recorder import GATE_PROFILE_FILE
 from comppo_jax.train.samples import kept_responses, save_samples
 
 PHASES = ["stable", "stable", "warning", "warning", "stable", "stable"]
+HOSTILE_PROMPT = "What is 1 + 1? </script><script>document.title = 'broken'</script>"
 
 
 def report(run_dir, *extra):
@@ -48,7 +49,9 @@ def run_dir(tmp_path_factory):
     recipe = make_recipe("comppo")
     for step in (3, 6):
         sampled, scored = stand_in_batch(cfg, recipe, seed=step)
-        save_samples(str(path), kept_responses(cfg, recipe, CharTokenizer(), step, sampled, scored))
+        record = kept_responses(cfg, recipe, CharTokenizer(), step, sampled, scored)
+        record["responses"][0]["prompt"] = HOSTILE_PROMPT  # text that must not end the page's script
+        save_samples(str(path), record)
     kappa, mask = scored.rollout.kappa, sampled.host_mask
     save_position_schedule(fit_position_schedule(kappa, mask), str(path / GATE_PROFILE_FILE))
     return path
@@ -85,6 +88,8 @@ def test_the_page_lists_the_kept_steps_colours_each_token_by_its_gate_and_toggle
         PHASES
     )
     assert "step 3: stable → warning" in browser.page_source.replace("&rarr;", "→")
+    assert browser.find_element(By.ID, "response-meta").text.endswith(HOSTILE_PROMPT)  # shown as text
+    assert "broken" not in browser.title
 
     picker.select_by_visible_text("6")
     Select(browser.find_element(By.ID, "response-picker")).select_by_index(1)

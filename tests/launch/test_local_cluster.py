@@ -130,6 +130,15 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache
         changes = [json.loads(line) for line in (two / CHANGES_FILE).read_text().splitlines()]
         assert {change["field"] for change in changes} == {"resume"}, changes
     assert sorted(written) == sorted(os.listdir(one))
+    # The kept responses, gathered from both processes' shards, are the one process's.
+    kept = sorted(os.listdir(two / "samples"))
+    assert kept == sorted(os.listdir(one / "samples")) and kept
+    for name in kept:
+        a, b = (json.loads((run / "samples" / name).read_text()) for run in (two, one))
+        for x, y in zip(a["responses"], b["responses"], strict=True):
+            assert x["pieces"] == y["pieces"] and x["reward"] == y["reward"]
+            for array in x["tokens"]:
+                np.testing.assert_allclose(x["tokens"][array], y["tokens"][array], atol=1e-4, err_msg=(name, array))
     assert "[p0] {" in output and "[p1] {" not in output
 
     # launch/eval.py the same way: every process evaluates, process 0 writes.
