@@ -28,8 +28,9 @@ import io
 import json
 import math
 import os
+import re
 
-from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run, read_metrics
+from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
 from comppo_jax.train.samples import load_samples
 
@@ -83,8 +84,8 @@ def _png_data_uri(figure_or_path) -> str:
 
 
 def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
-    """curves.png as a data URI, drawn from metrics.jsonl when the run has not written it since
-    its last step (still going, or resumed to go further)."""
+    """curves.png as a data URI, drawn from metrics.jsonl's `rows` when the run has not written it
+    since its last step (still going, or resumed to go further)."""
     path, metrics = os.path.join(run_dir, "curves.png"), os.path.join(run_dir, METRICS_FILE)
     if os.path.exists(path) and (not os.path.exists(metrics) or os.path.getmtime(path) >= os.path.getmtime(metrics)):
         return _png_data_uri(path)
@@ -93,9 +94,11 @@ def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        png = os.path.join(folder, "curves.png")
+        png, parsed = os.path.join(folder, "curves.png"), os.path.join(folder, METRICS_FILE)
+        with open(parsed, "w") as f:  # the rows that parse
+            f.writelines(json.dumps(row) + "\n" for row in rows)
         plot_run(
-            os.path.join(run_dir, METRICS_FILE),
+            parsed,
             png,
             title=f"{os.path.basename(os.path.abspath(run_dir))} (in progress)" if summary is None else "",
         )
@@ -173,6 +176,20 @@ def _field(config: dict, dotted: str):
     return config
 
 
+def metrics_rows(path: str) -> tuple[list[dict], int]:
+    """(metrics.jsonl's rows, how many lines do not parse: a line torn by a crash); ([], 0) without the file."""
+    if not os.path.exists(path):
+        return [], 0
+    rows, torn = [], 0
+    with open(path) as f:
+        for line in filter(str.strip, f):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                torn += 1
+    return rows, torn
+
+
 def run_report_html(run_dir: str) -> str:
     """The page (module docstring) of the run in `run_dir`; raises FileNotFoundError when the
     directory holds no run (no config.json and no metrics.jsonl)."""
@@ -182,7 +199,7 @@ def run_report_html(run_dir: str) -> str:
         raise FileNotFoundError(
             f"{run_dir} holds no training run (no {CONFIG_FILE}, no {METRICS_FILE}): pass a launch/train.py output_dir"
         )
-    rows = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    rows, torn = metrics_rows(metrics_path)
     summary = _read_json(os.path.join(run_dir, "summary.json"))
     records, unreadable = load_samples(run_dir)
     name = os.path.basename(os.path.abspath(run_dir))
@@ -207,6 +224,7 @@ def run_report_html(run_dir: str) -> str:
         if unreadable
         else ""
     )
+    torn_note = f"<p class='warn'>{torn} line(s) of {METRICS_FILE} do not parse (left out).</p>" if torn else ""
     body = f"""
 <h1>{html.escape(name)}: {html.escape(str(key_fields["method"]))} run report</h1>
 <p>{html.escape(os.path.abspath(run_dir))} &middot; {status} &middot; {len(rows)} steps logged &middot;
@@ -218,6 +236,7 @@ def run_report_html(run_dir: str) -> str:
 <details><summary>the whole config.json</summary><pre>{html.escape(json.dumps(config, indent=2, sort_keys=True))}</pre>
 </details>
 <h2>Curves</h2>
+{torn_note}
 {f'<img id="curves" src="{curves}" alt="curves">' if curves else "<p>No metrics yet.</p>"}
 <h2>Phase controller</h2>
 {phase_timeline(rows)}
@@ -227,11 +246,13 @@ def run_report_html(run_dir: str) -> str:
 {unreadable_note}
 <div id="browser"></div>
 """
-    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    parts = {
+        "TITLE": html.escape(f"{name} report"),
+        "BODY": body,
+        "DATA": json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/"),  # no "</script>"
+    }
     page = importlib.resources.files("comppo_jax.eval").joinpath(PAGE_TEMPLATE).read_text()
-    return (
-        page.replace("__TITLE__", html.escape(f"{name} report")).replace("__BODY__", body).replace("__DATA__", payload)
-    )
+    return re.sub(r"__(TITLE|BODY|DATA)__", lambda match: parts[match.group(1)], page)  # one pass over the template
 
 
 def write_run_report(run_dir: str, out: str | None = None) -> str:

@@ -96,17 +96,15 @@ def per_token_credit(cfg, recipe, scored, sampled, rows: np.ndarray) -> dict[str
         arrays["credit_kappa"] = host(scored.kappa)[rows]
     if recipe.estimator == "grpo":
         arrays["grpo"] = host(scored.batch.advantages)[rows]
-        return {name: np.where(mask, values, 0) for name, values in arrays.items()}
-    values, rewards = host(scored.batch.old_values)[rows], sampled.reward_tokens[rows]
-    arrays["value"] = values
-    if recipe.estimator == "gae":  # PPO: the policy's own gate, what CompPO would have read
-        gate = arrays.get("kappa")
-    else:  # the gate the run's Comp-GAE read
-        gate = host(scored.kappa)[rows]
-    if gate is not None:
-        arrays["comp_gae"] = np.asarray(comp_gae(rewards, values, gate, mask, cfg.train.lam)[0])
-    arrays["gae"] = np.asarray(gae(rewards, values, mask, 1.0, cfg.train.lam)[0])
-    return {name: np.where(mask, values, 0) for name, values in arrays.items()}
+    else:
+        values, rewards = host(scored.batch.old_values)[rows], sampled.reward_tokens[rows]
+        arrays["value"] = values
+        # PPO: the policy's own gate, what CompPO would have read; CompPO: the gate its Comp-GAE read.
+        gate = arrays.get("kappa") if recipe.estimator == "gae" else host(scored.kappa)[rows]
+        if gate is not None:
+            arrays["comp_gae"] = np.asarray(comp_gae(rewards, values, gate, mask, cfg.train.lam)[0])
+        arrays["gae"] = np.asarray(gae(rewards, values, mask, 1.0, cfg.train.lam)[0])
+    return {name: np.where(mask, array, 0) for name, array in arrays.items()}
 
 
 def kept_responses(cfg, recipe, tokenizer, step: int, sampled, scored) -> dict:

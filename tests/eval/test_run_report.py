@@ -128,12 +128,17 @@ def test_the_page_lists_the_kept_steps_colours_each_token_by_its_gate_and_toggle
     assert screenshot.stat().st_size > 10_000
 
 
-def test_a_run_without_kept_responses_says_so_and_a_directory_without_a_run_is_named(tmp_path, browser):
+def test_a_run_without_kept_responses_or_with_a_torn_metrics_line_says_so_and_a_directory_without_a_run_is_named(
+    tmp_path, browser
+):
     from selenium.webdriver.common.by import By
 
     save_run_config(small_train_config(tmp_path), str(tmp_path))
-    page = run_report_html(str(tmp_path))
-    assert "No summary.json yet" in page and "No gate profile" in page
+    rows = [{"step": 1, "phase": "stable", "reward/mean": 0.25}, {"step": 2, "phase": "stable", "reward/mean": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3, "rew')
+    page = run_report_html(str(tmp_path))  # a run killed mid-write: its rows that parse, and a note
+    assert "No summary.json yet" in page and "No gate profile" in page and "stopped after step 2" in page
+    assert "1 line(s) of metrics.jsonl do not parse (left out)" in page and 'id="curves"' in page
     (tmp_path / "report.html").write_text(page)
     browser.get((tmp_path / "report.html").as_uri())
     assert "No kept responses" in browser.find_element(By.ID, "browser").text
