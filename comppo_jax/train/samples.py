@@ -71,7 +71,7 @@ def kept_positions(length: int, limit: int) -> np.ndarray:
     return np.concatenate([np.arange(head), np.arange(length - limit // 2, length)])
 
 
-def _numbers(values: np.ndarray, integer: bool = False) -> list:
+def _numbers(values, integer: bool = False) -> list:
     """JSON numbers (5 decimals; null where not finite: browsers' JSON.parse rejects NaN)."""
     if integer:
         return [int(v) for v in values]
@@ -123,7 +123,7 @@ def kept_responses(cfg, recipe, tokenizer, step: int, sampled, scored) -> dict:
                 "row": int(row),
                 "prompt": sampled.problems[row // group].prompt,
                 "response": sampled.texts[row],
-                "reward": float(sampled.rewards[row]),
+                "reward": _numbers([sampled.rewards[row]])[0],
                 "verdict": sampled.verdicts[row].value,
                 "length": length,
                 "t": [int(t) + 1 for t in kept],

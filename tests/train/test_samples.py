@@ -86,8 +86,9 @@ def test_a_long_response_keeps_its_first_and_last_tokens_and_a_file_round_trips_
     assert "".join(first["pieces"]) == sampled.texts[0][:2] + sampled.texts[0][-2:]
     assert record["responses"][-1]["t"] == [1, 2, 3]  # 3 tokens: all kept
     scored.batch.old_values[0, 1] = np.nan
+    sampled.rewards[0] = np.nan  # a step the skipped-update guard catches
     record = kept_responses(small_train_config(tmp_path), make_recipe("comppo"), CharTokenizer(), 9, sampled, scored)
-    assert record["responses"][0]["tokens"]["value"][1] is None
+    assert record["responses"][0]["tokens"]["value"][1] is None and record["responses"][0]["reward"] is None
     path = save_samples(str(tmp_path), record)
     assert path == sample_path(str(tmp_path), 9) and path.endswith("samples/step_000009.json")
     assert "NaN" not in open(path).read()
