@@ -306,6 +306,22 @@ def small_train_config(output_dir, **overrides):
 CPU_ONLY_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
+def launch_script(script: str, *args: str, env: dict | None = None):
+    """`python <script> <args>` from the repository root on the CPU backend (`env` replaces
+    CPU_ONLY_ENV), its output captured, allowed HANG_S."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, script, *args],
+        cwd=REPO,
+        env=CPU_ONLY_ENV if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+
+
 def fake_devices_env(devices: int, **extra: str) -> dict:
     """CPU_ONLY_ENV for a subprocess with `devices` fake CPU devices, keeping this session's XLA_FLAGS."""
     flags = f"{CPU_ONLY_ENV.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()

@@ -24,12 +24,12 @@ from __future__ import annotations
 import base64
 import html
 import importlib.resources
-import io
 import json
 import math
 import os
 import re
 
+from comppo_jax.credit import load_position_schedule
 from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
 from comppo_jax.train.samples import load_samples
@@ -72,15 +72,9 @@ def _read_json(path: str):
             raise ValueError(f"{path} is not valid JSON ({error})") from error
 
 
-def _png_data_uri(figure_or_path) -> str:
-    if isinstance(figure_or_path, str):
-        with open(figure_or_path, "rb") as f:
-            data = f.read()
-    else:
-        buffer = io.BytesIO()
-        figure_or_path.savefig(buffer, format="png", dpi=100)
-        data = buffer.getvalue()
-    return "data:image/png;base64," + base64.b64encode(data).decode()
+def _png_data_uri(path: str) -> str:
+    with open(path, "rb") as f:
+        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
 
 
 def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
@@ -132,10 +126,11 @@ def phase_timeline(rows: list[dict]) -> str:
 
 def gate_profile_svg(run_dir: str) -> str:
     """The run's mean gate per bin of t/T (gate_profile.json) as an inline SVG bar chart."""
-    profile = _read_json(os.path.join(run_dir, GATE_PROFILE_FILE))
-    if profile is None:
+    path = os.path.join(run_dir, GATE_PROFILE_FILE)
+    if not os.path.exists(path):
         return "<p>No gate profile: it is written when a run with a gate (CompPO, PPO) finishes.</p>"
-    means, edges = profile["mean_gate"], profile["bin_edges"]
+    profile = load_position_schedule(path)  # ValueError naming the file and field of a damaged one
+    means, edges, counts = profile.mean_gate.tolist(), profile.bin_edges.tolist(), profile.token_counts.tolist()
     width, height, pad = 520, 180, 30
     low = min(means) - 0.02
     high = max(means) + 0.02
@@ -147,7 +142,7 @@ def gate_profile_svg(run_dir: str) -> str:
         bars.append(
             f'<rect x="{x:.1f}" y="{height - pad - h:.1f}" width="{w:.1f}" height="{h:.1f}" fill="#4C72B0">'
             f"<title>t/T in [{edges[i]:.2f}, {edges[i + 1]:.2f}): mean kappa {mean:.4f} "
-            f"({profile['token_counts'][i]} tokens)</title></rect>"
+            f"({counts[i]} tokens)</title></rect>"
         )
     return (
         f'<svg id="gate-profile" width="{width}" height="{height}" role="img">{"".join(bars)}'

@@ -55,13 +55,13 @@ class Recorder:
     def __init__(self, cfg, checkpoints: RunCheckpoints, meta: dict, tokenizer, *, main_process: bool):
         self.cfg, self.checkpoints, self.meta, self.main_process = cfg, checkpoints, meta, main_process
         self.tokenizer = tokenizer  # the kept responses' token pieces
-        made = self.recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
+        self.recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
         self.last_step, self.warmup, self.prepended = (
-            total_steps(cfg, made),
-            critic_warmup(cfg, made),
-            prepended_warmup(cfg, made),
+            total_steps(cfg, self.recipe),
+            critic_warmup(cfg, self.recipe),
+            prepended_warmup(cfg, self.recipe),
         )
-        self.has_critic = made.critic != "none"
+        self.has_critic = self.recipe.critic != "none"
         self.update_windows: list[tuple[float, float]] = []  # the last updates' (start, end) wall times
         self.writer = MetricsWriter(
             cfg.output_dir,

@@ -5,15 +5,13 @@ a LoRA run's directory to both (and refuses `peft` for a full fine-tuning run)."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, right_padded_batch, small_train_flags
+from conftest import launch_script, right_padded_batch, small_train_flags
 
 from comppo_jax.models import forward, from_hf, lora, to_hf
 from comppo_jax.models.hf import to_peft
@@ -73,31 +71,16 @@ def test_peft_loads_our_adapters_and_the_merged_export_loads_in_transformers(
 
 
 def export(*args):
-    return subprocess.run(
-        [sys.executable, "launch/export.py", *args],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    return launch_script("launch/export.py", *args)
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A tiny warm-started CompPO run with rank-4 adapters on q and v (its base is its own)."""
     run = tmp_path_factory.mktemp("lora_run")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "launch/train.py",
-            *small_train_flags(run, model__lora__rank=4, model__lora__targets="q,v", train__actor_lr=1e-2),
-        ],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+    result = launch_script(
+        "launch/train.py",
+        *small_train_flags(run, model__lora__rank=4, model__lora__targets="q,v", train__actor_lr=1e-2),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return run
@@ -145,14 +128,7 @@ def test_a_lora_run_exports_to_peft_with_its_own_base_and_to_merged_hf_weights(l
 @pytest.mark.slow
 def test_a_full_fine_tuning_run_exports_hf_and_says_why_not_peft(tmp_path):
     run = tmp_path / "full"
-    result = subprocess.run(
-        [sys.executable, "launch/train.py", *small_train_flags(run, steps=1, train__critic_warmup_steps=0)],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    result = launch_script("launch/train.py", *small_train_flags(run, steps=1, train__critic_warmup_steps=0))
     assert result.returncode == 0, result.stderr[-3000:]
     result = export(f"--run={run}", f"--out={tmp_path / 'peft'}", "--format=peft")
     assert result.returncode != 0 and "full fine-tuning run" in result.stderr and "--format=hf" in result.stderr

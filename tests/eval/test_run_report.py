@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, small_train_config, small_train_flags, stand_in_batch
+from conftest import CPU_ONLY_ENV, launch_script, small_train_config, small_train_flags, stand_in_batch
 
 from comppo_jax.credit import fit_position_schedule, save_position_schedule
 from comppo_jax.data.tokenizers import CharTokenizer
@@ -26,14 +24,7 @@ HOSTILE_PROMPT = "What is 1 + 1? </script><script>document.title = 'broken'</scr
 
 
 def report(run_dir, *extra):
-    return subprocess.run(
-        [sys.executable, "launch/report.py", f"--run={run_dir}", *extra],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    return launch_script("launch/report.py", f"--run={run_dir}", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +170,10 @@ def test_a_trained_run_keeps_responses_at_each_evaluation_logs_them_to_wandb_off
     from selenium.webdriver.support.ui import Select
 
     run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "launch/train.py", *small_train_flags(run, loggers="jsonl,tensorboard,wandb")],
-        cwd=REPO,
+    result = launch_script(
+        "launch/train.py",
+        *small_train_flags(run, loggers="jsonl,tensorboard,wandb"),
         env=dict(CPU_ONLY_ENV, WANDB_MODE="offline", WANDB_SILENT="true"),
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
