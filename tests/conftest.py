@@ -331,10 +331,16 @@ def fake_devices_env(devices: int, **extra: str) -> dict:
 # XLA:CPU over gloo rarely leaves two processes' devices waiting in different all-reduces (twice in
 # 17 launcher runs of the SIGTERM/SIGKILL/resume sequence, looped; once in 4 two-process tests, none
 # in the next 3; TPU collectives do not go through gloo). The launcher's collective timeout turns that
-# into a failed run, which `on_local_cluster` reruns (resumed), as a supervisor would, up to RERUNS times.
+# into a failed run, which `on_local_cluster` reruns, as a supervisor would, up to RERUNS times.
 COLLECTIVE_TIMEOUT_S = 120
-GLOO_TIMEOUT = ("Gloo ", "Timed out waiting")  # what a timed-out collective prints
+# What a timed-out collective prints: the process that waited, and a peer whose pair it closed.
+GLOO_TIMEOUTS = ("Timed out waiting", "Application timeout caused pair closure")
 RERUNS = 2
+
+
+def gloo_timed_out(result) -> bool:
+    """Whether a launcher run failed on a gloo collective's timeout (not on anything of its own)."""
+    return result.returncode != 0 and "Gloo" in result.stdout and any(sign in result.stdout for sign in GLOO_TIMEOUTS)
 
 
 def on_local_cluster(
@@ -349,27 +355,36 @@ def on_local_cluster(
 ):
     """`script` on launch/local_cluster.py, its output (stdout and stderr) in `.stdout`; optionally
     `signum` once `metrics` has `signal_after_rows` rows (SIGKILL goes to the whole process group: the
-    launcher, the processes and their verifier workers). A run without a signal that fails on a gloo
-    timeout is rerun, resumed if it has a checkpoint; the result's `earlier` holds the error lines of
-    the runs before it."""
+    launcher, the processes and their verifier workers). A run that fails on a gloo timeout is rerun:
+    without a signal, resumed if it has a checkpoint; with SIGTERM (a clean stop is what it tests), from
+    its output directory as it was before, signalled again. A SIGKILL run is meant to fail and is not
+    rerun. The result's `earlier` holds the error lines of the runs before it."""
+    import signal
+
     launch = dict(processes=processes, devices_per_process=devices_per_process, script=script)
-    result = _on_local_cluster_once(
-        script_flags, signal_after_rows=signal_after_rows, signum=signum, metrics=metrics, **launch
-    )
+    signalled = dict(signal_after_rows=signal_after_rows, signum=signum, metrics=metrics)
+    output_dirs = [arg.split("=", 1)[1] for arg in script_flags if arg.startswith("--config.output_dir=")]
+    rerunnable = signum is None or (signum == signal.SIGTERM and bool(output_dirs))
+    before = f"{output_dirs[0]}.before_sigterm" if signum is not None and rerunnable else None
+    if before is not None and os.path.isdir(output_dirs[0]):
+        shutil.copytree(output_dirs[0], before)
+    result = _on_local_cluster_once(script_flags, **signalled, **launch)
     earlier = []
-    while (
-        signum is None
-        and result.returncode != 0
-        and all(part in result.stdout for part in GLOO_TIMEOUT)
-        and len(earlier) < RERUNS
-    ):
+    while rerunnable and gloo_timed_out(result) and len(earlier) < RERUNS:
         earlier.append(
             "\n".join(line for line in result.stdout.splitlines() if "error" in line.lower() or "Timed out" in line)
         )
-        output_dirs = [arg.split("=", 1)[1] for arg in script_flags if arg.startswith("--config.output_dir=")]
-        resumable = script == "launch/train.py" and os.path.isdir(os.path.join(output_dirs[0], "checkpoints"))
-        print(f"gloo timeout in {script}; running it again{' resumed' if resumable else ''}:\n{earlier[-1]}")
-        result = _on_local_cluster_once([*script_flags, *(["--config.resume=True"] if resumable else [])], **launch)
+        if signum is None:
+            resumable = script == "launch/train.py" and os.path.isdir(os.path.join(output_dirs[0], "checkpoints"))
+            print(f"gloo timeout in {script}; running it again{' resumed' if resumable else ''}:\n{earlier[-1]}")
+            rerun_flags = [*script_flags, *(["--config.resume=True"] if resumable else [])]
+        else:
+            print(f"gloo timeout in {script}; running it again from its directory before the run:\n{earlier[-1]}")
+            shutil.rmtree(output_dirs[0], ignore_errors=True)
+            if os.path.isdir(before):
+                shutil.copytree(before, output_dirs[0])
+            rerun_flags = script_flags
+        result = _on_local_cluster_once(rerun_flags, **signalled, **launch)
     result.earlier = earlier
     return result
 

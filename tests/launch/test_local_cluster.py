@@ -216,3 +216,47 @@ def test_a_stalled_process_ends_the_run_within_the_collective_timeout():
     assert "[p0] error: JaxRuntimeError" in result.stdout and "Timed out waiting 20000ms" in result.stdout, events
     # Far below the stall, with room for a busy machine's start-up and compiles.
     assert elapsed < 600, (elapsed, events)
+
+
+@pytest.mark.parametrize(
+    "signum, first_output, runs",
+    [
+        (
+            signal.SIGTERM,
+            "[p0] error: JaxRuntimeError: Gloo all-reduce failed: Application timeout caused pair closure",
+            2,
+        ),
+        (None, "[p1] error: JaxRuntimeError: [Gloo] Timed out waiting 120000ms for recv operation to complete", 2),
+        (signal.SIGKILL, "[p0] error: JaxRuntimeError: Gloo all-reduce failed: Timed out waiting 120000ms", 1),
+        (signal.SIGTERM, "[p0] error: ValueError: a failure of the run's own", 1),
+    ],
+)
+def test_the_cluster_helper_reruns_only_a_gloo_timeout_and_a_sigterm_run_from_its_directory_before(
+    tmp_path, monkeypatch, signum, first_output, runs
+):
+    """The tests' supervisor (`on_local_cluster`): a run that failed on a gloo timeout, on either
+    side of the collective, is rerun; a SIGTERM run from its directory as it was before it (the
+    run's checkpoints and metrics gone, the earlier ones back); never a SIGKILL run or another error."""
+    import conftest
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("earlier\n")
+    seen = []
+
+    def once(script_flags, **launch):
+        seen.append(
+            sorted(path.name for path in run.iterdir()) + [(run / "metrics.jsonl").read_text(), script_flags[-1]]
+        )
+        (run / "metrics.jsonl").write_text("earlier\nthis run's\n")
+        (run / "checkpoints").mkdir(exist_ok=True)
+        failed = len(seen) == 1
+        return subprocess.CompletedProcess(script_flags, int(failed), first_output if failed else "[p0] done")
+
+    monkeypatch.setattr(conftest, "_on_local_cluster_once", once)
+    result = on_local_cluster([f"--config.output_dir={run}"], signum=signum)
+    assert len(seen) == runs and len(result.earlier) == runs - 1
+    if runs == 2:
+        restored = ["metrics.jsonl", "earlier\n", f"--config.output_dir={run}"]  # as before, signalled again
+        resumed = ["checkpoints", "metrics.jsonl", "earlier\nthis run's\n", "--config.resume=True"]
+        assert seen[1] == (restored if signum == signal.SIGTERM else resumed), seen
