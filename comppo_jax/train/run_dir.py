@@ -12,7 +12,8 @@ the run's identity across resumes.
   harmless ones (progress, plots, loggers, kept samples, checkpoint and eval cadence, output paths, workers, timeouts,
   the mesh and the kernels, which change how a step runs, not what it computes) and `steps`
   pass. `record_changes` appends every accepted change, with the step it applies from, to
-  `<output_dir>/config_changes.jsonl`.
+  `<output_dir>/config_changes.jsonl`; the fields of the launch itself (`LAUNCH_ONLY`: `resume`,
+  `resume_step`, `resume_allow_changes`, the coordinator's address, the process id) are not changes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from comppo_jax.models import ConfigError
 LOCK_FILE = "run.lock"
 CHANGES_FILE = "config_changes.jsonl"
 
+# Fields that say how this launch starts, not what the run is: every resume changes some of them, and
+# none is compared or recorded.
+LAUNCH_ONLY = ("resume", "resume_step", "resume_allow_changes", "mesh.coordinator_address", "mesh.process_id")
+
 # Fields (or whole sections) a resume may change without changing what the run computes.
 HARMLESS = (
     "output_dir",
@@ -40,9 +45,6 @@ HARMLESS = (
     "tensorboard",  # the loggers' field before `loggers`
     "loggers",
     "outputs",
-    "resume",
-    "resume_step",
-    "resume_allow_changes",
     "steps",
     "checkpoint",
     "eval",
@@ -223,6 +225,8 @@ def resume_changes(cfg, run_config) -> list[dict]:
     allowed = allowed_changes(cfg)
     changes, refused = [], []
     for field, old, new in config_differences(run_config, cfg):
+        if _matches(field, LAUNCH_ONLY):
+            continue
         if _matches(field, HARMLESS):
             changes.append(dict(field=field, old=old, new=new, accepted="harmless"))
         elif _matches(field, allowed):

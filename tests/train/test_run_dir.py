@@ -92,11 +92,15 @@ def test_resume_changes_sorts_harmless_allowed_and_refused_fields(tmp_path, capl
         steps=50,
         train__eval_every=5,
         mesh__data=2,
+        mesh__coordinator_address="127.0.0.1:41234",
         model__remat="full",
         train__lam=0.9,
+        resume_step=3,
         resume_allow_changes="train.lam,critic",
     )
     changes = {change["field"]: change for change in run_dir.resume_changes(new, old)}
+    # How this launch starts is not a change of the run: every resume would record it.
+    assert not set(changes) & {"resume", "resume_step", "resume_allow_changes", "mesh.coordinator_address"}
     assert changes["train.lam"] == dict(field="train.lam", old=0.95, new=0.9, accepted="resume_allow_changes")
     assert {
         name: changes[name]["accepted"] for name in ("steps", "train.eval_every", "mesh.data", "model.remat")
