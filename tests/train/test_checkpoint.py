@@ -129,6 +129,7 @@ def test_sigterm_then_resume_and_a_damaged_checkpoint_then_resume_equal_the_stra
     assert metric_rows(straight) == metric_rows(split) and [r["step"] for r in metric_rows(split)] == [1, 2, 3, 4, 5]
     summary = lambda run: json.loads((run / "summary.json").read_text())
     assert summary(straight) == summary(split)
+    assert not (split / "config_changes.jsonl").exists()  # a plain resume changes nothing of the run
 
     # Checkpoint 5's arrays replaced by checkpoint 4's (the files read fine, with other values), and no
     # summary (as if the run died right after that save): resuming detects it by the digests, falls
