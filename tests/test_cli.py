@@ -6,21 +6,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, require_libtpu
+from conftest import CPU_ONLY_ENV, REPO, launch_script, require_libtpu
 
 from comppo_jax.cli import _config_rows, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
 from comppo_jax.models import load_config_file
 from comppo_jax.models.loading import PRESET_DIR
 from comppo_jax.train.paper import FIELD_HELP
-
-
-def launch(*args, env=CPU_ONLY_ENV, timeout=HANG_S):
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("preset", ["tiny.py", "qwen3_4b.py", "llama3_8b.py"])
@@ -31,7 +25,7 @@ def test_every_field_of_each_preset_has_a_description(preset):
 
 
 def test_help_exits_0_and_lists_the_loaded_configs_fields():
-    result = launch("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
+    result = launch_script("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Train with CompPO, GRPO or PPO")
     assert (
@@ -44,11 +38,11 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     # A field whose "auto" stands for another value says which, with the command line's overrides applied.
     line = next(line for line in result.stdout.splitlines() if "--config.train.loss_aggregation=" in line)
     assert "'auto'" in line and "[here: token-mean]" in line, line
-    gspo = launch("launch/train.py", "--config.method=grpo", "--config.train.policy_loss=gspo", "--help")
+    gspo = launch_script("launch/train.py", "--config.method=grpo", "--config.train.policy_loss=gspo", "--help")
     assert gspo.returncode == 0, gspo.stderr
     assert "--config.train.policy_loss='gspo'" in gspo.stdout and "[here: seq-mean-token-mean]" in gspo.stdout
 
-    experiment = launch("launch/experiment.py", "--experiment=configs/experiments.py:main", "--help")
+    experiment = launch_script("launch/experiment.py", "--experiment=configs/experiments.py:main", "--help")
     assert experiment.returncode == 0, experiment.stderr
     for name, description in EXPERIMENT_HELP.items():
         assert f"--experiment.{name}=" in experiment.stdout and description in experiment.stdout
@@ -61,7 +55,7 @@ def test_a_cpu_run_without_jax_platforms_logs_no_error_lines():
     if importlib.util.find_spec("jax_cuda12_plugin") or os.path.exists("/dev/nvidia0"):
         pytest.skip("a GPU is attached or its plugin installed")
     env = {k: v for k, v in CPU_ONLY_ENV.items() if k != "JAX_PLATFORMS"}
-    result = launch("launch/score.py", "--batch_size=2", env=env)
+    result = launch_script("launch/score.py", "--batch_size=2", env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not [
         line
@@ -149,7 +143,7 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
     for name, text in CONFIG_FILES.items():
         (tmp_path / name).write_text(text)
     arguments, line = CONFIG_CASES[case]
-    result = launch("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments), timeout=HANG_S)
+    result = launch_script("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments))
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         f"error: {line.format(tmp=tmp_path)}",
@@ -158,15 +152,13 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
 
 
 def test_a_config_error_with_verbosity_shows_the_traceback():
-    result = launch("launch/train.py", "--config.stepz=5", "--verbosity=1", timeout=HANG_S)
+    result = launch_script("launch/train.py", "--config.stepz=5", "--verbosity=1")
     assert result.returncode == 1 and "Traceback" in result.stderr and 'Did you mean "steps"' in result.stderr
 
 
 def test_an_override_of_a_parameterised_config_file_is_checked_against_its_fields():
     """`file.py:arg` passes arg to get_config: the fields named are that config's."""
-    result = launch(
-        "launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1", timeout=HANG_S
-    )
+    result = launch_script("launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1")
     assert result.returncode == 1 and result.stderr.splitlines()[0] == (
         "error: ConfigFileError: --experiment.seed=1: configs/experiments.py:main has no field seed; "
         "did you mean seeds?"
@@ -174,7 +166,7 @@ def test_an_override_of_a_parameterised_config_file_is_checked_against_its_field
 
 
 def test_help_with_a_config_that_does_not_load_fails_in_one_line():
-    result = launch("launch/train.py", "--config=configs/tiy.py", "--help", timeout=HANG_S)
+    result = launch_script("launch/train.py", "--config=configs/tiy.py", "--help")
     assert result.returncode == 1 and result.stderr.splitlines() == [
         "error: ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)",
         "(--verbosity=1 shows the traceback)",

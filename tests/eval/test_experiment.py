@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HANG_S
 
 from comppo_jax.eval import experiment as ex
 from comppo_jax.eval.report import factorial_report, main_report, stress_report
@@ -170,15 +169,10 @@ def test_controls_experiment_end_to_end(tmp_path):
     """launch/experiment.py on one seed of tiny 2-step runs: the position-only arm is built from the
     full run's gate profile, held-out diagnostics are computed, and the report, plot, CSV and
     commands are written; a second invocation reruns nothing."""
-    import subprocess
-    import sys
+    from conftest import SMALL_TRAIN_RUN, launch_script
 
-    from conftest import CPU_ONLY_ENV, SMALL_TRAIN_RUN
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     overrides = tuple(f"{k}={v}" for k, v in SMALL_TRAIN_RUN.items() if k not in ("progress", "plot"))
     command = [
-        sys.executable,
         "launch/experiment.py",
         "--experiment=configs/experiments_tiny.py:controls",
         f"--root={tmp_path}",
@@ -186,7 +180,7 @@ def test_controls_experiment_end_to_end(tmp_path):
         f"--experiment.overrides={overrides!r}",
         "--experiment.held_out_problems=2",
     ]
-    first = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
+    first = launch_script(*command)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     folder = tmp_path / "controls"
     report = (folder / "report.md").read_text()
@@ -204,7 +198,7 @@ def test_controls_experiment_end_to_end(tmp_path):
     for run in runs:
         held_out = json.loads((run / "held_out.json").read_text())
         assert {"gate/mean", "gate/median", "critic/value_mae"} <= set(held_out) and held_out["problems"] == 2
-    second = subprocess.run(command, cwd=repo, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
+    second = launch_script(*command)
     assert second.returncode == 0 and "start " not in second.stdout
 
 

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, small_train_config
+from conftest import launch_script, small_train_config
 from ml_collections import config_dict
 
 from comppo_jax.eval import majority_answer
 from comppo_jax.eval.frozen import eval_sampling, pass_at_k, pass_k_values, set_metrics
 from comppo_jax.train.loop import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_majority_vote_ties_go_to_the_earliest_sample_and_missing_answers_do_not_vote():
@@ -88,7 +83,6 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     )
     # No --config: the run's own (its dev set of 4, 12 new tokens, one verifier), the sampling fields on top.
     command = [
-        sys.executable,
         "launch/eval.py",
         f"--checkpoint={run}",
         "--step=best",
@@ -96,7 +90,7 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
         "--config.eval.samples=8",
         "--config.eval.temperature=1.0",
     ]
-    result = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
+    result = launch_script(*command)
     assert result.returncode == 0, result.stderr[-4000:]
     (output,) = (run / "eval").iterdir()  # step_<best>
     with open(output / "results.csv") as f:
@@ -115,30 +109,16 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     finished = json.loads((output / "gsm8k.json").read_text())
     finished["metrics"]["greedy_pass@1"] = 0.5
     (output / "gsm8k.json").write_text(json.dumps(finished))
-    again = subprocess.run(command, cwd=ROOT, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S)
+    again = launch_script(*command)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "| gsm8k | 3 | 0.500 (" in again.stdout
 
     # At temperature 0 the one sample is the greedy response: avg@1 is greedy pass@1 (other settings: every set
     # recomputed).
-    greedy = subprocess.run(
-        command[:-2] + ["--config.eval.samples=1", "--config.eval.temperature=0.0"],
-        cwd=ROOT,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    greedy = launch_script(*command[:-2], "--config.eval.samples=1", "--config.eval.temperature=0.0")
     assert greedy.returncode == 0, greedy.stderr[-4000:]
     for row in json.loads((output / "results.json").read_text())["rows"]:
         assert row["avg@1"] == row["greedy_pass@1"] == row["pass@1"], row
 
-    missing = subprocess.run(
-        command[:3] + ["--step=7"] + command[4:],
-        cwd=ROOT,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    missing = launch_script(*command[:2], "--step=7", *command[3:])
     assert missing.returncode != 0 and "no checkpoint '7'" in missing.stderr

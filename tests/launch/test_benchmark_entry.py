@@ -3,25 +3,12 @@ compile a model (forward, critic, sampler) are slow tests."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import launch_script
 
 
 def benchmark(*args):
-    return subprocess.run(
-        [sys.executable, "launch/benchmark.py", *args],
-        cwd=ROOT,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    return launch_script("launch/benchmark.py", *args)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from conftest import (
     assert_same_checkpoint_state,
     cluster_tail,
     fake_devices_env,
+    launch_script,
     on_local_cluster,
     restored_on_one_device,
     small_train_flags,
@@ -66,15 +67,7 @@ def flags(run_dir, cache, **overrides):
 
 
 def one_process(run_dir, cache, devices=8, **overrides):
-    env = fake_devices_env(devices)
-    return subprocess.run(
-        [sys.executable, "launch/train.py", *flags(run_dir, cache, **overrides)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    return launch_script("launch/train.py", *flags(run_dir, cache, **overrides), env=fake_devices_env(devices))
 
 
 def rows(run_dir):

@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
-from conftest import CPU_ONLY_ENV, HANG_S
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import launch_script
 
 
 def test_score_demo_prints_per_token_concentration():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "launch/score.py",
-            "--config=configs/tiny.py",
-            "--batch_size=2",
-            "--response_length=12",
-            "--config.model.arch.num_layers=2",
-        ],
-        cwd=ROOT,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+    result = launch_script(
+        "launch/score.py",
+        "--config=configs/tiny.py",
+        "--batch_size=2",
+        "--response_length=12",
+        "--config.model.arch.num_layers=2",
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 from conftest import (
-    HANG_S,
-    REPO,
     WALL_CLOCK,
     cluster_tail,
     fake_devices_env,
+    launch_script,
     on_local_cluster,
     require_libtpu,
     small_train_config,
@@ -106,8 +103,8 @@ def test_rollout_mesh_tensor_is_validated_by_name(tmp_path):
         decode_layout.make_decode_layout("3", mesh, QWEN3_4B, shapes, chip=None, budget=None, rollout=PRESET_ROLLOUT)
 
 
-def run_payload(command, env) -> str:
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
+def run_payload(script, *args, env) -> str:
+    result = launch_script(script, *args, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stdout
 
@@ -115,7 +112,7 @@ def run_payload(command, env) -> str:
 @pytest.mark.slow
 def test_every_layout_samples_as_the_training_mesh_on_eight_devices():
     env = fake_devices_env(8)
-    assert "decode layouts ok" in run_payload([sys.executable, "tests/rollout/decode_layouts.py"], env)
+    assert "decode layouts ok" in run_payload("tests/rollout/decode_layouts.py", env=env)
 
 
 @pytest.mark.slow
@@ -133,12 +130,9 @@ def test_a_run_decoding_in_its_own_layout_logs_what_the_training_mesh_run_logs(t
     for layout in ("auto", "train"):
         run_dir = tmp_path / layout
         run_payload(
-            [
-                sys.executable,
-                "launch/train.py",
-                *small_train_flags(run_dir, mesh__data=1, mesh__fsdp=2, mesh__tensor=4, rollout__mesh__tensor=layout),
-            ],
-            env,
+            "launch/train.py",
+            *small_train_flags(run_dir, mesh__data=1, mesh__fsdp=2, mesh__tensor=4, rollout__mesh__tensor=layout),
+            env=env,
         )
         rows[layout] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows["auto"]) == len(rows["train"]) >= 2

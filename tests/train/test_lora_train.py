@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import (
-    HANG_S,
-    REPO,
     WALL_CLOCK,
     assert_same_checkpoint_state,
     fake_devices_env,
+    launch_script,
     small_train_config,
     small_train_flags,
 )
@@ -50,15 +47,7 @@ def test_a_lora_run_starts_with_one_base_which_is_its_reference_and_adamw_over_t
 
 
 def launch(run, devices=1, **overrides):
-    env = fake_devices_env(devices)
-    return subprocess.run(
-        [sys.executable, "launch/train.py", *small_train_flags(run, **overrides)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    return launch_script("launch/train.py", *small_train_flags(run, **overrides), env=fake_devices_env(devices))
 
 
 def metric_rows(run):

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, save_word_tokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import launch_script, save_word_tokenizer
 
 
 def train(*flags):
-    return subprocess.run(
-        [sys.executable, "launch/train.py", "--config=configs/qwen3_4b.py", *flags],
-        cwd=ROOT,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    return launch_script("launch/train.py", "--config=configs/qwen3_4b.py", *flags)
 
 
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_config, small_train_flags
 
 from comppo_jax.models import CheckpointError, ConfigError
 from comppo_jax.train import loop, run_dir
@@ -243,13 +243,7 @@ def test_a_signal_during_the_warm_start_stops_in_seconds_with_one_line(tmp_path,
         line.startswith("stopped during the warm start (step ")
         and "nothing to resume; start it again with: python launch/train.py" in line
     )
-    resumed = subprocess.run(
-        [sys.executable, "launch/train.py", *small_train_flags(tmp_path, resume=True)],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-    )
+    resumed = launch_script("launch/train.py", *small_train_flags(tmp_path, resume=True))
     assert resumed.returncode == 1 and "no checkpoint under" in resumed.stderr and "yet" in resumed.stderr
     assert "run the same command without --config.resume" in resumed.stderr and "Traceback" not in resumed.stderr
 
@@ -271,13 +265,7 @@ def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_p
         for line in stdout.splitlines()
     ), stdout
     written = cache.stat().st_mtime
-    again = subprocess.run(
-        [sys.executable, "launch/train.py", *small_train_flags(tmp_path, warm_start__steps=200)],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-    )
+    again = launch_script("launch/train.py", *small_train_flags(tmp_path, warm_start__steps=200))
     assert again.returncode == 0, again.stderr[-2000:]
     assert cache.stat().st_mtime == written and json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
 
@@ -353,25 +341,18 @@ def test_a_reference_the_warm_start_cannot_replay_says_what_is_lost_and_what_to_
 def test_every_dev_evaluation_saves_so_the_best_checkpoint_is_the_best_evaluated_policy(tmp_path):
     # 1 critic warm-up step, then 4 actor updates evaluated every 2: steps 3 and 5; checkpoints only at the end
     # otherwise.
-    finished = subprocess.run(
-        [
-            sys.executable,
-            "launch/train.py",
-            *small_train_flags(
-                tmp_path,
-                steps=4,
-                train__eval_every=2,
-                checkpoint__every=100,
-                checkpoint__keep_last=1,
-                checkpoint__keep_best=2,
-                rollout__temperature=1.0,
-                warm_start__steps=60,
-            ),
-        ],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
+    finished = launch_script(
+        "launch/train.py",
+        *small_train_flags(
+            tmp_path,
+            steps=4,
+            train__eval_every=2,
+            checkpoint__every=100,
+            checkpoint__keep_last=1,
+            checkpoint__keep_best=2,
+            rollout__temperature=1.0,
+            warm_start__steps=60,
+        ),
     )
     assert finished.returncode == 0, finished.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

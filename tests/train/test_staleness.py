@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import HANG_S, WALL_CLOCK, assert_same_checkpoint_state, fake_devices_env, small_train_config
+from conftest import WALL_CLOCK, assert_same_checkpoint_state, fake_devices_env, small_train_config
 
 from comppo_jax.train import loop
 from comppo_jax.train.staleness import RolloutQueue, generating_version
@@ -144,10 +144,8 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
     (launch/local_cluster.py, rerun after a gloo timeout, optionally sent SIGTERM once metrics.jsonl
     has `sigterm_after_rows` rows)."""
     import signal
-    import subprocess
-    import sys
 
-    from conftest import REPO, cluster_tail, on_local_cluster, small_train_flags
+    from conftest import cluster_tail, launch_script, on_local_cluster, small_train_flags
 
     flags = small_train_flags(run, **{**SEPARATE, **overrides})
     if processes > 1:
@@ -162,14 +160,7 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
         assert result.returncode == 0, cluster_tail(result)
         return result.stdout
     assert sigterm_after_rows is None, "a signal is sent to multi-process runs only"
-    result = subprocess.run(
-        [sys.executable, "launch/train.py", *flags],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-        env=fake_devices_env(devices),
-    )
+    result = launch_script("launch/train.py", *flags, env=fake_devices_env(devices))
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout + result.stderr
 
