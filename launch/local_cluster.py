@@ -13,9 +13,11 @@ preemption of the whole slice); the exit status is the first non-zero one, else 
 dies, the others are stopped after `--grace_s` seconds (they would wait on it forever).
 
 A collective that waits longer than `--collective_timeout_s` fails with gloo's "Timed out waiting"
-error instead of waiting for XLA's default 30 minutes: rarely, two processes' devices enter
-different all-reduces and wait on each other (XLA:CPU over gloo; TPU collectives do not go through
-gloo), and the run should then end as any crash does, to be resumed from its newest checkpoint.
+error instead of waiting for XLA's default 30 minutes. XLA:CPU over gloo can leave a collective
+waiting for good when a program with a cross-process all-reduce runs back to back on several
+devices per process (tests/launch/back_to_back_all_reduce.py; TPU collectives do not go through
+gloo); a training run meets that rarely, and should then end as any crash does, to be resumed from
+its newest checkpoint.
 """
 
 from __future__ import annotations

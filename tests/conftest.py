@@ -328,10 +328,12 @@ def fake_devices_env(devices: int, **extra: str) -> dict:
     return dict(CPU_ONLY_ENV, XLA_FLAGS=flags, **extra)
 
 
-# XLA:CPU over gloo rarely leaves two processes' devices waiting in different all-reduces (twice in
-# 17 launcher runs of the SIGTERM/SIGKILL/resume sequence, looped; once in 4 two-process tests, none
-# in the next 3; TPU collectives do not go through gloo). The launcher's collective timeout turns that
-# into a failed run, which `on_local_cluster` reruns, as a supervisor would, up to RERUNS times.
+# XLA:CPU over gloo (jaxlib 0.10.2) can leave a collective waiting for good when a program with a
+# cross-process all-reduce runs back to back on several devices per process (tests/launch/
+# back_to_back_all_reduce.py shows it every time; docs/reliability.md). A training run waits for its
+# results between most programs, so it hangs rarely (twice in 17 launcher runs of the SIGTERM/SIGKILL/
+# resume sequence, looped; TPU collectives do not go through gloo). The launcher's collective timeout
+# turns that into a failed run, which `on_local_cluster` reruns, as a supervisor would, up to RERUNS times.
 COLLECTIVE_TIMEOUT_S = 120
 # What a timed-out collective prints: the process that waited, and a peer whose pair it closed.
 GLOO_TIMEOUTS = ("Timed out waiting", "Application timeout caused pair closure")
