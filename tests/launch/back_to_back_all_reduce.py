@@ -8,28 +8,19 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 from absl import flags
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from ml_collections import config_flags
+from jax.sharding import NamedSharding, PartitionSpec
+from joined_mesh import joined_mesh
 
-from comppo_jax import cli, sharding
+from comppo_jax import cli
 
 _CALLS = flags.DEFINE_integer("calls", 300, "How many calls of the all-reduce program.")
 _BLOCK = flags.DEFINE_bool("block", False, "Wait for each call before dispatching the next.")
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config",
-    ml_collections.ConfigDict(
-        {"mesh": {"distributed": False, "coordinator_address": "", "num_processes": 1, "process_id": 0}}
-    ),
-)
 
 
 def main(argv):
     del argv
-    sharding.initialize_distributed(_CONFIG.value.mesh)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = joined_mesh()
     spec = PartitionSpec("d")
     step = jax.jit(jax.shard_map(lambda x: x + 1e-3 * jax.lax.psum(x, "d"), mesh=mesh, in_specs=spec, out_specs=spec))
     x = jax.device_put(jnp.ones((jax.device_count(), 256)), NamedSharding(mesh, spec))

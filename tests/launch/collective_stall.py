@@ -5,27 +5,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 from absl import flags
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from ml_collections import config_flags
+from jax.sharding import NamedSharding, PartitionSpec
+from joined_mesh import joined_mesh
 
-from comppo_jax import cli, sharding
+from comppo_jax import cli
 
 _STALL = flags.DEFINE_float("stall_s", 60.0, "How long process 1 stalls before the second all-reduce.")
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config",
-    ml_collections.ConfigDict(
-        {"mesh": {"distributed": False, "coordinator_address": "", "num_processes": 1, "process_id": 0}}
-    ),
-)
 
 
 def main(argv):
     del argv
-    sharding.initialize_distributed(_CONFIG.value.mesh)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = joined_mesh()
     total = jax.jit(
         jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec())
     )
