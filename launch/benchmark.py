@@ -11,6 +11,7 @@
     python launch/benchmark.py step --peer=tunix --method=ppo --tunix_python=...
                                          # CompPO, PPO, GRPO vs tunix's PPO, per phase
     python launch/benchmark.py lora      # LoRA vs full fine-tuning: actor state, update time, decoding merged or not
+    python launch/benchmark.py staleness # a short tiny run at rollout.staleness 0 and 1: step times, generation overlap
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -23,7 +24,7 @@ from absl import app, flags
 
 from comppo_jax import cli
 
-SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step", "lora")
+SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step", "lora", "staleness")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")
@@ -32,7 +33,7 @@ _TABLES = flags.DEFINE_string(
     "tables", None, "sampler suite: a comma-separated subset of tiny,plain,uniform,long_tailed."
 )
 _MODEL = flags.DEFINE_string(
-    "model", None, "step suite: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU)."
+    "model", None, "step and lora suites: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU)."
 )
 _PEER = flags.DEFINE_string(
     "peer", None, "step suite: tunix = one step of ours and of tunix side by side (needs --tunix_python)."

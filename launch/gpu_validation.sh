@@ -1,58 +1,59 @@
 #!/usr/bin/env bash
-# GPU validation: the device kernels' tests, then every benchmark at its GPU sizes, on one H100/H200.
+# GPU validation: the device kernels' tests, then every benchmark at its GPU sizes, on one H100/H200,
+# in the order they matter, inside a time budget sized for one device call.
 #
 # Here, once:  bash launch/gpu_wheels.sh          (what the device image lacks, into .whl/)
-# There (the device tool's run, carry=[".whl"], each call under its 10-minute limit):
-#   bash launch/gpu_validation.sh tests kernel credit
-#   bash launch/gpu_validation.sh step sampler
-# Steps: env tests kernel credit step sampler profile (default: all but profile). Their output
-# goes to $OUT/validation.log (runs/gpu_validation without $OUT), the pytest results also to
-# $OUT/tests.xml, one line per step (exit status, seconds) to $OUT/summary.txt; a failing step
-# does not stop the next. `profile` writes a jax.profiler trace of the concentration kernel at
-# L = 16K to $OUT/kernel_trace.tar.gz (for when the kernel misses its 1.25x goal).
+# There (the device tool's run, carry=[".whl"], timeout_s=600):
+#   bash launch/gpu_validation.sh                  (every step but profile, within BUDGET_S=540)
+# and, on the machine still warm, the steps the summary marks timed out or skipped:
+#   BUDGET_S=150 bash launch/gpu_validation.sh sampler lora
+# Steps, in their default order: env gpu_tests kernel step sampler lora staleness credit tests
+# (and profile, only when named). Each runs under its cap (CAPS below; CAP_<step>=S overrides)
+# and never past the budget; a step that times out or fails does not stop the next, one that
+# would start with under MIN_STEP_S=20 s left is skipped. Output: $OUT/validation.log (runs/
+# gpu_validation without $OUT), the pytest results in $OUT/<step>.xml, one line per step in
+# $OUT/summary.txt. Compiled programs persist in JAX's cache (/tmp/comppo_jax_cache) for a rerun on
+# the same machine. `profile` writes a jax.profiler trace of the concentration kernel at L = 16K
+# to $OUT/kernel_trace.tar.gz (for when the kernel misses its 1.25x goal).
 # SMOKE=1 runs every step at small sizes on whatever backend JAX has (this script's own check on
-# a CPU); PYTHON picks the interpreter (default python3, the device's JAX one).
+# a CPU; caps of 600 s, a budget of 3600 s); PYTHON picks the interpreter (default python3, the
+# device's JAX one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/gpu_validation}
 py=${PYTHON:-python3}
-mkdir -p "$out"
+STEPS=(env gpu_tests kernel step sampler lora staleness credit tests profile)
+declare -A CAPS=(
+  [env]=30 [gpu_tests]=120 [kernel]=90 [step]=150 [sampler]=120 [lora]=90 [staleness]=90 [credit]=45
+  [tests]=180 [profile]=60
+)
 
-if [ -d .whl ] && [ -z "${SMOKE:-}" ]; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/comppo_site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/comppo_site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false  # pytest workers and benchmarks share the one GPU
-
-if [ -n "${SMOKE:-}" ]; then
-  kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_models=(tiny)
+budget=${BUDGET_S:-540}
+if [ -n "${SMOKE:-}" ]; then  # a check of this script, not of speed: a slow CPU gets 10 minutes a step
+  for step in "${!CAPS[@]}"; do CAPS[$step]=600; done
+  budget=${BUDGET_S:-3600}
+  kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_models=(tiny) lora_args=(--repeats=1)
   sampler_args=(--batch=2 --length=64 --tables=plain,long_tailed --repeats=1) profile_length=256
+  staleness_args=()
 else
   kernel_args=() credit_sizes=("--batch=16 --length=16384" "--batch=256 --length=4096") step_models=(qwen3_0.6b tiny)
-  sampler_args=(--batch=16 --length=4096 --tables=plain,uniform,long_tailed) profile_length=16384
+  sampler_args=(--batch=16 --length=8192 --tables=long_tailed,uniform,plain) profile_length=16384
+  lora_args=(--model=qwen3_0.6b) staleness_args=(--batch=16 --length=256 --repeats=6)
 fi
-
-run_step() {  # run_step NAME COMMAND...: COMMAND's output to validation.log, its status to summary.txt
-  local name=$1 start=$SECONDS status
-  shift
-  echo "=== $name: $*" | tee -a "$out/validation.log"
-  "$@" 2>&1 | tee -a "$out/validation.log"
-  status=${PIPESTATUS[0]}
-  echo "$name: exit $status in $((SECONDS - start)) s: $*" | tee -a "$out/summary.txt"
-}
 
 env_step() {
   nvidia-smi || echo "no nvidia-smi"
   "$py" -c "import sys, jax, jaxlib, flax, optax; print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print(jax.devices())"
 }
 
-tests_step() {
-  # Matmuls at full fp32 precision, so the fp32 tolerances are the CPU ones (XLA on a GPU takes
-  # fp32 dots as TF32 by default).
-  JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -p no:cacheprovider -n 4 --junitxml="$out/tests.xml" \
+pytest_step() {  # pytest_step NAME MARK: the kernel, attention and sampler tests, fp32 matmuls at full precision
+  # (XLA on a GPU takes fp32 dots as TF32 by default), so the fp32 tolerances are the CPU ones
+  JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -p no:cacheprovider -n 4 -m "$2" --junitxml="$out/$1.xml" \
     tests/pallas_kernels tests/models/test_attention.py tests/rollout/test_engine.py tests/rollout/test_sampler.py
 }
+
+gpu_tests_step() { pytest_step gpu_tests gpu; }
+tests_step() { pytest_step tests "not gpu"; }
 
 kernel_step() {
   for batch in 1 4; do "$py" launch/benchmark.py kernel --batch=$batch "${kernel_args[@]}" || return; done
@@ -66,9 +67,9 @@ step_step() {
   for model in "${step_models[@]}"; do "$py" launch/benchmark.py step --model=$model || return; done
 }
 
-sampler_step() {
-  "$py" launch/benchmark.py sampler "${sampler_args[@]}"
-}
+sampler_step() { "$py" launch/benchmark.py sampler "${sampler_args[@]}"; }
+lora_step() { "$py" launch/benchmark.py lora "${lora_args[@]}"; }
+staleness_step() { "$py" launch/benchmark.py staleness "${staleness_args[@]}"; }
 
 profile_step() {
   local trace=/tmp/comppo_kernel_trace
@@ -95,13 +96,47 @@ PY
   tar -czf "$out/kernel_trace.tar.gz" -C "$trace" .
 }
 
+if [ "${1:-}" = _step ]; then  # one step, in the process group `timeout` stops at the step's limit
+  "${2}_step"
+  exit
+fi
+
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests kernel credit step sampler)
+[ ${#steps[@]} -eq 0 ] && steps=("${STEPS[@]:0:${#STEPS[@]}-1}")
 for step in "${steps[@]}"; do
-  case $step in
-    env|tests|kernel|credit|step|sampler|profile) run_step "$step" "${step}_step" ;;
-    *) echo "unknown step $step; expected env tests kernel credit step sampler profile" >&2; exit 2 ;;
-  esac
+  [ -n "${CAPS[$step]:-}" ] || { echo "unknown step $step; expected one of ${STEPS[*]}" >&2; exit 2; }
 done
-cat "$out/summary.txt"
+
+mkdir -p "$out"
+deadline=$((SECONDS + budget))
+if [ -d .whl ] && [ -z "${SMOKE:-}" ]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/comppo_site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/comppo_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # pytest workers and benchmarks share the one GPU
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/comppo_jax_cache}
+
+unfinished=()
+for step in "${steps[@]}"; do
+  cap_override=CAP_$step
+  cap=${!cap_override:-${CAPS[$step]}} left=$((deadline - SECONDS))
+  limit=$((cap < left ? cap : left))
+  if [ "$left" -lt "${MIN_STEP_S:-20}" ]; then
+    echo "$step: skipped, $left s of the budget left" | tee -a "$out/summary.txt"
+    unfinished+=("$step")
+    continue
+  fi
+  echo "=== $step (limit $limit s)" | tee -a "$out/validation.log"
+  start=$SECONDS
+  timeout -k 10 "$limit" bash "$0" _step "$step" 2>&1 | tee -a "$out/validation.log"
+  status=${PIPESTATUS[0]}
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "$step: timed out after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/summary.txt"
+    unfinished+=("$step")
+  else
+    echo "$step: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+  fi
+done
+[ ${#unfinished[@]} -eq 0 ] || echo "not finished: ${unfinished[*]}; rerun them: bash launch/gpu_validation.sh ${unfinished[*]}" | tee -a "$out/summary.txt"
 ! grep -qv ": exit 0 in" "$out/summary.txt"

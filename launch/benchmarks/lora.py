@@ -2,7 +2,9 @@
 
 Each shape runs twice, full fine-tuning and LoRA (rank 8, alpha 16, every projection), through
 the programs train() runs (`plan.train_step_programs`, compiled for this machine; random
-weights): `tiny` is configs/tiny.py, `wide` the same with 4x its width and 2x its depth. Per
+weights): `--model=tiny` (default) runs `tiny`, configs/tiny.py, and `wide`, the same with 4x its
+width and 2x its depth; `--model=qwen3_0.6b` runs the step suite's Qwen3-0.6B shapes (bf16, full
+remat, 512-token prompts + `length` - 512 new tokens; meant for a GPU). Per
 shape and mode: the bytes a device holds for the actor (its params, AdamW moments and, under
 full fine-tuning, the separate frozen reference; LoRA's reference is its base), the actor update
 program's temporaries (`memory_analysis`), and the times of one actor update (forward + backward
@@ -20,26 +22,28 @@ from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
 from comppo_jax.models import lora
 
-SHAPES = {
-    "tiny": {},
-    "wide": dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
-}
+WIDE = dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64)
+SHAPES = {"tiny": ("tiny", "wide"), "qwen3_0.6b": ("qwen3_0.6b",)}  # per --model
 RANK = 8
 
 
-def shape_config(shape: str, rank: int):
-    cfg, prompt_length = step_config("tiny", 0)
-    cfg.model.arch.update(SHAPES[shape])
+def shape_config(shape: str, rank: int, length: int):
+    cfg, prompt_length = step_config("qwen3_0.6b" if shape == "qwen3_0.6b" else "tiny", length)
+    if shape == "wide":
+        cfg.model.arch.update(WIDE)
     cfg.model.lora.update(rank=rank, alpha=2.0 * rank)
     return cfg, prompt_length
 
 
-def run(repeats: int = 3) -> None:
-    mesh = sharding.make_mesh(shape_config("tiny", 0)[0].mesh, jax.devices())
+def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
+    if model not in SHAPES:
+        raise ValueError(f"--model={model!r}: expected one of {sorted(SHAPES)}")
+    described = shape_config(SHAPES[model][0], 0, length)
+    mesh = sharding.make_mesh(described[0].mesh, jax.devices())
     calls, rows = {}, {}
-    for shape in SHAPES:
+    for shape in SHAPES[model]:
         for rank in (0, RANK):
-            cfg, prompt_length = shape_config(shape, rank)
+            cfg, prompt_length = shape_config(shape, rank, length)
             programs = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
             name = f"{shape} {'LoRA' if rank else 'full'}"
             bytes_of = programs.step.state_bytes
@@ -86,10 +90,10 @@ def run(repeats: int = 3) -> None:
                 else "-",
             }
         )
-    cfg, prompt_length = shape_config("tiny", 0)
+    cfg, prompt_length = described
     print(
         f"{cfg.rollout.prompts_per_step} x {cfg.rollout.samples_per_prompt} rows of {prompt_length} + "
-        f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, float32, on "
+        f"{cfg.rollout.max_new_tokens} tokens, minibatch {cfg.train.minibatch_size}, {cfg.model.arch.dtype}, on "
         f"{jax.devices()[0].device_kind} ({len(jax.devices())} device(s))"
     )
     print_table(
