@@ -24,7 +24,7 @@ out=${OUT:-runs/gpu_validation}
 py=${PYTHON:-python3}
 STEPS=(env gpu_tests kernel step sampler lora staleness credit tests profile)
 declare -A CAPS=(
-  [env]=30 [gpu_tests]=120 [kernel]=90 [step]=150 [sampler]=120 [lora]=90 [staleness]=90 [credit]=45
+  [env]=30 [gpu_tests]=120 [kernel]=90 [step]=240 [sampler]=120 [lora]=90 [staleness]=90 [credit]=45
   [tests]=180 [profile]=60
 )
 
@@ -32,11 +32,11 @@ budget=${BUDGET_S:-540}
 if [ -n "${SMOKE:-}" ]; then  # a check of this script, not of speed: a slow CPU gets 10 minutes a step
   for step in "${!CAPS[@]}"; do CAPS[$step]=600; done
   budget=${BUDGET_S:-3600}
-  kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_models=(tiny) lora_args=(--repeats=1)
+  kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_model=tiny lora_args=(--repeats=1)
   sampler_args=(--batch=2 --length=64 --tables=plain,long_tailed --repeats=1) profile_length=256
   staleness_args=()
 else
-  kernel_args=() credit_sizes=("--batch=16 --length=16384" "--batch=256 --length=4096") step_models=(qwen3_0.6b tiny)
+  kernel_args=() credit_sizes=("--batch=16 --length=16384" "--batch=256 --length=4096") step_model=qwen3_0.6b
   sampler_args=(--batch=16 --length=8192 --tables=long_tailed,uniform,plain) profile_length=16384
   lora_args=(--model=qwen3_0.6b) staleness_args=(--batch=16 --length=256 --repeats=6)
 fi
@@ -63,9 +63,7 @@ credit_step() {
   for size in "${credit_sizes[@]}"; do "$py" launch/benchmark.py credit $size || return; done
 }
 
-step_step() {
-  for model in "${step_models[@]}"; do "$py" launch/benchmark.py step --model=$model || return; done
-}
+step_step() { "$py" launch/benchmark.py step --model=$step_model; }
 
 sampler_step() { "$py" launch/benchmark.py sampler "${sampler_args[@]}"; }
 lora_step() { "$py" launch/benchmark.py lora "${lora_args[@]}"; }
