@@ -24,7 +24,7 @@ out=${OUT:-runs/gpu_validation}
 py=${PYTHON:-python3}
 STEPS=(env gpu_tests kernel step sampler lora staleness credit tests profile)
 declare -A CAPS=(
-  [env]=30 [gpu_tests]=120 [kernel]=90 [step]=240 [sampler]=120 [lora]=90 [staleness]=90 [credit]=45
+  [env]=30 [gpu_tests]=120 [kernel]=90 [step]=240 [sampler]=120 [lora]=150 [staleness]=90 [credit]=45
   [tests]=180 [profile]=60
 )
 
