@@ -128,12 +128,13 @@ for step in "${steps[@]}"; do
   echo "=== $step (limit $limit s)" | tee -a "$out/validation.log"
   start=$SECONDS
   timeout -k 10 "$limit" bash "$0" _step "$step" 2>&1 | tee -a "$out/validation.log"
-  status=${PIPESTATUS[0]}
-  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
-    echo "$step: timed out after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/summary.txt"
+  status=${PIPESTATUS[0]} elapsed=$((SECONDS - start))
+  # timeout's 124 (TERM) or 137 (KILL, 10 s later), not a step that was killed on its own (say, out of memory)
+  if { [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; } && [ "$elapsed" -ge "$limit" ]; then
+    echo "$step: timed out after $elapsed s (limit $limit s)" | tee -a "$out/summary.txt"
     unfinished+=("$step")
   else
-    echo "$step: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+    echo "$step: exit $status in $elapsed s" | tee -a "$out/summary.txt"
   fi
 done
 [ ${#unfinished[@]} -eq 0 ] || echo "not finished: ${unfinished[*]}; rerun them: bash launch/gpu_validation.sh ${unfinished[*]}" | tee -a "$out/summary.txt"

@@ -26,16 +26,20 @@ STALENESS = (0, 1)
 CRITIC_WARMUP = 1  # steps that update only the critic; the first actor update after them compiles
 
 
+def rollout_devices() -> int:
+    """The last half of the devices roll out; none on one device (both stages share it)."""
+    return jax.device_count() // 2
+
+
 def run_config(staleness: int, batch: int, length: int, steps: int, output_dir: str):
     cfg = load_config_file(PRESET_DIR / "tiny.py")
-    devices = jax.device_count()
     cfg.update(output_dir=output_dir, steps=steps, progress=False, plot=False)
     cfg.warm_start.steps = 3
     cfg.data.update(train_size=max(40, 4 * batch * (steps + 2)), dev_size=4)
     cfg.rollout.update(prompts_per_step=batch, samples_per_prompt=2, max_new_tokens=length, staleness=staleness)
     cfg.train.update(minibatch_size=batch, critic_warmup_steps=CRITIC_WARMUP, eval_every=0)
     cfg.reward.workers = 1
-    cfg.mesh.rollout_devices = devices // 2 if devices >= 2 else 0
+    cfg.mesh.rollout_devices = rollout_devices()
     return cfg
 
 
@@ -66,8 +70,8 @@ def run(batch: int = 4, length: int = 12, repeats: int = 3) -> None:
         with tempfile.TemporaryDirectory() as output_dir:
             train(run_config(staleness, batch, length, repeats, output_dir))
             rows += step_rows(staleness, os.path.join(output_dir, "metrics.jsonl"))
-    devices = jax.device_count()
-    split = f"{devices // 2} rolling out, {devices - devices // 2} training" if devices >= 2 else "both stages on it"
+    devices, rolling = jax.device_count(), rollout_devices()
+    split = f"{rolling} rolling out, {devices - rolling} training" if rolling else "both stages on it"
     print(
         f"configs/tiny.py, {batch} prompts x 2 samples, {length} new tokens, {repeats} RL steps per run; "
         f"{devices} {jax.devices()[0].device_kind} device(s), {split}; jax {jax.__version__}"

@@ -3,22 +3,30 @@ past its limit reported and rerunnable, not fatal. Run here with SMOKE=1 (small 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import CPU_ONLY_ENV, HANG_S, REPO
 
 
-def validation(tmp_path, *steps: str, **env: str):
-    result = subprocess.run(
+def validation(tmp_path, *steps: str, during=None, **env: str):
+    """The script's result and summary lines; `during(pid)`, if given, runs while it does."""
+    script = subprocess.Popen(
         ["bash", "launch/gpu_validation.sh", *steps],
         cwd=REPO,
         env=dict(CPU_ONLY_ENV, SMOKE="1", PYTHON=sys.executable, OUT=str(tmp_path), **env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=HANG_S,
     )
+    if during is not None:
+        during(script.pid)
+    stdout, stderr = script.communicate(timeout=HANG_S)
+    result = subprocess.CompletedProcess(script.args, script.returncode, stdout, stderr)
     summary = (tmp_path / "summary.txt").read_text().splitlines() if (tmp_path / "summary.txt").exists() else []
     return result, summary
 
@@ -30,6 +38,43 @@ def test_a_step_past_its_cap_is_stopped_and_the_next_one_runs(tmp_path):
     assert summary[1].startswith("env: exit 0 in ")
     assert summary[2] == "not finished: kernel; rerun them: bash launch/gpu_validation.sh kernel"
     assert "jax " in (tmp_path / "validation.log").read_text()  # the env step's versions
+
+
+def descendant(pid: int, command: str) -> int | None:
+    """The pid of a process under `pid` whose command line contains `command` (not another test's)."""
+    table = [
+        line.split(None, 2)
+        for line in subprocess.check_output(["ps", "-eo", "pid=,ppid=,args="], text=True).splitlines()
+    ]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for child, parent, *args in table:
+        children.setdefault(int(parent), []).append((int(child), args[0] if args else ""))
+    stack = [pid]
+    while stack:
+        for child, args in children.get(stack.pop(), []):
+            if command in args:
+                return child
+            stack.append(child)
+    return None
+
+
+def test_a_step_killed_before_its_limit_is_a_failure_not_a_timeout(tmp_path):
+    """A benchmark killed on its own (as by the out-of-memory killer) exits 137 like one `timeout`
+    kills: the summary tells them apart by the time it ran."""
+
+    def kill_the_kernel_benchmark(script_pid: int):
+        for _ in range(600):
+            benchmark = descendant(script_pid, "benchmark.py kernel")
+            if benchmark is not None:
+                os.kill(benchmark, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+        raise AssertionError("the kernel benchmark never started")
+
+    result, summary = validation(tmp_path, "kernel", during=kill_the_kernel_benchmark)
+    assert result.returncode == 1, result.stderr
+    assert summary[0].startswith("kernel: exit 137 in "), summary
+    assert len(summary) == 1  # nothing unfinished to rerun
 
 
 def test_the_budget_limits_a_step_and_skips_those_it_cannot_start(tmp_path):
