@@ -29,14 +29,14 @@ evaluates its shards and process 0 writes the results.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 import sys
 
 from absl import flags
 
-from comppo_jax import cli
+from comppo_jax import cli, storage
 
 _CONFIG = cli.define_config_file(
     "config", None, "An ml_collections config file (default: the run's own, configs/run.py:<checkpoint>)."
@@ -86,17 +86,14 @@ def main(argv):
     sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
     step = checkpoints.resolve_step(_STEP.value)
-    output = _OUTPUT.value or os.path.join(_CHECKPOINT.value, "eval", f"step_{step}")
+    output = storage.path(_OUTPUT.value or storage.join(_CHECKPOINT.value, "eval", f"step_{step}"))
     main_process = jax.process_index() == 0  # a multi-process run: every process evaluates, process 0 writes
-    if main_process:
-        os.makedirs(output, exist_ok=True)
     if _HELD_OUT.value:
         from comppo_jax.eval.held_out import held_out_diagnostics
 
         diagnostics = held_out_diagnostics(cfg, checkpoints, step, _HELD_OUT.value)
         if main_process:
-            with open(os.path.join(output, "held_out.json"), "w") as f:
-                json.dump(diagnostics, f, indent=2)
+            storage.write_text(output / "held_out.json", json.dumps(diagnostics, indent=2))
             print(json.dumps(diagnostics, indent=2))
     if not _ACCURACY.value:
         return
@@ -115,7 +112,7 @@ def main(argv):
     }
     # Sets finished by an earlier run with these settings are read, not recomputed; decided once, before any process
     # writes.
-    done = {name: _finished(os.path.join(output, f"{name}.json"), settings) for name in sets}
+    done = {name: _finished(output / f"{name}.json", settings) for name in sets}
 
     policy_config, params = restore_actor(cfg, checkpoints, step)
     # Decoded in the run's decode layout (rollout.mesh), as its training rollouts were.
@@ -129,10 +126,9 @@ def main(argv):
         VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
     ):
         for name, problems in sets.items():
-            path = os.path.join(output, f"{name}.json")
+            path = output / f"{name}.json"
             if done[name]:
-                with open(path) as f:
-                    result = json.load(f)["metrics"]
+                result = json.loads(path.read_text())["metrics"]
             else:
                 result = evaluate_problems(
                     params,
@@ -150,8 +146,7 @@ def main(argv):
                     desc=name,
                 )
                 if main_process:
-                    with open(path, "w") as f:
-                        json.dump({"settings": settings, "metrics": result}, f, indent=2)
+                    storage.write_text(path, json.dumps({"settings": settings, "metrics": result}, indent=2))
             rows.append({"set": name, **result})
     if not main_process:
         return
@@ -164,16 +159,18 @@ def main(argv):
             macro[f"{m}_se"] = math.sqrt(sum(r[f"{m}_se"] ** 2 for r in frozen)) / len(frozen)
         rows.append(macro)
     columns = ["set", "problems", *(c for m in metrics for c in (m, f"{m}_se"))]
-    with open(os.path.join(output, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(output, "results.json"), "w") as f:
-        json.dump(
-            {"checkpoint": os.path.abspath(_CHECKPOINT.value), "step": step, "settings": settings, "rows": rows},
-            f,
+    table = io.StringIO()
+    writer = csv.DictWriter(table, columns, lineterminator="\r\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    storage.write_text(output / "results.csv", table.getvalue())
+    storage.write_text(
+        output / "results.json",
+        json.dumps(
+            {"checkpoint": str(storage.path(_CHECKPOINT.value)), "step": step, "settings": settings, "rows": rows},
             indent=2,
-        )
+        ),
+    )
     print(
         f"checkpoint {_CHECKPOINT.value} step {step}: {samples} samples per problem at temperature "
         f"{cfg.eval.temperature}, top-p {cfg.eval.top_p}; mean (standard error)"
@@ -188,16 +185,15 @@ def main(argv):
         )
 
 
-def _finished(path: str, settings: dict) -> bool:
+def _finished(path, settings: dict) -> bool:
     """Whether `path` holds a set's result computed with `settings` (a result of other settings, or
     of an older format without them, is recomputed)."""
-    if not os.path.exists(path):
+    if not path.exists():
         return False
-    with open(path) as f:
-        try:
-            stored = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON ({error}); delete it to recompute that set") from error
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); delete it to recompute that set") from error
     return isinstance(stored, dict) and stored.get("settings") == settings and "metrics" in stored
 
 

@@ -15,13 +15,14 @@ exists. Failed runs are listed and make the exit status non-zero; nothing finish
 from __future__ import annotations
 
 import csv
+import io
 import os
 import sys
 import threading
 
 from absl import flags
 
-from comppo_jax import cli
+from comppo_jax import cli, storage
 
 _EXPERIMENT = cli.define_config_file("experiment", None, "configs/experiments.py:NAME (or experiments_tiny.py:NAME).")
 _ROOT = flags.DEFINE_string("root", "runs/experiments", "Where runs (runs/) and reports (<name>/) go.")
@@ -46,12 +47,13 @@ def main(argv):
     outcome = experiments.run_experiment(exp, root, _JOBS.value, train=not _REPORT_ONLY.value, log=log)
     finished = [r for arm in outcome.arms.values() for r in arm.values()]
     body, plots = REPORTS[exp.kind](exp, outcome)
-    folder = os.path.join(root, exp.name)
-    os.makedirs(folder, exist_ok=True)
-    for name, draw in plots.items():
-        draw(os.path.join(folder, name))
-    with open(os.path.join(folder, "commands.sh"), "w") as f:
-        f.write(experiments.commands_script(outcome, root, exp.held_out_problems))
+    folder = storage.join(root, exp.name)
+    with storage.local_folder(folder) as local:  # matplotlib writes local files
+        for name, draw in plots.items():
+            draw(storage.join(local, name))
+    storage.write_text(
+        storage.path(folder) / "commands.sh", experiments.commands_script(outcome, root, exp.held_out_problems)
+    )
     rows = []
     for result in [r for rs in outcome.screen.values() for r in rs] + finished:
         rows.append(
@@ -67,10 +69,11 @@ def main(argv):
         )
     if rows:
         columns = list(dict.fromkeys(k for row in rows for k in row))
-        with open(os.path.join(folder, "runs.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, columns)
-            writer.writeheader()
-            writer.writerows(rows)
+        table = io.StringIO()
+        writer = csv.DictWriter(table, columns, lineterminator="\r\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        storage.write_text(storage.path(folder) / "runs.csv", table.getvalue())
     # Each finished run's own page (comppo_jax.eval.run_report), linked from the report.
     pages = []
     for result in finished:
@@ -93,8 +96,7 @@ def main(argv):
         )
         + (f"\n## Failed runs{failed}\n" if failed else "")
     )
-    with open(os.path.join(folder, "report.md"), "w") as f:
-        f.write(report)
+    storage.write_text(storage.path(folder) / "report.md", report)
     print(report)
     if outcome.failures:
         sys.exit(1)

@@ -31,7 +31,7 @@ import os
 
 from absl import flags
 
-from comppo_jax import cli
+from comppo_jax import cli, storage
 
 _CONFIG = cli.define_config_file("config", "configs/qwen3_4b.py", "The run's ml_collections config file.")
 _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v5p:2x2x2,v5e:4x4,v4:2x2x1,v6e:4x4.")
@@ -182,9 +182,7 @@ def print_overlap(cfg, name: str, topology: str) -> None:
 def write_rows(path: str, prefix: list[str], rows: list[list[str]]) -> None:
     """Appends `rows` (after `prefix`) to the markdown file `path` ("": none)."""
     if path:
-        with open(path, "a") as f:
-            for row in rows:
-                f.write("| " + " | ".join(prefix + row) + " |\n")
+        storage.append_lines(path, ["| " + " | ".join(prefix + row) + " |" for row in rows])
 
 
 if __name__ == "__main__":

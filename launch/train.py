@@ -14,11 +14,10 @@ command that resumes it, and exits 0. Multi-host runs and every fault: docs/reli
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 
-from comppo_jax import cli
+from comppo_jax import cli, storage
 
 _CONFIG = cli.define_config_file("config", "configs/tiny.py", "ml_collections config file.")
 
@@ -51,7 +50,7 @@ def main(argv):
         )
         return
     print(json.dumps(summary, indent=2))
-    outputs = os.path.abspath(_CONFIG.value.output_dir)
+    outputs = storage.path(_CONFIG.value.output_dir)
     if summary.get("best_dev_accuracy") is not None:  # absent from the summaries of runs older than it
         print(
             f"outputs in {outputs}; best checkpoint: step {summary['best_checkpoint_step']}, dev accuracy "

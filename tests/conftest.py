@@ -306,6 +306,30 @@ def small_train_config(output_dir, **overrides):
 CPU_ONLY_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A GCS emulator on 127.0.0.1 for the session (tests/gcs_emulator.py); this process's clients
+    (and subprocesses started with `CPU_ONLY_ENV | gcs_emulator.env`) talk to it."""
+    from tests.gcs_emulator import GcsEmulator
+
+    emulator = GcsEmulator()
+    before = {name: os.environ.get(name) for name in emulator.env}
+    os.environ.update(emulator.env)
+    yield emulator
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    emulator.stop()
+
+
+@pytest.fixture
+def bucket(gcs_emulator):
+    """A new empty bucket on the emulator, as "gs://<name>"."""
+    return f"gs://{gcs_emulator.bucket()}"
+
+
 def launch_script(script: str, *args: str, env: dict | None = None):
     """`python <script> <args>` from the repository root on the CPU backend (`env` replaces
     CPU_ONLY_ENV), its output captured, allowed HANG_S."""

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
+from comppo_jax import storage
 from comppo_jax.credit import _validation
 
 FORMAT = "comppo_jax.position_schedule"
@@ -189,9 +190,7 @@ def save_position_schedule(schedule: PositionSchedule, path: str | os.PathLike[s
         "token_counts": np.asarray(schedule.token_counts, np.int64).tolist(),
         "metadata": schedule.metadata,
     }
-    with open(os.fspath(path), "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
+    storage.write_text(path, json.dumps(record, indent=2) + "\n")
 
 
 def _field(record: dict[str, Any], path: str, name: str, kind: type) -> Any:
@@ -223,8 +222,7 @@ def load_position_schedule(path: str | os.PathLike[str]) -> PositionSchedule:
       (OSError if it cannot be read).
     """
     path = os.fspath(path)
-    with open(path) as f:
-        text = f.read()
+    text = storage.read_text(path)
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:

@@ -24,6 +24,7 @@ resumes from its checkpoint.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -33,10 +34,12 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
+from comppo_jax import storage
 from comppo_jax.train.outputs import METRICS_FILE, read_metrics
 
 KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora")
@@ -76,7 +79,7 @@ class Run:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def directory(self, root: str) -> str:
-        return os.path.join(root, "runs", self.key)
+        return storage.join(root, "runs", self.key)
 
     def command(self, root: str, python: str = "python") -> list[str]:
         """The launch/train.py command line of this run."""
@@ -85,7 +88,7 @@ class Run:
             "launch/train.py",
             *self.config_flags(),
             f"--config.output_dir={self.directory(root)}",
-            f"--config.warm_start.cache_dir={os.path.join(root, 'warm_start')}",
+            f"--config.warm_start.cache_dir={storage.join(root, 'warm_start')}",
             "--config.progress=False",
         ]
 
@@ -175,7 +178,7 @@ def resolve(overrides, seed: int, done: dict[str, dict[int, RunResult]]) -> tupl
             return repr(float(np.mean([r.summary["mean_gate"] for r in done[arm].values()])))
         if seed not in done[arm]:
             raise ValueError(f"override {match.group(0)}: arm {arm!r} has no finished run for seed {seed}")
-        return os.path.join(done[arm][seed].directory, "gate_profile.json")
+        return storage.join(done[arm][seed].directory, "gate_profile.json")
 
     return tuple(_REFERENCE.sub(fill, item) for item in overrides)
 
@@ -200,20 +203,17 @@ class RunResult:
 def load_result(run: Run, root: str) -> RunResult | None:
     """The run's result if it finished (with its held-out diagnostics if computed), else None."""
     directory = run.directory(root)
-    path = os.path.join(directory, SUMMARY_FILE)
-    if not os.path.exists(path):
+    path = storage.path(directory) / SUMMARY_FILE
+    if not path.exists():
         return None
-    with open(path) as f:
-        summary = json.load(f)
-    rows = [r for r in read_metrics(os.path.join(directory, METRICS_FILE)) if "dev_accuracy" in r]
+    summary = json.loads(path.read_text())
+    rows = [r for r in read_metrics(storage.path(directory) / METRICS_FILE) if "dev_accuracy" in r]
     if not rows:
         raise ValueError(
             f"{directory}/{METRICS_FILE} has no dev_accuracy rows: set train.eval_every so the run evaluates"
         )
-    held_out = {}
-    if os.path.exists(os.path.join(directory, HELD_OUT_FILE)):
-        with open(os.path.join(directory, HELD_OUT_FILE)) as f:
-            held_out = json.load(f)
+    held_out_path = storage.path(directory) / HELD_OUT_FILE
+    held_out = json.loads(held_out_path.read_text()) if held_out_path.exists() else {}
     return RunResult(
         run,
         directory,
@@ -227,12 +227,31 @@ def load_result(run: Run, root: str) -> RunResult | None:
 PROGRESS_EVERY_S = 20.0
 
 
+@contextlib.contextmanager
+def command_log(path):
+    """An appendable OS file for a subprocess's output that ends up at `path`: `path` itself on a
+    disk; on a bucket a local file seeded with the log so far and uploaded whole when done."""
+    if not storage.is_remote(path):
+        with open(path, "a") as out:  # a local run path: a subprocess writes to it through the OS
+            yield out
+        return
+    with tempfile.NamedTemporaryFile("a+", suffix=".log") as local:
+        if path.exists():
+            local.write(path.read_text())
+            local.flush()
+        try:
+            yield local
+        finally:
+            local.flush()
+            local.seek(0)
+            storage.write_text(path, local.read())
+
+
 def run_progress(directory: str, command: list[str]) -> str:
     """Where a run's command is, from what it has written: its newest metrics row, else its first phase."""
     if os.path.basename(command[1]) != "train.py":
         return "held-out diagnostics"
-    path = os.path.join(directory, METRICS_FILE)
-    rows = read_metrics(path) if os.path.exists(path) else []
+    rows = read_metrics(storage.path(directory) / METRICS_FILE)
     if not rows:
         return "warm start, first evaluation or compiling"
     accuracy = [r["dev_accuracy"] for r in rows if "dev_accuracy" in r]
@@ -265,28 +284,24 @@ def execute(
 
     def launch(run: Run) -> str | None:
         directory = run.directory(root)
-        done = os.path.exists(os.path.join(directory, SUMMARY_FILE))
-        needs_held_out = held_out_problems > 0 and not os.path.exists(os.path.join(directory, HELD_OUT_FILE))
+        done = (storage.path(directory) / SUMMARY_FILE).exists()
+        needs_held_out = held_out_problems > 0 and not (storage.path(directory) / HELD_OUT_FILE).exists()
         if not train or (done and not needs_held_out):
             return None
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "run.json"), "w") as f:
-            json.dump(
+        storage.write_text(
+            storage.path(directory) / "run.json",
+            json.dumps(
                 {"arm": run.arm, "seed": run.seed, "base_config": run.base_config, "overrides": list(run.overrides)},
-                f,
                 indent=2,
-            )
+            ),
+        )
         commands = [] if done else [run.command(root, sys.executable)]
-        if (
-            commands
-            and os.path.isdir(os.path.join(directory, "checkpoints"))
-            and os.listdir(os.path.join(directory, "checkpoints"))
-        ):
+        if commands and storage.names(storage.path(directory) / "checkpoints"):
             commands[0].append("--config.resume=True")
         if held_out_problems > 0:
             commands.append(run.held_out_command(root, held_out_problems, sys.executable))
         log(f"start {run.arm} seed {run.seed}: {directory}")
-        with open(os.path.join(directory, "train.log"), "a") as out:
+        with command_log(storage.path(directory) / "train.log") as out:
             for command in commands:
                 out.write("$ " + shlex.join(command) + "\n")
                 out.flush()

@@ -22,7 +22,7 @@ import os
 import jax
 import numpy as np
 
-from comppo_jax import sharding
+from comppo_jax import sharding, storage
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.restore import restored_actor
 from comppo_jax.models import ConfigError, lora, model_config, to_hf
@@ -47,7 +47,7 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
             f"{run_dir} is a full fine-tuning run (model.lora.rank=0): it has no adapters to export as PEFT; "
             "export its weights with --format=hf"
         )
-    if os.path.isdir(out) and os.listdir(out):
+    if storage.names(out):
         raise FileExistsError(f"{out} exists and is not empty: choose another --out, or remove it")
     config = model_config(cfg.model)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.AXES)
@@ -60,30 +60,43 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
     finally:
         checkpoints.close()
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-    written = [f"step {step} of {run_dir}"]
+    with storage.local_folder(out) as folder:  # safetensors and save_pretrained write local files
+        return [f"step {step} of {run_dir}", *_write_export(cfg, config, params, tokenizer, format, out, folder)]
+
+
+def _write_export(cfg, config, params, tokenizer, format: str, out: str, folder: str) -> list[str]:
+    """Writes the export into the local `folder` (which becomes `out`); says what it wrote."""
+    adapters = LoraConfig.of(cfg.model)
+    written = []
     if format == "hf":
-        to_hf(config, cast_params(lora.merged(params, config), config.dtype), out)
+        to_hf(config, cast_params(lora.merged(params, config), config.dtype), folder)
         written.append(
             f"{out}: {'merged ' if adapters.enabled else ''}weights ({config.dtype}), config.json"
-            + _tokenizer_files(tokenizer, out)
+            + _tokenizer_files(tokenizer, folder)
         )
         return written
     own_base = (
         not cfg.model.path or cfg.warm_start.steps
     )  # the run made its base (warm start or random init): it goes along
-    base_model = os.path.join(os.path.abspath(out), "base") if own_base else os.path.abspath(cfg.model.path)
-    to_peft(config, lora.trainable(params), out, base_model=base_model)
+    # where the adapters' base will be: the exported copy, else model.path as the run named it (a hub id stays one)
+    base_model = str(storage.path(out) / "base") if own_base else _as_named(cfg.model.path)
+    to_peft(config, lora.trainable(params), folder, base_model=base_model)
     written.append(
         f"{out}: adapter_config.json, adapter_model.safetensors (rank {adapters.rank}, alpha {adapters.alpha}, "
-        f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, out)
+        f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, folder)
     )
     if own_base:
-        to_hf(config, lora.base(params), base_model)
+        to_hf(config, lora.base(params), storage.join(folder, "base"))
         written.append(
             f"{base_model}: the base the adapters were trained on (the run's own, not model.path), weights and "
-            f"config.json" + _tokenizer_files(tokenizer, base_model)
+            f"config.json" + _tokenizer_files(tokenizer, storage.join(folder, "base"))
         )
     return written
+
+
+def _as_named(model_path: str) -> str:
+    """model.path as an adapter config should name it: a local directory absolute, a bucket path or hub id as is."""
+    return str(storage.path(model_path)) if os.path.exists(model_path) else model_path
 
 
 def _tokenizer_files(tokenizer, out: str) -> str:

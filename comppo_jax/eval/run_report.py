@@ -26,9 +26,9 @@ import html
 import importlib.resources
 import json
 import math
-import os
 import re
 
+from comppo_jax import storage
 from comppo_jax.credit import load_position_schedule
 from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
@@ -62,40 +62,34 @@ def color_of(table: list[str], value: float, low: float, high: float) -> str:
     return table[math.floor(scaled * (LUT_SIZE - 1) + 0.5)]
 
 
-def _read_json(path: str):
-    if not os.path.exists(path):
+def _read_json(path):
+    path = storage.path(path)
+    if not path.exists():
         return None
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON ({error})") from error
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from error
 
 
-def _png_data_uri(path: str) -> str:
-    with open(path, "rb") as f:
-        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
+def _png_data_uri(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(storage.path(path).read_bytes()).decode()
 
 
 def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
     """curves.png as a data URI, drawn from metrics.jsonl's `rows` when the run has not written it
     since its last step (still going, or resumed to go further)."""
-    path, metrics = os.path.join(run_dir, "curves.png"), os.path.join(run_dir, METRICS_FILE)
-    if os.path.exists(path) and (not os.path.exists(metrics) or os.path.getmtime(path) >= os.path.getmtime(metrics)):
+    path, metrics = storage.path(run_dir) / "curves.png", storage.path(run_dir) / METRICS_FILE
+    if path.exists() and (not metrics.exists() or path.stat().mtime >= metrics.stat().mtime):
         return _png_data_uri(path)
     if not rows:
         return ""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        png, parsed = os.path.join(folder, "curves.png"), os.path.join(folder, METRICS_FILE)
-        with open(parsed, "w") as f:  # the rows that parse
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-        plot_run(
-            parsed,
-            png,
-            title=f"{os.path.basename(os.path.abspath(run_dir))} (in progress)" if summary is None else "",
-        )
+        png, parsed = storage.path(folder) / "curves.png", storage.path(folder) / METRICS_FILE
+        storage.write_text(parsed, "".join(json.dumps(row) + "\n" for row in rows))  # the rows that parse
+        plot_run(parsed, png, title=f"{storage.path(run_dir).name} (in progress)" if summary is None else "")
         return _png_data_uri(png)
 
 
@@ -126,8 +120,8 @@ def phase_timeline(rows: list[dict]) -> str:
 
 def gate_profile_svg(run_dir: str) -> str:
     """The run's mean gate per bin of t/T (gate_profile.json) as an inline SVG bar chart."""
-    path = os.path.join(run_dir, GATE_PROFILE_FILE)
-    if not os.path.exists(path):
+    path = storage.path(run_dir) / GATE_PROFILE_FILE
+    if not path.exists():
         return "<p>No gate profile: it is written when a run with a gate (CompPO, PPO) finishes.</p>"
     profile = load_position_schedule(path)  # ValueError naming the file and field of a damaged one
     means, edges, counts = profile.mean_gate.tolist(), profile.bin_edges.tolist(), profile.token_counts.tolist()
@@ -173,31 +167,28 @@ def _field(config: dict, dotted: str):
 
 def metrics_rows(path: str) -> tuple[list[dict], int]:
     """(metrics.jsonl's rows, how many lines do not parse: a line torn by a crash); ([], 0) without the file."""
-    if not os.path.exists(path):
-        return [], 0
     rows, torn = [], 0
-    with open(path) as f:
-        for line in filter(str.strip, f):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                torn += 1
+    for line in storage.read_lines(path):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            torn += 1
     return rows, torn
 
 
 def run_report_html(run_dir: str) -> str:
     """The page (module docstring) of the run in `run_dir`; raises FileNotFoundError when the
     directory holds no run (no config.json and no metrics.jsonl)."""
-    config = _read_json(os.path.join(run_dir, CONFIG_FILE))
-    metrics_path = os.path.join(run_dir, METRICS_FILE)
-    if config is None and not os.path.exists(metrics_path):
+    config = _read_json(storage.path(run_dir) / CONFIG_FILE)
+    metrics_path = storage.path(run_dir) / METRICS_FILE
+    if config is None and not metrics_path.exists():
         raise FileNotFoundError(
             f"{run_dir} holds no training run (no {CONFIG_FILE}, no {METRICS_FILE}): pass a launch/train.py output_dir"
         )
     rows, torn = metrics_rows(metrics_path)
-    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    summary = _read_json(storage.path(run_dir) / "summary.json")
     records, unreadable = load_samples(run_dir)
-    name = os.path.basename(os.path.abspath(run_dir))
+    name = storage.path(run_dir).name
     status = (
         "finished"
         if summary is not None
@@ -222,7 +213,7 @@ def run_report_html(run_dir: str) -> str:
     torn_note = f"<p class='warn'>{torn} line(s) of {METRICS_FILE} do not parse (left out).</p>" if torn else ""
     body = f"""
 <h1>{html.escape(name)}: {html.escape(str(key_fields["method"]))} run report</h1>
-<p>{html.escape(os.path.abspath(run_dir))} &middot; {status} &middot; {len(rows)} steps logged &middot;
+<p>{html.escape(str(storage.path(run_dir)))} &middot; {status} &middot; {len(rows)} steps logged &middot;
 {len(records)} steps with kept responses</p>
 <h2>Summary</h2>
 {_table(summary) if summary is not None else "<p>No summary.json yet: the run has not finished.</p>"}
@@ -252,10 +243,6 @@ def run_report_html(run_dir: str) -> str:
 
 def write_run_report(run_dir: str, out: str | None = None) -> str:
     """Writes run_report_html(run_dir) to `out` (default <run_dir>/report.html); returns the path."""
-    out = out or os.path.join(run_dir, REPORT_FILE)
-    page = run_report_html(run_dir)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        f.write(page)
-    os.replace(out + ".tmp", out)
+    out = str(storage.path(out or storage.path(run_dir) / REPORT_FILE))
+    storage.write_text(out, run_report_html(run_dir))
     return out

@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import json
 import logging as std_logging
-import os
-import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +45,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
+from comppo_jax import storage
 from comppo_jax.models import CheckpointError
 from comppo_jax.sharding import any_process, to_memory
 
@@ -60,8 +58,7 @@ QUARANTINE_DIR = "corrupt_checkpoints"
 def committed_steps(run_dir: str) -> list[int]:
     """The step checkpoints whose saves committed under `run_dir`/checkpoints, read from the directory
     names alone (an unfinished save is a `<step>.orbax-checkpoint-tmp*` directory)."""
-    directory = os.path.join(run_dir, "checkpoints")
-    return [int(name) for name in os.listdir(directory) if name.isdigit()] if os.path.isdir(directory) else []
+    return [int(name) for name in storage.names(storage.path(run_dir) / "checkpoints") if name.isdigit()]
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -171,8 +168,8 @@ class RunCheckpoints:
     """Checkpoints under `directory`/checkpoints (and the reference under `directory`/reference)."""
 
     def __init__(self, directory: str, keep_last: int = 1, keep_best: int = 1, read_only: bool = False):
-        self.directory = os.path.abspath(directory)
-        if read_only and not os.path.isdir(os.path.join(self.directory, "checkpoints")):
+        self.directory = storage.path(directory)
+        if read_only and not (self.directory / "checkpoints").is_dir():
             raise FileNotFoundError(
                 f"{self.directory}/checkpoints does not exist; expected a training run's output_dir"
             )
@@ -203,13 +200,11 @@ class RunCheckpoints:
             read_only=self.read_only,
             save_interval_steps=0 if self.read_only else 1,  # Orbax sets (and warns) otherwise
         )
-        return ocp.CheckpointManager(
-            os.path.join(self.directory, "checkpoints"), options=options, item_names=("state", "meta")
-        )
+        return ocp.CheckpointManager(self.directory / "checkpoints", options=options, item_names=("state", "meta"))
 
     @property
     def steps_directory(self) -> str:
-        return os.path.join(self.directory, "checkpoints")
+        return str(self.directory / "checkpoints")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -281,8 +276,9 @@ class RunCheckpoints:
     def _remove_partial(self, step: int) -> None:
         """Deletes what a failed save of `step` left behind (Orbax writes into a temporary directory first)."""
         if jax.process_index() == 0:
-            for path in glob.glob(os.path.join(self.steps_directory, f"{step}.orbax-checkpoint-tmp*")):
-                shutil.rmtree(path, ignore_errors=True)
+            for name in storage.names(self.steps_directory):
+                if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    storage.remove(f"{self.steps_directory}/{name}")
         multihost_utils.sync_global_devices(f"comppo_remove_partial_{step}")
         self.manager.reload()
 
@@ -376,7 +372,7 @@ class RunCheckpoints:
             if failures:
                 print(
                     f"resume: checkpoint(s) {sorted(failures)} failed verification and were moved to "
-                    f"{os.path.join(self.directory, QUARANTINE_DIR)}; resuming from step {step}",
+                    f"{self.directory / QUARANTINE_DIR}; resuming from step {step}",
                     flush=True,
                 )
             self.newest_good.clear()
@@ -388,15 +384,14 @@ class RunCheckpoints:
 
     def set_aside(self) -> list[str]:
         """The checkpoints moved to corrupt_checkpoints/ (names `<step>-<time>`), oldest first."""
-        directory = os.path.join(self.directory, QUARANTINE_DIR)
-        return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        return storage.names(self.directory / QUARANTINE_DIR)
 
     def set_aside_note(self) -> str:
         """What corrupt_checkpoints/ holds and how to use one of them ("" when it is empty)."""
         aside = self.set_aside()
         if not aside:
             return ""
-        quarantine = os.path.join(self.directory, QUARANTINE_DIR)
+        quarantine = self.directory / QUARANTINE_DIR
         return (
             f"{quarantine} holds {len(aside)} set aside as damaged ({', '.join(aside)}): if one is wanted anyway, "
             f"move it back as its step number (mv {quarantine}/{aside[-1]} "
@@ -416,9 +411,8 @@ class RunCheckpoints:
 
     def _quarantine(self, step: int) -> None:
         if jax.process_index() == 0:
-            target = os.path.join(self.directory, QUARANTINE_DIR, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.move(os.path.join(self.steps_directory, str(step)), target)
+            target = self.directory / QUARANTINE_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            storage.move(f"{self.steps_directory}/{step}", target)
         multihost_utils.sync_global_devices(f"comppo_quarantine_{step}")
         self.manager.reload()
 
@@ -459,25 +453,24 @@ class RunCheckpoints:
         if non_finite:
             raise NonFiniteStateError(f"the reference policy holds NaN or inf in {non_finite[0]}; not saved")
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(os.path.join(self.directory, REFERENCE_DIR), params, force=True)
+            checkpointer.save(self.directory / REFERENCE_DIR, params, force=True)
         if jax.process_index() == 0:
-            with open(os.path.join(self.directory, REFERENCE_DIGESTS), "w") as f:
-                json.dump(digests, f)
+            storage.write_text(self.directory / REFERENCE_DIGESTS, json.dumps(digests))
 
     def record_base(self, params: Any, source: str) -> None:
         """Writes base.json: where a LoRA run's frozen base came from and its digests."""
         digests, _ = state_digests(params)
         if jax.process_index() == 0:
-            with open(os.path.join(self.directory, BASE_RECORD), "w") as f:
-                json.dump({"source": source, "digests": digests}, f, indent=1)
+            storage.write_text(
+                self.directory / BASE_RECORD, json.dumps({"source": source, "digests": digests}, indent=1)
+            )
 
     def verify_base(self, params: Any, source: str) -> None:
         """Raises CheckpointError when `params` (the base loaded from `source`) is not the base the
         run's adapters were trained on (base.json's digests)."""
-        path = os.path.join(self.directory, BASE_RECORD)
+        path = self.directory / BASE_RECORD
         try:
-            with open(path) as f:
-                record = json.load(f)
+            record = json.loads(storage.read_text(path))
             expected = record["digests"]
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise CheckpointError(
@@ -498,11 +491,10 @@ class RunCheckpoints:
         """Saves `params`, the reference replayed from the warm start, as the run's reference policy
         when it matches the saved digests (or none can be read, with a warning). Raises
         CheckpointError saying what is lost and what to do when it does not match."""
-        path = os.path.join(self.directory, REFERENCE_DIR)
-        digests_path = os.path.join(self.directory, REFERENCE_DIGESTS)
+        path = self.directory / REFERENCE_DIR
+        digests_path = self.directory / REFERENCE_DIGESTS
         try:
-            with open(digests_path) as f:
-                expected = json.load(f)
+            expected = json.loads(storage.read_text(digests_path))
         except (OSError, ValueError) as error:
             expected = None
             logging.warning(
@@ -530,14 +522,13 @@ class RunCheckpoints:
             )
 
     def restore_reference(self, target: Any) -> Any:
-        path = os.path.join(self.directory, REFERENCE_DIR)
-        if not os.path.isdir(path):
+        path = self.directory / REFERENCE_DIR
+        if not path.is_dir():
             raise FileNotFoundError(f"{path} is missing: the run's warm-started reference policy cannot be restored")
         try:
             with ocp.StandardCheckpointer() as checkpointer:
                 params = checkpointer.restore(path, _abstract(target))
-            with open(os.path.join(self.directory, REFERENCE_DIGESTS)) as f:
-                digests = json.load(f)
+            digests = json.loads(storage.read_text(self.directory / REFERENCE_DIGESTS))
         except Exception as error:  # TensorStore / JSON errors of damaged files
             raise CheckpointError(f"the reference policy under {path} cannot be read: {_first_line(error)}") from error
         verify(params, digests, f"the reference policy ({path})")

@@ -34,7 +34,6 @@ latest checkpoint and continues exactly where it stopped.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -44,7 +43,7 @@ import jax.numpy as jnp
 import tqdm
 from absl import logging
 
-from comppo_jax import sharding
+from comppo_jax import sharding, storage
 from comppo_jax.data.rewards import VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy, lora
@@ -134,13 +133,12 @@ def completed_summary(cfg, checkpoints: RunCheckpoints, last_step: int, main_pro
             f"{cfg.output_dir} has checkpoint {latest}, past this config's last step {last_step}: raise config.steps "
             "to continue it, or choose another --config.output_dir"
         )
-    path = os.path.join(cfg.output_dir, "summary.json")
-    if latest != last_step or not os.path.exists(path):
+    path = storage.path(cfg.output_dir) / "summary.json"
+    if latest != last_step or not path.exists():
         return None
     if main_process:
         print(f"run already complete at step {last_step}: nothing to do ({path})", flush=True)
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(path.read_text())
 
 
 def first_call_notices(enabled: bool):
@@ -165,7 +163,7 @@ def train(cfg) -> dict:
     mesh, rollout_devices = training_mesh(cfg)
     check_batch(cfg, mesh)
     decode_layout.check_config(cfg, mesh, rollout_devices)
-    os.makedirs(cfg.output_dir, exist_ok=True)
+    storage.path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     # One writer per run directory; from here on a SIGTERM / SIGINT stops the run cleanly.
     with run_dir.locked(cfg.output_dir), StopSignals() as stop:
         try:
@@ -176,13 +174,13 @@ def train(cfg) -> dict:
 
 def stopped_early(cfg, stage: str) -> dict:
     """A run stopped before the end of a step: its newest checkpoint (if any) is where it resumes."""
-    steps = committed_steps(os.path.abspath(cfg.output_dir))
+    steps = committed_steps(cfg.output_dir)
     if not steps:
         return {"stopped_during": stage}
     return {
         "stopped_at_step": max(steps),
         "stopped_during": stage,
-        "checkpoint": os.path.join(os.path.abspath(cfg.output_dir), "checkpoints", str(max(steps))),
+        "checkpoint": str(storage.path(cfg.output_dir) / "checkpoints" / str(max(steps))),
     }
 
 
@@ -204,7 +202,7 @@ def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
         return []
     if checkpoints.latest_step() is None:
         raise FileNotFoundError(checkpoints.no_checkpoint_message())
-    if not os.path.exists(os.path.join(cfg.output_dir, CONFIG_FILE)):
+    if not (storage.path(cfg.output_dir) / CONFIG_FILE).exists():
         logging.warning(
             "%s has no %s to compare this resume's config with; it is written now", cfg.output_dir, CONFIG_FILE
         )

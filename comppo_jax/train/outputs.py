@@ -16,21 +16,25 @@ is the warm-started policy before any RL step. On resume from checkpoint N, rows
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import tempfile
+import time
 import uuid
 
 import numpy as np
 from absl import logging
+
+from comppo_jax import storage
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 
 
 def save_run_config(cfg, output_dir: str) -> None:
-    with open(os.path.join(output_dir, CONFIG_FILE), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2, sort_keys=True))
+    storage.write_text(storage.path(output_dir) / CONFIG_FILE, cfg.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def _tuples(value):
@@ -59,25 +63,23 @@ def load_run_config(run_dir: str):
 
     from comppo_jax.train.paper import paper_config
 
-    path = os.path.join(run_dir, CONFIG_FILE)
-    if not os.path.exists(path):
+    path = storage.path(run_dir) / CONFIG_FILE
+    if not path.exists():
         raise FileNotFoundError(
             f"{path} does not exist: {run_dir} is not a training run's output_dir "
             "(launch/train.py writes config.json there when it starts; for a run without one, "
             "pass the config it trained with: --config=<file> and its overrides)"
         )
-    with open(path) as f:
-        try:
-            values = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON ({error})") from error
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from error
     arch = values.get("model", {}).get("arch", {}) if isinstance(values, dict) else {}
     return ml_collections.ConfigDict(_tuples(_with_defaults(values, paper_config(arch).to_dict())))
 
 
 def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in storage.read_lines(path)]
 
 
 def resumed_rows(path: str, resumed_step: int) -> list[dict]:
@@ -85,10 +87,7 @@ def resumed_rows(path: str, resumed_step: int) -> list[dict]:
     checkpoint. Lines that do not parse (a write torn by a crash) and rows past the checkpoint (steps
     the resumed run does again) are set aside, verbatim, into `path` + `.set_aside_at_step_<N>`; a
     warning names that file, and another names the steps whose rows are missing (a deleted file)."""
-    lines = []
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
+    lines = storage.read_lines(path)
     kept, aside = [], []
     for line in lines:
         try:
@@ -103,8 +102,7 @@ def resumed_rows(path: str, resumed_step: int) -> list[dict]:
             aside.append(line)
     if aside:
         aside_path = f"{path}.set_aside_at_step_{resumed_step}"
-        with open(aside_path, "a") as f:
-            f.write("\n".join(aside) + "\n")
+        storage.append_lines(aside_path, aside)
         logging.warning(
             "%s: %d line(s) that do not parse or lie past the resumed step %d set aside into %s",
             path,
@@ -163,21 +161,20 @@ class WandbLogger:
     def __init__(self, output_dir: str, config: dict, resuming: bool):
         import wandb  # the wandb extra
 
-        id_path = os.path.join(output_dir, WANDB_ID_FILE)
-        if resuming and os.path.exists(id_path):
-            with open(id_path) as f:
-                run_id = f.read().strip()
+        id_path = storage.path(output_dir) / WANDB_ID_FILE
+        if resuming and id_path.exists():
+            run_id = id_path.read_text().strip()
         else:
             run_id = uuid.uuid4().hex[:8]  # W&B's own id form: 8 lowercase letters and digits
-            with open(id_path, "w") as f:
-                f.write(run_id + "\n")
+            storage.write_text(id_path, run_id + "\n")
         self.wandb = wandb
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "comppo_jax"),
             id=run_id,
             resume="allow",
-            dir=output_dir,
-            name=os.path.basename(os.path.abspath(output_dir)),
+            # wandb writes its own files with the OS: beside a bucket run, in a local folder
+            dir=tempfile.mkdtemp(prefix="comppo_wandb_") if storage.is_remote(output_dir) else output_dir,
+            name=storage.path(output_dir).name,
             config=config,
         )
         self.run.define_metric("*", step_metric="step")
@@ -220,7 +217,16 @@ class MetricsWriter:
     names), and kept responses to the loggers that take them (wandb's table); keeps the rows of
     steps 1..`resumed_step` (the checkpoint the run resumed from; 0: a new run; `resumed_rows`).
     Disabled (`enabled=False`) it writes nothing: a multi-process run's other processes.
-    `config`: the run's config as a dict, for wandb."""
+    `config`: the run's config as a dict, for wandb.
+
+    On a disk every row is written as it comes. On a bucket (no appends) rows reach metrics.jsonl
+    at each `flush()`, which the recorder calls before every checkpoint save starts, so a checkpointed
+    step's row is never lost, and at least every `FLUSH_S` seconds, so the bucket shows progress; a
+    preemption loses at most the rows since the last flush, which the resumed run writes again.
+    TensorBoard's event file is written in a local folder and uploaded at each flush as an event
+    file of its own under `tensorboard/` (TensorBoard reads every event file of a directory)."""
+
+    FLUSH_S = 60.0
 
     def __init__(
         self,
@@ -230,44 +236,76 @@ class MetricsWriter:
         enabled: bool = True,
         config: dict | None = None,
     ):
-        self.file = self.tensorboard = self.wandb = None
+        self.log = self.tensorboard = self.wandb = None
         if not enabled:
             return
-        self.path = os.path.join(output_dir, METRICS_FILE)
+        self.path = storage.path(output_dir) / METRICS_FILE
         kept = resumed_rows(self.path, resumed_step)  # a new run sets an earlier attempt's rows aside, all of them
-        self.file = open(self.path, "w")
-        for row in kept:
-            self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if "tensorboard" in loggers:
-            from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
-
-            self.tensorboard = SummaryWriter(
-                os.path.join(output_dir, "tensorboard"), purge_step=resumed_step + 1 if resumed_step else None
-            )
+        storage.write_text(self.path, "".join(json.dumps(row) + "\n" for row in kept))
+        self.log = storage.AppendLog(self.path)
+        self.flushed_at = time.monotonic()
+        self.tensorboard_dir = storage.path(output_dir) / "tensorboard"
+        self.tensorboard_local = (
+            tempfile.mkdtemp(prefix="comppo_tensorboard_") if storage.is_remote(output_dir) else None
+        )
+        self.purge_step = resumed_step + 1 if resumed_step else None
+        self.segments = 0
+        self.loggers = loggers
         if "wandb" in loggers:
             self.wandb = WandbLogger(output_dir, config or {}, resuming=resumed_step > 0)
 
+    def _tensorboard(self):
+        """The open TensorBoard writer, opened on first use (after each bucket upload, a new event file)."""
+        if self.tensorboard is None and "tensorboard" in self.loggers:
+            from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
+
+            self.tensorboard = SummaryWriter(
+                self.tensorboard_local or str(self.tensorboard_dir),
+                purge_step=self.purge_step if self.segments == 0 else None,
+                filename_suffix=f".{self.segments}",
+            )
+        return self.tensorboard
+
     def write(self, metrics: dict) -> None:
-        if self.file is None:
+        if self.log is None:
             return
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
-        if self.tensorboard is not None:
+        self.log.append(json.dumps(metrics))
+        tensorboard = self._tensorboard()
+        if tensorboard is not None:
             for name, value in metrics.items():
                 if _scalar(value) and name != "step":
-                    self.tensorboard.add_scalar(name, value, metrics["step"])
-            self.tensorboard.flush()
+                    tensorboard.add_scalar(name, value, metrics["step"])
+            tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log(metrics)
+        if time.monotonic() - self.flushed_at > self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Makes every row written so far durable in the run directory (module docstring)."""
+        if self.log is None:
+            return
+        self.log.flush()
+        if self.tensorboard_local is not None and self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+            for name in storage.names(self.tensorboard_local):
+                local = storage.path(self.tensorboard_local) / name
+                storage.write_bytes(self.tensorboard_dir / name, local.read_bytes())
+                local.unlink()
+            self.segments += 1
+        self.flushed_at = time.monotonic()
 
     def write_samples(self, record: dict) -> None:
         if self.wandb is not None:
             self.wandb.log_samples(record)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        if self.log is None:
+            return
+        self.flush()
+        self.log.close()
+        self.log = None
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
@@ -321,5 +359,7 @@ def plot_run(metrics_path: str, png_path: str, title: str = "", warm_start_accur
         if axis.lines:  # below the axes, clear of the curves
             axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     figure.suptitle(title)
-    figure.savefig(png_path, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
     plt.close(figure)
+    storage.write_bytes(png_path, image.getvalue())

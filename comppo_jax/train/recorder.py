@@ -14,12 +14,11 @@ run's gate profile. `Recorder.finish` writes summary.json, gate_profile.json and
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import numpy as np
 
-from comppo_jax import sharding
+from comppo_jax import sharding, storage
 from comppo_jax.credit import position_bin_totals, save_position_schedule, schedule_from_totals
 from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.data.rewards import Verdict
@@ -155,13 +154,14 @@ class Recorder:
         prompt stream's position, the controller's and the guard's state."""
         if step % self.cfg.checkpoint.every == 0 or step == self.last_step or stopping or "dev_accuracy" in metrics:
             self.meta.update(step=step, **stages_meta)
+            self.writer.flush()  # first: a checkpointed step's metrics row is never lost (a bucket has no appends)
             self.checkpoints.save(step, state, self.meta, metrics.get("dev_accuracy"))
 
     def stopped(self, step: int) -> dict:
         """Finishes a run stopped by a signal after `step`: its checkpoint is confirmed written."""
         self.checkpoints.close()  # waits for the save and raises if it failed
         self.writer.close()
-        return {"stopped_at_step": step, "checkpoint": os.path.join(self.checkpoints.steps_directory, str(step))}
+        return {"stopped_at_step": step, "checkpoint": f"{self.checkpoints.steps_directory}/{step}"}
 
     def finish(self, final_accuracy: float, dev_problems: int, skipped: SkippedUpdates) -> dict:
         """The run's summary, written with its gate profile and curves by the main process."""
@@ -194,19 +194,18 @@ class Recorder:
                 meta["gate_profile"]["sums"],
                 meta["gate_profile"]["counts"],
                 {
-                    "source": os.path.abspath(cfg.output_dir),
+                    "source": str(storage.path(cfg.output_dir)),
                     "method": cfg.method,
                     "steps": self.last_step,
                     "seed": cfg.seed,
                 },
             )
-            save_position_schedule(profile, os.path.join(cfg.output_dir, GATE_PROFILE_FILE))
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            save_position_schedule(profile, storage.path(cfg.output_dir) / GATE_PROFILE_FILE)
+        storage.write_text(storage.path(cfg.output_dir) / "summary.json", json.dumps(summary, indent=2))
         if cfg.plot:
             plot_run(
-                os.path.join(cfg.output_dir, METRICS_FILE),
-                os.path.join(cfg.output_dir, "curves.png"),
+                storage.path(cfg.output_dir) / METRICS_FILE,
+                storage.path(cfg.output_dir) / "curves.png",
                 title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
                 warm_start_accuracy=meta["warm_start_dev_accuracy"],
             )

@@ -1,10 +1,11 @@
 """A run directory's guards against its own user: one writer at a time, and a config that stays
 the run's identity across resumes.
 
-- `RunLock`: `<output_dir>/run.lock` holds the writer's pid, host and process start time. A
-  second command on the same directory refuses in one line naming the holder, before anything
-  is loaded. A lock left by a dead process on this host (its pid gone, or reused by another
-  process) is taken over with a warning. In a multi-process run, process 0 holds it.
+- `RunLock`: `<output_dir>/run.lock` (a local path or a bucket) holds the writer's pid, host,
+  process start time and a heartbeat. A second command on the same directory refuses in one line
+  naming the holder, before anything is loaded. A lock left by a dead process on this host (its pid
+  gone, or reused by another process), or whose heartbeat stopped `STALE_S` ago on any host, is
+  taken over with a warning. In a multi-process run, process 0 holds it.
 - `resume_changes`: what a resume changes against the run's `config.json`. Fields that change
   what is computed (model, data, seed, method, gate, critic, shapes, warm start, rollout sizes,
   loss settings: everything not in `HARMLESS`) refuse the resume in one line listing each
@@ -23,11 +24,14 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
+import uuid
 
 import jax
 from absl import logging
 
+from comppo_jax import storage
 from comppo_jax.models import ConfigError
 
 LOCK_FILE = "run.lock"
@@ -71,7 +75,7 @@ class RunDirectoryLocked(RuntimeError):
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux /proc), which tells a reused pid apart."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:  # this host's process table, not a run path
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
@@ -89,48 +93,87 @@ def _alive(pid: int, started: str | None) -> bool:
 
 class RunLock:
     """`with RunLock(output_dir, holder=True):` owns output_dir (a no-op with holder=False: the other
-    processes of a multi-process run, whose process 0 holds it)."""
+    processes of a multi-process run, whose process 0 holds it).
+
+    The lock file is made only where none exists (comppo_jax.storage.create_new: O_EXCL on a disk,
+    GCS's ifGenerationMatch=0 on a bucket). Its holder rewrites the record's `heartbeat` every
+    `HEARTBEAT_S` seconds from a daemon thread. A lock is stale, and taken over with a warning, when
+    its process is gone from this host (its pid dead or reused), or, from any host (a preempted pod
+    comes back on other machines, where a pid means nothing), when its heartbeat is older than
+    `STALE_S`."""
+
+    HEARTBEAT_S = 30.0
+    STALE_S = 300.0
 
     def __init__(self, output_dir: str, holder: bool = True):
-        self.path = os.path.join(output_dir, LOCK_FILE)
+        self.path = storage.path(output_dir) / LOCK_FILE
         self.holder = holder
         self.owned = False
+        self.record: dict = {}
+        self.stop_beating = threading.Event()
+        self.beat: threading.Thread | None = None
 
-    def _write(self) -> None:
-        record = {
+    def _new_record(self) -> dict:
+        return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": _start_time(os.getpid()),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": " ".join(sys.argv),
+            "token": uuid.uuid4().hex,  # tells this holder apart from a later one with the same pid and host
+            "heartbeat": time.time(),
         }
-        descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(descriptor, "w") as f:
-            json.dump(record, f)
-        self.owned = True
+
+    def _write(self) -> bool:
+        record = self._new_record()
+        if not storage.create_new(self.path, json.dumps(record)):
+            return False
+        self.record, self.owned = record, True
+        self.stop_beating.clear()
+        self.beat = threading.Thread(target=self._keep_beating, name="run-lock-heartbeat", daemon=True)
+        self.beat.start()
+        return True
+
+    def _keep_beating(self) -> None:
+        while not self.stop_beating.wait(self.HEARTBEAT_S):
+            try:
+                if self._holder().get("token") != self.record["token"]:
+                    logging.warning("%s: the lock is no longer this process's; its heartbeat stops", self.path)
+                    return
+                self.record["heartbeat"] = time.time()
+                storage.write_text(self.path, json.dumps(self.record))
+            except Exception as error:  # a storage hiccup must not kill the run; the next beat retries
+                logging.warning("%s: heartbeat not written (%s: %s)", self.path, type(error).__name__, error)
 
     def _holder(self) -> dict:
         try:
-            with open(self.path) as f:
-                record = json.load(f)
+            record = json.loads(storage.read_text(self.path))
             return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else {}
         except (OSError, ValueError):
-            return {}  # unreadable (torn by a crash): treated as stale
+            return {}  # unreadable (torn by a crash) or gone: treated as stale
+
+    def _stale(self, record: dict) -> bool:
+        if not record:
+            return True
+        if record.get("host") == socket.gethostname() and not _alive(record["pid"], record.get("started")):
+            return True
+        heartbeat = record.get("heartbeat")
+        return isinstance(heartbeat, (int, float)) and time.time() - heartbeat > self.STALE_S
 
     def acquire(self) -> None:
-        if not self.holder:
+        if not self.holder or self._write():
             return
-        try:
-            return self._write()
-        except FileExistsError:
-            pass
         record = self._holder()
-        here = socket.gethostname()
-        if record and (record.get("host") != here or _alive(record["pid"], record.get("started"))):
-            where = "" if record.get("host") == here else " (another host: its liveness cannot be checked from here)"
+        if not self._stale(record):
+            heartbeat = record.get("heartbeat")
+            beat = (
+                f", last heartbeat {time.time() - heartbeat:.0f} s ago (stale after {self.STALE_S:.0f} s)"
+                if isinstance(heartbeat, (int, float))
+                else ""
+            )
             raise RunDirectoryLocked(
-                f"{os.path.dirname(self.path)} is in use by pid {record['pid']} on {record.get('host')}{where} since "
-                f"{record.get('since')} ({str(record.get('command', ''))[:300]!r}): one process writes a run "
+                f"{self.path.parent} is in use by pid {record['pid']} on {record.get('host')} since "
+                f"{record.get('since')}{beat} ({str(record.get('command', ''))[:300]!r}): one process writes a run "
                 "directory; wait for it or stop it, choose another --config.output_dir, or delete "
                 f"{self.path} if that process is gone"
             )
@@ -139,18 +182,19 @@ class RunLock:
             self.path,
             f"pid {record['pid']} on {record.get('host')}" if record else "unreadable",
         )
-        os.remove(self.path)
-        try:
-            self._write()
-        except FileExistsError as error:  # another command took it over first
+        storage.remove(self.path)
+        if not self._write():  # another command took it over first
             raise RunDirectoryLocked(
-                f"{os.path.dirname(self.path)}: another command took over its stale lock ({self.path}) "
-                "at the same moment"
-            ) from error
+                f"{self.path.parent}: another command took over its stale lock ({self.path}) at the same moment"
+            )
 
     def release(self) -> None:
-        if self.owned and self._holder().get("pid") == os.getpid():
-            os.remove(self.path)
+        self.stop_beating.set()
+        if self.beat is not None:
+            self.beat.join()
+            self.beat = None
+        if self.owned and self._holder().get("token") == self.record.get("token"):
+            storage.remove(self.path)
         self.owned = False
 
     def __enter__(self) -> RunLock:
@@ -251,14 +295,13 @@ def record_changes(output_dir: str, step: int, changes: list[dict]) -> None:
     """Appends `changes` (resume_changes') to config_changes.jsonl as applying from step `step` + 1."""
     if not changes:
         return
-    with open(os.path.join(output_dir, CHANGES_FILE), "a") as f:
-        for change in changes:
-            f.write(json.dumps({"resumed_after_step": step, **change}, default=str) + "\n")
+    path = storage.path(output_dir) / CHANGES_FILE
+    storage.append_lines(path, [json.dumps({"resumed_after_step": step, **change}, default=str) for change in changes])
     accepted = [c["field"] for c in changes if c["accepted"] == "resume_allow_changes"]
     if accepted:
         logging.warning(
             "resuming after step %d with changed %s (recorded in %s)",
             step,
             ", ".join(accepted),
-            os.path.join(output_dir, CHANGES_FILE),
+            path,
         )

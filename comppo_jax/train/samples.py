@@ -33,12 +33,11 @@ tokens (`t` shows the gap), so a step's file stays under about samples_per_step 
 from __future__ import annotations
 
 import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from comppo_jax import sharding
+from comppo_jax import sharding, storage
 from comppo_jax.credit import comp_gae, gae, gate_concentration, gate_range
 from comppo_jax.data.tokenizers import token_pieces
 
@@ -47,7 +46,7 @@ CONTROLLED_GATES = ("fixed", "shuffle", "position")  # the recipe gates that rep
 
 
 def sample_path(output_dir: str, step: int) -> str:
-    return os.path.join(output_dir, SAMPLES_DIR, f"step_{step:06d}.json")
+    return str(storage.path(output_dir) / SAMPLES_DIR / f"step_{step:06d}.json")
 
 
 def keeps_samples(outputs, step: int, evaluates: bool) -> bool:
@@ -145,25 +144,19 @@ def kept_responses(cfg, recipe, tokenizer, step: int, sampled, scored) -> dict:
 def save_samples(output_dir: str, record: dict) -> str:
     """Writes `record` (kept_responses') to its step's file, atomically; returns the path."""
     path = sample_path(output_dir, record["step"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, separators=(",", ":"), allow_nan=False)
-    os.replace(path + ".tmp", path)
+    storage.write_text(path, json.dumps(record, separators=(",", ":"), allow_nan=False))
     return path
 
 
 def load_samples(output_dir: str) -> tuple[list[dict], list[str]]:
     """(every kept step's record under `output_dir` by step, "path: why" of each file that does not
     parse: a report shows the rest and names those)."""
-    folder = os.path.join(output_dir, SAMPLES_DIR)
-    if not os.path.isdir(folder):
-        return [], []
+    folder = storage.path(output_dir) / SAMPLES_DIR
     records, unreadable = [], []
-    for name in sorted(n for n in os.listdir(folder) if n.startswith("step_") and n.endswith(".json")):
-        path = os.path.join(folder, name)
+    for name in [n for n in storage.names(folder) if n.startswith("step_") and n.endswith(".json")]:
+        path = folder / name
         try:
-            with open(path) as f:
-                record = json.load(f)
+            record = json.loads(path.read_text())
             records.append((int(record["step"]), record))
         except (OSError, ValueError, KeyError, TypeError) as error:
             unreadable.append(f"{path}: {type(error).__name__}: {error}")

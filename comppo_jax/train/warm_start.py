@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
-import os
-import socket
 import time
 
 import jax
@@ -24,6 +23,7 @@ import optax
 import tqdm
 from absl import logging
 
+from comppo_jax import storage
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout import policy_token_stats
@@ -119,12 +119,12 @@ def cached_warm_start(cache_dir: str, key: dict, template, compute):
     as `<file>.damaged-<time>` with a warning naming it, and the result is computed again.
     """
     text = json.dumps(key, sort_keys=True)
-    path = os.path.join(cache_dir, f"warm_start_{hashlib.sha256(text.encode()).hexdigest()[:16]}.npz")
+    path = storage.path(cache_dir) / f"warm_start_{hashlib.sha256(text.encode()).hexdigest()[:16]}.npz"
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     names = [jax.tree_util.keystr(p) for p, _ in leaves]
-    if os.path.exists(path):
+    if path.exists():
         try:
-            with np.load(path) as stored:
+            with np.load(io.BytesIO(path.read_bytes())) as stored:
                 missing = [n for n in names if n not in stored.files] + ([] if "loss" in stored.files else ["loss"])
                 if missing:
                     raise KeyError(f"no {missing[0]} ({len(missing)} missing)")
@@ -132,7 +132,7 @@ def cached_warm_start(cache_dir: str, key: dict, template, compute):
                 return jax.tree_util.tree_unflatten(treedef, params), float(stored["loss"])
         except Exception as error:  # zip, npy and key errors of a damaged file: it is only a cache
             aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.replace(path, aside)
+            storage.move(path, aside)
             logging.warning(
                 "warm-start cache %s cannot be read (%s: %s): set aside as %s; the warm start runs again",
                 path,
@@ -141,16 +141,13 @@ def cached_warm_start(cache_dir: str, key: dict, template, compute):
                 aside,
             )
     params, loss = compute()
-    os.makedirs(cache_dir, exist_ok=True)
     arrays = {
         n: np.asarray(jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x)
         for n, x in zip(names, jax.tree.leaves(params))
     }
-    # Processes of a multi-host run may share the directory; the partial name never matches warm_start_*.npz.
-    partial = f"{path}.partial-{socket.gethostname()}-{os.getpid()}"
-    with open(partial, "wb") as f:
-        np.savez(f, loss=np.float64(loss), **arrays)
-    os.replace(partial, path)
-    with open(path[: -len(".npz")] + ".json", "w") as f:
-        f.write(text)
+    # Processes of a multi-host run may share the directory: each file is written whole (storage.write_bytes).
+    data = io.BytesIO()
+    np.savez(data, loss=np.float64(loss), **arrays)
+    storage.write_bytes(path, data.getvalue())
+    storage.write_text(path.with_suffix(".json"), text)
     return params, loss

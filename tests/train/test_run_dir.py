@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_config, small_train_flags
 
+from comppo_jax import storage
 from comppo_jax.models import CheckpointError, ConfigError
 from comppo_jax.train import loop, run_dir
 from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
@@ -203,6 +204,34 @@ def test_a_reused_pid_does_not_hold_the_lock(tmp_path, caplog):
     with run_dir.RunLock(str(tmp_path)):
         assert json.loads((tmp_path / "run.lock").read_text())["started"] != "1"
     assert "stale lock" in caplog.text
+
+
+def test_a_lock_on_a_bucket_refuses_a_live_holder_on_another_host_and_takes_over_a_silent_one(bucket, caplog):
+    """A pod's hosts share only the bucket: another host's lock is live while its heartbeat beats."""
+    run, lock = f"{bucket}/run", f"{bucket}/run/{run_dir.LOCK_FILE}"
+    record = {"pid": 1, "host": "worker-7", "since": "earlier", "command": "train.py", "token": "t"}
+    storage.write_text(lock, json.dumps({**record, "heartbeat": time.time() - 10}))
+    with pytest.raises(run_dir.RunDirectoryLocked, match=r"in use by pid 1 on worker-7 .*last heartbeat 1\d s ago"):
+        run_dir.RunLock(run).acquire()
+    assert json.loads(storage.read_text(lock))["host"] == "worker-7"  # the refusal changes nothing
+    storage.write_text(lock, json.dumps({**record, "heartbeat": time.time() - run_dir.RunLock.STALE_S - 1}))
+    with run_dir.RunLock(run):
+        assert json.loads(storage.read_text(lock))["pid"] == os.getpid()
+    assert "taking over a stale lock (pid 1 on worker-7)" in caplog.text
+    assert not storage.path(lock).exists()
+
+
+def test_the_holder_keeps_its_heartbeat_fresh_and_stops_when_the_lock_is_no_longer_its_own(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(run_dir.RunLock, "HEARTBEAT_S", 0.05)
+    lock_file = tmp_path / run_dir.LOCK_FILE
+    with run_dir.RunLock(str(tmp_path)):
+        first = json.loads(lock_file.read_text())["heartbeat"]
+        wait_for(lambda: json.loads(lock_file.read_text())["heartbeat"] > first, timeout=30)
+        lock_file.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "another"}))  # taken over
+        wait_for(lambda: "no longer this process's" in caplog.text, timeout=30)
+    assert json.loads(lock_file.read_text())["token"] == "another"  # release leaves another holder's lock
 
 
 # --- Stops before the first checkpoint ------------------------------------------------------------

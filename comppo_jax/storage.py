@@ -1,0 +1,224 @@
+"""One path layer for every file a run reads or writes: a local disk and a `gs://` bucket alike.
+
+Paths are `etils.epath.Path`, the layer Orbax itself writes checkpoints through, so one path type
+carries a run directory from the config to Orbax, tensorstore and our own files; `gs://` goes
+through fsspec's gcsfs underneath. (fsspec alone would serve our files too, but Orbax would still
+take epath, and two path types for one directory is what this module exists to avoid.)
+
+An object store is not a disk: an object cannot be appended to, and a rename is a copy and a delete.
+So the few operations whose meaning depends on that are named here, each doing the right thing on
+both:
+- `write_text` / `write_bytes` replace a file whole: through a temporary and a rename on a disk, one
+  upload on a bucket (an object appears whole or not at all);
+- `create_new` makes a file only where none exists: `O_EXCL` on a disk, the `ifGenerationMatch=0`
+  precondition on a bucket;
+- `AppendLog` is an append-only text file: lines flushed as they come on a disk; on a bucket,
+  buffered and added at each `flush()` by composing the object with a new part (GCS's server-side
+  concatenation, atomic), so a reader always sees whole flushes.
+gcsfs's listing cache is off (`use_listings_cache`): the processes of a pod and a resumed run read
+what other processes wrote, which a cached listing would hide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+
+import fsspec
+from etils import epath
+
+# Another process's writes must be visible to the next listing / existence check.
+fsspec.config.conf.setdefault("gcs", {})["use_listings_cache"] = False
+
+REMOTE_PREFIXES = ("gs://",)
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """Whether `location` names an object store (`gs://...`) rather than a local path."""
+    return os.fspath(location).startswith(REMOTE_PREFIXES)
+
+
+def path(location: str | os.PathLike) -> epath.Path:
+    """`location` as an epath.Path: a bucket path as it is, a local one made absolute (a relative run
+    directory must not be re-read against another working directory, and Orbax refuses one)."""
+    text = os.fspath(location)
+    return epath.Path(text) if is_remote(text) else epath.Path(os.path.abspath(text))
+
+
+def join(base: str | os.PathLike, *names: str) -> str:
+    """`base`/`names` as text, relative if `base` is (what a command line or a report shows)."""
+    return os.fspath(epath.Path(os.fspath(base)).joinpath(*names))
+
+
+def read_text(location: str | os.PathLike) -> str:
+    return path(location).read_text()
+
+
+def write_bytes(location: str | os.PathLike, data: bytes) -> None:
+    """Replaces the file whole: a reader (or a crash) sees the old or the new contents, never a part."""
+    target = path(location)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if is_remote(target):
+        target.write_bytes(data)  # one upload: the object appears when it is complete
+        return
+    partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp"
+    partial.write_bytes(data)
+    partial.replace(target)
+
+
+def write_text(location: str | os.PathLike, text: str) -> None:
+    write_bytes(location, text.encode())
+
+
+def create_new(location: str | os.PathLike, text: str) -> bool:
+    """Creates the file with `text` only if it does not exist; False when it does. Two processes (on
+    any hosts) racing for it: exactly one gets True (O_EXCL; GCS's ifGenerationMatch=0)."""
+    target = path(location)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if is_remote(target):
+        fs = _filesystem(target)
+        if fs.exists(os.fspath(target)):
+            return False
+        try:
+            fs.pipe_file(os.fspath(target), text.encode(), mode="create")
+        except FileExistsError:
+            return False
+        return True
+    try:
+        descriptor = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(descriptor, "w") as f:
+        f.write(text)
+    return True
+
+
+def remove(location: str | os.PathLike) -> None:
+    """Removes a file or a whole tree; nothing if it is already gone."""
+    target = path(location)
+    if target.is_dir():
+        target.rmtree(missing_ok=True)
+    else:
+        target.unlink(missing_ok=True)
+
+
+def move(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Moves a file or a tree (on a bucket a copy then a delete, object by object: not atomic)."""
+    source_path, destination_path = path(source), path(destination)
+    destination_path.parent.mkdir(parents=True, exist_ok=True)
+    if not is_remote(source_path):
+        source_path.rename(destination_path)
+        return
+    fs = _filesystem(source_path)
+    # copy + delete by hand: gcsfs's mv tries GCS's moveTo first, which only some buckets offer
+    fs.copy(os.fspath(source_path), os.fspath(destination_path), recursive=True)
+    fs.rm(os.fspath(source_path), recursive=True)
+
+
+def names(location: str | os.PathLike) -> list[str]:
+    """The sorted names in a directory; [] when it does not exist."""
+    folder = path(location)
+    return sorted(child.name for child in folder.iterdir()) if folder.is_dir() else []
+
+
+@contextlib.contextmanager
+def local_folder(location: str | os.PathLike) -> Iterator[str]:
+    """A local folder for writers that need one (safetensors, a tokenizer's save_pretrained) whose
+    contents end up at `location`: `location` itself on a disk; on a bucket a temporary folder,
+    uploaded file by file when the block ends without an error."""
+    if not is_remote(location):
+        path(location).mkdir(parents=True, exist_ok=True)
+        yield os.fspath(path(location))
+        return
+    with tempfile.TemporaryDirectory(prefix="comppo_upload_") as folder:
+        yield folder
+        for root, _, files in os.walk(folder):
+            for name in files:
+                local = os.path.join(root, name)
+                write_bytes(path(location) / os.path.relpath(local, folder), epath.Path(local).read_bytes())
+
+
+def _filesystem(target: epath.Path) -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem("gcs")
+
+
+class AppendLog:
+    """An append-only text file (JSONL): `append(line)` then `flush()`.
+
+    On a disk each line is written and flushed as it comes (a crash tears at most the line being
+    written). On a bucket the lines are kept until `flush()`, which uploads them as a part object
+    and composes the file with it (one atomic server-side concatenation; the file is created by the
+    first flush). The composite's component count grows by one each flush and GCS caps it at 1024,
+    so every `REWRITE_EVERY` flushes the file is rewritten as one plain object instead.
+    """
+
+    REWRITE_EVERY = 256
+
+    def __init__(self, location: str | os.PathLike, truncate: bool = False):
+        self.path = path(location)
+        self.remote = is_remote(self.path)
+        self.pending: list[str] = []
+        self.flushes = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate:
+            self.path.unlink(missing_ok=True)
+        self.file = None if self.remote else open(self.path, "a")  # noqa: SIM115 (closed in close())
+
+    def append(self, line: str) -> None:
+        if self.file is not None:
+            self.file.write(line.rstrip("\n") + "\n")
+            self.file.flush()
+        else:
+            self.pending.append(line.rstrip("\n") + "\n")
+
+    def extend(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.append(line)
+
+    def flush(self) -> None:
+        """Makes every appended line durable and visible to readers."""
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            return
+        if not self.pending:
+            return
+        data = "".join(self.pending).encode()
+        fs, target = _filesystem(self.path), os.fspath(self.path)
+        if not fs.exists(target):
+            fs.pipe_file(target, data)
+        elif self.flushes % self.REWRITE_EVERY == self.REWRITE_EVERY - 1:
+            fs.pipe_file(target, fs.cat_file(target) + data)
+        else:
+            part = f"{target}.part-{uuid.uuid4().hex[:12]}"
+            fs.pipe_file(part, data)
+            try:
+                fs.merge(target, [target, part])
+            finally:
+                fs.rm_file(part)
+        self.flushes += 1
+        self.pending = []
+
+    def close(self) -> None:
+        self.flush()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def append_lines(location: str | os.PathLike, lines: Iterable[str]) -> None:
+    """Appends `lines` to a text file at once (config_changes.jsonl, set-aside rows)."""
+    log = AppendLog(location)
+    log.extend(lines)
+    log.close()
+
+
+def read_lines(location: str | os.PathLike) -> list[str]:
+    """A text file's non-empty lines (without their newlines); [] when it does not exist."""
+    source = path(location)
+    if not source.exists():
+        return []
+    return [line for line in source.read_bytes().decode(errors="surrogateescape").splitlines() if line.strip()]
