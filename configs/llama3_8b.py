@@ -1,14 +1,15 @@
 """Llama-3.1-8B-Instruct, the paper's transfer backbone. Training sections: appendix C's primary configuration
 (comppo_jax/train/paper.py).
 
-Usage: --config=configs/llama3_8b.py --config.model.path=/path/to/Llama-3.1-8B-Instruct
+Usage: --config=configs/llama3_8b.py (the model, gated on the hub: HF_TOKEN, and DAPO-Math-17K by hub id;
+--config.model.path= and --config.data.path= take a local or gs:// path instead)
 """
 
 from comppo_jax.train.paper import paper_config
 
 
 def get_config():
-    return paper_config(
+    config = paper_config(
         dict(
             architecture="llama",
             vocab_size=128256,
@@ -30,3 +31,8 @@ def get_config():
             eos_token_ids=(128001, 128008, 128009),
         )
     )
+    # By hub id, fetched at the start (HF_HOME) and pinned to its commit in the run's config.json; a local or
+    # gs:// path works too.
+    config.model.path = "meta-llama/Llama-3.1-8B-Instruct"
+    config.data.path = "BytedTsinghua-SIA/DAPO-Math-17k"
+    return config

@@ -1,14 +1,15 @@
 """Qwen3-4B, the paper's primary backbone. Training sections: appendix C's primary configuration
 (comppo_jax/train/paper.py).
 
-Usage: --config=configs/qwen3_4b.py --config.model.path=/path/to/Qwen3-4B
+Usage: --config=configs/qwen3_4b.py (the model and DAPO-Math-17K by hub id; --config.model.path= and
+--config.data.path= take a local or gs:// path instead)
 """
 
 from comppo_jax.train.paper import paper_config
 
 
 def get_config():
-    return paper_config(
+    config = paper_config(
         dict(
             architecture="qwen3",
             vocab_size=151936,
@@ -27,3 +28,8 @@ def get_config():
             eos_token_ids=(151645, 151643),  # <|im_end|>, <|endoftext|>
         )
     )
+    # By hub id, fetched at the start (HF_HOME) and pinned to its commit in the run's config.json; a local or
+    # gs:// path works too.
+    config.model.path = "Qwen/Qwen3-4B"
+    config.data.path = "BytedTsinghua-SIA/DAPO-Math-17k"
+    return config

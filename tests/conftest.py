@@ -13,6 +13,8 @@ import tempfile
 import numpy as np
 import pytest
 
+from comppo_jax import storage
+
 VOCAB = 101
 
 # The tests run in pytest-xdist workers, and the TPU ahead-of-time tests in each load libtpu;
@@ -310,12 +312,15 @@ CPU_ONLY_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 def gcs_emulator():
     """A GCS emulator on 127.0.0.1 for the session (tests/gcs_emulator.py); this process's clients
     (and subprocesses started with `CPU_ONLY_ENV | gcs_emulator.env`) talk to it."""
-    from tests.gcs_emulator import GcsEmulator
+    import fsspec
+    from gcs_emulator import GcsEmulator
 
     emulator = GcsEmulator()
     before = {name: os.environ.get(name) for name in emulator.env}
     os.environ.update(emulator.env)
+    fsspec.config.conf.setdefault("gcs", {})["token"] = "anon"  # fsspec read its FSSPEC_* variables at import
     yield emulator
+    fsspec.config.conf["gcs"].pop("token", None)
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)
@@ -378,16 +383,17 @@ def on_local_cluster(
     signum=None,
     metrics=None,
     script="launch/train.py",
+    env=None,
 ):
-    """`script` on launch/local_cluster.py, its output (stdout and stderr) in `.stdout`; optionally
-    `signum` once `metrics` has `signal_after_rows` rows (SIGKILL goes to the whole process group: the
-    launcher, the processes and their verifier workers). A run that fails on a gloo timeout is rerun:
+    """`script` on launch/local_cluster.py (`env`: added to CPU_ONLY_ENV), its output (stdout and stderr) in
+    `.stdout`; optionally `signum` once `metrics` has `signal_after_rows` rows (SIGKILL goes to the whole
+    process group: the launcher, the processes and their verifier workers). A run that fails on a gloo timeout is rerun:
     without a signal, resumed if it has a checkpoint; with SIGTERM (a clean stop is what it tests), from
     its output directory as it was before, signalled again. A SIGKILL run is meant to fail and is not
     rerun. The result's `earlier` holds the error lines of the runs before it."""
     import signal
 
-    launch = dict(processes=processes, devices_per_process=devices_per_process, script=script)
+    launch = dict(processes=processes, devices_per_process=devices_per_process, script=script, env=env)
     signalled = dict(signal_after_rows=signal_after_rows, signum=signum, metrics=metrics)
     output_dirs = [arg.split("=", 1)[1] for arg in script_flags if arg.startswith("--config.output_dir=")]
     rerunnable = signum is None or (signum == signal.SIGTERM and bool(output_dirs))
@@ -401,7 +407,7 @@ def on_local_cluster(
             "\n".join(line for line in result.stdout.splitlines() if "error" in line.lower() or "Timed out" in line)
         )
         if signum is None:
-            resumable = script == "launch/train.py" and os.path.isdir(os.path.join(output_dirs[0], "checkpoints"))
+            resumable = script == "launch/train.py" and bool(storage.names(storage.join(output_dirs[0], "checkpoints")))
             print(f"gloo timeout in {script}; running it again{' resumed' if resumable else ''}:\n{earlier[-1]}")
             rerun_flags = [*script_flags, *(["--config.resume=True"] if resumable else [])]
         else:
@@ -416,7 +422,7 @@ def on_local_cluster(
 
 
 def _on_local_cluster_once(
-    script_flags, *, processes, devices_per_process, script, signal_after_rows=None, signum=None, metrics=None
+    script_flags, *, processes, devices_per_process, script, env, signal_after_rows=None, signum=None, metrics=None
 ):
     import signal
     import subprocess
@@ -435,7 +441,7 @@ def _on_local_cluster_once(
             *script_flags,
         ],
         cwd=REPO,
-        env=CPU_ONLY_ENV,
+        env={**CPU_ONLY_ENV, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

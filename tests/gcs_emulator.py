@@ -68,6 +68,14 @@ class GcsEmulator:
             "STORAGE_EMULATOR_HOST": self.url,
             "TENSORSTORE_GCS_HTTP_URL": self.url,
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            # No credentials: anonymous requests (gcsfs through fsspec's FSSPEC_<protocol>_<arg> variables),
+            # and no look for a GCE metadata server, which google-auth and tensorstore would otherwise
+            # try at 169.254.169.254 (off this machine); a closed port on 127.0.0.1 answers at once.
+            "FSSPEC_GCS_TOKEN": "anon",
+            "NO_GCE_CHECK": "true",
+            "GCE_METADATA_HOST": "127.0.0.1:9",
+            "GCE_METADATA_IP": "127.0.0.1:9",
+            "GCE_METADATA_ROOT": "127.0.0.1:9",
         }
 
     def bucket(self) -> str:

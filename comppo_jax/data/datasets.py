@@ -1,7 +1,8 @@
 """Problem sets: the synthetic default task, DAPO-Math-17K, and the frozen evaluation benchmarks.
 
-Every loader returns `Problem`s (prompt text, gold answer, id, source) read from LOCAL files
-(parquet, jsonl, a json list, or csv); nothing is fetched from a hub. A missing file raises
+Every loader returns `Problem`s (prompt text, gold answer, id, source) read from local files
+(parquet, jsonl, a json list, or csv); DAPO-Math's may also be a gs:// file or a hub dataset id, fetched
+first (`comppo_jax.hub`). A missing file raises
 `DataError` naming the path and the expected format; a malformed row is skipped, counted, and
 reported in one warning naming the file, the count and the first bad row.
 """
@@ -16,6 +17,8 @@ import os
 import random
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
+
+from comppo_jax import hub
 
 logger = logging.getLogger(__name__)
 
@@ -188,13 +191,15 @@ def _dapo_problem(index: int, row: dict) -> Problem:
 
 
 def load_dapo_math(path: str, *, dev_size: int = DEV_SIZE, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """(train, dev) from a local DAPO-Math-17K file.
+    """(train, dev) from a DAPO-Math-17K file: local, gs://, or a hub dataset id such as
+    `BytedTsinghua-SIA/DAPO-Math-17k[@revision]` (its one parquet file).
 
     The released data repeats each problem about 100 times; rows are deduplicated by prompt
     (first occurrence kept). Prompts without the `Answer:` instruction get the DAPO template.
     The dev split is `dev_size` problems chosen by a seeded shuffle of the deduplicated
     problems' content hashes, so it does not depend on row order.
     """
+    path = hub.resolve_dataset_file(path)
     problems = _convert_rows(path, read_records(path, DAPO_FIELDS), _dapo_problem, "DAPO-Math")
     unique: dict[str, Problem] = {}
     for problem in problems:
@@ -264,8 +269,10 @@ BENCHMARKS: dict[str, tuple[Callable[[int, dict], Problem], str]] = {
 
 
 def load_benchmark(name: str, path: str) -> list[Problem]:
-    """A frozen evaluation set from a local file; `BENCHMARKS[name][1]` documents its fields."""
+    """A frozen evaluation set from a file (local, gs://, or a hub dataset id holding one parquet file);
+    `BENCHMARKS[name][1]` documents its fields."""
     if name not in BENCHMARKS:
         raise DataError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
     convert, fields = BENCHMARKS[name]
+    path = hub.resolve_dataset_file(path, field=f"eval.benchmarks[{name}]")
     return _convert_rows(path, read_records(path, fields), convert, name)

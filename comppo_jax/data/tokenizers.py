@@ -4,13 +4,16 @@ special ids.
 
 - `CharTokenizer`: ASCII characters as ids (vocab 128, fits `configs/tiny.py`), with NUL as
   pad, SOH as BOS and STX as EOS; for the synthetic default task.
-- `HFTokenizer`: `transformers.AutoTokenizer` from a LOCAL directory (no hub access), whose
+- `HFTokenizer`: `transformers.AutoTokenizer` from a local directory (transformers never reaches the
+  hub: `load_tokenizer` fetches a hub id or a gs:// directory first, through `comppo_jax.hub`), whose
   prompts go through the tokenizer's chat template as a user message.
 """
 
 from __future__ import annotations
 
 import os
+
+from comppo_jax import hub
 
 
 class CharTokenizer:
@@ -61,9 +64,10 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def load_tokenizer(path: str | None):
-    """`HFTokenizer(path)` for a local HF directory, `CharTokenizer()` for None or ""."""
-    return HFTokenizer(path) if path else CharTokenizer()
+def load_tokenizer(path: str | None, field: str = "model.tokenizer"):
+    """`HFTokenizer` of a local directory, a gs:// one or a hub id (a tokenizer's or a model's), `CharTokenizer()`
+    for None or ""; `field` is the config field an error names."""
+    return HFTokenizer(hub.resolve_tokenizer(path, field)) if path else CharTokenizer()
 
 
 def token_pieces(tokenizer, tokens) -> list[str]:

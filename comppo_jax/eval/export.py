@@ -22,7 +22,7 @@ import os
 import jax
 import numpy as np
 
-from comppo_jax import sharding, storage
+from comppo_jax import hub, sharding, storage
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.restore import restored_actor
 from comppo_jax.models import ConfigError, lora, model_config, to_hf
@@ -79,8 +79,8 @@ def _write_export(cfg, config, params, tokenizer, format: str, out: str, folder:
         not cfg.model.path or cfg.warm_start.steps
     )  # the run made its base (warm start or random init): it goes along
     # where the adapters' base will be: the exported copy, else model.path as the run named it (a hub id stays one)
-    base_model = str(storage.path(out) / "base") if own_base else _as_named(cfg.model.path)
-    to_peft(config, lora.trainable(params), folder, base_model=base_model)
+    base_model, revision = (str(storage.path(out) / "base"), None) if own_base else _as_named(cfg.model.path)
+    to_peft(config, lora.trainable(params), folder, base_model=base_model, revision=revision)
     written.append(
         f"{out}: adapter_config.json, adapter_model.safetensors (rank {adapters.rank}, alpha {adapters.alpha}, "
         f"{', '.join(adapters.targets)})" + _tokenizer_files(tokenizer, folder)
@@ -94,9 +94,12 @@ def _write_export(cfg, config, params, tokenizer, format: str, out: str, folder:
     return written
 
 
-def _as_named(model_path: str) -> str:
-    """model.path as an adapter config should name it: a local directory absolute, a bucket path or hub id as is."""
-    return str(storage.path(model_path)) if os.path.exists(model_path) else model_path
+def _as_named(model_path: str) -> tuple[str, str | None]:
+    """(base_model_name_or_path, revision) of model.path as an adapter config names it: a local directory
+    absolute, a hub id split from its pinned commit (PEFT takes the revision apart), a bucket path as is."""
+    if hub.is_hub_id(model_path):
+        return hub.split_hub_id(model_path)
+    return (str(storage.path(model_path)) if os.path.exists(model_path) else model_path), None
 
 
 def _tokenizer_files(tokenizer, out: str) -> str:

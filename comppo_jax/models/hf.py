@@ -221,10 +221,11 @@ PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
-def to_peft(config: ModelConfig, adapters: dict, path: str, *, base_model: str) -> None:
+def to_peft(config: ModelConfig, adapters: dict, path: str, *, base_model: str, revision: str | None = None) -> None:
     """Writes LoRA adapters ({"layers": {"q_proj_lora_a": [N, in, r], ...}}, comppo_jax.models.lora)
     as a PEFT adapter directory: adapter_config.json (r, lora_alpha = config.lora_alpha, the
-    target modules, `base_model` as base_model_name_or_path) and adapter_model.safetensors with
+    target modules, `base_model` as base_model_name_or_path and, for a hub id, its `revision`) and
+    adapter_model.safetensors with
     PEFT's names, lora_A [r, in] and lora_B [out, r] per layer and module, e.g.
     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight. Loads with
     `peft.PeftModel.from_pretrained(<the base>, path)`."""
@@ -260,6 +261,7 @@ def to_peft(config: ModelConfig, adapters: dict, path: str, *, base_model: str) 
         "use_rslora": False,
         "inference_mode": True,
         "modules_to_save": None,
+        **({"revision": revision} if revision else {}),
     }
     with open(os.path.join(path, PEFT_CONFIG), "w") as f:
         json.dump(adapter_config, f, indent=2)

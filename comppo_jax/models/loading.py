@@ -1,4 +1,5 @@
-"""Builds the policy from a config's `model` section: random init or a local HF checkpoint."""
+"""Builds the policy from a config's `model` section: random init or an HF checkpoint (a local directory, a
+gs:// one or a hub id: `comppo_jax.hub`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import jax
 
+from comppo_jax import hub
 from comppo_jax.models.config import ConfigError, ModelConfig
 from comppo_jax.models.hf import from_hf
 from comppo_jax.models.transformer import init_params
@@ -50,7 +52,8 @@ def model_config(model_section: Mapping[str, Any]) -> ModelConfig:
 
 
 def load_policy(model_section: Mapping[str, Any], rng: jax.Array) -> tuple[ModelConfig, dict]:
-    """(config, params) from `model.path` (HF directory) or, when it is empty, `model.arch` at random.
+    """(config, params) from `model.path` (an HF checkpoint: a local or gs:// directory, or a hub id) or, when it
+    is empty, `model.arch` at random.
 
     A checkpoint whose architecture differs from `model.arch` is refused, naming the field,
     so a wrong path fails before any training starts.
@@ -59,7 +62,7 @@ def load_policy(model_section: Mapping[str, Any], rng: jax.Array) -> tuple[Model
     arch = model_config(section)
     if not section.get("path"):
         return arch, init_params(arch, rng)
-    config, params = from_hf(section["path"], dtype=arch.dtype)
+    config, params = from_hf(hub.resolve_model(section["path"]), dtype=arch.dtype)
     config = config.replace(**{name: getattr(arch, name) for name in (*EXECUTION_FIELDS, "lora_alpha")})
     for field in _ARCHITECTURE_FIELDS:
         if getattr(config, field) != getattr(arch, field):

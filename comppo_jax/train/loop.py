@@ -33,6 +33,7 @@ latest checkpoint and continues exactly where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import tqdm
 from absl import logging
 
-from comppo_jax import sharding, storage
+from comppo_jax import hub, sharding, storage
 from comppo_jax.data.rewards import VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy, lora
@@ -160,6 +161,7 @@ def train(cfg) -> dict:
     when it stopped before its first checkpoint)."""
     validate_config(cfg)  # every field, before any loading or compiling
     sharding.initialize_distributed(cfg.mesh)
+    cfg = pinned_config(cfg)
     mesh, rollout_devices = training_mesh(cfg)
     check_batch(cfg, mesh)
     decode_layout.check_config(cfg, mesh, rollout_devices)
@@ -170,6 +172,23 @@ def train(cfg) -> dict:
             return run_training(cfg, mesh, rollout_devices, stop)
         except RunStopped as error:
             return stopped_early(cfg, error.stage)
+
+
+def pinned_config(cfg):
+    """`cfg` with each hub id (model, tokenizer, data) fetched now and pinned to its commit
+    (comppo_jax.hub.pin_sources), so config.json, a resume, an eval and an export read the same bytes; a
+    resume keeps the commits its config.json recorded. Every process must pin the same commits (a branch
+    could move between them)."""
+    recorded = storage.path(cfg.output_dir) / CONFIG_FILE
+    pinned = hub.pin_sources(cfg, load_run_config(cfg.output_dir) if cfg.resume and recorded.exists() else None)
+    sources = [str(pinned.model.path), str(pinned.model.tokenizer), str(pinned.data.path)]
+    digest = int(hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:8], 16)
+    if sharding.min_over_processes(digest) != -sharding.min_over_processes(-digest):
+        raise ConfigError(
+            f"the processes resolved different commits for {sources} (a branch moved while they started): "
+            "pin them, e.g. --config.model.path=owner/name@<commit>"
+        )
+    return pinned
 
 
 def stopped_early(cfg, stage: str) -> dict:

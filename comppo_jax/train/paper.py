@@ -91,9 +91,17 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     )
     config.model = _section(
         "model.",
-        path=("", "local HF checkpoint directory (config.json + *.safetensors); nothing is downloaded"),
+        path=(
+            "",
+            "HF checkpoint (config.json + *.safetensors): a local directory, a gs:// one, or a hub id owner/name"
+            "[@revision], fetched at the start and recorded in config.json pinned to its commit",
+        ),
         path_required=(True, "refuse a random init of the preset's architecture when path is empty"),
-        tokenizer=("", 'HF tokenizer directory ("": the one saved with path; no path either: the character tokenizer)'),
+        tokenizer=(
+            "",
+            'HF tokenizer: a local or gs:// directory or a hub id ("": the one saved with path; no path either: the '
+            "character tokenizer)",
+        ),
         attention=(
             "auto",
             "training attention: auto | xla | chunked | splash | splash_interpret | cudnn "
@@ -123,7 +131,7 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
     config.data = _section(
         "data.",
         kind=("dapo_math", "dapo_math (a local DAPO-Math-17K parquet/jsonl) | synthetic (chained arithmetic)"),
-        path=("", "the dapo_math file"),
+        path=("", "the dapo_math file: local or gs:// (.parquet, .jsonl), or a hub dataset id owner/name[@revision]"),
         train_size=(0, "synthetic: training problems"),
         dev_size=(500, "ID dev problems (they drive the controller and the best checkpoint)"),
         min_steps=(0, "synthetic: fewest chained operations per problem"),

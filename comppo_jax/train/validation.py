@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 
+from comppo_jax import hub, storage
 from comppo_jax.credit import GATE_STATISTICS, LOSS_AGGREGATIONS
 from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
@@ -112,25 +113,34 @@ class _Problems:
 
 
 def _check_paths(problems: _Problems, cfg) -> None:
+    """A local path must exist; a hub id or a gs:// path is taken as written (checking it means a network
+    call: `comppo_jax.hub.pin_sources` does that, right after this pass)."""
     model = cfg.model
+    hub_id = "or a Hugging Face {} id (owner/name, optionally @<branch, tag or commit>)"
     if model.get("path_required") and not model.path:
         problems.lines.append(
-            "config.model.path='': this preset needs a local HF checkpoint: pass "
+            "config.model.path='': this preset needs an HF checkpoint: pass "
             "--config.model.path=/path/to/hf_checkpoint (a directory with config.json, *.safetensors and the "
-            "tokenizer); nothing is downloaded"
+            f"tokenizer), a gs:// one, {hub_id.format('model')} such as Qwen/Qwen3-4B"
         )
-    if model.path and not os.path.isdir(model.path):
+    if model.path and not _source_exists(model.path, os.path.isdir):
         problems.add(
-            "model.path", "does not exist; expected a local HF checkpoint directory (config.json + *.safetensors)"
+            "model.path",
+            "does not exist; expected a local HF checkpoint directory (config.json + *.safetensors), a gs:// one, "
+            + hub_id.format("model"),
         )
-    if model.tokenizer and not os.path.isdir(model.tokenizer):
+    if model.tokenizer and not _source_exists(model.tokenizer, os.path.isdir):
         problems.add(
             "model.tokenizer",
-            "does not exist; expected a local directory with tokenizer.json / tokenizer_config.json, "
-            "or '' for the tokenizer saved with model.path",
+            "does not exist; expected a local directory with tokenizer.json / tokenizer_config.json, a gs:// one, "
+            f"{hub_id.format('model')}, or '' for the tokenizer saved with model.path",
         )
-    if cfg.data.kind == "dapo_math" and not os.path.isfile(cfg.data.path):
-        problems.add("data.path", "does not exist; pass --config.data.path=/path/to/dapo-math-17k.parquet (or .jsonl)")
+    if cfg.data.kind == "dapo_math" and not _source_exists(cfg.data.path, os.path.isfile):
+        problems.add(
+            "data.path",
+            "does not exist; pass --config.data.path=/path/to/dapo-math-17k.parquet (or .jsonl), a gs:// file, "
+            f"{hub_id.format('dataset')} such as BytedTsinghua-SIA/DAPO-Math-17k",
+        )
     if cfg.method == "comppo" and cfg.gate == "position":
         if not cfg.position_schedule:
             problems.add(
@@ -138,7 +148,7 @@ def _check_paths(problems: _Problems, cfg) -> None:
                 "gate='position' needs a position schedule: pass --config.position_schedule=<a CompPO "
                 "run's output_dir>/gate_profile.json",
             )
-        elif not os.path.isfile(cfg.position_schedule):
+        elif not storage.path(cfg.position_schedule).is_file():
             problems.add(
                 "position_schedule", "does not exist; expected a JSON schedule such as a CompPO run's gate_profile.json"
             )
@@ -150,6 +160,12 @@ def _check_paths(problems: _Problems, cfg) -> None:
                     "position_schedule",
                     f"is not a position schedule ({error}); expected a CompPO run's gate_profile.json",
                 )
+
+
+def _source_exists(spec: str, is_local) -> bool:
+    """Whether `spec` is an existing local path of the right kind (`is_local`), a gs:// path or a hub id."""
+    kind = hub.source_kind(spec)
+    return kind in ("gcs", "hub") or (kind == "local" and is_local(spec))
 
 
 def _check_mesh(problems: _Problems, cfg) -> None:

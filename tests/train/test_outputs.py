@@ -14,6 +14,7 @@ import pytest
 matplotlib.use("Agg")
 from matplotlib.figure import Figure
 
+from comppo_jax import storage
 from comppo_jax.models import load_config_file
 from comppo_jax.train.outputs import METRICS_FILE, PANELS, MetricsWriter, load_run_config, plot_run, save_run_config
 from comppo_jax.train.validation import validate_config
@@ -160,3 +161,44 @@ def test_wandb_offline_logs_under_the_run_directory_and_a_resume_continues_its_r
     assert run_id() == first  # the resume's W&B run is the run's own
     MetricsWriter(str(tmp_path), resumed_step=0, loggers=("jsonl", "wandb")).close()
     assert run_id() != first  # a new run in the directory starts its own
+
+
+def test_on_a_bucket_rows_appear_at_each_flush_and_a_resume_sets_later_rows_aside_there(bucket, caplog):
+    """A bucket has no appends: rows reach metrics.jsonl at each flush (TensorBoard: an event file per
+    flush); a resume's torn and later rows are set aside in the bucket as on a disk."""
+    run = f"{bucket}/run"
+    writer = MetricsWriter(run, loggers=("jsonl", "tensorboard"))
+    writer.write({"step": 1, "reward/mean": 0.5})
+    assert storage.read_lines(f"{run}/{METRICS_FILE}") == []
+    writer.flush()
+    writer.write({"step": 2, "reward/mean": 0.25})
+    writer.write({"step": 3, "reward/mean": 0.75})
+    writer.close()
+    assert [json.loads(line)["step"] for line in storage.read_lines(f"{run}/{METRICS_FILE}")] == [1, 2, 3]
+    assert len(storage.names(f"{run}/tensorboard")) == 2
+
+    storage.write_text(f"{run}/{METRICS_FILE}", storage.read_text(f"{run}/{METRICS_FILE}") + '{"step": 4, "rew')
+    MetricsWriter(run, resumed_step=2, loggers=("jsonl",)).close()
+    assert [json.loads(line)["step"] for line in storage.read_lines(f"{run}/{METRICS_FILE}")] == [1, 2]
+    aside = storage.read_lines(f"{run}/{METRICS_FILE}.set_aside_at_step_2")
+    assert [line[:10] for line in aside] == ['{"step": 3', '{"step": 4']
+
+
+def test_the_recorder_flushes_every_row_before_a_checkpoint_save_starts(bucket):
+    """So a preemption never loses a checkpointed step's row, on a bucket where rows wait for a flush."""
+    from comppo_jax.train.recorder import Recorder
+
+    run, seen = f"{bucket}/run", []
+
+    class Checkpoints:
+        def save(self, step, state, meta, dev_accuracy):
+            seen.append([json.loads(line)["step"] for line in storage.read_lines(f"{run}/{METRICS_FILE}")])
+
+    recorder = Recorder.__new__(Recorder)  # only what checkpoint() reads
+    recorder.cfg = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    recorder.checkpoints, recorder.meta, recorder.last_step = Checkpoints(), {}, 100
+    recorder.writer = MetricsWriter(run, loggers=("jsonl",))
+    for step in (1, 2):
+        recorder.writer.write({"step": step})
+        recorder.checkpoint(step, {}, {}, {}, stopping=True)
+    assert seen == [[1], [1, 2]]

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import launch_script, save_word_tokenizer
+from conftest import CPU_ONLY_ENV, launch_script, save_word_tokenizer
 
 
 def train(*flags):
@@ -14,8 +14,16 @@ def train(*flags):
 
 
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):
-    result = train()
-    assert result.returncode == 1 and "config.model.path='': this preset needs a local HF checkpoint" in result.stderr
+    # The preset's hub ids offline with an empty cache: one line naming the id, before anything compiles.
+    offline = dict(CPU_ONLY_ENV, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    result = launch_script("launch/train.py", "--config=configs/qwen3_4b.py", env=offline)
+    assert result.returncode == 1 and result.stderr.startswith(
+        "error: ConfigError: config.model.path='Qwen/Qwen3-4B': Qwen/Qwen3-4B is not (completely) in the Hugging "
+        "Face cache"
+    )
+    assert "HF_HUB_OFFLINE is set" in result.stderr and "Traceback" not in result.stderr
+    result = train("--config.model.path=")
+    assert result.returncode == 1 and "config.model.path='': this preset needs an HF checkpoint" in result.stderr
     assert result.stderr.startswith("error: ConfigError: ") and "Traceback" not in result.stderr
     result = train(f"--config.model.path={tmp_path / 'nope'}")
     assert result.returncode == 1 and "config.model.path=" in result.stderr and "does not exist" in result.stderr
