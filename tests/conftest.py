@@ -407,7 +407,7 @@ def on_local_cluster(
             "\n".join(line for line in result.stdout.splitlines() if "error" in line.lower() or "Timed out" in line)
         )
         if signum is None:
-            resumable = script == "launch/train.py" and bool(storage.names(storage.join(output_dirs[0], "checkpoints")))
+            resumable = script == "launch/train.py" and storage.path(output_dirs[0]).joinpath("checkpoints").is_dir()
             print(f"gloo timeout in {script}; running it again{' resumed' if resumable else ''}:\n{earlier[-1]}")
             rerun_flags = [*script_flags, *(["--config.resume=True"] if resumable else [])]
         else:

@@ -33,7 +33,9 @@ class HubServer:
     def __init__(self):
         self.repos: dict[tuple[str, str], dict] = {}  # (type, id) -> {"refs": {branch: commit}, "commits": {..}}
         self.requests: list[str] = []  # "METHOD path" of every request, in order
-        self.file_delay_s = 0.0  # how long each file download (GET .../resolve/...) waits before its body
+        # (file name, n): a download of that file waits (up to a minute) until n HEADs of it have arrived, so
+        # processes fetching it at once overlap however the machine schedules them
+        self.hold_download: tuple[str, int] | None = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -175,8 +177,14 @@ def _handler(hub: HubServer):
             data = files[path]
             etag = f'"{hashlib.sha1(data).hexdigest()}"'
             if body:
-                time.sleep(hub.file_delay_s)
+                if hub.hold_download is not None and path == hub.hold_download[0]:
+                    deadline = time.time() + 60
+                    while time.time() < deadline and self._heads(path) < hub.hold_download[1]:
+                        time.sleep(0.01)
             self._send(200, data, body, {"X-Repo-Commit": commit, "ETag": etag}, "application/octet-stream")
+
+        def _heads(self, path: str) -> int:
+            return sum(request.startswith("HEAD ") and request.endswith("/" + path) for request in list(hub.requests))
 
         def _reply(self, status: int, payload, body: bool, headers: dict | None = None) -> None:
             self._send(status, json.dumps(payload).encode(), body, headers or {}, "application/json")

@@ -56,7 +56,7 @@ def server(checkpoint_dir, dataset_dir):
 def hub(server, tmp_path, monkeypatch):
     """The server, with this test's own empty cache (HF_HOME) and online."""
     use_hub(monkeypatch, server.url, tmp_path / "hf")
-    server.file_delay_s = 0.0
+    server.hold_download = None
     return server
 
 
@@ -230,7 +230,7 @@ def test_gcs_sources_are_copied_once_into_the_local_cache(hub, bucket, checkpoin
 
 def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path):
     """huggingface_hub's lock per file: a process that asks for a file another is downloading waits for it."""
-    hub.file_delay_s = 1.0  # each download takes a second: both processes ask for the weights while one fetches
+    hub.hold_download = ("model.safetensors", 2)  # the weights' download waits until both processes asked for them
     go = tmp_path / "go"
     code = (
         "import os, time\nfrom comppo_jax import hub\nprint('imported', flush=True)\n"
