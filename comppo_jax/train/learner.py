@@ -43,7 +43,7 @@ from comppo_jax.train.methods import (
     spread_over_sequence,
 )
 from comppo_jax.train.sampling import Sampled
-from comppo_jax.train.update import Minibatch, UpdateSteps, apply_actor_step, cast_params
+from comppo_jax.train.update import Minibatch, UpdateSteps, apply_actor_step, cast_params, take_rows
 
 
 class Scored(NamedTuple):
@@ -134,21 +134,18 @@ def refreshed_credit(
     return fields, kappa
 
 
-def take_rows(batch: Minibatch, rows) -> Minibatch:
-    """The minibatch of `rows` (hidden states carry the batch on axis 1)."""
-    pick = lambda x: None if x is None else x[rows]
-    return batch._replace(
-        **{name: pick(getattr(batch, name)) for name in batch._fields if name not in ("hidden_states", "routing")},
-        hidden_states=batch.hidden_states[:, rows],
-        routing=None if batch.routing is None else jax.tree.map(lambda x: x[rows], batch.routing),
-    )
-
-
 def without_features(batch: Minibatch) -> Minibatch:
     """`batch` with zero layers of the critic's features and zero routed keys (the actor's
     minibatches never read them)."""
     routing = None if batch.routing is None else jax.tree.map(lambda x: x[..., :0], batch.routing)
     return batch._replace(hidden_states=batch.hidden_states[:0], routing=routing)
+
+
+def placed_from_host(tree, shardings):
+    """Host arrays, the same on every process (`sharding.to_host` gathers them whole), placed with
+    `shardings`: each process puts its own devices' blocks. (`jax.device_put` onto several
+    processes' devices first compares each array across them: a cross-process program each.)"""
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), tree, shardings)
 
 
 def free_device_arrays(*arrays) -> None:
@@ -177,16 +174,18 @@ class Offload(NamedTuple):
     park: Callable  # tree -> host memory
     fetch: Callable  # tree -> device memory
     to_update: Callable  # the update's batch: read one minibatch at a time, the rest waits on the host
+    update_on_host: bool  # to_update moves the batch to the host: each minibatch is selected there
 
     @classmethod
     def of(cls, enabled: bool) -> Offload:
         if not enabled:
             same = lambda tree: tree
-            return cls(same, same, same)
+            return cls(same, same, same, False)
         return cls(
             lambda tree: sharding.to_memory(tree, "pinned_host"),
             lambda tree: sharding.to_memory(tree, "device"),
             lambda tree: jax.tree.map(sharding.to_host, tree),
+            True,
         )
 
 
@@ -300,16 +299,22 @@ class Learner:
             np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))
         ]
-        minibatch_of = lambda picked: sharding.put(take_rows(batch, picked), self.batch_shardings)
+
+        def minibatch_of(picked) -> tuple[Minibatch, np.ndarray | None]:
+            """(what a step reads, the rows it picks there): the whole batch and the minibatch's rows, selected inside
+            the step's program (`update.on_rows`); with the batch on the host, the minibatch placed from there."""
+            if offload.update_on_host:
+                return placed_from_host(take_rows(batch, picked), self.batch_shardings), None
+            return batch, picked
+
         critic_first = critic_epochs_first(cfg, self.parts.recipe)
         interleaved = state["critic"] is not None and not critic_first  # a critic step after each actor step
         critic_metrics = []
         if critic_first:  # the critic's epochs, then its features go: the actor's epochs hold no more than GRPO's
             for order in orders:
                 for start in range(0, rows, size):
-                    critic_metrics.append(
-                        self.critic_step(state, minibatch_of(order[start : start + size]), critic_hyper)
-                    )
+                    batch_read, picked = minibatch_of(order[start : start + size])
+                    critic_metrics.append(self.critic_step(state, batch_read, critic_hyper, picked))
             features = [
                 x
                 for source in (batch, scored.batch, experience.rollout)
@@ -334,14 +339,14 @@ class Learner:
             for start in range(0, rows, size):
                 out = {}
                 if update_actor or interleaved:
-                    minibatch = minibatch_of(order[start : start + size])
+                    batch_read, picked = minibatch_of(order[start : start + size])
                 if update_actor:
                     self.compiling("the actor update")
                     state["actor"], state["actor_opt"], out = apply_actor_step(
-                        steps, state["actor"], state["actor_opt"], minibatch, actor_hyper
+                        steps, state["actor"], state["actor_opt"], batch_read, actor_hyper, picked
                     )
                 if interleaved:
-                    out = {**out, **self.critic_step(state, minibatch, critic_hyper)}
+                    out = {**out, **self.critic_step(state, batch_read, critic_hyper, picked)}
                 update_metrics.append(out)
         if critic_first:  # one entry per minibatch, actor's then critic's, as the interleaved order gives them
             update_metrics = [{**actor, **critic} for actor, critic in zip(update_metrics, critic_metrics)]
@@ -361,11 +366,12 @@ class Learner:
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
         return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
 
-    def critic_step(self, state: dict, minibatch: Minibatch, hyper: dict) -> dict:
-        """One critic update on `minibatch` (state["critic"] and its optimizer state replaced); its metrics."""
+    def critic_step(self, state: dict, batch: Minibatch, hyper: dict, rows=None) -> dict:
+        """One critic update on the minibatch of `rows` of `batch` (rows None: `batch` is the minibatch;
+        state["critic"] and its optimizer state replaced); its metrics."""
         self.compiling("the critic update")
-        state["critic"], state["critic_opt"], out = self.steps.critic(
-            state["critic"], state["critic_opt"], minibatch, hyper
+        state["critic"], state["critic_opt"], out = self.steps.critic_on_rows(
+            state["critic"], state["critic_opt"], batch, rows, hyper
         )
         return out
 

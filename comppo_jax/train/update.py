@@ -1,7 +1,8 @@
 """The update: actor clipped PPO + reference KL, critic clipped value regression (paper alg. 1).
 
 Pure functions over plain pytrees. `jit_update_steps` jits them over a device mesh with
-explicit in/out shardings (comppo_jax.sharding) and donated params and optimizer states.
+explicit in/out shardings (comppo_jax.sharding) and donated params and optimizer states, each
+also reading its minibatch's rows of a whole batch (`on_rows`), selected inside its program.
 Per-step knobs from the phase controller (learning rates, clip, KL coefficient, value clip,
 gradient clips) enter as traced scalars, so a phase change does not recompile. Learning rates
 live in the optax state (`inject_hyperparams`), so they are checkpointed with it.
@@ -58,6 +59,37 @@ def minibatch_shardings(mesh: Mesh, with_routing: bool, hidden_size: int) -> Min
         hidden_states=features_sharding(mesh, hidden_size), routing=Routing(rows, rows, rows) if with_routing else None
     )
     return Minibatch(**fields)
+
+
+def take_rows(batch: Minibatch, rows) -> Minibatch:
+    """The minibatch of `rows` (hidden states carry the batch on axis 1): traced inside a step
+    (`on_rows`), or of host arrays."""
+    pick = lambda x: None if x is None else x[rows]
+    return batch._replace(
+        **{name: pick(getattr(batch, name)) for name in batch._fields if name not in ("hidden_states", "routing")},
+        hidden_states=batch.hidden_states[:, rows],
+        routing=None if batch.routing is None else jax.tree.map(lambda x: x[rows], batch.routing),
+    )
+
+
+def on_rows(step: Callable, shardings: Minibatch) -> Callable:
+    """`step` on the minibatch of `rows` of a whole `batch` (rows None: `batch` is the minibatch),
+    selected inside its program and laid out as `step`'s minibatch argument is (`shardings`), so
+    it computes what `step` does on that minibatch. One program per minibatch: selected eagerly,
+    each field is a gather of its own, on a pod a cross-process program (XLA:CPU over gloo hangs
+    on such programs back to back: docs/reliability.md)."""
+
+    def step_on_rows(params, opt_state, batch: Minibatch, rows, *args):
+        minibatch = batch if rows is None else take_rows(batch, rows)
+        laid_out = jax.tree.map(  # a field without a sharding (routing no critic reads) as it comes
+            lambda s, x: x if s is None else jax.lax.with_sharding_constraint(x, s),
+            shardings,
+            minibatch,
+            is_leaf=lambda s: s is None,
+        )
+        return step(params, opt_state, laid_out, *args)
+
+    return step_on_rows
 
 
 def cast_params(params, dtype):
@@ -229,13 +261,17 @@ class UpdateSteps(NamedTuple):
     actor: Callable
     critic: Callable | None  # (params, opt_state, minibatch, hyper) -> (params, opt_state, metrics)
     values: Callable | None  # (params, batch) -> V [B, T]
+    # The same steps on the minibatch of `rows` of a whole batch, selected inside their programs (`on_rows`):
+    actor_on_rows: Callable  # (trainable, opt_state, batch, rows, hyper, frozen) -> (trainable, opt_state, metrics)
+    critic_on_rows: Callable | None  # (params, opt_state, batch, rows, hyper) -> (params, opt_state, metrics)
 
 
-def apply_actor_step(steps: UpdateSteps, actor, opt_state, minibatch: Minibatch, hyper: dict):
-    """(actor, opt_state, metrics) after `steps.actor` on the actor's trainable part (all of it, or
-    its LoRA adapters), the frozen base passed beside it unchanged."""
+def apply_actor_step(steps: UpdateSteps, actor, opt_state, batch: Minibatch, hyper: dict, rows=None):
+    """(actor, opt_state, metrics) after `steps.actor_on_rows` on the minibatch of `rows` of `batch`
+    (rows None: `batch` is the minibatch), on the actor's trainable part (all of it, or its LoRA
+    adapters), the frozen base passed beside it unchanged."""
     trainable, frozen = lora.split(actor)
-    trainable, opt_state, metrics = steps.actor(trainable, opt_state, minibatch, hyper, frozen)
+    trainable, opt_state, metrics = steps.actor_on_rows(trainable, opt_state, batch, rows, hyper, frozen)
     return lora.join(frozen, trainable), opt_state, metrics
 
 
@@ -255,34 +291,42 @@ def jit_update_steps(
     actor_loss: ActorLoss = ActorLoss(),
 ) -> UpdateSteps:
     """`actor_step` (with the surrogate `actor_loss`), `critic_step` and `critic_values` as jax.jit
-    with in/out shardings on `mesh`."""
+    with in/out shardings on `mesh`; the two steps also `on_rows`."""
     rep = replicated(mesh)
     batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac", hidden_size=model_config.hidden_size)
     (trainable_sh, frozen_sh), actor_opt_sh = (
         (tree_shardings(mesh, part) for part in lora.split(actor)),
         tree_shardings(mesh, actor_opt),
     )
+
+    def minibatch_and_rows_steps(step, state: tuple, after_batch: tuple) -> tuple[Callable, Callable]:
+        """`step` jitted on a minibatch and `on_rows`, its `state` shardings (params, optimizer state) donated.
+        On rows, the whole batch is read as it lies (the learner's credit and the critic's freed features leave
+        fields laid out otherwise); its minibatch is laid out inside."""
+        jitted = lambda fn, batch_args: jax.jit(
+            fn, in_shardings=(*state, *batch_args, *after_batch), out_shardings=(*state, rep), donate_argnums=(0, 1)
+        )
+        return jitted(step, (batch,)), jitted(on_rows(step, batch), (None, rep))
+
     # The frozen base is read, never donated: the reference policy is the same arrays.
-    actor_fn = jax.jit(
+    actor_fn, actor_on_rows = minibatch_and_rows_steps(
         functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),
-        in_shardings=(trainable_sh, actor_opt_sh, batch, rep, frozen_sh),
-        out_shardings=(trainable_sh, actor_opt_sh, rep),
-        donate_argnums=(0, 1),
+        (trainable_sh, actor_opt_sh),
+        (rep, frozen_sh),
     )
     if critic is None:
-        return UpdateSteps(actor_fn, None, None)
+        return UpdateSteps(actor_fn, None, None, actor_on_rows, None)
     critic_sh, critic_opt_sh = tree_shardings(mesh, critic), tree_shardings(mesh, critic_opt)
-    critic_fn = jax.jit(
+    critic_fn, critic_on_rows = minibatch_and_rows_steps(
         functools.partial(
             critic_step, critic_module=critic_module, kind=critic_kind, tx=critic_tx, model_config=model_config
         ),
-        in_shardings=(critic_sh, critic_opt_sh, batch, rep),
-        out_shardings=(critic_sh, critic_opt_sh, rep),
-        donate_argnums=(0, 1),
+        (critic_sh, critic_opt_sh),
+        (rep,),
     )
     values_fn = jax.jit(
         functools.partial(critic_values, critic_module=critic_module, kind=critic_kind, model_config=model_config),
         in_shardings=(critic_sh, batch),
         out_shardings=batch.advantages,
     )
-    return UpdateSteps(actor_fn, critic_fn, values_fn)
+    return UpdateSteps(actor_fn, critic_fn, values_fn, actor_on_rows, critic_on_rows)
