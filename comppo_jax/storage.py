@@ -48,6 +48,32 @@ def path(location: str | os.PathLike) -> epath.Path:
     return epath.Path(text) if is_remote(text) else epath.Path(os.path.abspath(text))
 
 
+def make_dirs(location: str | os.PathLike) -> None:
+    """Makes a local directory and its parents. A bucket has no directories (an object's name is its
+    path), so there it only checks that the bucket exists: creating it is for its owner (gcsfs's own
+    makedirs would create a bucket named by a typo)."""
+    target = path(location)
+    if not is_remote(target):
+        target.mkdir(parents=True, exist_ok=True)
+        return
+    bucket = os.fspath(target).removeprefix("gs://").split("/", 1)[0]
+    try:
+        found = _filesystem(target).exists(bucket)
+    except OSError as error:  # no permission, no credentials
+        raise FileNotFoundError(f"gs://{bucket} cannot be read ({type(error).__name__}: {error})") from error
+    if not found:
+        raise FileNotFoundError(
+            f"gs://{bucket} does not exist (needed for {target}): create it (gcloud storage buckets create "
+            f"gs://{bucket}) or name another bucket"
+        )
+
+
+def _make_parent(target: epath.Path) -> None:
+    """A local file's directory (an object's name needs none)."""
+    if not is_remote(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+
 def join(base: str | os.PathLike, *names: str) -> str:
     """`base`/`names` as text, relative if `base` is (what a command line or a report shows)."""
     return os.fspath(epath.Path(os.fspath(base)).joinpath(*names))
@@ -60,7 +86,7 @@ def read_text(location: str | os.PathLike) -> str:
 def write_bytes(location: str | os.PathLike, data: bytes) -> None:
     """Replaces the file whole: a reader (or a crash) sees the old or the new contents, never a part."""
     target = path(location)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(target)
     if is_remote(target):
         target.write_bytes(data)  # one upload: the object appears when it is complete
         return
@@ -77,7 +103,7 @@ def create_new(location: str | os.PathLike, text: str) -> bool:
     """Creates the file with `text` only if it does not exist; False when it does. Two processes (on
     any hosts) racing for it: exactly one gets True (O_EXCL; GCS's ifGenerationMatch=0)."""
     target = path(location)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(target)
     if is_remote(target):
         fs = _filesystem(target)
         if fs.exists(os.fspath(target)):
@@ -108,7 +134,7 @@ def remove(location: str | os.PathLike) -> None:
 def move(source: str | os.PathLike, destination: str | os.PathLike) -> None:
     """Moves a file or a tree (on a bucket a copy then a delete, object by object: not atomic)."""
     source_path, destination_path = path(source), path(destination)
-    destination_path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(destination_path)
     if not is_remote(source_path):
         source_path.rename(destination_path)
         return
@@ -130,7 +156,7 @@ def local_folder(location: str | os.PathLike) -> Iterator[str]:
     contents end up at `location`: `location` itself on a disk; on a bucket a temporary folder,
     uploaded file by file when the block ends without an error."""
     if not is_remote(location):
-        path(location).mkdir(parents=True, exist_ok=True)
+        make_dirs(location)
         yield os.fspath(path(location))
         return
     with tempfile.TemporaryDirectory(prefix="comppo_upload_") as folder:
@@ -162,7 +188,7 @@ class AppendLog:
         self.remote = is_remote(self.path)
         self.pending: list[str] = []
         self.flushes = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(self.path)
         if truncate:
             self.path.unlink(missing_ok=True)
         self.file = None if self.remote else open(self.path, "a")  # noqa: SIM115 (closed in close())

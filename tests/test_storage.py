@@ -94,3 +94,9 @@ def test_a_local_folder_ends_up_at_its_location(root):
         with open(os.path.join(folder, "base", "model.safetensors"), "w") as f:
             f.write("weights")
     assert storage.read_text(storage.join(out, "base", "model.safetensors")) == "weights"
+
+
+def test_a_missing_bucket_is_named_not_created(gcs_emulator):
+    with pytest.raises(FileNotFoundError, match=r"gs://no-such-bucket does not exist \(needed for gs://no-such"):
+        storage.make_dirs("gs://no-such-bucket/runs/x")
+    assert not storage.path("gs://no-such-bucket").exists()
