@@ -33,9 +33,7 @@ class HubServer:
     def __init__(self):
         self.repos: dict[tuple[str, str], dict] = {}  # (type, id) -> {"refs": {branch: commit}, "commits": {..}}
         self.requests: list[str] = []  # "METHOD path" of every request, in order
-        # (file name, n): a download of that file waits (up to a minute) until n HEADs of it have arrived, so
-        # processes fetching it at once overlap however the machine schedules them
-        self.hold_download: tuple[str, int] | None = None
+        self.hold_download: tuple[str, int, int] | None = None  # hold()'s (file, HEADs, from request index)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -57,6 +55,11 @@ class HubServer:
         repo = self.repos.setdefault((repo_type, repo_id), {"refs": {}, "commits": {}})
         repo["commits"][commit], repo["refs"][branch] = files, commit
         return commit
+
+    def hold(self, path: str, heads: int) -> None:
+        """From now on a download of `path` waits (up to a minute) until `heads` HEADs of it have arrived
+        since this call, so processes fetching it at once overlap however the machine schedules them."""
+        self.hold_download = (path, heads, len(self.requests))
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -178,13 +181,14 @@ def _handler(hub: HubServer):
             etag = f'"{hashlib.sha1(data).hexdigest()}"'
             if body:
                 if hub.hold_download is not None and path == hub.hold_download[0]:
+                    _, heads, since = hub.hold_download
                     deadline = time.time() + 60
-                    while time.time() < deadline and self._heads(path) < hub.hold_download[1]:
+                    while time.time() < deadline and self._heads(path, since) < heads:
                         time.sleep(0.01)
             self._send(200, data, body, {"X-Repo-Commit": commit, "ETag": etag}, "application/octet-stream")
 
-        def _heads(self, path: str) -> int:
-            return sum(request.startswith("HEAD ") and request.endswith("/" + path) for request in list(hub.requests))
+        def _heads(self, path: str, since: int) -> int:
+            return sum(request.startswith("HEAD ") and request.endswith("/" + path) for request in hub.requests[since:])
 
         def _reply(self, status: int, payload, body: bool, headers: dict | None = None) -> None:
             self._send(status, json.dumps(payload).encode(), body, headers or {}, "application/json")

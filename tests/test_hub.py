@@ -230,7 +230,7 @@ def test_gcs_sources_are_copied_once_into_the_local_cache(hub, bucket, checkpoin
 
 def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path):
     """huggingface_hub's lock per file: a process that asks for a file another is downloading waits for it."""
-    hub.hold_download = ("model.safetensors", 2)  # the weights' download waits until both processes asked for them
+    hub.hold("model.safetensors", heads=2)  # the weights' download waits until both processes asked for them
     go = tmp_path / "go"
     code = (
         "import os, time\nfrom comppo_jax import hub\nprint('imported', flush=True)\n"

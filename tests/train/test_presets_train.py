@@ -16,7 +16,7 @@ def train(*flags):
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):
     # The preset's hub ids offline with an empty cache: one line naming the id, before anything compiles.
     offline = dict(CPU_ONLY_ENV, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    result = launch_script("launch/train.py", "--config=configs/qwen3_4b.py", env=offline)
+    result = launch_script("launch/train.py", "--config=configs/qwen3_4b.py", "--config.mesh.fsdp=1", env=offline)
     assert result.returncode == 1 and result.stderr.startswith(
         "error: ConfigError: config.model.path='Qwen/Qwen3-4B': Qwen/Qwen3-4B is not (completely) in the Hugging "
         "Face cache"
