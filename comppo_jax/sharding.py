@@ -18,6 +18,7 @@ result may differ between hosts (the verifier's timeouts) so that it is done onc
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -53,9 +54,16 @@ PARAM_RULES |= {
 
 
 def initialize_distributed(mesh_config) -> None:
-    """Multi-host start-up (`config.mesh.distributed`); TPU pods find their peers themselves."""
+    """Multi-host start-up (`config.mesh.distributed`); TPU pods find their peers themselves. On the CPU
+    backend (gloo collectives) a collective waits `mesh.collective_timeout_s` for its peers, then fails,
+    however the processes were started: a hung peer ends the run instead of holding it for XLA's
+    default 30 minutes. Called before anything starts a backend, which reads XLA_FLAGS once."""
     if not mesh_config.distributed:
         return
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # TPU and GPU collectives do not go through gloo
+        os.environ["XLA_FLAGS"] = with_collective_timeout(
+            os.environ.get("XLA_FLAGS", ""), mesh_config.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)
+        )
     kwargs = {}
     if mesh_config.coordinator_address:
         kwargs = dict(
@@ -64,6 +72,17 @@ def initialize_distributed(mesh_config) -> None:
             process_id=mesh_config.process_id,
         )
     jax.distributed.initialize(**kwargs)
+
+
+COLLECTIVE_TIMEOUT_S = 300
+_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def with_collective_timeout(xla_flags: str, seconds: int) -> str:
+    """`xla_flags` with XLA:CPU's collective timeout set to `seconds`, unless it already sets one."""
+    if _COLLECTIVE_TIMEOUT_FLAG in xla_flags:
+        return xla_flags
+    return f"{xla_flags} {_COLLECTIVE_TIMEOUT_FLAG}={int(seconds)}".strip()
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:

@@ -13,7 +13,8 @@ preemption of the whole slice); the exit status is the first non-zero one, else 
 dies, the others are stopped after `--grace_s` seconds (they would wait on it forever).
 
 A collective that waits longer than `--collective_timeout_s` fails with gloo's "Timed out waiting"
-error instead of waiting for XLA's default 30 minutes. XLA:CPU over gloo can leave a collective
+error instead of waiting for XLA's default 30 minutes (passed on as `--config.mesh.collective_timeout_s`,
+which processes started without this launcher take too). XLA:CPU over gloo can leave a collective
 waiting for good when a program with a cross-process all-reduce runs back to back on several
 devices per process (tests/launch/back_to_back_all_reduce.py; TPU collectives do not go through
 gloo); a training run meets that rarely, and should then end as any crash does, to be resumed from
@@ -49,7 +50,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def process_command(command: list[str], process_id: int, processes: int, port: int) -> list[str]:
+def process_command(
+    command: list[str], process_id: int, processes: int, port: int, collective_timeout_s: int
+) -> list[str]:
     """`command` (a launch/ script and its flags) as process `process_id` of `processes`."""
     return [
         sys.executable,
@@ -58,15 +61,13 @@ def process_command(command: list[str], process_id: int, processes: int, port: i
         f"--config.mesh.coordinator_address=127.0.0.1:{port}",
         f"--config.mesh.num_processes={processes}",
         f"--config.mesh.process_id={process_id}",
+        f"--config.mesh.collective_timeout_s={collective_timeout_s}",
     ]
 
 
-def process_env(devices: int, collective_timeout_s: int) -> dict:
+def process_env(devices: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    ours = (
-        f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_timeout_seconds={collective_timeout_s}"
-    )
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ours}".strip()
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     return env
 
 
@@ -81,10 +82,10 @@ def main(argv):
     if not command:
         raise ValueError("no command: pass the entry point after --, e.g. -- launch/train.py --config=configs/tiny.py")
     port = _PORT.value or free_port()
-    env = process_env(_DEVICES.value, _COLLECTIVE_TIMEOUT.value)
+    env = process_env(_DEVICES.value)
     processes = [
         subprocess.Popen(
-            process_command(command, i, _PROCESSES.value, port),
+            process_command(command, i, _PROCESSES.value, port, _COLLECTIVE_TIMEOUT.value),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ml_collections import config_dict
 
+from comppo_jax.sharding import COLLECTIVE_TIMEOUT_S
 from comppo_jax.train import controller
 
 # "section.field" -> one-line description, for every field paper_config declares.
@@ -311,6 +312,10 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
         coordinator_address=("", 'multi-host: host:port of process 0 ("": found by JAX, e.g. on TPU pods)'),
         num_processes=(0, "multi-host: processes (0: found by JAX)"),
         process_id=(0, "multi-host: this process's index"),
+        collective_timeout_s=(
+            COLLECTIVE_TIMEOUT_S,
+            "multi-process on the CPU backend: seconds a gloo collective waits for its peers before it fails",
+        ),
         rollout_devices=(
             0,
             "devices of every process the rollout stage runs on, training on the rest (0: both on every device)",

@@ -12,7 +12,15 @@ from comppo_jax import sharding
 _CONFIG = config_flags.DEFINE_config_dict(
     "config",
     ml_collections.ConfigDict(
-        {"mesh": {"distributed": False, "coordinator_address": "", "num_processes": 1, "process_id": 0}}
+        {
+            "mesh": {
+                "distributed": False,
+                "coordinator_address": "",
+                "num_processes": 1,
+                "process_id": 0,
+                "collective_timeout_s": 300,
+            }
+        }
     ),
 )
 

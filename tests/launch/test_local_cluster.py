@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,6 +201,48 @@ def test_a_stalled_process_ends_the_run_within_the_collective_timeout():
     assert "[p0] error: JaxRuntimeError" in result.stdout and "Timed out waiting 20000ms" in result.stdout, events
     # Far below the stall, with room for a busy machine's start-up and compiles.
     assert elapsed < 600, (elapsed, events)
+
+
+@pytest.mark.slow
+def test_processes_started_directly_with_the_mesh_fields_get_the_collective_timeout(tmp_path):
+    """As a pod starts them: each process with the documented --config.mesh.* fields and no launcher.
+    Process 1 stalls 900 s before an all-reduce; process 0's fails after mesh.collective_timeout_s
+    (20 s) instead of waiting out the stall (XLA's own default is 30 minutes)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.time()
+    logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "tests/launch/collective_stall.py",
+                "--stall_s=900",
+                "--config.mesh.distributed=True",
+                f"--config.mesh.coordinator_address=127.0.0.1:{port}",
+                "--config.mesh.num_processes=2",
+                f"--config.mesh.process_id={i}",
+                "--config.mesh.collective_timeout_s=20",
+            ],
+            cwd=REPO,
+            env=fake_devices_env(2),
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    try:
+        processes[0].wait(timeout=300)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        for log in logs:
+            log.close()
+    output = (tmp_path / "p0.log").read_text()
+    assert processes[0].returncode != 0 and "Timed out waiting 20000ms" in output, output[-3000:]
+    assert time.time() - start < 300
 
 
 @pytest.mark.parametrize(

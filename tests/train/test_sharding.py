@@ -154,3 +154,9 @@ def test_the_critics_features_split_their_width_over_tensor_where_it_divides():
     assert sharding.features_spec(4, 30) == P(None, rows)  # does not divide: replicated over tensor
     assert sharding.features_spec(1, 2560) == P(None, rows)
     assert sharding.constrain_features(jnp.ones((2, 4, 3, 8))).shape == (2, 4, 3, 8)  # no mesh: unchanged
+
+
+def test_the_collective_timeout_joins_xla_flags_unless_they_set_one():
+    assert sharding.with_collective_timeout("", 20) == "--xla_cpu_collective_timeout_seconds=20"
+    flags = "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=7"
+    assert sharding.with_collective_timeout(flags, 20) == flags  # the launcher's or the user's own wins
