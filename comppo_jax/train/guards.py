@@ -78,19 +78,21 @@ class StopSignals:
             raise RunStopped(stage)
 
 
-@jax.jit
-def _all_finite(arrays):
-    return [jnp.all(jnp.isfinite(x)) for x in arrays]
+def all_finite(**arrays) -> dict:
+    """{name: whether the array holds no NaN or inf} (device booleans), traced inside the program that
+    computes the arrays, so the check is no program of its own; `nonfinite_credit` reads them back."""
+    return {name: jnp.all(jnp.isfinite(x)) for name, x in arrays.items()}
 
 
-def nonfinite_credit(rewards: np.ndarray, **arrays) -> list[str]:
-    """Names of the quantities holding NaN or inf: "rewards (rows [..])" and any of `arrays` (device)."""
+def nonfinite_credit(rewards: np.ndarray, **finite) -> list[str]:
+    """Names of the quantities holding NaN or inf: "rewards (rows [..])" and each of `finite`'s names
+    whose flag (`all_finite`'s) is false, in their order."""
     names = []
     bad_rows = np.flatnonzero(~np.isfinite(rewards))
     if bad_rows.size:
         names.append(f"rewards (rows {bad_rows[:5].tolist()}{' ...' if bad_rows.size > 5 else ''})")
-    flags = jax.device_get(_all_finite(list(arrays.values())))
-    return names + [name for name, finite in zip(arrays, flags) if not finite]
+    flags = jax.device_get(finite)
+    return names + [name for name in finite if not flags[name]]
 
 
 class SkippedUpdates:

@@ -1,16 +1,23 @@
 """The learner stage: credit -> update epochs -> guards -> controller.
 
-`credit` turns one scored `Experience` into a `Scored` batch: the method's gate control, the
+`credit_fields` turns one scored `Experience` into a `Scored` batch: the method's gate control, the
 critic's values V_t on the behaviour features, the estimator's advantages (whitened) and returns.
-`Learner.update` then runs E epochs of shuffled minibatches (the actor's clipped PPO + KL with the
-phase controller's knobs, the critic's clipped value regression: the critic's epochs first, then
-its features are freed, unless gate_refresh=epoch refreshes the gate between epochs), and records
-non-finite credit or updates with the skipped-update guard.
+`Learner.update` runs it clipped and with the guard's finite flags (`guarded_credit`), then E epochs
+of shuffled minibatches (the actor's clipped PPO + KL with the phase controller's knobs, the
+critic's clipped value regression: the critic's epochs first, then its features are freed, unless
+gate_refresh=epoch refreshes the gate between epochs), and records non-finite credit or updates
+with the skipped-update guard.
 `Learner.control` feeds the step's metrics to the phase controller.
+
+Each computation on the batch is one jitted program (the credit; the refreshed gate and its credit;
+train.proximal=recompute's inputs; each update step), its results read back where the next needs
+them: operation by operation, each operation on the batch is, on a pod, a cross-process program, and
+XLA:CPU over gloo hangs on those back to back (docs/reliability.md; tests/train/test_learner_dispatch.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,7 +37,7 @@ from comppo_jax.credit import (
 )
 from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.train import controller
-from comppo_jax.train.guards import SkippedUpdates, nonfinite_credit
+from comppo_jax.train.guards import SkippedUpdates, all_finite, nonfinite_credit
 from comppo_jax.train.methods import (
     Recipe,
     RunParts,
@@ -54,6 +61,11 @@ class Scored(NamedTuple):
     sampled: Sampled  # the generation, its problems, texts, rewards and verdicts
     kappa: jax.Array  # [B, T] the gate the estimator and critic read (after the control)
 
+    @classmethod
+    def of(cls, batch: Minibatch, rollout, sampled: Sampled, kappa) -> Scored:
+        # The critic's features live on in `batch` only (no second copy through the update).
+        return cls(batch, rollout._replace(hidden_states=None, routing=None), sampled, kappa)
+
 
 def estimate_credit(cfg, recipe: Recipe, rewards, reward_tokens, values, kappa, mask):
     """(advantages, returns) [B, T] of the recipe's estimator: group-relative for GRPO (Dr.GRPO
@@ -71,48 +83,87 @@ def estimate_credit(cfg, recipe: Recipe, rewards, reward_tokens, values, kappa, 
     return whiten_advantages(advantages, mask), returns
 
 
-def credit(cfg, parts: RunParts, values_fn, critic, rollout, sampled: Sampled, rng, batch_shardings) -> Scored:
-    """The credit of a scored batch: the gate control on the behaviour policy's own kappa, V_t
-    from `critic` on the behaviour features, the recipe's advantages and returns."""
-    generation, mask = sampled.generation, rollout.response_mask
-    kappa = control_gate(parts.recipe, rollout.kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
+def rollout_batch(sampled: Sampled, rollout, batch_shardings) -> Minibatch:
+    """The scored rollout as a Minibatch laid out as `batch_shardings`, without its credit (advantages,
+    returns, old_values, kappa_sequence None; ref_log_probs None without a reference): `credit_fields`
+    computes those."""
+    generation = sampled.generation
+    batch = Minibatch(
+        generation.tokens,
+        generation.attention_mask,
+        generation.prompt_lengths,
+        generation.response_tokens,
+        rollout.response_mask,
+        rollout.log_probs,
+        rollout.ref_log_probs,
+        None,
+        None,
+        None,
+        None,
+        rollout.hidden_states,
+        rollout.routing,
+    )
+    return jax.tree.map(
+        lambda x, s: None if x is None else jax.device_put(x, s), batch, batch_shardings, is_leaf=lambda x: x is None
+    )
+
+
+def credit_fields(cfg, parts: RunParts, values_fn, critic, batch: Minibatch, own_kappa, rewards, reward_tokens, rng):
+    """The credit of a `rollout_batch`: the gate control on the behaviour policy's own kappa, V_t from
+    `critic` on the behaviour features, the recipe's advantages (whitened) and returns. Returns (the
+    Minibatch fields it fills: ref_log_probs (zeros without a reference), kappa_sequence, old_values,
+    advantages, returns; the controlled kappa [B, T]). Traceable: the learner runs it as one program."""
+    mask = batch.response_mask
+    kappa = control_gate(parts.recipe, own_kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
     zeros = jnp.zeros(mask.shape)
-    batch = sharding.put(
-        Minibatch(
-            generation.tokens,
-            generation.attention_mask,
-            generation.prompt_lengths,
-            generation.response_tokens,
-            mask,
-            rollout.log_probs,
-            zeros if rollout.ref_log_probs is None else rollout.ref_log_probs,
-            zeros,
-            zeros,
-            zeros,
-            spread_over_sequence(kappa, generation.prompt_lengths, generation.tokens.shape[1]),
-            rollout.hidden_states,
-            rollout.routing,
-        ),
-        batch_shardings,
+    fields = dict(
+        ref_log_probs=zeros if batch.ref_log_probs is None else batch.ref_log_probs,
+        kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]),
     )
-    values = zeros if parts.recipe.estimator == "grpo" else values_fn(critic, batch)
-    advantages, returns = estimate_credit(
-        cfg, parts.recipe, sampled.rewards, sampled.reward_tokens, values, kappa, mask
-    )
-    batch = batch._replace(advantages=advantages, returns=returns, old_values=values)
-    # The critic's features live on in `batch` only (no second copy through the update).
-    return Scored(batch, rollout._replace(hidden_states=None, routing=None), sampled, kappa)
+    if parts.recipe.estimator == "grpo":
+        values = zeros
+    else:
+        values = values_fn(critic, batch._replace(advantages=zeros, returns=zeros, old_values=zeros, **fields))
+    advantages, returns = estimate_credit(cfg, parts.recipe, rewards, reward_tokens, values, kappa, mask)
+    return dict(fields, old_values=values, advantages=advantages, returns=returns), kappa
 
 
-def refreshed_credit(
-    cfg, parts: RunParts, model_config, actor, scored: Scored, rng, advantage_clip
-) -> tuple[dict, jax.Array]:
-    """gate_refresh=epoch: the current actor's gate on the stored batch (H -> c -> kappa, no
-    gradient), through the gate control, and Comp-GAE rerun with the stored values and rewards.
-    Returns (the Minibatch fields that change: advantages (whitened, clipped), returns and
-    kappa_sequence; the new kappa [B, T])."""
-    batch, mask = scored.batch, scored.batch.response_mask
-    own = policy_gate(
+def credit(cfg, parts: RunParts, values_fn, critic, rollout, sampled: Sampled, rng, batch_shardings) -> Scored:
+    """The credit of a scored batch (`credit_fields`, operation by operation: eval.held_out's), `rng`
+    the gate control's key."""
+    batch = rollout_batch(sampled, rollout, batch_shardings)
+    fields, kappa = credit_fields(
+        cfg, parts, values_fn, critic, batch, rollout.kappa, sampled.rewards, sampled.reward_tokens, rng
+    )
+    return Scored.of(batch._replace(**fields), rollout, sampled, kappa)
+
+
+def gate_key(step_rng):
+    """The gate control's key (the shuffled gate's) of the step whose key is `step_rng`."""
+    return jax.random.fold_in(step_rng, 1)
+
+
+def guarded_credit(
+    cfg, parts: RunParts, values_fn, critic, batch: Minibatch, own_kappa, rewards, reward_tokens, step_rng, clip
+):
+    """The learner's credit program: `credit_fields`, the advantages clipped to `clip` too, and whether
+    values, clipped advantages and returns are finite (`guards.nonfinite_credit` reads the flags back).
+    One program: its parts dispatched one by one until that read were, on a pod, cross-process programs
+    back to back (XLA:CPU over gloo hangs on those: docs/reliability.md)."""
+    fields, kappa = credit_fields(
+        cfg, parts, values_fn, critic, batch, own_kappa, rewards, reward_tokens, gate_key(step_rng)
+    )
+    clipped = clip_advantages(fields["advantages"], clip)
+    finite = all_finite(values=fields["old_values"], advantages=clipped, returns=fields["returns"])
+    return fields, kappa, clipped, finite
+
+
+def refreshed_gate(cfg, model_config, actor, batch: Minibatch):
+    """gate_refresh=epoch: the current actor's gate on the stored batch (H -> c -> kappa [B, T], no
+    gradient). The learner runs it as a program of its own: in one with `refreshed_credit`, XLA
+    recomputes the gate's last operations inside those that read it, rounding apart."""
+    mask = batch.response_mask
+    return policy_gate(
         cast_params(actor, model_config.dtype),
         model_config,
         batch.tokens,
@@ -122,23 +173,64 @@ def refreshed_credit(
         length=mask.shape[1],
         **gate_options(cfg),
     )
-    kappa = control_gate(parts.recipe, own, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
-    advantages, returns = estimate_credit(
-        cfg, parts.recipe, scored.sampled.rewards, scored.sampled.reward_tokens, batch.old_values, kappa, mask
+
+
+def refreshed_credit(
+    cfg, parts: RunParts, own, batch: Minibatch, kappa_before, rewards, reward_tokens, step_rng, clip, importance=None
+) -> tuple[dict, jax.Array]:
+    """gate_refresh=epoch: the refreshed gate `own` through the gate control, and Comp-GAE rerun with
+    the stored values and rewards. Returns (the Minibatch fields that change: advantages (whitened,
+    clipped to `clip`, times the truncated `importance` weights of train.proximal=recompute), returns
+    and kappa_sequence; the gate's mean |change| from `kappa_before`). The learner runs it as one program."""
+    mask = batch.response_mask
+    kappa = control_gate(
+        parts.recipe, own, mask, gate_key(step_rng), parts.position_schedule, fixed_value=cfg.fixed_gate
     )
+    advantages, returns = estimate_credit(cfg, parts.recipe, rewards, reward_tokens, batch.old_values, kappa, mask)
+    advantages = clip_advantages(advantages, clip)
     fields = dict(
-        advantages=clip_advantages(advantages, advantage_clip),
+        advantages=advantages if importance is None else advantages * importance,
         returns=returns,
         kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]),
     )
-    return fields, kappa
+    return fields, masked_mean(jnp.abs(kappa - kappa_before), mask)
+
+
+def proximal_inputs(model_config, temperature: float, cap: float, actor, batch: Minibatch):
+    """train.proximal=recompute, AReaL's decoupled objective (`decoupled_ppo_inputs`): the ratio's old
+    log-probs (the current, proximal policy's), the advantages times the truncated importance weights,
+    the weights, their truncation at `cap`, and whether the weights and those advantages are finite.
+    The learner runs it as one program."""
+    proximal = policy_token_stats(
+        cast_params(actor, model_config.dtype),
+        model_config,
+        batch.tokens,
+        batch.attention_mask,
+        batch.prompt_lengths,
+        batch.response_tokens,
+        temperature,
+    )[0]
+    old_log_probs, advantages, weights = decoupled_ppo_inputs(
+        batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cap
+    )
+    finite = all_finite(**{"importance weights": weights, "advantages": advantages})
+    return old_log_probs, advantages, weights, jnp.minimum(weights, cap), finite
+
+
+def _emptied_features(hidden_states, routing):
+    """Zero layers of the critic's features, zero routed keys."""
+    return hidden_states[:0], None if routing is None else jax.tree.map(lambda x: x[..., :0], routing)
+
+
+_emptied_on_device = jax.jit(_emptied_features)  # one program (sliced eagerly, each array is one)
 
 
 def without_features(batch: Minibatch) -> Minibatch:
     """`batch` with zero layers of the critic's features and zero routed keys (the actor's
-    minibatches never read them)."""
-    routing = None if batch.routing is None else jax.tree.map(lambda x: x[..., :0], batch.routing)
-    return batch._replace(hidden_states=batch.hidden_states[:0], routing=routing)
+    minibatches never read them); host arrays (train.offload_idle) sliced on the host."""
+    on_host = isinstance(batch.hidden_states, np.ndarray)
+    hidden_states, routing = (_emptied_features if on_host else _emptied_on_device)(batch.hidden_states, batch.routing)
+    return batch._replace(hidden_states=hidden_states, routing=routing)
 
 
 def placed_from_host(tree, shardings):
@@ -226,16 +318,12 @@ class Learner:
             cfg.train.max_skipped_updates, **meta.get("skipped_updates", {})
         )  # absent before the guard existed
         self.warmup = critic_warmup(cfg, parts.recipe)
-        self.log_probs = jax.jit(
-            lambda actor, batch: policy_token_stats(
-                cast_params(actor, model_config.dtype),
-                model_config,
-                batch.tokens,
-                batch.attention_mask,
-                batch.prompt_lengths,
-                batch.response_tokens,
-                cfg.rollout.temperature,
-            )[0]
+        # The step's programs besides the update steps (module docstring), jitted once per run.
+        self.credit = jax.jit(functools.partial(guarded_credit, cfg, parts, steps.values))
+        self.refreshed_gate = jax.jit(functools.partial(refreshed_gate, cfg, model_config))
+        self.refreshed_credit = jax.jit(functools.partial(refreshed_credit, cfg, parts))
+        self.proximal_inputs = jax.jit(
+            functools.partial(proximal_inputs, model_config, cfg.rollout.temperature, cfg.train.importance_weight_cap)
         )
 
     def meta(self) -> dict:
@@ -245,29 +333,27 @@ class Learner:
         """Credit and the update epochs of batch `step` (step_rng: the step's key)."""
         cfg, steps, offload = self.cfg, self.steps, self.offload
         knobs = controller.knobs(self.control_state, schedule_step(cfg, self.parts.recipe, step), self.control_config)
-        gate_key = jax.random.fold_in(step_rng, 1)
-        scored = credit(
-            cfg,
-            self.parts,
-            steps.values,
+        rollout, sampled = experience.rollout, experience.sampled
+        batch = rollout_batch(sampled, rollout, self.batch_shardings)
+        fields, kappa, clipped, finite = self.credit(
             state["critic"],
-            experience.rollout,
-            experience.sampled,
-            gate_key,
-            self.batch_shardings,
+            batch,
+            rollout.kappa,
+            sampled.rewards,
+            sampled.reward_tokens,
+            step_rng,
+            knobs["advantage_clip"],
         )
-        batch = scored.batch._replace(advantages=clip_advantages(scored.batch.advantages, knobs["advantage_clip"]))
-        weigh, importance, weights = (lambda advantages: advantages), {}, None
+        scored = Scored.of(batch._replace(**fields), rollout, sampled, kappa)
+        batch = scored.batch._replace(advantages=clipped)
+        importance, truncated = {}, None
         if cfg.train.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
             self.compiling("the proximal log-probs")
-            proximal = self.log_probs(state["actor"], batch)
-            old_log_probs, advantages, weights = decoupled_ppo_inputs(
-                batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cfg.train.importance_weight_cap
-            )
-            truncated = jnp.minimum(weights, cfg.train.importance_weight_cap)
-            weigh = lambda advantages: advantages * truncated
+            old_log_probs, advantages, weights, truncated, weighed = self.proximal_inputs(state["actor"], batch)
             batch = batch._replace(old_log_probs=old_log_probs, advantages=advantages)
             importance = importance_metrics(weights, batch.response_mask, cfg.train.importance_weight_cap)
+            # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
+            finite = {"importance weights": weighed.pop("importance weights"), **finite, **weighed}
         batch = offload.to_update(batch)
         state["actor_opt"] = offload.fetch(state["actor_opt"])
         actor_hyper = dict(
@@ -285,14 +371,7 @@ class Learner:
         update_metrics, gate_changes = [], []
         rows = batch.response_mask.shape[0]
         # A non-finite reward, value, advantage or return skips the whole update.
-        # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
-        nonfinite = nonfinite_credit(
-            scored.sampled.rewards,
-            **({} if weights is None else {"importance weights": weights}),
-            values=batch.old_values,
-            advantages=batch.advantages,
-            returns=batch.returns,
-        )
+        nonfinite = nonfinite_credit(sampled.rewards, **finite)
         size = cfg.train.minibatch_size
         # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
         orders = [
@@ -329,11 +408,17 @@ class Learner:
             # rollout's.
             if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
                 self.compiling("the gate refresh")
-                fresh, kappa = refreshed_credit(
-                    cfg, self.parts, self.model_config, state["actor"], scored, gate_key, knobs["advantage_clip"]
+                fresh, change = self.refreshed_credit(
+                    self.refreshed_gate(state["actor"], scored.batch),
+                    scored.batch,
+                    scored.kappa,
+                    sampled.rewards,
+                    sampled.reward_tokens,
+                    step_rng,
+                    knobs["advantage_clip"],
+                    truncated,
                 )
-                fresh["advantages"] = weigh(fresh["advantages"])
-                gate_changes.append(float(masked_mean(jnp.abs(kappa - scored.kappa), scored.batch.response_mask)))
+                gate_changes.append(float(change))
                 # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).
                 batch = batch._replace(**offload.to_update(fresh))
             for start in range(0, rows, size):

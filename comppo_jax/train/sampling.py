@@ -13,11 +13,14 @@ over the training prompts could not fill it. Rows keep their group order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from comppo_jax import sharding
 from comppo_jax.credit import informative_groups
@@ -64,37 +67,46 @@ def reward_generation(
     )
 
 
-def _pad_width(x, width: int):
-    return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+@functools.partial(jax.jit, static_argnames=("width", "layout"))
+def _gather_rows(generations: list[Generation], rows: list, width: int, layout) -> Generation:
+    """`rows` of each generation, concatenated, sequences right-padded to `width`, laid out as `layout`
+    (None: as the compiler picks). One program: a gather, pad and concatenation per field would each be
+    one of their own, on a pod a cross-process program (XLA:CPU over gloo hangs on those back to back:
+    docs/reliability.md)."""
+
+    def field(name: str, values: list) -> jax.Array:
+        if name in ("tokens", "attention_mask"):
+            values = [jnp.pad(x, ((0, 0), (0, width - x.shape[1]))) for x in values]
+        return jnp.concatenate(values)
+
+    picked = [jax.tree.map(lambda x, r=r: x[r], generation) for generation, r in zip(generations, rows)]
+    merged = Generation(*(field(name, list(values)) for name, values in zip(Generation._fields, zip(*picked))))
+    return merged if layout is None else jax.lax.with_sharding_constraint(merged, layout)
 
 
 def take_groups(pieces: list[tuple[Sampled, list[int]]], group: int) -> Sampled:
     """The chosen groups of several `Sampled` as one, in order. Sequences are right-padded to the
     widest (rows are prompt + response + right padding, so that only adds padding)."""
     width = max(s.generation.tokens.shape[1] for s, _ in pieces)
-    fields = {name: [] for name in Generation._fields}
-    problems, texts, rewards, verdicts, masks, reward_tokens = [], [], [], [], [], []
-    for sampled, groups in pieces:
-        rows = np.asarray([g * group + i for g in groups for i in range(group)], np.int32)
-        for name, value in sampled.generation._asdict().items():
-            value = value[rows]
-            fields[name].append(_pad_width(value, width) if name in ("tokens", "attention_mask") else value)
+    rows = [np.asarray([g * group + i for g in groups for i in range(group)], np.int32) for _, groups in pieces]
+    problems, texts, verdicts = [], [], []
+    for (sampled, groups), picked in zip(pieces, rows):
         problems += [sampled.problems[g] for g in groups]
-        texts += [sampled.texts[r] for r in rows]
-        verdicts += [sampled.verdicts[r] for r in rows]
-        rewards.append(sampled.rewards[rows])
-        masks.append(sampled.host_mask[rows])
-        reward_tokens.append(sampled.reward_tokens[rows])
-    generation = Generation(**{name: jnp.concatenate(parts) for name, parts in fields.items()})
+        texts += [sampled.texts[r] for r in picked]
+        verdicts += [sampled.verdicts[r] for r in picked]
+    host = lambda name: np.concatenate([getattr(s, name)[r] for (s, _), r in zip(pieces, rows)])
+    # Replicated over the pieces' mesh, the layout earlier runs scored (the scoring pass's float sums depend on it).
+    laid_out = getattr(pieces[0][0].generation.tokens, "sharding", None)
+    layout = NamedSharding(laid_out.mesh, PartitionSpec()) if isinstance(laid_out, NamedSharding) else None
     return Sampled(
-        generation,
+        _gather_rows([s.generation for s, _ in pieces], rows, width, layout),
         problems,
         texts,
-        np.concatenate(rewards),
+        host("rewards"),
         verdicts,
         {},
-        np.concatenate(masks),
-        np.concatenate(reward_tokens),
+        host("host_mask"),
+        host("reward_tokens"),
     )
 
 

@@ -1,6 +1,7 @@
 """The learner's minibatch loop dispatches one program per update step and nothing else: no eager
 gather per Minibatch field, each of which is, on a pod, a cross-process program (two processes
-hung in them back to back over gloo: docs/reliability.md)."""
+hung in them back to back over gloo: docs/reliability.md). A whole training step runs its
+collectives in our jitted programs only, none in an eager operation on a sharded array."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import HANG_S, REPO, fake_devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,6 +99,7 @@ SCRIPT = textwrap.dedent(
 UPDATE_STEPS = {"jit(step_on_rows)", "jit(actor_step)", "jit(critic_step)"}
 
 
+@pytest.mark.slow  # a subprocess compiling a whole update on 8 devices: about 40 s
 def test_the_minibatch_loop_dispatches_only_the_update_steps():
     env = fake_devices_env(
         8, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
@@ -111,3 +114,112 @@ def test_the_minibatch_loop_dispatches_only_the_update_steps():
         assert len(steps) == 8, f"{kind}: {' '.join(dispatched)}"
         # The critic's epochs, then (their features freed) the actor's: between the steps of each, no other program.
         assert steps[3] - steps[0] == 3 and steps[7] - steps[4] == 3, f"{kind}: {' '.join(dispatched)}"
+
+
+# A training step of CompPO (the critic's epochs, then the actor's; and with gate_refresh=epoch, interleaved with
+# the gate's refresh) on a 2x2x2 mesh of 8 CPU devices, dynamic sampling on (the reward filter drops groups of equal
+# rewards: the step refills), every program dispatched from the start of its rollout to the end of its checkpoint
+# recorded by name, with whether its compiled HLO holds a collective: on one process's 8 devices a sharded array's
+# collectives show where, on a pod, they run across processes. A jitted function keeps its name; an eager operation
+# is a program named after its primitive or jax.numpy helper (gather, scatter-add, concatenate, _pad, _where, ...).
+STEP_SCRIPT = textwrap.dedent(
+    """
+    import json, re, sys, tempfile
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+
+    COLLECTIVE = re.compile(r"\\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\\(")
+    programs, dispatched = {}, []
+    pjit._get_fastpath_data = lambda *args, **kwargs: None
+    execute = pxla.ExecuteReplicated.__call__
+
+    def recorded(self, *args):
+        if id(self) not in programs:  # each program's HLO read once (it is kept alive here)
+            text = "\\n".join(module.to_string() for module in self.xla_executable.hlo_modules())
+            programs[id(self)] = (self, bool(COLLECTIVE.search(text)))
+        dispatched.append([self.name, programs[id(self)][1]])
+        return execute(self, *args)
+
+    pxla.ExecuteReplicated.__call__ = recorded
+
+    from comppo_jax.train import learner, loop, recorder, staleness
+    from conftest import small_train_config
+
+    def marked(cls, name, mark):
+        method = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            dispatched.append([f"start {mark}", False])
+            out = method(self, *args, **kwargs)
+            dispatched.append([f"end {mark}", False])
+            return out
+
+        setattr(cls, name, wrapper)
+
+    marked(staleness.RolloutQueue, "take", "rollout")  # a step begins with its batch
+    marked(learner.Learner, "update", "update")
+    marked(recorder.Recorder, "checkpoint", "checkpoint")  # and ends with its checkpoint
+    runs = {}
+    for kind, settings in (("comppo", {}), ("gate_refresh", {"gate_refresh": "epoch"})):
+        del dispatched[:]
+        run = tempfile.mkdtemp()
+        loop.train(
+            small_train_config(
+                run, steps=1, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, train__minibatch_size=4,
+                rollout__dynamic_sampling=True, rollout__dynamic_sampling_filter="reward", rollout__max_refills=1,
+                train__eval_every=0, warm_start__steps=0, train__critic_warmup_steps=0, **settings,
+            )
+        )
+        refills = [json.loads(line)["dynamic_sampling/refills"] for line in open(f"{run}/metrics.jsonl")]
+        runs[kind] = {"dispatched": list(dispatched), "refills": refills}
+    print(json.dumps(runs))
+    """
+)
+
+# Our programs that hold collectives on a step's path, each a jitted function named here.
+STEP_PROGRAMS = {
+    "jit(decode_weights)",  # the sampler's weights in the decode layout (decode_layout)
+    "jit(generate)",  # each generation round (rollout.sampler)
+    "jit(_gather_rows)",  # dynamic sampling's kept groups (sampling.take_groups)
+    "jit(score_rollout)",  # the behaviour and reference scoring (rollout.scoring)
+    "jit(<lambda>)",  # the checkpoint's leaf digests (checkpoint.state_digests), read back at once
+}
+# The learner's programs: nothing else runs in Learner.update.
+LEARNER_PROGRAMS = {
+    "jit(guarded_credit)",  # the credit, clipped, with its finite flags (read back at once)
+    "jit(refreshed_gate)",  # gate_refresh=epoch: the current actor's gate
+    "jit(refreshed_credit)",  # and the credit it gives (its gate change read back at once)
+    "jit(step_on_rows)",  # the update steps (update.on_rows)
+    "jit(_emptied_features)",  # the critic's features dropped before the actor's epochs
+}
+# What each run's update dispatched at least: the paths it covers.
+EXPECTED_IN_UPDATE = {
+    "comppo": {"jit(guarded_credit)", "jit(step_on_rows)", "jit(_emptied_features)"},
+    "gate_refresh": {"jit(guarded_credit)", "jit(step_on_rows)", "jit(refreshed_gate)", "jit(refreshed_credit)"},
+}
+
+
+@pytest.mark.slow  # a subprocess compiling a whole training step on 8 devices: about 45 s
+def test_a_training_step_runs_collectives_only_in_our_jitted_programs():
+    env = fake_devices_env(
+        8, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", STEP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for kind, run in json.loads(result.stdout.splitlines()[-1]).items():
+        assert max(run["refills"]) >= 1, kind  # a refill round, and take_groups, on a step's path
+        with_collectives, in_update, inside, updating = [], [], False, False
+        for name, collective in run["dispatched"]:
+            inside = (inside or name == "start rollout") and name != "end checkpoint"
+            updating = (updating or name == "start update") and name != "end update"
+            if inside and collective:
+                with_collectives.append(name)
+            if updating and not name.startswith(("start ", "end ")):
+                in_update.append(name)
+        eager = sorted(set(with_collectives) - STEP_PROGRAMS - LEARNER_PROGRAMS)
+        assert not eager, f"{kind}: collectives outside our jitted programs: {eager} in {' '.join(with_collectives)}"
+        assert set(in_update) <= LEARNER_PROGRAMS, f"{kind}: {' '.join(in_update)}"
+        assert "jit(_gather_rows)" in with_collectives, kind
+        assert EXPECTED_IN_UPDATE[kind] <= set(in_update), f"{kind}: {' '.join(in_update)}"
