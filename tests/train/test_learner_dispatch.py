@@ -99,16 +99,21 @@ SCRIPT = textwrap.dedent(
 UPDATE_STEPS = {"jit(step_on_rows)", "jit(actor_step)", "jit(critic_step)"}
 
 
-@pytest.mark.slow  # a subprocess compiling a whole update on 8 devices: about 40 s
-def test_the_minibatch_loop_dispatches_only_the_update_steps():
+def recorded_on_8_devices(script: str) -> dict:
+    """What `script` records (its last stdout line, JSON), run in a subprocess with 8 fake CPU devices."""
     env = fake_devices_env(
         8, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
     )
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    for kind, dispatched in json.loads(result.stdout.splitlines()[-1]).items():
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # a subprocess compiling a whole update on 8 devices: about 40 s
+def test_the_minibatch_loop_dispatches_only_the_update_steps():
+    for kind, dispatched in recorded_on_8_devices(SCRIPT).items():
         steps = [i for i, name in enumerate(dispatched) if name in UPDATE_STEPS]
         # 2 epochs (the controller's first phase) x 2 minibatches of 4 rows, a critic and an actor step each.
         assert len(steps) == 8, f"{kind}: {' '.join(dispatched)}"
@@ -201,14 +206,7 @@ EXPECTED_IN_UPDATE = {
 
 @pytest.mark.slow  # a subprocess compiling a whole training step on 8 devices: about 45 s
 def test_a_training_step_runs_collectives_only_in_our_jitted_programs():
-    env = fake_devices_env(
-        8, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", STEP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    for kind, run in json.loads(result.stdout.splitlines()[-1]).items():
+    for kind, run in recorded_on_8_devices(STEP_SCRIPT).items():
         assert max(run["refills"]) >= 1, kind  # a refill round, and take_groups, on a step's path
         with_collectives, in_update, inside, updating = [], [], False, False
         for name, collective in run["dispatched"]:
