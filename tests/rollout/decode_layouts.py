@@ -24,6 +24,7 @@ _CONFIG = config_flags.DEFINE_config_dict(
                 "coordinator_address": "",
                 "num_processes": 1,
                 "process_id": 0,
+                "collective_timeout_s": 300,
             }
         }
     ),
