@@ -91,8 +91,12 @@ def write_bytes(location: str | os.PathLike, data: bytes) -> None:
         target.write_bytes(data)  # one upload: the object appears when it is complete
         return
     partial = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp"
-    partial.write_bytes(data)
-    partial.replace(target)
+    try:
+        partial.write_bytes(data)
+        partial.replace(target)
+    except BaseException:  # a full disk or a signal: no half-written temporary is left beside the file
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def write_text(location: str | os.PathLike, text: str) -> None:

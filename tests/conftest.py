@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -333,6 +334,21 @@ def gcs_emulator():
 def bucket(gcs_emulator):
     """A new empty bucket on the emulator, as "gs://<name>"."""
     return f"gs://{gcs_emulator.bucket()}"
+
+
+@contextlib.contextmanager
+def full_disk(free_bytes: int = 0):
+    """Inside it, this process's writes past `free_bytes` of a file fail with EFBIG, as on a full disk
+    (RLIMIT_FSIZE; Python ignores the SIGXFSZ that would otherwise end the process). Subprocesses
+    started inside inherit the limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (free_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def launch_script(script: str, *args: str, env: dict | None = None):

@@ -8,6 +8,7 @@ import os
 import threading
 
 import pytest
+from conftest import full_disk
 
 from comppo_jax import storage
 
@@ -33,6 +34,14 @@ def test_whole_file_writes_read_back_and_replace(root):
     storage.write_text(target, "new")
     assert storage.read_text(target) == "new"
     assert storage.names(storage.join(root, "run")) == ["config.json"]  # no temporary left beside it
+
+
+def test_a_whole_file_write_on_a_full_disk_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "summary.json"
+    storage.write_text(target, "old")
+    with full_disk(free_bytes=4), pytest.raises(OSError, match="File too large"):
+        storage.write_text(target, "new contents")
+    assert os.listdir(tmp_path) == ["summary.json"] and target.read_text() == "old"
 
 
 def test_create_new_refuses_an_existing_file(root):
