@@ -5,7 +5,8 @@
 Config and summary, the curves, the phase controller's timeline, the gate profile by position,
 and the responses the run kept (outputs.sample_every) with each token coloured by its gate
 kappa_t or its advantage, beside the other estimator's advantages from the same rewards and
-values. Works on a run still going (what it has so far). Details: comppo_jax.eval.run_report.
+values. Works on a run still going (what it has so far); a torn or damaged file is left out and
+named on the page. Details: comppo_jax.eval.run_report.
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ Colours: kappa_t on viridis over the gate's realized range [g(0), g(1)] (`gate_r
 advantages on a red-white-blue scale symmetric about 0, scaled by the response's largest |A|
 over both estimators. The page's script maps values through the lookup tables written into it
 (`color_of` is the same map in Python).
+
+A file the page cannot use is left out and named on the page and in one warning line, and the rest
+is built: a torn summary.json or gate_profile.json, a kept step that does not parse or lacks a field
+the page's script reads (`sample_problem`), a torn metrics.jsonl line. The text the run holds
+(prompts, responses) is shown as text: the page's data is JSON that cannot end or change its
+<script> block (`script_json`).
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import json
 import math
 import re
 
+from absl import logging
+
 from comppo_jax import storage
 from comppo_jax.credit import load_position_schedule
 from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
-from comppo_jax.train.samples import load_samples
+from comppo_jax.train.samples import load_samples, sample_path
 
 REPORT_FILE = "report.html"
 PAGE_TEMPLATE = "run_report.html"  # the page's markup, style and script, beside this module
@@ -62,21 +70,111 @@ def color_of(table: list[str], value: float, low: float, high: float) -> str:
     return table[math.floor(scaled * (LUT_SIZE - 1) + 0.5)]
 
 
-def _read_json(path):
+def _read_json(path) -> dict | None:
+    """A JSON object file's contents; None without the file; ValueError naming it when it is not one."""
     path = storage.path(path)
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from error
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return value
+
+
+def _tolerating(make, *args):
+    """(make(*args), []), or (None, [the ValueError's line naming the damaged file]): a section the
+    page leaves out."""
+    try:
+        return make(*args), []
+    except ValueError as error:
+        return None, [str(error)]
+
+
+# Inside <script>, "<" can end the block ("</script>") or switch the HTML parser into a state where
+# the block's own end no longer ends it ("<!--<script>"); ">" and "&" are escaped too, as Django's
+# json_script and Go's html/template do, and U+2028/U+2029, which end a line in older JavaScript.
+# Each becomes a JSON string escape, so JSON.parse reads the same value.
+SCRIPT_ESCAPES = str.maketrans(
+    {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
+
+
+def script_json(value) -> str:
+    """`value` as JSON text that can sit inside an HTML <script> block whatever strings it holds."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).translate(SCRIPT_ESCAPES)
+
+
+def _is(value, kind) -> bool:
+    """isinstance for JSON values: true/false are not numbers, NaN is not (JSON.parse rejects it)."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        return False
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+NUMBER = (int, float)
+# What the page's script reads of a kept step's record (comppo_jax.train.samples) and each response.
+RECORD_FIELDS = {"estimator": str, "kappa_range": list, "responses": list}
+RESPONSE_FIELDS = {"row": int, "prompt": str, "verdict": str, "length": int, "t": list, "pieces": list, "tokens": dict}
+
+
+def _field_problem(where: str, record, fields: dict) -> str | None:
+    for name, kind in fields.items():
+        if name not in record:
+            return f"no `{where}{name}`"
+        if not _is(record[name], kind):
+            return f"`{where}{name}` is {json.dumps(record[name])[:40]}, not {kind.__name__}"
+    return None
+
+
+def sample_problem(record: dict) -> str | None:
+    """What of a kept step's record the page's script could not read (a missing or mistyped field),
+    or None: such a record would stop the whole browser with a TypeError."""
+    problem = _field_problem("", record, RECORD_FIELDS)
+    if problem:
+        return problem
+    if record["estimator"] not in COMPARED:
+        return f"`estimator` is {record['estimator']!r}, not one of {', '.join(COMPARED)}"
+    if len(record["kappa_range"]) != 2 or not all(_is(v, NUMBER) for v in record["kappa_range"]):
+        return "`kappa_range` is not two numbers"
+    if not record["responses"]:
+        return "`responses` is empty"
+    for i, response in enumerate(record["responses"]):
+        where = f"responses[{i}]."
+        if not isinstance(response, dict):
+            return f"`responses[{i}]` is not an object"
+        problem = _field_problem(where, response, RESPONSE_FIELDS)
+        if problem:
+            return problem
+        if response.get("reward") is not None and not _is(response["reward"], NUMBER):
+            return f"`{where}reward` is not a number"
+        kept = len(response["t"])
+        if not all(_is(t, int) for t in response["t"]):
+            return f"`{where}t` holds a value that is not an integer"
+        if len(response["pieces"]) != kept or not all(isinstance(p, str) for p in response["pieces"]):
+            return f"`{where}pieces` is not {kept} strings, one per t"
+        for name, values in response["tokens"].items():
+            if (
+                not isinstance(values, list)
+                or len(values) != kept
+                or not all(v is None or _is(v, NUMBER) for v in values)
+            ):
+                return f"`{where}tokens.{name}` is not {kept} numbers (or null), one per t"
+    return None
+
+
+def _left_out(problems: list[str]) -> str:
+    """The page's note naming files left out, and why."""
+    return "<p class='warn'>Left out: " + "; ".join(html.escape(line) for line in problems) + "</p>" if problems else ""
 
 
 def _png_data_uri(path) -> str:
     return "data:image/png;base64," + base64.b64encode(storage.path(path).read_bytes()).decode()
 
 
-def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
+def _curves(run_dir: str, rows: list[dict], finished: bool) -> str:
     """curves.png as a data URI, drawn from metrics.jsonl's `rows` when the run has not written it
     since its last step (still going, or resumed to go further)."""
     path, metrics = storage.path(run_dir) / "curves.png", storage.path(run_dir) / METRICS_FILE
@@ -88,8 +186,14 @@ def _curves(run_dir: str, rows: list[dict], summary: dict | None) -> str:
 
     with tempfile.TemporaryDirectory() as folder:
         png, parsed = storage.path(folder) / "curves.png", storage.path(folder) / METRICS_FILE
-        storage.write_text(parsed, "".join(json.dumps(row) + "\n" for row in rows))  # the rows that parse
-        plot_run(parsed, png, title=f"{storage.path(run_dir).name} (in progress)" if summary is None else "")
+        try:
+            storage.write_text(parsed, "".join(json.dumps(row) + "\n" for row in rows))  # the rows that parse
+            plot_run(parsed, png, title="" if finished else f"{storage.path(run_dir).name} (in progress)")
+        except OSError as error:  # a write error names no file: name the folder
+            raise OSError(
+                f"the curves could not be drawn in the scratch folder {folder} ({error}): free space there "
+                "or point TMPDIR elsewhere"
+            ) from error
         return _png_data_uri(png)
 
 
@@ -98,9 +202,10 @@ def phase_timeline(rows: list[dict]) -> str:
     phased = [(row["step"], row["phase"]) for row in rows if "phase" in row]
     if not phased:
         return "<p>No step has logged a phase yet.</p>"
+    phased = [(html.escape(str(step)), html.escape(str(phase))) for step, phase in phased]  # text from a file
     cells = "".join(
-        f'<span class="phase" data-step="{step}" data-phase="{html.escape(phase)}" '
-        f'title="step {step}: {html.escape(phase)}" style="background:{PHASE_COLORS.get(phase, "#888")}"></span>'
+        f'<span class="phase" data-step="{step}" data-phase="{phase}" '
+        f'title="step {step}: {phase}" style="background:{PHASE_COLORS.get(phase, "#888")}"></span>'
         for step, phase in phased
     )
     changes = [
@@ -186,13 +291,24 @@ def run_report_html(run_dir: str) -> str:
             f"{run_dir} holds no training run (no {CONFIG_FILE}, no {METRICS_FILE}): pass a launch/train.py output_dir"
         )
     rows, torn = metrics_rows(metrics_path)
-    summary = _read_json(storage.path(run_dir) / "summary.json")
-    records, unreadable = load_samples(run_dir)
+    summary_path = storage.path(run_dir) / "summary.json"
+    finished = summary_path.exists()  # written when the run ends, so there even when it is torn
+    summary, summary_problems = _tolerating(_read_json, summary_path)
+    gate_profile, profile_problems = _tolerating(gate_profile_svg, run_dir)
+    loaded, samples_problems = load_samples(run_dir)
+    records = []
+    for record in loaded:
+        problem = sample_problem(record)
+        if problem:
+            samples_problems.append(f"{sample_path(run_dir, int(record['step']))}: {problem}")
+        else:
+            records.append(record)
+    problems = summary_problems + profile_problems + samples_problems
+    if problems:
+        logging.warning("%s: left out of the report (fix or remove them): %s", run_dir, "; ".join(problems))
     name = storage.path(run_dir).name
     status = (
-        "finished"
-        if summary is not None
-        else (f"in progress or stopped after step {rows[-1]['step']}" if rows else "no step yet")
+        "finished" if finished else (f"in progress or stopped after step {rows[-1]['step']}" if rows else "no step yet")
     )
     key_fields = {field: _field(config or {}, field) for field in KEY_FIELDS}
     data = {
@@ -202,21 +318,18 @@ def run_report_html(run_dir: str) -> str:
         "kappaColors": color_table(KAPPA_COLORMAP),
         "advantageColors": color_table(ADVANTAGE_COLORMAP),
     }
-    curves = _curves(run_dir, rows, summary)
-    unreadable_note = (
-        "<p class='warn'>Kept-response files that do not parse (left out): "
-        + "; ".join(html.escape(line) for line in unreadable)
-        + "</p>"
-        if unreadable
-        else ""
-    )
+    curves = _curves(run_dir, rows, finished)
+    if summary is not None:
+        summary_section = _table(summary)
+    else:
+        summary_section = _left_out(summary_problems) or "<p>No summary.json yet: the run has not finished.</p>"
     torn_note = f"<p class='warn'>{torn} line(s) of {METRICS_FILE} do not parse (left out).</p>" if torn else ""
     body = f"""
 <h1>{html.escape(name)}: {html.escape(str(key_fields["method"]))} run report</h1>
 <p>{html.escape(str(storage.path(run_dir)))} &middot; {status} &middot; {len(rows)} steps logged &middot;
 {len(records)} steps with kept responses</p>
 <h2>Summary</h2>
-{_table(summary) if summary is not None else "<p>No summary.json yet: the run has not finished.</p>"}
+{summary_section}
 <h2>Config</h2>
 {_table(key_fields)}
 <details><summary>the whole config.json</summary><pre>{html.escape(json.dumps(config, indent=2, sort_keys=True))}</pre>
@@ -227,22 +340,29 @@ def run_report_html(run_dir: str) -> str:
 <h2>Phase controller</h2>
 {phase_timeline(rows)}
 <h2>Gate profile by position</h2>
-{gate_profile_svg(run_dir)}
+{_left_out(profile_problems) or gate_profile}
 <h2>Where the credit went</h2>
-{unreadable_note}
+{_left_out(samples_problems)}
 <div id="browser"></div>
 """
     parts = {
         "TITLE": html.escape(f"{name} report"),
         "BODY": body,
-        "DATA": json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/"),  # no "</script>"
+        "DATA": script_json(data),
     }
     page = importlib.resources.files("comppo_jax.eval").joinpath(PAGE_TEMPLATE).read_text()
     return re.sub(r"__(TITLE|BODY|DATA)__", lambda match: parts[match.group(1)], page)  # one pass over the template
 
 
 def write_run_report(run_dir: str, out: str | None = None) -> str:
-    """Writes run_report_html(run_dir) to `out` (default <run_dir>/report.html); returns the path."""
+    """Writes run_report_html(run_dir) to `out` (default <run_dir>/report.html), whole or not at all;
+    returns the path."""
     out = str(storage.path(out or storage.path(run_dir) / REPORT_FILE))
-    storage.write_text(out, run_report_html(run_dir))
+    page = run_report_html(run_dir)
+    try:
+        storage.write_text(out, page)
+    except OSError as error:  # a full disk: the error names no file
+        raise OSError(
+            f"{out} could not be written ({error}): free space there or pass --out=<a path elsewhere>"
+        ) from error
     return out

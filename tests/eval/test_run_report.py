@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, launch_script, small_train_config, small_train_flags, stand_in_batch
+from conftest import CPU_ONLY_ENV, full_disk, launch_script, small_train_config, small_train_flags, stand_in_batch
 
 from comppo_jax.credit import fit_position_schedule, save_position_schedule
 from comppo_jax.data.tokenizers import CharTokenizer
-from comppo_jax.eval.run_report import ADVANTAGE_COLORMAP, KAPPA_COLORMAP, color_of, color_table, run_report_html
+from comppo_jax.eval.run_report import (
+    ADVANTAGE_COLORMAP,
+    KAPPA_COLORMAP,
+    color_of,
+    color_table,
+    run_report_html,
+    write_run_report,
+)
 from comppo_jax.train.methods import recipe as make_recipe
 from comppo_jax.train.outputs import save_run_config
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
@@ -135,6 +143,110 @@ def test_a_run_without_kept_responses_or_with_a_torn_metrics_line_says_so_and_a_
     assert "No kept responses" in browser.find_element(By.ID, "browser").text
     result = report(tmp_path / "nothing")
     assert result.returncode != 0 and "holds no training run" in result.stderr
+
+
+# Text that would change the HTML parser's state inside the page's data script: "<!--<script>" makes
+# the data's own "</script>" (and the page script's) no longer end it.
+HOSTILE_TEXTS = ("<!--<script>", "</script>", "<img src=x onerror=\"document.title='broken'\">")
+
+
+def kept_step(step: int, prompt: str = "What is 1 + 1?", pieces: tuple[str, ...] = ("2", ".")) -> dict:
+    """A kept step's record (comppo_jax.train.samples) written by hand: one CompPO response of `pieces`."""
+    n = len(pieces)
+    ramp = [round(0.1 * t, 5) for t in range(1, n + 1)]
+    response = {
+        "row": 0,
+        "prompt": prompt,
+        "response": "".join(pieces),
+        "reward": 1.0,
+        "verdict": "correct",
+        "length": n,
+        "t": list(range(1, n + 1)),
+        "pieces": list(pieces),
+        "tokens": {"kappa": [0.5] * n, "value": ramp, "comp_gae": ramp, "gae": ramp[::-1]},
+    }
+    return {
+        "step": step,
+        "method": "comppo",
+        "gate": "attention",
+        "estimator": "comp_gae",
+        "lam": 1.0,
+        "kappa_range": [0.2, 1.0],
+        "responses": [response],
+    }
+
+
+def hand_written_run(path, *records):
+    """A run directory written by hand: config, three steps of metrics, an up-to-date curves.png (so
+    the page draws none) and `records` as its kept steps."""
+    import matplotlib.image
+
+    save_run_config(small_train_config(path), str(path))
+    rows = [{"step": step, "phase": "stable", "reward/mean": 0.25} for step in (1, 2, 3)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    matplotlib.image.imsave(path / "curves.png", np.zeros((2, 2, 3)))
+    for record in records:
+        save_samples(str(path), record)
+    return path
+
+
+def test_prompts_and_responses_holding_markup_show_as_text_and_leave_the_browser_working(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    prompt = " ".join(HOSTILE_TEXTS)
+    run = hand_written_run(tmp_path, kept_step(1, prompt, HOSTILE_TEXTS))
+    browser.get(Path(write_run_report(str(run))).as_uri())
+    assert browser.get_log("browser") == []  # no script error
+    assert browser.find_element(By.ID, "response-meta").text.endswith(prompt)
+    assert [span.text for span in spans(browser, "primary")] == list(HOSTILE_TEXTS)
+    assert len(browser.find_elements(By.TAG_NAME, "img")) == 1  # the curves: no <img> made of the text
+    assert "broken" not in browser.title
+
+
+def test_kept_step_files_the_page_cannot_read_are_left_out_and_named(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    no_responses = {key: value for key, value in kept_step(1).items() if key != "responses"}
+    mistyped = kept_step(2)
+    mistyped["responses"][0]["t"] = "1 2"
+    run = hand_written_run(tmp_path, no_responses, mistyped, kept_step(3))
+    browser.get(Path(write_run_report(str(run))).as_uri())
+    assert browser.get_log("browser") == []  # no script error
+    assert [o.text for o in Select(browser.find_element(By.ID, "step-picker")).options] == ["3"]
+    text = browser.find_element(By.TAG_NAME, "body").text
+    assert "step_000001.json: no `responses`" in text
+    assert "step_000002.json: `responses[0].t`" in text
+
+
+def test_a_torn_summary_or_gate_profile_is_left_out_and_named_and_the_rest_is_built(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    run = hand_written_run(tmp_path, kept_step(3))
+    (run / "summary.json").write_text('{"steps": 3, "final_dev')  # both killed mid-write
+    (run / GATE_PROFILE_FILE).write_text('{"format": ')
+    result = report(run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (warning,) = [line for line in result.stderr.splitlines() if "left out" in line]
+    assert str(run / "summary.json") in warning and str(run / GATE_PROFILE_FILE) in warning
+    browser.get((run / "report.html").as_uri())
+    assert browser.get_log("browser") == []
+    text = browser.find_element(By.TAG_NAME, "body").text
+    assert f"{run / 'summary.json'}: not valid JSON" in text and f"{run / GATE_PROFILE_FILE}: not a JSON file" in text
+    assert browser.find_element(By.ID, "curves") and spans(browser, "primary")
+
+
+def test_a_report_on_a_full_disk_fails_in_one_line_naming_where_and_leaves_no_temporary_or_partial_page(tmp_path):
+    run = hand_written_run(tmp_path, kept_step(3))
+    with full_disk(4096):  # the page is larger: its write fails part way
+        result = report(run)
+    assert result.returncode != 0
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert str(run / "report.html") in error and "--out" in error
+    assert not (run / "report.html").exists() and not list(run.rglob("*.tmp"))
+    (run / "curves.png").unlink()  # a run still going: its curves are drawn in a scratch folder first
+    with full_disk(4096), pytest.raises(OSError, match="could not be drawn in the scratch folder"):
+        write_run_report(str(run))
 
 
 def wandb_records(path):
