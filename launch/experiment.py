@@ -10,6 +10,11 @@ report.md (tables shaped like the paper's, and a link to each run's own report.h
 launch/report.py's page), *.png (bar plots), runs.csv (every run's endpoints) and commands.sh
 (the exact training commands). `--report_only` skips training and reports what
 exists. Failed runs are listed and make the exit status non-zero; nothing finished is lost.
+
+Ctrl-C (SIGINT) or SIGTERM stops the running runs at a checkpoint and starts no other; report.md
+then lists every unfinished run, and the same command resumes them. The exit status is 128 + the
+signal's number (130 for Ctrl-C). Killed outright (kill -9), the runner takes its runs down with it:
+each gets SIGTERM and stops at a checkpoint, so the same command resumes them too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import shlex
 import sys
 import threading
 
@@ -84,6 +90,12 @@ def main(argv):
             continue
         pages.append(f"- {result.run.arm} seed {result.run.seed}: [{page}]({page})")
     failed = "".join(f"\n- {run.arm} seed {run.seed}: {why}" for run, why in outcome.failures.items())
+    unfinished = "".join(f"\n- {run.arm} seed {run.seed}: {why}" for run, why in outcome.unfinished.items()) + "".join(
+        f"\n- arm {arm}: not started" for arm in outcome.not_started
+    )
+    # The command that finishes them: this one, training.
+    resume = shlex.join(["python", *(a for a in sys.argv if not a.startswith(("--report_only", "--noreport_only")))])
+    stopped = f"The experiment was stopped by {outcome.stopped_by.name}. " if outcome.stopped_by else ""
     report = (
         f"# Experiment {exp.name} ({exp.kind})\n\nBase config `{exp.base_config}`; runs under `{root}/runs/`; "
         f"exact commands in `commands.sh`; every run's endpoints in `runs.csv`.\n\n{body}\n"
@@ -95,10 +107,20 @@ def main(argv):
             else ""
         )
         + (f"\n## Failed runs{failed}\n" if failed else "")
+        + (
+            f"\n## Unfinished runs\n\n{stopped}These runs are not in the tables above; `{resume}` resumes each "
+            f"from its newest checkpoint and runs the rest.\n{unfinished}\n"
+            if unfinished
+            else ""
+        )
     )
     storage.write_text(storage.path(folder) / "report.md", report)
     print(report)
-    if outcome.failures:
+    if unfinished:
+        print(f"unfinished runs are listed in {folder}/report.md; resume them with: {resume}", file=sys.stderr)
+    if outcome.stopped_by:
+        sys.exit(128 + outcome.stopped_by)
+    if outcome.failures or (unfinished and not _REPORT_ONLY.value):
         sys.exit(1)
 
 

@@ -17,14 +17,19 @@ Arms with references run after the arms they name.
 
 A run is identified by its base config and overrides (seed included), so identical runs in
 different arms or experiments (e.g. full CompPO in main, factorial and controls) are run once
-under `<root>/runs/<hash>/`. A finished run (summary.json) is never rerun; an interrupted one
-resumes from its checkpoint.
+under `<root>/runs/<hash>/`. A finished run (summary.json, and held_out.json when the experiment
+asks for held-out diagnostics) is never rerun; an unfinished one resumes from its newest checkpoint.
+
+SIGINT or SIGTERM to the runner is forwarded to its running children (launch/train.py saves a
+checkpoint and stops) and starts nothing new; the runs it stopped are reported unfinished, never as
+results. Each child also gets SIGTERM when the runner dies, kill -9 included (`Children`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import itertools
@@ -32,14 +37,17 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
 
 from comppo_jax import storage
+from comppo_jax.train.checkpoint import committed_steps
 from comppo_jax.train.outputs import METRICS_FILE, read_metrics
 
 KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora")
@@ -258,35 +266,117 @@ def run_progress(directory: str, command: list[str]) -> str:
     return f"step {rows[-1]['step']}" + (f", dev accuracy {accuracy[-1]:.3f}" if accuracy else "")
 
 
-def run_reporting(command: list[str], out, progress, log) -> int:
-    """Runs `command` (output to `out`), logging `progress()` every PROGRESS_EVERY_S seconds; its exit code."""
-    started = time.time()
-    with subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT) as process:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _dies_with_runner():
+    """A preexec_fn giving the child SIGTERM when the runner dies, kill -9 included (Linux's
+    parent-death signal; launch/train.py then saves a checkpoint and stops); None elsewhere. The
+    signal comes when the thread that started the child ends: each child's own thread waits for it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+    runner = os.getpid()
+
+    def set_death_signal() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != runner:  # the runner died before the signal was set
+            os._exit(1)
+
+    return set_death_signal
+
+
+class Children:
+    """The runner's subprocesses. Within `with Children() as children:` (in the main thread), the
+    first SIGINT or SIGTERM is forwarded to every running child and sets `stopped_by`, after which
+    `run_reporting` starts nothing; further signals are ignored."""
+
+    def __init__(self):
+        self.stopped_by: signal.Signals | None = None
+        self._running: set[subprocess.Popen] = set()
+        # Worker threads start children; the main thread's handler signals them, reentrantly if signals nest.
+        self._lock = threading.RLock()
+        self._previous: dict = {}
+
+    def __enter__(self) -> Children:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _forward(self, signum, frame) -> None:
+        del frame
+        with self._lock:
+            if self.stopped_by is not None:
+                return
+            self.stopped_by = signal.Signals(signum)
+            print(
+                f"{self.stopped_by.name} received: stopping the {len(self._running)} running command(s) (each run "
+                "saves a checkpoint) and starting no other; the same command resumes them (further signals are "
+                "ignored)",
+                file=sys.stderr,
+                flush=True,
+            )
+            for process in self._running:
+                process.send_signal(signum)
+
+    def run_reporting(self, command: list[str], out, progress, log) -> int | None:
+        """Runs `command` (its line and output to `out`), logging `progress()` every PROGRESS_EVERY_S
+        seconds; its exit code, or None when a stop came before it started."""
+        with self._lock:  # a stop either comes before the start, or is forwarded to the child
+            if self.stopped_by is not None:
+                return None
+            out.write("$ " + shlex.join(command) + "\n")
+            out.flush()
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_dies_with_runner())
+            self._running.add(process)
+        started = time.time()
         try:
             while True:
                 try:
                     return process.wait(timeout=PROGRESS_EVERY_S)
                 except subprocess.TimeoutExpired:
                     log(f"  {progress()} ({time.time() - started:.0f} s)")
-        except BaseException:  # e.g. Ctrl-C: the run stops with the runner (it resumes from its checkpoint)
-            process.kill()
+        except BaseException:  # this thread failed: the child stops at a checkpoint rather than run on unwatched
+            process.terminate()
+            process.wait()
             raise
+        finally:
+            with self._lock:
+                self._running.discard(process)
+
+
+def unfinished_state(directory: str) -> str:
+    """What an unfinished run has so far, in a few words."""
+    if (storage.path(directory) / SUMMARY_FILE).exists():
+        return "trained, without its held-out diagnostics"
+    steps = committed_steps(directory)
+    return f"newest checkpoint at step {max(steps)}" if steps else "no checkpoint yet"
 
 
 def execute(
-    runs: list[Run], root: str, *, jobs: int, held_out_problems: int, train: bool, log
-) -> tuple[dict[Run, RunResult], dict[Run, str]]:
+    runs: list[Run], root: str, *, jobs: int, held_out_problems: int, train: bool, children: Children, log
+) -> tuple[dict[Run, RunResult], dict[Run, str], dict[Run, str]]:
     """Trains what has not finished and computes missing held-out diagnostics (`jobs` runs at a
     time, each a launch/train.py then a launch/eval.py subprocess logging to <run>/train.log);
-    returns (results, failures: run -> why). A failed run does not stop the others. With
+    returns (results, failures: run -> why, unfinished: run -> what it has). A failed run does not
+    stop the others; a stop (`children`) starts nothing more. Whether a run finished is read from
+    its directory, never from an exit code: launch/train.py stopped by a signal exits 0. With
     train=False nothing is launched: finished runs are collected as they are."""
     runs = list(dict.fromkeys(runs))  # unique, in order
 
+    def finished(directory: str) -> bool:
+        return (storage.path(directory) / SUMMARY_FILE).exists() and (
+            held_out_problems == 0 or (storage.path(directory) / HELD_OUT_FILE).exists()
+        )
+
     def launch(run: Run) -> str | None:
         directory = run.directory(root)
-        done = (storage.path(directory) / SUMMARY_FILE).exists()
-        needs_held_out = held_out_problems > 0 and not (storage.path(directory) / HELD_OUT_FILE).exists()
-        if not train or (done and not needs_held_out):
+        if not train or finished(directory) or children.stopped_by is not None:
             return None
         storage.write_text(
             storage.path(directory) / "run.json",
@@ -295,48 +385,59 @@ def execute(
                 indent=2,
             ),
         )
-        commands = [] if done else [run.command(root, sys.executable)]
-        if commands and storage.names(storage.path(directory) / "checkpoints"):
+        trained = (storage.path(directory) / SUMMARY_FILE).exists()
+        commands = [] if trained else [run.command(root, sys.executable)]
+        if commands and committed_steps(directory):  # an unfinished run continues from its newest checkpoint
             commands[0].append("--config.resume=True")
         if held_out_problems > 0:
             commands.append(run.held_out_command(root, held_out_problems, sys.executable))
         log(f"start {run.arm} seed {run.seed}: {directory}")
         with command_log(storage.path(directory) / "train.log") as out:
             for command in commands:
-                out.write("$ " + shlex.join(command) + "\n")
-                out.flush()
-                code = run_reporting(
+                code = children.run_reporting(
                     command, out, lambda: f"{run.arm} seed {run.seed}: {run_progress(directory, command)}", log
                 )
+                if children.stopped_by is not None:
+                    return None  # reported unfinished
                 if code:
                     return f"{os.path.basename(command[1])} exit code {code}; see {directory}/train.log"
+                if not (storage.path(directory) / SUMMARY_FILE).exists():
+                    return None  # train.py was stopped by a signal of its own: no diagnostics of a partial run
         return None
 
-    results, failures = {}, {}
+    results, failures, unfinished = {}, {}, {}
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         for run, failure in zip(runs, pool.map(launch, runs)):
+            directory = run.directory(root)
             try:
-                result = None if failure else load_result(run, root)
+                result = None if failure or not finished(directory) else load_result(run, root)
             except (OSError, ValueError) as e:
                 failure = str(e)
             if failure:
                 failures[run] = failure
                 log(f"FAILED {run.arm} seed {run.seed}: {failure}")
-            elif result is not None:
+            elif result is None:
+                unfinished[run] = f"{unfinished_state(directory)} ({directory})"
+                log(f"UNFINISHED {run.arm} seed {run.seed}: {unfinished[run]}")
+            else:
                 results[run] = result
                 log(f"{run.arm} seed {run.seed}: final dev accuracy {result.summary['final_dev_accuracy']:.3f}")
-    return results, failures
+    return results, failures, unfinished
 
 
 @dataclasses.dataclass
 class Outcome:
-    """Everything an experiment produced: per-arm results by seed, its screen, failures, commands."""
+    """Everything an experiment produced: per-arm results by seed, its screen, failures, commands,
+    and what is left to run."""
 
     arms: dict[str, dict[int, RunResult]]
     screen: dict[str, list[RunResult]]
     selected: dict[str, tuple[str, ...]]  # arm -> chosen grid cell
     failures: dict[Run, str]
     runs: list[Run]
+    unfinished: dict[Run, str] = dataclasses.field(default_factory=dict)  # run -> what it has so far
+    not_started: list[str] = dataclasses.field(default_factory=list)  # arms a stop came before
+    stopped_by: signal.Signals | None = None  # the signal that stopped the runner
 
 
 def select(results: list[RunResult]) -> RunResult:
@@ -347,57 +448,68 @@ def select(results: list[RunResult]) -> RunResult:
 
 def run_experiment(exp, root: str, jobs: int = 1, train: bool = True, log=print) -> Outcome:
     """Plans, runs what is missing (unless train=False) and collects `exp` under `root` (see the
-    module docstring)."""
-    execute_planned = lambda planned: execute(
-        planned, root, jobs=jobs, held_out_problems=exp.held_out_problems, train=train, log=log
-    )
+    module docstring). Call it from the main thread: it forwards the runner's stop signals."""
     if exp.kind not in KINDS:
         raise ValueError(f"experiment {exp.name}: kind={exp.kind!r}; expected one of {KINDS}")
-    all_runs, failures = [], {}
-    screens = screen_runs(exp)
-    screen_results, selected = {}, {}
-    if screens:
-        planned = [run for runs in screens.values() for run in runs]
-        all_runs += planned
-        results, failed = execute_planned(planned)
-        failures.update(failed)
-        for arm, runs in screens.items():
-            finished = [results[r] for r in runs if r in results]
-            screen_results[arm] = finished
-            if finished:
-                cells = grid_cells(dict(exp.grids)[arm])
-                selected[arm] = cells[runs.index(select(finished).run)]
-    arms = arms_of(exp)
-    names = [name for name, _ in arms]
-    for name, overrides in arms:
-        for _, target in references(overrides):
-            if target not in names:
-                raise ValueError(f"experiment {exp.name}: arm {name!r} refers to unknown arm {target!r}")
-    done: dict[str, dict[int, RunResult]] = {}
-    for stage in (False, True):  # arms without references, then arms with them
-        planned = []
+    with Children() as children:
+        all_runs, failures, unfinished, not_started = [], {}, {}, []
+
+        def execute_planned(planned):
+            results, failed, left = execute(
+                planned,
+                root,
+                jobs=jobs,
+                held_out_problems=exp.held_out_problems,
+                train=train,
+                children=children,
+                log=log,
+            )
+            all_runs.extend(planned)
+            failures.update(failed)
+            unfinished.update(left)
+            return results
+
+        screens = screen_runs(exp)
+        screen_results, selected = {}, {}
+        if screens:
+            results = execute_planned([run for runs in screens.values() for run in runs])
+            for arm, runs in screens.items():
+                finished = [results[r] for r in runs if r in results]
+                screen_results[arm] = finished
+                if finished:
+                    cells = grid_cells(dict(exp.grids)[arm])
+                    selected[arm] = cells[runs.index(select(finished).run)]
+        arms = arms_of(exp)
+        names = [name for name, _ in arms]
         for name, overrides in arms:
-            if bool(references(overrides)) != stage:
+            for _, target in references(overrides):
+                if target not in names:
+                    raise ValueError(f"experiment {exp.name}: arm {name!r} refers to unknown arm {target!r}")
+        done: dict[str, dict[int, RunResult]] = {}
+        for stage in (False, True):  # arms without references, then arms with them
+            stage_arms = [(name, overrides) for name, overrides in arms if bool(references(overrides)) == stage]
+            if children.stopped_by is not None:  # nothing starts after a stop; the same command plans these later
+                not_started += [name for name, _ in stage_arms]
                 continue
-            if name in dict(exp.grids) and exp.screen_seed is not None:
-                if name not in selected:
-                    log(f"skip arm {name}: its screen has no finished run")
-                    continue
-                overrides = overrides + selected[name]
-            for seed in exp.seeds:
-                try:
-                    resolved = resolve(overrides, seed, done)
-                except ValueError as e:
-                    log(f"skip {name} seed {seed}: {e}")
-                    continue
-                planned.append(Run(name, seed, exp.base_config, resolved + (f"seed={seed}",)))
-        all_runs += planned
-        results, failed = execute_planned(planned)
-        failures.update(failed)
-        for run in planned:
-            if run in results:
-                done.setdefault(run.arm, {})[run.seed] = results[run]
-    return Outcome(done, screen_results, selected, failures, all_runs)
+            planned = []
+            for name, overrides in stage_arms:
+                if name in dict(exp.grids) and exp.screen_seed is not None:
+                    if name not in selected:
+                        log(f"skip arm {name}: its screen has no finished run")
+                        continue
+                    overrides = overrides + selected[name]
+                for seed in exp.seeds:
+                    try:
+                        resolved = resolve(overrides, seed, done)
+                    except ValueError as e:
+                        log(f"skip {name} seed {seed}: {e}")
+                        continue
+                    planned.append(Run(name, seed, exp.base_config, resolved + (f"seed={seed}",)))
+            results = execute_planned(planned)
+            for run in planned:
+                if run in results:
+                    done.setdefault(run.arm, {})[run.seed] = results[run]
+        return Outcome(done, screen_results, selected, failures, all_runs, unfinished, not_started, children.stopped_by)
 
 
 def commands_script(outcome: Outcome, root: str, held_out_problems: int = 0) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 
 import numpy as np
@@ -235,9 +236,8 @@ def test_a_running_command_reports_its_progress_every_interval(tmp_path, monkeyp
     assert ex.run_progress(str(tmp_path), command) == "step 4, dev accuracy 0.500"
     assert ex.run_progress(str(tmp_path / "new"), command) == "warm start, first evaluation or compiling"
     logged = []
+    sleeper = [sys.executable, "-c", "import time; time.sleep(1.5); print('done')"]
     with open(tmp_path / "train.log", "w") as out:
-        code = ex.run_reporting(
-            [sys.executable, "-c", "import time; time.sleep(1.5); print('done')"], out, lambda: "step 4", logged.append
-        )
-    assert code == 0 and (tmp_path / "train.log").read_text() == "done\n"
+        code = ex.Children().run_reporting(sleeper, out, lambda: "step 4", logged.append)
+    assert code == 0 and (tmp_path / "train.log").read_text() == f"$ {shlex.join(sleeper)}\ndone\n"
     assert len(logged) >= 3 and all(line.startswith("  step 4 (") for line in logged), logged
