@@ -148,6 +148,16 @@ def move(source: str | os.PathLike, destination: str | os.PathLike) -> None:
     fs.rm(os.fspath(source_path), recursive=True)
 
 
+def rename_folder(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Renames the local folder `source` to `destination` in one step, where `destination` does not
+    exist or is an empty folder (which it replaces); otherwise OSError (ENOTEMPTY, EEXIST, ENOTDIR)
+    and nothing moves, so of two renames to one destination exactly one succeeds. (epath's rename
+    checks first, then renames: not one step.) A bucket has no such rename."""
+    if is_remote(source) or is_remote(destination):
+        raise ValueError(f"rename_folder({source}, {destination}): a bucket has no atomic rename")
+    os.rename(path(source), path(destination))
+
+
 def names(location: str | os.PathLike) -> list[str]:
     """The sorted names in a directory; [] when it does not exist."""
     folder = path(location)

@@ -1,18 +1,26 @@
 """Exporting LoRA adapters and merged weights: PEFT loads the adapters on a transformers Qwen3 and
 Llama and computes our logits, transformers loads the merged weights, and launch/export.py takes
-a LoRA run's directory to both (and refuses `peft` for a full fine-tuning run)."""
+a LoRA run's directory to both (and refuses `peft` for a full fine-tuning run). `--out` gets a
+whole export or nothing: two exports to one folder at once, SIGTERM part way, a full disk."""
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import launch_script, right_padded_batch, small_train_flags
+from conftest import full_disk, launch_script, right_padded_batch, small_train_flags
 
+from comppo_jax import storage
+from comppo_jax.eval import export as export_module
 from comppo_jax.models import forward, from_hf, lora, to_hf
 from comppo_jax.models.hf import to_peft
 
@@ -137,3 +145,150 @@ def test_a_full_fine_tuning_run_exports_hf_and_says_why_not_peft(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     config, params = from_hf(str(tmp_path / "hf"))
     assert not lora.has_adapters(params) and config.num_layers == 4
+
+
+def beside(out) -> list[str]:
+    """What the folder holding `out` holds (an export's partial folder would show here)."""
+    return sorted(os.listdir(out.parent))
+
+
+@pytest.mark.slow
+def test_two_exports_to_one_folder_at_once_one_succeeds_and_the_folder_holds_it_whole(lora_run, tmp_path):
+    out = tmp_path / "exported"
+    with ThreadPoolExecutor(2) as pool:  # both processes start together: both find `out` new
+        results = list(pool.map(lambda step: export(f"--run={lora_run}", f"--step={step}", f"--out={out}"), (2, 3)))
+    assert sorted(result.returncode for result in results) == [0, 1], [result.stderr[-2000:] for result in results]
+    (winner, step), (loser, _) = sorted(zip(results, (2, 3)), key=lambda pair: pair[0].returncode)
+    assert winner.stdout.startswith(f"step {step} of ")
+    error = loser.stderr.splitlines()[0]
+    assert f"{out} is no longer new or empty" in error or f"{out} exists and is not empty" in error, loser.stderr
+    assert beside(out) == ["exported"] and sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+    from comppo_jax.eval.restore import restore_policy
+
+    _, exported = from_hf(str(out))
+    for saved in (2, 3):
+        restored = restore_policy(str(lora_run), step=saved)
+        merged = lora.merged(restored.params, restored.model_config)
+        same = jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), exported, merged))
+        assert same == (saved == step), f"step {saved}"  # the winner's weights, not the other's
+
+
+def test_of_two_exports_put_in_place_at_once_one_gets_the_folder_and_the_other_leaves_nothing(tmp_path):
+    out = tmp_path / "exported"
+    out.mkdir()  # an empty folder is taken as a new one is
+    both_written = threading.Barrier(2)
+
+    def put_in_place(name: str) -> Exception | None:
+        try:
+            with (
+                export_module._StopSignals() as signals,
+                export_module._export_folder(str(out), signals, name) as folder,
+            ):
+                (pathlib.Path(folder) / "config.json").write_text(name)
+                both_written.wait()
+        except FileExistsError as error:
+            return error
+        return None
+
+    with ThreadPoolExecutor(2) as pool:
+        errors = dict(zip(("a", "b"), pool.map(put_in_place, ("a", "b"))))
+    (winner,) = [name for name, error in errors.items() if error is None]
+    (error,) = [error for error in errors.values() if error is not None]
+    assert str(error).startswith(f"{out} is no longer new or empty: another export")
+    assert os.listdir(tmp_path) == ["exported"] and os.listdir(out) == ["config.json"]
+    assert (out / "config.json").read_text() == winner
+
+
+def exporter_stopped_while_writing_the_base(tmp_path) -> str:
+    """A script that runs launch/export.py (with its arguments) and sends itself SIGTERM when the
+    adapters are written and the base is next: a stop that on a plain write left adapters naming a
+    base that is not there."""
+    driver = tmp_path / "stopped_export.py"
+    driver.write_text(
+        textwrap.dedent(
+            """
+            import os, runpy, signal, sys
+            import comppo_jax.eval.export as export
+
+            write = export.to_hf
+
+            def stopped(config, params, path, *args, **kwargs):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return write(config, params, path, *args, **kwargs)
+
+            export.to_hf = stopped
+            sys.argv[0] = "launch/export.py"
+            runpy.run_path("launch/export.py", run_name="__main__")
+            """
+        )
+    )
+    return str(driver)
+
+
+@pytest.mark.slow
+def test_sigterm_part_way_through_a_peft_export_leaves_nothing_and_says_so(lora_run, tmp_path):
+    out = tmp_path / "adapters"
+    flags = (f"--run={lora_run}", "--step=3", f"--out={out}", "--format=peft")
+    result = launch_script(exporter_stopped_while_writing_the_base(tmp_path), *flags)
+    assert result.returncode != 0 and result.stderr.splitlines()[0] == (
+        f"error: ExportError: SIGTERM received: the export was stopped; nothing was written to {out}"
+    ), result.stderr[-3000:]
+    assert beside(out) == ["stopped_export.py"]  # no `out`, no partial folder beside it
+
+    result = export(*flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_an_export_names_out_and_the_cause_leaves_nothing_and_a_rerun_succeeds(lora_run, tmp_path):
+    out = tmp_path / "adapters"
+    flags = (f"--run={lora_run}", f"--out={out}", "--format=peft")
+    with full_disk(free_bytes=500_000):  # the adapters fit, the 3 MB base does not
+        result = export("--step=3", *flags)
+    assert result.returncode != 0, result.stdout
+    error = result.stderr.splitlines()[0]
+    assert error.startswith(f"error: ExportError: export to {out} failed: ") and "File too large" in error, error
+    assert error.endswith(f"nothing was written to {out}")
+    assert beside(out) == []
+
+    result = export("--step=last", *flags)  # the word other tools may use for latest
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("step 3 of ") and (out / "base" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_step_that_names_no_checkpoint_lists_the_accepted_words(lora_run, tmp_path):
+    result = export(f"--run={lora_run}", "--step=newest", f"--out={tmp_path / 'out'}")
+    assert result.returncode != 0 and result.stderr.splitlines()[0] == (
+        f"error: ValueError: step 'newest' is none of latest (or last), best or a saved step number; saved steps "
+        f"under {lora_run}/checkpoints: [2, 3]"
+    )
+
+
+def test_an_out_that_is_a_file_is_refused_before_anything_is_read(tmp_path):
+    out = tmp_path / "exported"
+    out.write_text("not a folder")
+    result = export(f"--run={tmp_path / 'not_read'}", f"--out={out}")
+    assert result.returncode != 0 and result.stderr.splitlines()[0] == (
+        f"error: FileExistsError: {out} is a file: --out names the folder to export into (new or empty)"
+    )
+
+
+def test_on_a_bucket_an_export_claims_out_and_a_failed_one_leaves_nothing(bucket):
+    out = storage.join(bucket, "exported")
+    with export_module._StopSignals() as signals, export_module._export_folder(out, signals, "step 2 of A") as folder:
+        (pathlib.Path(folder) / "config.json").write_text("{}")
+        with pytest.raises(FileExistsError, match=r"exported is taken by another export \(step 2 of A, pid "):
+            with export_module._export_folder(out, signals, "step 3 of B"):
+                pass
+        assert storage.names(out) == [export_module.CLAIM]  # what a reader sees until the upload ends
+    assert storage.names(out) == ["config.json"]
+
+    failed = storage.join(bucket, "failed")
+    with pytest.raises(export_module.ExportError, match=f"export to {failed} failed: OSError: no space"):
+        with export_module._StopSignals() as signals, export_module._export_folder(failed, signals, "step 2") as folder:
+            (pathlib.Path(folder) / "config.json").write_text("{}")
+            raise OSError("no space")
+    assert storage.names(failed) == []
