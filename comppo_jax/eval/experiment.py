@@ -208,13 +208,26 @@ class RunResult:
         return float(self.summary["warm_start_dev_accuracy"])
 
 
-def load_result(run: Run, root: str) -> RunResult | None:
-    """The run's result if it finished (with its held-out diagnostics if computed), else None."""
-    directory = run.directory(root)
+def trained_summary(directory: str) -> dict | None:
+    """The run's summary.json when it finished training; None without one, or with one that does not
+    read (torn by a crash: said in one line), which its resume writes again."""
     path = storage.path(directory) / SUMMARY_FILE
     if not path.exists():
         return None
-    summary = json.loads(path.read_text())
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        print(f"{path} cannot be read ({error}): the run is taken as unfinished", file=sys.stderr, flush=True)
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def load_result(run: Run, root: str) -> RunResult | None:
+    """The run's result if it finished (with its held-out diagnostics if computed), else None."""
+    directory = run.directory(root)
+    summary = trained_summary(directory)
+    if summary is None:
+        return None
     rows = [r for r in read_metrics(storage.path(directory) / METRICS_FILE) if "dev_accuracy" in r]
     if not rows:
         raise ValueError(
@@ -352,7 +365,7 @@ class Children:
 
 def unfinished_state(directory: str) -> str:
     """What an unfinished run has so far, in a few words."""
-    if (storage.path(directory) / SUMMARY_FILE).exists():
+    if trained_summary(directory) is not None:
         return "trained, without its held-out diagnostics"
     steps = committed_steps(directory)
     return f"newest checkpoint at step {max(steps)}" if steps else "no checkpoint yet"
@@ -370,7 +383,7 @@ def execute(
     runs = list(dict.fromkeys(runs))  # unique, in order
 
     def finished(directory: str) -> bool:
-        return (storage.path(directory) / SUMMARY_FILE).exists() and (
+        return trained_summary(directory) is not None and (
             held_out_problems == 0 or (storage.path(directory) / HELD_OUT_FILE).exists()
         )
 
@@ -385,8 +398,7 @@ def execute(
                 indent=2,
             ),
         )
-        trained = (storage.path(directory) / SUMMARY_FILE).exists()
-        commands = [] if trained else [run.command(root, sys.executable)]
+        commands = [] if trained_summary(directory) is not None else [run.command(root, sys.executable)]
         if commands and committed_steps(directory):  # an unfinished run continues from its newest checkpoint
             commands[0].append("--config.resume=True")
         if held_out_problems > 0:
@@ -401,7 +413,7 @@ def execute(
                     return None  # reported unfinished
                 if code:
                     return f"{os.path.basename(command[1])} exit code {code}; see {directory}/train.log"
-                if not (storage.path(directory) / SUMMARY_FILE).exists():
+                if trained_summary(directory) is None:
                     return None  # train.py was stopped by a signal of its own: no diagnostics of a partial run
         return None
 

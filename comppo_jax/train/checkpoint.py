@@ -18,6 +18,13 @@ Integrity:
   does not match its digests or holds non-finite values raises `CheckpointError` naming the
   step, item and leaf. `restore_newest_good` then falls back to the next older step with a
   warning and moves the bad one aside to `<output_dir>/corrupt_checkpoints/`.
+- A checkpoint whose state has another structure than the restore's target (a leaf missing on
+  either side, another shape or dtype: another method, critic, staleness, LoRA rank or code
+  version) is not damage: its state metadata is compared with the target before any array is
+  read, and any structure error of the restore itself is classified the same way, as one
+  `CheckpointMismatchError` naming the step and the leaf; nothing is set aside and there is no
+  fallback. A target may be a function of the step (`restore(lambda step: ...)`), for a state
+  whose structure follows what the checkpoint holds (`saved_list_length`: the batches in flight).
 - A failed async save (disk full, permissions) is raised by `confirm_saves` at the next step
   boundary as one `CheckpointError` naming the step, path and cause; its partial files are
   removed and the older checkpoints are untouched (Orbax deletes rotated-out steps only after a
@@ -63,6 +70,44 @@ def committed_steps(run_dir: str) -> list[int]:
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint whose state structure differs from the run's: not damage, so no fallback."""
+
+
+# Orbax's words for a restore target whose tree differs from the saved one (ValueError): a structure
+# mismatch, never damage (damaged files fail in TensorStore, JSON or the digests instead).
+_STRUCTURE_ERRORS = ("structures do not match", "Sequence lengths do not match", "Types do not match")
+
+
+def _structure_error(error: BaseException) -> bool:
+    return isinstance(error, (ValueError, KeyError, TypeError)) and any(
+        words in str(error) for words in _STRUCTURE_ERRORS
+    )
+
+
+def _normal_key(entry: Any) -> str:
+    """One step of a leaf path as Orbax's metadata tree spells it: a NamedTuple's field (an optimizer
+    state's `.mu`) is a dict key there."""
+    if isinstance(entry, jax.tree_util.DictKey):
+        return f"[{entry.key!r}]"
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return f"[{entry.name!r}]"
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return f"[{entry.idx}]"
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return f"[{entry.key}]"
+    return str(entry)
+
+
+def _normal_leaves(tree: Any) -> dict[str, tuple[str, Any]]:
+    """{normalized path: (the path as `leaf_paths` names it, leaf)} of `tree`."""
+    return {
+        "".join(_normal_key(entry) for entry in path): (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _entries(names: list[str]) -> str:
+    """The top-level state entries of leaf paths ("['critic']['w']" -> critic), listed once each."""
+    return ", ".join(dict.fromkeys(name.split("]")[0].strip("['") for name in names))
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -282,9 +327,10 @@ class RunCheckpoints:
         multihost_utils.sync_global_devices(f"comppo_remove_partial_{step}")
         self.manager.reload()
 
-    def _read_digests(self, step: int, target: Any) -> dict[str, str] | None:
-        """The saved digests of checkpoint `step`, after checking that it holds every leaf of
-        `target` (CheckpointMismatchError otherwise); None for a checkpoint older than digests."""
+    def _read_digests(self, step: int, target: Any, partial: bool = False) -> dict[str, str] | None:
+        """The saved digests of checkpoint `step`, after checking that its state has `target`'s
+        structure (CheckpointMismatchError otherwise; `partial`: `target` is a part of the state, so
+        leaves beyond it are expected); None for a checkpoint older than digests."""
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as error:  # an unreadable meta item is damage
@@ -293,6 +339,7 @@ class RunCheckpoints:
             ) from error
         if not isinstance(meta, dict):
             raise CheckpointError(f"checkpoint {step} under {self.steps_directory} item meta is not a JSON object")
+        self._check_structure(step, target, partial)
         digests = meta.get("digests")
         if digests is not None:
             unknown = sorted(set(leaf_paths(target)) - set(digests))
@@ -300,42 +347,83 @@ class RunCheckpoints:
                 raise CheckpointMismatchError(
                     f"checkpoint {step} under {self.steps_directory} has no leaf {unknown[0]} ({len(unknown)} "
                     "such): it was saved with another state structure (another method, critic or code "
-                    "version), so it cannot be restored into this run"
+                    "version), so it cannot be restored into this run; nothing was moved"
                 )
-        self._check_shapes(step, target)
         return digests
 
-    def _check_shapes(self, step: int, target: Any) -> None:
-        """Raises CheckpointMismatchError naming the first leaf of `target` whose saved shape or dtype
-        differs (a config that changes a shape, e.g. critic.bottleneck): not damage, nothing moves."""
+    def saved_tree(self, step: int) -> Any:
+        """The state metadata tree of checkpoint `step` (Orbax's: one ArrayMetadata per leaf, no
+        array read); CheckpointError when it cannot be read (damage)."""
         try:
-            saved = (
-                ocp.StandardCheckpointHandler().metadata(epath.Path(self.steps_directory) / str(step) / "state").tree
-            )
+            return ocp.StandardCheckpointHandler().metadata(epath.Path(self.steps_directory) / str(step) / "state").tree
         except Exception as error:  # unreadable metadata is damage
             raise CheckpointError(
                 f"checkpoint {step} under {self.steps_directory} item state metadata cannot be read: "
                 f"{_first_line(error)}"
             ) from error
-        saved = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-            name = jax.tree_util.keystr(path)
-            stored = saved.get(name)
-            if stored is None or not hasattr(stored, "shape"):
-                continue  # a leaf the checkpoint lacks is the digests' check (older checkpoints have no digests)
+
+    def saved_list_length(self, step: int, entry: str) -> int:
+        """How many trees the state entry `entry` (a list, e.g. the in-flight `behaviour` policies)
+        of checkpoint `step` holds; 0 when it has none."""
+        tree = self.saved_tree(step)
+        saved = tree.get(entry) if isinstance(tree, dict) else None
+        return len(saved) if isinstance(saved, (list, tuple)) else 0
+
+    def _check_structure(self, step: int, target: Any, partial: bool = False) -> None:
+        """Raises CheckpointMismatchError naming the first leaf that `target` has and checkpoint `step`
+        lacks, that the checkpoint has and `target` lacks, or whose saved shape or dtype differs (a
+        config that changes the state: another method, critic, staleness, a shape such as
+        critic.bottleneck, the LoRA rank): not damage, nothing moves. `partial`: `target` is a part
+        of the state, so the leaves the checkpoint has beyond it are not compared."""
+        saved = _normal_leaves(self.saved_tree(step))
+        wanted = _normal_leaves(target)
+        where = f"checkpoint {step} under {self.steps_directory}"
+        missing = [name for key, (name, _) in wanted.items() if key not in saved]
+        extra = [] if partial else [name for key, (name, _) in saved.items() if key not in wanted]
+        if missing:
+            also = f"; and {len(extra)} leaves this config has no place for, in {_entries(extra)}" if extra else ""
+            raise CheckpointMismatchError(
+                f"{where} has no leaf {missing[0]} ({len(missing)} such, in {_entries(missing)}{also}"
+                "): it was saved with another state structure (another method, critic or code version), so it "
+                "cannot be restored into this run; nothing was moved"
+            )
+        if extra:
+            raise CheckpointMismatchError(
+                f"{where} holds leaf {extra[0]} ({len(extra)} such, in {_entries(extra)}) that this config's state "
+                "has no place for: it was saved with another state structure (another method, critic or code "
+                "version), so it cannot be restored into this run; nothing was moved"
+            )
+        for key, (name, leaf) in wanted.items():
+            stored = saved[key][1]
+            if not hasattr(stored, "shape") or not hasattr(leaf, "shape"):
+                continue
             if tuple(stored.shape) != tuple(leaf.shape) or jnp.dtype(stored.dtype) != jnp.dtype(leaf.dtype):
                 raise CheckpointMismatchError(
-                    f"checkpoint {step} under {self.steps_directory} leaf {name} is {jnp.dtype(stored.dtype).name}"
+                    f"{where} leaf {name} is {jnp.dtype(stored.dtype).name}"
                     f"{list(stored.shape)} but this config's state has {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}: "
-                    "it was saved with another config (a shape such as critic.bottleneck, the model, or a dtype "
-                    "differs), so it cannot be restored into this run; nothing was moved"
+                    "it was saved with another config (a shape such as critic.bottleneck, the model, the LoRA rank "
+                    "or a dtype differs), so it cannot be restored into this run; nothing was moved"
                 )
 
+    def _read_error(self, step: int, error: Exception) -> CheckpointError:
+        """The CheckpointError of a restore of checkpoint `step` that raised `error`: a structure
+        mismatch (CheckpointMismatchError, nothing moves) or damage."""
+        if _structure_error(error):
+            return CheckpointMismatchError(
+                f"checkpoint {step} under {self.steps_directory} does not fit this config's state: "
+                f"{_first_line(error)} (it was saved with another state structure, so it cannot be restored "
+                "into this run; nothing was moved)"
+            )
+        return CheckpointError(f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}")
+
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state, meta) of `step` (default: the latest), verified, with the target's structure and shardings."""
+        """(state, meta) of `step` (default: the latest), verified, with the target's structure and
+        shardings. `target_state` may be a function of the step that returns the target."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(self.no_checkpoint_message())
+        if callable(target_state):
+            target_state = target_state(step)
         digests = self._read_digests(step, target_state)
         try:
             restored = self.manager.restore(
@@ -344,17 +432,16 @@ class RunCheckpoints:
                     state=ocp.args.StandardRestore(_abstract(target_state)), meta=ocp.args.JsonRestore()
                 ),
             )
-        except Exception as error:  # TensorStore errors of damaged files
-            raise CheckpointError(
-                f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}"
-            ) from error
+        except Exception as error:  # TensorStore errors of damaged files, or a structure Orbax tells apart
+            raise self._read_error(step, error) from error
         verify(restored["state"], digests, f"checkpoint {step} item state")
         return restored["state"], {k: v for k, v in restored["meta"].items() if k != "digests"}
 
     def restore_newest_good(self, target_state: Any) -> tuple[Any, dict, int]:
         """(state, meta, step) of the newest checkpoint that passes verification. Each one that
         fails is named in a warning and moved to corrupt_checkpoints/ (kept for inspection). A
-        checkpoint of another state structure raises CheckpointMismatchError and moves nothing."""
+        checkpoint of another state structure raises CheckpointMismatchError and moves nothing.
+        `target_state`: as `restore`'s."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(self.no_checkpoint_message())
@@ -417,9 +504,15 @@ class RunCheckpoints:
         self.manager.reload()
 
     def resolve_step(self, step: str | int) -> int:
-        """ "latest", "best" or a saved step number -> a saved step (a clear error otherwise)."""
+        """ "latest" (or "last"), "best" or a saved step number -> a saved step (a clear error otherwise)."""
         steps = self.manager.all_steps()
-        resolved = {"latest": self.latest_step, "best": self.best_step}.get(str(step), lambda: int(step))()
+        named = {"latest": self.latest_step, "last": self.latest_step, "best": self.best_step}
+        if str(step) not in named and not str(step).isdigit():
+            raise ValueError(
+                f"step {step!r} is none of latest (or last), best or a saved step number; saved steps under "
+                f"{self.directory}/checkpoints: {sorted(steps)}"
+            )
+        resolved = named.get(str(step), lambda: int(step))()
         if str(step) == "best" and resolved is None and steps:
             raise FileNotFoundError(
                 f"no checkpoint under {self.directory}/checkpoints has a dev accuracy (the run saved none at a "
@@ -434,17 +527,15 @@ class RunCheckpoints:
     def restore_params(self, targets: dict, step: int) -> dict:
         """Only the state entries named in `targets` (e.g. {"actor": ..., "critic": ...}) of checkpoint
         `step`, verified, into the targets' shapes, dtypes and shardings (optimizer states are not read)."""
-        digests = self._read_digests(step, targets)
+        digests = self._read_digests(step, targets, partial=True)
         abstract = {name: _abstract(target) for name, target in targets.items()}
         args = ocp.args.PyTreeRestore(
             item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
         )
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=args))
-        except Exception as error:  # TensorStore errors of damaged files
-            raise CheckpointError(
-                f"checkpoint {step} under {self.steps_directory} cannot be read: {_first_line(error)}"
-            ) from error
+        except Exception as error:  # TensorStore errors of damaged files, or a structure Orbax tells apart
+            raise self._read_error(step, error) from error
         verify(restored["state"], digests, f"checkpoint {step} item state")
         return restored["state"]
 

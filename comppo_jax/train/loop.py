@@ -52,7 +52,7 @@ from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy, lora
 from comppo_jax.models.lora import LoraConfig
 from comppo_jax.train import controller, decode_layout, run_dir
-from comppo_jax.train.checkpoint import RunCheckpoints, committed_steps
+from comppo_jax.train.checkpoint import BASE_RECORD, CheckpointMismatchError, RunCheckpoints, committed_steps
 from comppo_jax.train.guards import RunStopped, StopSignals
 from comppo_jax.train.learner import Learner, Offload
 from comppo_jax.train.methods import (
@@ -100,6 +100,31 @@ def warm_start_key(cfg) -> dict:
     return {"model": model, "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
 
 
+def kept_warm_start(
+    cfg, run_directory, actor, model_config, tokenizer, train_problems, progress=False, check_stop=None
+):
+    """(params, loss) of the run's warm start from `actor`: read back where it is kept
+    (warm_start.cache_dir, else `run_directory`), else run and kept there the moment it ends."""
+    return cached_warm_start(
+        cfg.warm_start.cache_dir or run_directory,
+        warm_start_key(cfg),
+        actor,
+        lambda: warm_start(
+            actor,
+            model_config,
+            tokenizer,
+            train_problems,
+            steps=cfg.warm_start.steps,
+            batch_size=cfg.warm_start.batch_size,
+            learning_rate=cfg.warm_start.learning_rate,
+            seed=cfg.seed,
+            answer_noise=cfg.warm_start.answer_noise,
+            progress=progress,
+            check_stop=check_stop,
+        ),
+    )
+
+
 def restore_reference(checkpoints: RunCheckpoints, mesh, actor, replay):
     """The run's saved reference policy. A missing or damaged one is rebuilt from `replay()` (the
     warm start: read back from its cache, else run again, frozen in the compute dtype) and kept
@@ -115,12 +140,15 @@ def restore_reference(checkpoints: RunCheckpoints, mesh, actor, replay):
 
 
 def restore_for_resume(cfg, checkpoints: RunCheckpoints, state):
-    """(state, meta) to continue from: `resume_step`, or the newest checkpoint that verifies."""
+    """(state, meta) to continue from: `resume_step`, or the newest checkpoint that verifies. `state`:
+    the target, or a function of the step that returns it (RunCheckpoints.restore)."""
     if cfg.resume_step < 0:
         state, meta, _ = checkpoints.restore_newest_good(state)
         return state, meta
     try:
         return checkpoints.restore(state, cfg.resume_step)
+    except CheckpointMismatchError:  # another state structure: no older checkpoint fits better
+        raise
     except CheckpointError as error:
         raise CheckpointError(
             f"{error}; pass --config.resume_step=-1 to resume from the newest checkpoint that verifies"
@@ -139,9 +167,23 @@ def completed_summary(cfg, checkpoints: RunCheckpoints, last_step: int, main_pro
     path = storage.path(cfg.output_dir) / "summary.json"
     if latest != last_step or not path.exists():
         return None
+    try:
+        summary = json.loads(storage.read_text(path))
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+    except (OSError, ValueError, UnicodeDecodeError) as error:  # torn by a crash, emptied, overwritten
+        logging.warning(
+            "%s cannot be read (%s: %s): the run is not taken as complete; resuming from checkpoint %d "
+            "to run its final dev evaluation again and rewrite it",
+            path,
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+            last_step,
+        )
+        return None
     if main_process:
         print(f"run already complete at step {last_step}: nothing to do ({path})", flush=True)
-    return json.loads(path.read_text())
+    return summary
 
 
 def first_call_notices(enabled: bool):
@@ -227,8 +269,45 @@ def resume_check(cfg, checkpoints: RunCheckpoints) -> list[dict]:
         logging.warning(
             "%s has no %s to compare this resume's config with; it is written now", cfg.output_dir, CONFIG_FILE
         )
-        return []
-    return run_dir.resume_changes(cfg, load_run_config(cfg.output_dir))
+        changes = []
+    else:
+        changes = run_dir.resume_changes(cfg, load_run_config(cfg.output_dir))
+    check_lora_resume(cfg, checkpoints)
+    return changes
+
+
+def check_lora_resume(cfg, checkpoints: RunCheckpoints) -> None:
+    """Refuses, before anything loads, a resume whose LoRA setting is not the run's: adapters on a
+    run that trained every weight (it never wrote base.json, and its checkpoints hold the full
+    policy), or full fine-tuning of a LoRA run (its checkpoints hold the adapters only)."""
+    record = storage.path(cfg.output_dir) / BASE_RECORD
+    enabled = LoraConfig.of(cfg.model).enabled
+    if enabled == record.exists():
+        return
+    latest = checkpoints.latest_step()
+    try:
+        holds_adapters = any(lora.is_adapter(path.strip("[]'")) for path in _leaf_names(checkpoints, latest))
+    except CheckpointError:  # a damaged newest checkpoint: restore_newest_good names it and falls back
+        return
+    if enabled and not holds_adapters:
+        raise ConfigError(
+            f"config.model.lora.rank={cfg.model.lora.rank}: {cfg.output_dir} was not a LoRA run (no {BASE_RECORD} "
+            f"was ever written there, and checkpoint {latest} holds the full policy, not adapters): resume it "
+            "with --config.model.lora.rank=0, or start a LoRA run with another --config.output_dir"
+        )
+    if not enabled and holds_adapters:
+        raise ConfigError(
+            f"config.model.lora.rank=0: {cfg.output_dir} is a LoRA run (checkpoint {latest} holds adapters only, "
+            f"beside the base recorded in {record}): resume it with its own config.model.lora, or start a full "
+            "fine-tuning run with another --config.output_dir"
+        )
+
+
+def _leaf_names(checkpoints: RunCheckpoints, step: int) -> list[str]:
+    """The last key of every leaf path of checkpoint `step`'s actor ("q_proj_lora_a", ...)."""
+    tree = checkpoints.saved_tree(step)
+    actor = tree.get("actor", {}) if isinstance(tree, dict) else {}
+    return [jax.tree_util.keystr(path[-1:]) for path, _ in jax.tree_util.tree_flatten_with_path(actor)[0]]
 
 
 def training_mesh(cfg) -> tuple:
@@ -308,7 +387,10 @@ def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
         rollouts = RolloutQueue(
             rollout, cfg.rollout.staleness, total_steps(cfg, parts.recipe), state["rng"], start.snapshot
         )
-        rollouts.restore(meta.get("in_flight", []), start.behaviour)
+        if cfg.resume:  # the checkpoint's batches in flight, migrated when it was saved at another staleness
+            migrated = rollouts.restore(meta.get("in_flight", []), start.behaviour, resumed_step=meta["step"])
+            if migrated and main_process:
+                print(migrated, flush=True)
         learner = Learner(cfg, model_config, parts, steps, batch_shardings, start.offload, meta, compiling)
         recorder = Recorder(cfg, checkpoints, meta, start.tokenizer, main_process=main_process)
         return schedule(cfg, stop, state, rollouts, learner, recorder, show_progress, compiling)
@@ -391,6 +473,33 @@ def with_base(state: dict, base) -> dict:
     return joined
 
 
+def restore_migrating(cfg, checkpoints: RunCheckpoints, state: dict, snapshot: Callable, config_changes: list[dict]):
+    """(state, meta) of the checkpoint to resume from (`restore_for_resume`), with as many in-flight
+    policies as that checkpoint holds (its rollout.staleness, which may differ from this config's:
+    comppo_jax.train.staleness migrates them). A checkpoint of another state structure is refused
+    in one line (CheckpointMismatchError), naming the accepted config changes that made it."""
+    template = []  # the in-flight policies' target, made once: a compute-dtype copy of the actor
+
+    def target(step: int) -> dict:
+        count = checkpoints.saved_list_length(step, "behaviour")
+        if count and not template:
+            template.append(snapshot(state["actor"]))
+        return checkpointed({**state, **({"behaviour": template * count} if count else {})})
+
+    try:
+        return restore_for_resume(cfg, checkpoints, target)
+    except CheckpointMismatchError as error:
+        accepted = [change for change in config_changes if change["accepted"] == "resume_allow_changes"]
+        if not accepted:
+            raise
+        listed = ", ".join(f"{c['field']}: {c['old']!r} -> {c['new']!r}" for c in accepted)
+        raise CheckpointMismatchError(
+            f"{error}. This resume's accepted change(s) ({listed}) change the state a checkpoint holds, which a "
+            "resume refuses rather than migrates (only rollout.staleness is migrated): resume without them, or start "
+            "a new run with another --config.output_dir"
+        ) from error
+
+
 class StartingPoint(NamedTuple):
     """What a run starts its stages from: a new run's initial state or a resumed run's restored one."""
 
@@ -421,24 +530,8 @@ def starting_point(
     train_problems, dev_problems = load_encodable_problems(cfg, tokenizer)
     model_config, actor = load_policy(cfg.model, policy_rng)
     meta = initial_meta()
-    # The warm start is kept (in the run directory unless cache_dir says otherwise) the moment it ends.
-    run_warm_start = lambda: cached_warm_start(
-        cfg.warm_start.cache_dir or cfg.output_dir,
-        warm_start_key(cfg),
-        actor,
-        lambda: warm_start(
-            actor,
-            model_config,
-            tokenizer,
-            train_problems,
-            steps=cfg.warm_start.steps,
-            batch_size=cfg.warm_start.batch_size,
-            learning_rate=cfg.warm_start.learning_rate,
-            seed=cfg.seed,
-            answer_noise=cfg.warm_start.answer_noise,
-            progress=show_progress,
-            check_stop=stop.check,
-        ),
+    run_warm_start = lambda: kept_warm_start(
+        cfg, cfg.output_dir, actor, model_config, tokenizer, train_problems, show_progress, stop.check
     )
     # The reference is frozen in the compute dtype; the actor trains in the master dtype. With LoRA
     # the reference is also the base the adapters (in the master dtype) train beside.
@@ -483,8 +576,7 @@ def starting_point(
     )  # a LoRA run's snapshots share its frozen base
     behaviour = []
     if cfg.resume:  # into the mesh's shardings: every process reads its own shards
-        in_flight = {"behaviour": [snapshot(state["actor"])] * cfg.rollout.staleness} if cfg.rollout.staleness else {}
-        state, meta = restore_for_resume(cfg, checkpoints, checkpointed({**state, **in_flight}))
+        state, meta = restore_migrating(cfg, checkpoints, state, snapshot, config_changes)
         state = with_base(state, base)
         behaviour = state.pop("behaviour", [])
         if main_process:

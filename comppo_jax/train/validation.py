@@ -162,6 +162,24 @@ def _check_paths(problems: _Problems, cfg) -> None:
                 )
 
 
+def _check_output_folders(problems: _Problems, cfg, loggers: tuple[str, ...]) -> None:
+    """A local output_dir, or its tensorboard/ folder when TensorBoard logs, that is a file and not a
+    directory (a bucket has no directories: nothing to check there)."""
+    if not isinstance(cfg.output_dir, str) or not cfg.output_dir or storage.is_remote(cfg.output_dir):
+        return
+    root = storage.path(cfg.output_dir)
+    if root.exists() and not root.is_dir():
+        problems.add("output_dir", "is a file, not a directory: move it away or choose another --config.output_dir")
+        return
+    board = root / "tensorboard"
+    if "tensorboard" in loggers and board.exists() and not board.is_dir():
+        problems.add(
+            "loggers",
+            f"TensorBoard writes its event files under {board}, which is a file, not a directory: move it away, "
+            "or drop tensorboard (--config.loggers=jsonl)",
+        )
+
+
 def _source_exists(spec: str, is_local) -> bool:
     """Whether `spec` is an existing local path of the right kind (`is_local`), a gs:// path or a hub id."""
     kind = hub.source_kind(spec)
@@ -298,6 +316,7 @@ def validate_config(cfg) -> None:
     else:
         if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
             problems.add("loggers", "wandb is not installed: pip install 'comppo_jax[wandb]' (or drop wandb)")
+        _check_output_folders(problems, cfg, loggers)
     problems.number("outputs.sample_every", low=-1, integer=True)
     problems.number("outputs.samples_per_step", low=0, integer=True)
     problems.number("outputs.sample_tokens", low=2, integer=True)

@@ -123,6 +123,18 @@ def test_load_result_reads_the_curve_and_refuses_a_run_without_evaluations(tmp_p
         ex.load_result(run, str(tmp_path))
 
 
+def test_a_torn_summary_leaves_its_run_unfinished_for_the_resume_to_rewrite(tmp_path, capsys):
+    run = ex.Run("x", 0, "configs/tiny.py", ("seed=0",))
+    os.makedirs(run.directory(str(tmp_path)))
+    with open(os.path.join(run.directory(str(tmp_path)), "summary.json"), "w") as f:
+        f.write('{"final_dev_accuracy": 0.')  # a crash mid-write
+    results, failures, unfinished = ex.execute(
+        [run], str(tmp_path), jobs=1, held_out_problems=0, train=False, children=ex.Children(), log=print
+    )
+    assert not results and not failures and unfinished[run].startswith("no checkpoint yet")
+    assert "summary.json cannot be read" in capsys.readouterr().err
+
+
 def test_factorial_report_interaction_matches_the_statistics(tmp_path):
     exp = experiments_tiny.get_config("factorial")
     finals = {

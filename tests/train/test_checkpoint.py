@@ -229,6 +229,94 @@ def test_a_checkpoint_of_another_state_structure_is_refused_not_set_aside(tmp_pa
     checkpoints.close()
 
 
+def in_flight(state, count):
+    """`state` as a run at rollout.staleness=`count` checkpoints it: its policies of the batches in flight beside it."""
+    return {**state, "behaviour": [state["actor"]] * count} if count else state
+
+
+def with_critic(state):
+    """`state` as a method with a critic checkpoints it (comppo); without one (grpo) both entries are None."""
+    critic = {"w": jnp.ones((4, 3))}
+    return {**state, "critic": critic, "critic_opt": [{"mu": critic, "count": jnp.int32(0)}]}
+
+
+def without_critic(state):
+    return {**state, "critic": None, "critic_opt": None}
+
+
+# (what was saved, what this config restores into): each a structure mismatch, never damage.
+STRUCTURE_CHANGES = {
+    # The reports: a staleness-1 run resumed at staleness 0, a comppo run resumed as grpo, both allowed by
+    # resume_allow_changes; the checkpoint holds leaves this config has no place for.
+    "staleness 1 -> 0 (policies in flight the target lacks)": (lambda s: in_flight(s, 1), lambda s: s),
+    "comppo -> grpo (a critic the target lacks)": (with_critic, without_critic),
+    "staleness 2 -> 1 (a list of another length)": (lambda s: in_flight(s, 2), lambda s: in_flight(s, 1)),
+    "staleness 0 -> 1 (policies in flight the checkpoint lacks)": (lambda s: s, lambda s: in_flight(s, 1)),
+    "grpo -> comppo (a critic the checkpoint lacks)": (without_critic, with_critic),
+}
+
+
+@pytest.mark.parametrize("change", STRUCTURE_CHANGES)
+def test_a_checkpoint_of_another_state_structure_either_way_is_refused_naming_the_leaf_and_nothing_moves(
+    tmp_path, change
+):
+    saved, target = STRUCTURE_CHANGES[change]
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    for step in (7, 8):
+        checkpoints.save(step, saved(small_state(step)), {"next_step": step})
+    checkpoints.close()
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"^checkpoint 8 under .* (has no|holds) leaf \['(behaviour|critic|critic_opt)'\].*another state "
+        r"structure.*nothing was moved$",
+    ) as refused:
+        checkpoints.restore_newest_good(target(small_state(0)))
+    assert "\n" not in str(refused.value)
+    assert checkpoints.manager.all_steps() == [7, 8] and not (tmp_path / "corrupt_checkpoints").exists()
+    assert checkpoints.set_aside_note() == ""
+    # The run's own structure still restores: nothing was set aside as damaged.
+    state, meta, step = checkpoints.restore_newest_good(saved(small_state(0)))
+    assert step == 8 and meta == {"next_step": 8}
+    jax.tree.map(np.testing.assert_array_equal, state, saved(small_state(8)))
+    checkpoints.close()
+
+
+def test_a_structure_error_of_the_restore_itself_is_a_mismatch_not_damage(tmp_path, monkeypatch):
+    """The general rule, past the metadata check: Orbax's own structure errors never set a checkpoint aside."""
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    checkpoints.save(8, in_flight(small_state(8), 1), {"next_step": 8})
+    checkpoints.close()
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    monkeypatch.setattr(RunCheckpoints, "_check_structure", lambda *args, **kwargs: None)
+    monkeypatch.setattr("comppo_jax.train.checkpoint.leaf_paths", lambda tree: [])  # nor the digests' names
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"checkpoint 8 under .* does not fit this config's state: ValueError: User-provided restore item and "
+        r"on-disk value metadata tree structures do not match.*nothing was moved",
+    ):
+        checkpoints.restore_newest_good(small_state(0))
+    assert checkpoints.manager.all_steps() == [8] and not (tmp_path / "corrupt_checkpoints").exists()
+    checkpoints.close()
+
+
+def test_a_target_made_per_step_follows_what_each_checkpoint_holds(tmp_path):
+    """A resume after a staleness change: each checkpoint is read with as many in-flight policies as it holds."""
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    checkpoints.save(7, in_flight(small_state(7), 2), {"next_step": 7})
+    checkpoints.save(8, in_flight(small_state(8), 1), {"next_step": 8})
+    checkpoints.close()
+    checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
+    assert [checkpoints.saved_list_length(step, "behaviour") for step in (7, 8)] == [2, 1]
+    assert checkpoints.saved_list_length(7, "critic") == 0
+    target = lambda step: in_flight(small_state(0), checkpoints.saved_list_length(step, "behaviour"))
+    for step, count in ((7, 2), (8, 1)):
+        state, _ = checkpoints.restore(target, step)
+        assert len(state["behaviour"]) == count
+        jax.tree.map(np.testing.assert_array_equal, state, in_flight(small_state(step), count))
+    checkpoints.close()
+
+
 def test_a_damaged_resume_step_is_refused_with_the_flag_that_falls_back(tmp_path):
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
     for step in (1, 2):

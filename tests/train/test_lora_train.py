@@ -101,3 +101,50 @@ def test_every_method_trains_lora_adapters(tmp_path, method):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metric_rows(tmp_path)
     assert all(row["actor_finite"] if "actor_finite" in row else True for row in rows) and rows[-1]["grad_norm"] > 0
+
+
+class Loaded(Exception):
+    """train() got past the run directory's checks to its first load."""
+
+
+def saved_run(run, actor: dict, **overrides):
+    """A run directory as train() leaves it after checkpoint 1 (its config.json and one checkpoint of `actor`)."""
+    from comppo_jax.train.outputs import save_run_config
+
+    save_run_config(small_train_config(run, **overrides), str(run))
+    checkpoints = RunCheckpoints(str(run), keep_last=2, keep_best=0)
+    checkpoints.save(1, {"actor": actor}, {"step": 1})
+    checkpoints.close()
+
+
+def test_lora_on_a_run_that_trained_every_weight_and_the_reverse_are_refused_before_anything_loads(
+    tmp_path, monkeypatch
+):
+    from comppo_jax.models import ConfigError
+    from comppo_jax.train import loop
+
+    def reached(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(loop, "load_tokenizer", reached)
+    full, adapted = tmp_path / "full", tmp_path / "lora"
+    saved_run(full, {"layers": {"q_proj": jnp.zeros((2, 4, 4))}})
+    with pytest.raises(
+        ConfigError,
+        match=r"^config\.model\.lora\.rank=4: .*/full was not a LoRA run \(no base\.json was ever written there, and "
+        r"checkpoint 1 holds the full policy, not adapters\): resume it with --config\.model\.lora\.rank=0",
+    ) as refused:
+        loop.train(small_train_config(full, resume=True, resume_allow_changes="model.lora,train", **LORA))
+    assert "\n" not in str(refused.value) and "restore it from a backup" not in str(refused.value)
+    assert not (full / BASE_RECORD).exists() and not (full / "corrupt_checkpoints").exists()
+    with pytest.raises(Loaded):  # the run's own config passes on to the loading
+        loop.train(small_train_config(full, resume=True))
+
+    saved_run(adapted, {"layers": {"q_proj_lora_a": jnp.zeros((2, 4, 1))}}, **LORA)
+    (adapted / BASE_RECORD).write_text(json.dumps({"source": "model.arch at random (seed 0)", "digests": {}}))
+    with pytest.raises(ConfigError, match=r"^config\.model\.lora\.rank=0: .*/lora is a LoRA run \(checkpoint 1 holds"):
+        loop.train(small_train_config(adapted, resume=True, resume_allow_changes="model.lora,train"))
+    # A LoRA run whose base.json is lost is not this: the resume goes on to the base check, which names the file.
+    (adapted / BASE_RECORD).unlink()
+    with pytest.raises(Loaded):
+        loop.train(small_train_config(adapted, resume=True, **LORA))

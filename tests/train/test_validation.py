@@ -238,3 +238,20 @@ def test_wandb_without_its_extra_is_named_before_anything_loads(tmp_path, nothin
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"config\.loggers='jsonl,wandb': wandb is not installed: pip install"):
         loop.train(small_train_config(tmp_path, loggers="jsonl,wandb"))
+
+
+def test_a_tensorboard_folder_that_is_a_file_is_named_before_anything_loads(tmp_path, nothing_loads):
+    (tmp_path / "tensorboard").write_text("not a folder")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config\.loggers='jsonl,tensorboard': TensorBoard writes its event files under "
+        rf"{tmp_path}/tensorboard, which is a file, not a directory: move it away, or drop tensorboard "
+        r"\(--config\.loggers=jsonl\)$",
+    ):
+        loop.train(small_train_config(tmp_path, loggers="jsonl,tensorboard"))
+    with pytest.raises(AssertionError, match="got past validation"):  # without TensorBoard the file is no matter
+        loop.train(small_train_config(tmp_path, loggers="jsonl"))
+    output_file = tmp_path / "a_file"
+    output_file.write_text("")
+    with pytest.raises(ConfigError, match=rf"^config\.output_dir='{output_file}': is a file, not a directory"):
+        loop.train(small_train_config(output_file))
