@@ -14,8 +14,11 @@ loaders in comppo_jax.data.datasets.BENCHMARKS). Per problem: one greedy respons
 pass@k (Chen et al.'s unbiased estimator, for each k of `eval.pass_k`, default 1 and n) and
 majority@n; each set's value comes with its standard error over problems (`<metric>_se`;
 comppo_jax.eval.frozen). Each set's result is written to `<output>/<set>.json` as soon as it is
-done, with the settings it was computed with, and is not recomputed on a rerun with the same
-settings; the table (with the unweighted macro average over the frozen benchmarks) is printed and
+done, with what decides its numbers: the policy's digest (of the restored weights' content, so a
+step saved again with other weights is another policy), the set's digest (of its problems as
+loaded: the benchmark file, the dev split as config.data selects it) and the settings. A rerun
+reuses it only when all three are the same, and otherwise says why in one line and evaluates the
+set again; the table (with the unweighted macro average over the frozen benchmarks) is printed and
 written as results.csv and results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
 
 `--held_out_problems=N` also writes `<output>/held_out.json`: the checkpoint's realized gate
@@ -29,6 +32,7 @@ evaluates its shards and process 0 writes the results.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
@@ -75,7 +79,7 @@ def main(argv):
     from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
     from comppo_jax.eval.frozen import eval_sampling, metric_names
-    from comppo_jax.eval.restore import restore_actor
+    from comppo_jax.eval.restore import eval_meshes, policy_digest, restore_actor
     from comppo_jax.train import decode_layout
     from comppo_jax.train.checkpoint import RunCheckpoints
     from comppo_jax.train.rollout_stage import load_problems
@@ -84,6 +88,7 @@ def main(argv):
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
     ks = eval_sampling(cfg.eval)  # a bad field fails here, before any restore
     sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
+    mesh, rollout_devices = eval_meshes(cfg.mesh)  # a mesh this machine cannot hold fails before any restore
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
     step = checkpoints.resolve_step(_STEP.value)
     output = storage.path(_OUTPUT.value or storage.join(_CHECKPOINT.value, "eval", f"step_{step}"))
@@ -109,14 +114,19 @@ def main(argv):
         "pass_k": list(ks),
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.seed,
+        "batch_size": cfg.eval.batch_size,  # the sampling keys follow the batches
+        "tokenizer": cfg.model.tokenizer or cfg.model.path,
     }
-    # Sets finished by an earlier run with these settings are read, not recomputed; decided once, before any process
-    # writes.
-    done = {name: _finished(output / f"{name}.json", settings) for name in sets}
+    policy_config, params = restore_actor(cfg, checkpoints, step, mesh)
+    checkpoint_digest = policy_digest(params)
+    keys = {
+        name: {"checkpoint": checkpoint_digest, "data": problems_digest(problems), "settings": settings}
+        for name, problems in sets.items()
+    }
+    # A set finished earlier for the same key is read, not recomputed; decided once, before any process writes.
+    cached = {name: _cached(output / f"{name}.json", keys[name], main_process) for name in sets}
 
-    policy_config, params = restore_actor(cfg, checkpoints, step)
     # Decoded in the run's decode layout (rollout.mesh), as its training rollouts were.
-    mesh, rollout_devices = sharding.run_meshes(cfg.mesh)
     decode = decode_layout.for_run(cfg, mesh, policy_config, params, rollout_devices)
     params = decode.reshard(params)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
@@ -126,10 +136,8 @@ def main(argv):
         VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
     ):
         for name, problems in sets.items():
-            path = output / f"{name}.json"
-            if done[name]:
-                result = json.loads(path.read_text())["metrics"]
-            else:
+            result = cached[name]
+            if result is None:
                 result = evaluate_problems(
                     params,
                     policy_config,
@@ -146,7 +154,7 @@ def main(argv):
                     desc=name,
                 )
                 if main_process:
-                    storage.write_text(path, json.dumps({"settings": settings, "metrics": result}, indent=2))
+                    storage.write_text(output / f"{name}.json", json.dumps({**keys[name], "metrics": result}, indent=2))
             rows.append({"set": name, **result})
     if not main_process:
         return
@@ -167,7 +175,14 @@ def main(argv):
     storage.write_text(
         output / "results.json",
         json.dumps(
-            {"checkpoint": str(storage.path(_CHECKPOINT.value)), "step": step, "settings": settings, "rows": rows},
+            {
+                "checkpoint": str(storage.path(_CHECKPOINT.value)),
+                "step": step,
+                "checkpoint_digest": checkpoint_digest,
+                "data_digests": {name: key["data"] for name, key in keys.items()},
+                "settings": settings,
+                "rows": rows,
+            },
             indent=2,
         ),
     )
@@ -185,16 +200,36 @@ def main(argv):
         )
 
 
-def _finished(path, settings: dict) -> bool:
-    """Whether `path` holds a set's result computed with `settings` (a result of other settings, or
-    of an older format without them, is recomputed)."""
+def problems_digest(problems) -> str:
+    """A digest of a problem set's content as evaluated: every field of every problem, in order."""
+    return hashlib.sha256(json.dumps([list(problem) for problem in problems]).encode()).hexdigest()[:16]
+
+
+def _cached(path, key: dict, main_process: bool) -> dict | None:
+    """The metrics `path` holds when they were computed for `key` ({"checkpoint", "data",
+    "settings"}); None when there are none, or (said in one line) they were computed for another key."""
     if not path.exists():
-        return False
+        return None
     try:
         stored = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON ({error}); delete it to recompute that set") from error
-    return isinstance(stored, dict) and stored.get("settings") == settings and "metrics" in stored
+    if not isinstance(stored, dict) or "metrics" not in stored or "checkpoint" not in stored or "data" not in stored:
+        why = "written without the checkpoint's and the problems' digests (an older format)"
+    else:
+        settings = stored.get("settings") if isinstance(stored.get("settings"), dict) else {}
+        changed = [name for name, value in key["settings"].items() if settings.get(name) != value]
+        differs = [
+            *(["another checkpoint (other weights)"] if stored["checkpoint"] != key["checkpoint"] else []),
+            *(["other problems (the set's content changed)"] if stored["data"] != key["data"] else []),
+            *([f"other settings ({', '.join(changed)})"] if changed else []),
+        ]
+        if not differs:
+            return stored["metrics"]
+        why = "for " + ", ".join(differs)
+    if main_process:
+        print(f"cached results in {path} were {why}: evaluating again", flush=True)
+    return None
 
 
 if __name__ == "__main__":

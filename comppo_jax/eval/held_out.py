@@ -22,7 +22,7 @@ import numpy as np
 from comppo_jax import sharding
 from comppo_jax.data.rewards import Verdict, VerifierPool
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.eval.restore import actor_target, run_base, with_run_base
+from comppo_jax.eval.restore import actor_target, eval_meshes, run_base, with_run_base
 from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.lora import LoraConfig
 from comppo_jax.rollout import encode_prompts, engine_options, generate, score_rollout
@@ -49,7 +49,7 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     the first `problems` dev problems, `cfg.rollout.samples_per_prompt` responses each."""
     cfg = cfg.copy_and_resolve_references()
     cfg.rollout.old_log_probs = "rescore"  # the gate needs the behaviour pass, whatever the run skipped
-    mesh = sharding.run_meshes(cfg.mesh)[0]  # the training devices of a run with its own rollout devices
+    mesh = eval_meshes(cfg.mesh)[0]  # the training devices of a run with its own rollout devices
     policy_config = model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     step = checkpoints.resolve_step(step)

@@ -7,10 +7,16 @@ Only the actor params are read (verified against their digests, into `cfg.mesh`'
 LoRA run's adapters joined to its verified base) and cast to the compute dtype; optimizer states
 and the critic stay on disk. `restore_actor` does the
 same from a `RunCheckpoints` the caller already holds (launch/eval.py).
+
+A warm-started run's base (its reference policy; a LoRA run's adapters sit on it) is read from
+`reference/`; a lost or damaged one is rebuilt as a resume rebuilds it, by replaying the warm
+start and checking it against the saved digests (comppo_jax.train.loop.restore_reference).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, NamedTuple
 
 import jax
@@ -19,9 +25,11 @@ from comppo_jax import sharding
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import ModelConfig, init_params, load_policy, lora, model_config
 from comppo_jax.models.lora import LoraConfig
-from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.train.checkpoint import RunCheckpoints, state_digests
+from comppo_jax.train.loop import kept_warm_start, restore_reference
 from comppo_jax.train.methods import base_source, initial_keys
 from comppo_jax.train.outputs import load_run_config
+from comppo_jax.train.rollout_stage import load_encodable_problems
 from comppo_jax.train.update import cast_params
 
 
@@ -31,6 +39,27 @@ class RestoredPolicy(NamedTuple):
     model_config: ModelConfig
     params: dict  # in model_config.dtype
     tokenizer: Any
+
+
+def eval_meshes(mesh_config) -> tuple[Any, list | None]:
+    """`sharding.run_meshes` on this machine: a run that rolled out on devices of its own
+    (mesh.rollout_devices) and does not fit here is refused naming the flag that evaluates it."""
+    try:
+        return sharding.run_meshes(mesh_config)
+    except ValueError as error:
+        if not mesh_config.get("rollout_devices", 0):
+            raise
+        raise ValueError(
+            f"{error}: evaluation needs no rollout devices of its own; pass --config.mesh.rollout_devices=0 to "
+            "decode on this machine's devices as one mesh"
+        ) from error
+
+
+def policy_digest(params) -> str:
+    """One digest of a policy's weights (its leaves' checkpoint digests, hashed together): what the
+    weights are, not which step saved them; the same on every mesh."""
+    digests, _ = state_digests(params)
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def actor_target(mesh, cfg, policy_config: ModelConfig):
@@ -52,9 +81,19 @@ def run_base(cfg, checkpoints: RunCheckpoints, mesh, policy_config: ModelConfig)
     from the run's seed, as train() built it."""
     shapes = sharding.abstract_sharded(mesh, lambda: init_params(policy_config, jax.random.PRNGKey(0)))
     if cfg.warm_start.steps:
-        return checkpoints.restore_reference(shapes)
+        return restore_reference(checkpoints, mesh, shapes, lambda: replayed_warm_start(cfg, checkpoints.directory))
     params = cast_params(load_policy(cfg.model, initial_keys(cfg.seed)[0])[1], policy_config.dtype)
     return sharding.put(params, jax.tree.map(lambda x: x.sharding, shapes))
+
+
+def replayed_warm_start(cfg, run_directory) -> dict:
+    """The run's warm-started policy in the compute dtype, as train() made it: read back from its
+    warm-start file, else the warm start run again."""
+    loaded_config, initial = load_policy(cfg.model, initial_keys(cfg.seed)[0])
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    train_problems = load_encodable_problems(cfg, tokenizer)[0]
+    params, _ = kept_warm_start(cfg, run_directory, initial, loaded_config, tokenizer, train_problems)
+    return cast_params(params, loaded_config.dtype)
 
 
 def with_run_base(cfg, checkpoints: RunCheckpoints, mesh, policy_config: ModelConfig, actor: dict) -> dict:
@@ -74,11 +113,12 @@ def restored_actor(cfg, checkpoints: RunCheckpoints, step: int, mesh, policy_con
     return with_run_base(cfg, checkpoints, mesh, policy_config, actor)
 
 
-def restore_actor(cfg, checkpoints: RunCheckpoints, step: int) -> tuple[ModelConfig, dict]:
-    """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `cfg.mesh`
-    (a LoRA run's adapters on their base, unmerged)."""
+def restore_actor(cfg, checkpoints: RunCheckpoints, step: int, mesh=None) -> tuple[ModelConfig, dict]:
+    """(model config, actor params in its compute dtype) of saved checkpoint `step`, on `mesh`
+    (default: `cfg.mesh`'s training mesh; a LoRA run's adapters on their base, unmerged)."""
     policy_config = model_config(cfg.model)
-    actor = restored_actor(cfg, checkpoints, step, sharding.run_meshes(cfg.mesh)[0], policy_config)
+    mesh = eval_meshes(cfg.mesh)[0] if mesh is None else mesh
+    actor = restored_actor(cfg, checkpoints, step, mesh, policy_config)
     return policy_config, cast_params(actor, policy_config.dtype)
 
 
