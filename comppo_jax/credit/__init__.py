@@ -32,6 +32,7 @@ from comppo_jax.credit.gate import (
     statistic_concentration,
 )
 from comppo_jax.credit.losses import (
+    IMPORTANCE_WEIGHT_RULES,
     LOSS_AGGREGATIONS,
     aggregate_loss,
     decoupled_ppo_inputs,
@@ -56,6 +57,7 @@ from comppo_jax.credit.schedule import (
 __all__ = [
     "FIXED_GATE",
     "GATE_STATISTICS",
+    "IMPORTANCE_WEIGHT_RULES",
     "LOSS_AGGREGATIONS",
     "PositionSchedule",
     "aggregate_loss",

@@ -180,7 +180,7 @@ def refreshed_credit(
 ) -> tuple[dict, jax.Array]:
     """gate_refresh=epoch: the refreshed gate `own` through the gate control, and Comp-GAE rerun with
     the stored values and rewards. Returns (the Minibatch fields that change: advantages (whitened,
-    clipped to `clip`, times the truncated `importance` weights of train.proximal=recompute), returns
+    clipped to `clip`, times the capped `importance` weights of train.proximal=recompute), returns
     and kappa_sequence; the gate's mean |change| from `kappa_before`). The learner runs it as one program."""
     mask = batch.response_mask
     kappa = control_gate(
@@ -196,11 +196,12 @@ def refreshed_credit(
     return fields, masked_mean(jnp.abs(kappa - kappa_before), mask)
 
 
-def proximal_inputs(model_config, temperature: float, cap: float, actor, batch: Minibatch):
-    """train.proximal=recompute, AReaL's decoupled objective (`decoupled_ppo_inputs`): the ratio's old
-    log-probs (the current, proximal policy's), the advantages times the truncated importance weights,
-    the weights, their truncation at `cap`, and whether the weights and those advantages are finite.
-    The learner runs it as one program."""
+def proximal_inputs(model_config, temperature: float, cap: float, rule: str, actor, batch: Minibatch):
+    """train.proximal=recompute, AReaL's decoupled objective (`decoupled_ppo_inputs`). Returns (the
+    Minibatch fields that change: old_log_probs, the ratio's reference, now the current (proximal)
+    policy's, and the advantages times the capped importance weights; the weights; the weights capped
+    at `cap` by `rule` (train.importance_weight_rule); whether the weights and those advantages are
+    finite). The learner runs it as one program."""
     proximal = policy_token_stats(
         cast_params(actor, model_config.dtype),
         model_config,
@@ -210,11 +211,11 @@ def proximal_inputs(model_config, temperature: float, cap: float, actor, batch: 
         batch.response_tokens,
         temperature,
     )[0]
-    old_log_probs, advantages, weights = decoupled_ppo_inputs(
-        batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cap
+    old_log_probs, advantages, weights, capped = decoupled_ppo_inputs(
+        batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cap, rule
     )
     finite = all_finite(**{"importance weights": weights, "advantages": advantages})
-    return old_log_probs, advantages, weights, jnp.minimum(weights, cap), finite
+    return dict(old_log_probs=old_log_probs, advantages=advantages), weights, capped, finite
 
 
 def _emptied_features(hidden_states, routing):
@@ -247,8 +248,9 @@ def free_device_arrays(*arrays) -> None:
         x.delete()
 
 
-def importance_metrics(weights, mask, cap: float) -> dict:
-    """The behaviour -> proximal importance weights' token mean, max and truncated fraction (host floats)."""
+def importance_metrics(weights, mask, cap: float, rule: str) -> dict:
+    """The behaviour -> proximal importance weights' token mean, max and the fraction over `cap`, named
+    by what `rule` does to those tokens: /masked_fraction or /truncated_fraction (host floats)."""
     valid = jax.device_get(mask).astype(bool)
     values = jax.device_get(weights)[valid]
     if not values.size:
@@ -256,7 +258,7 @@ def importance_metrics(weights, mask, cap: float) -> dict:
     return {
         "importance_weight/mean": float(values.mean()),
         "importance_weight/max": float(values.max()),
-        "importance_weight/truncated_fraction": float((values > cap).mean()),
+        f"importance_weight/{'masked' if rule == 'mask' else 'truncated'}_fraction": float((values > cap).mean()),
     }
 
 
@@ -290,9 +292,7 @@ class Learned(NamedTuple):
     gate_change: float | None  # gate_refresh=epoch: the refreshed gate's mean |change| from the rollout's
     nonfinite: list[str]  # what was not finite (the update skipped), empty when it applied
     applied_actor: bool  # the actor updated (past the critic warm-up)
-    importance: (
-        dict  # train.proximal=recompute: importance_weight/mean, /max, /truncated_fraction (behaviour -> proximal)
-    )
+    importance: dict  # train.proximal=recompute: importance_weight/mean, /max, /masked_fraction or /truncated_fraction
 
 
 class Learner:
@@ -323,7 +323,13 @@ class Learner:
         self.refreshed_gate = jax.jit(functools.partial(refreshed_gate, cfg, model_config))
         self.refreshed_credit = jax.jit(functools.partial(refreshed_credit, cfg, parts))
         self.proximal_inputs = jax.jit(
-            functools.partial(proximal_inputs, model_config, cfg.rollout.temperature, cfg.train.importance_weight_cap)
+            functools.partial(
+                proximal_inputs,
+                model_config,
+                cfg.rollout.temperature,
+                cfg.train.importance_weight_cap,
+                cfg.train.importance_weight_rule,
+            )
         )
 
     def meta(self) -> dict:
@@ -346,12 +352,14 @@ class Learner:
         )
         scored = Scored.of(batch._replace(**fields), rollout, sampled, kappa)
         batch = scored.batch._replace(advantages=clipped)
-        importance, truncated = {}, None
+        importance, capped = {}, None
         if cfg.train.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
             self.compiling("the proximal log-probs")
-            old_log_probs, advantages, weights, truncated, weighed = self.proximal_inputs(state["actor"], batch)
-            batch = batch._replace(old_log_probs=old_log_probs, advantages=advantages)
-            importance = importance_metrics(weights, batch.response_mask, cfg.train.importance_weight_cap)
+            proximal, weights, capped, weighed = self.proximal_inputs(state["actor"], batch)
+            batch = batch._replace(**proximal)
+            importance = importance_metrics(
+                weights, batch.response_mask, cfg.train.importance_weight_cap, cfg.train.importance_weight_rule
+            )
             # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
             finite = {"importance weights": weighed.pop("importance weights"), **finite, **weighed}
         batch = offload.to_update(batch)
@@ -416,7 +424,7 @@ class Learner:
                     sampled.reward_tokens,
                     step_rng,
                     knobs["advantage_clip"],
-                    truncated,
+                    capped,
                 )
                 gate_changes.append(float(change))
                 # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).

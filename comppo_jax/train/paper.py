@@ -258,9 +258,14 @@ def paper_config(arch: dict) -> config_dict.ConfigDict:
             "behaviour",
             "the policy the PPO ratio is clipped against: behaviour (the generating policy, the paper's) | "
             "recompute (AReaL's decoupled objective: a proximal policy recomputed with the current params "
-            "before the update, importance weights behaviour -> proximal truncated at importance_weight_cap)",
+            "before the update, importance weights behaviour -> proximal capped at importance_weight_cap)",
         ),
-        importance_weight_cap=(5.0, "proximal=recompute: the behaviour -> proximal importance weight's truncation"),
+        importance_weight_cap=(5.0, "proximal=recompute: the cap on the behaviour -> proximal importance weight"),
+        importance_weight_rule=(
+            "mask",
+            "proximal=recompute: a weight over the cap: mask (its token dropped from the loss, AReaL's "
+            "behav_imp_weight_cap) | truncate (min(w, cap), truncated importance sampling)",
+        ),
     )
     config.critic = _section(
         "critic.",

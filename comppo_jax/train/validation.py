@@ -16,7 +16,7 @@ import math
 import os
 
 from comppo_jax import hub, storage
-from comppo_jax.credit import GATE_STATISTICS, LOSS_AGGREGATIONS
+from comppo_jax.credit import GATE_STATISTICS, IMPORTANCE_WEIGHT_RULES, LOSS_AGGREGATIONS
 from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
@@ -294,6 +294,7 @@ def validate_config(cfg) -> None:
     problems.number("rollout.staleness", low=0, integer=True)
     problems.enum("train.proximal", PROXIMAL)
     problems.number("train.importance_weight_cap", low=1)
+    problems.enum("train.importance_weight_rule", IMPORTANCE_WEIGHT_RULES)
     problems.number("mesh.rollout_devices", low=0, integer=True)
     problems.number("model.lora.rank", low=0, integer=True)
     problems.number("model.lora.alpha", low=0, low_open=True)

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from comppo_jax.credit import (
+    IMPORTANCE_WEIGHT_RULES,
     aggregate_loss,
     decoupled_ppo_inputs,
     entropy_from_logits,
@@ -397,11 +398,14 @@ def test_gspo_sequence_gradient_spreads_over_the_row(logp, old, adv, mask):
     np.testing.assert_allclose(grad(constant, False), grad(constant, True), rtol=1e-4, atol=1e-7)
 
 
-def areal_decoupled_loss(logp, proximal, behaviour, adv, mask, eps, cap):
-    """AReaL's decoupled PPO loss (Fu et al. 2025, eq. 5) written out token by token, float64."""
+def areal_decoupled_loss(logp, proximal, behaviour, adv, mask, eps, cap, rule="mask"):
+    """AReaL's decoupled PPO loss (Fu et al. 2025, eq. 5) written out token by token, float64. Rule "mask"
+    is AReaL's `behav_imp_weight_cap` (areal `ppo_actor_loss_fn`): a weight over the cap becomes 0 and the
+    sum is still divided by every valid token (its `loss_mask_count`); "truncate" is min(w, cap)."""
     total, count = 0.0, 0
     for b, t in zip(*np.nonzero(mask)):
-        weight = min(np.exp(float(proximal[b, t]) - float(behaviour[b, t])), cap)
+        weight = np.exp(float(proximal[b, t]) - float(behaviour[b, t]))
+        weight = (0.0 if weight > cap else weight) if rule == "mask" else min(weight, cap)
         ratio = np.exp(float(logp[b, t]) - float(proximal[b, t]))
         total += -weight * min(ratio * adv[b, t], np.clip(ratio, 1 - eps, 1 + eps) * adv[b, t])
         count += 1
@@ -416,37 +420,37 @@ def areal_decoupled_loss(logp, proximal, behaviour, adv, mask, eps, cap):
     adv=arrays(-3, 3),
     mask=masks,
     cap=st.sampled_from((1.5, 5.0)),
+    rule=st.sampled_from(IMPORTANCE_WEIGHT_RULES),
 )
 def test_the_decoupled_objective_is_areals_loss_by_hand_and_its_gradient_is_the_weighted_ppo_gradient(
-    logp, proximal, behaviour, adv, mask, cap
+    logp, proximal, behaviour, adv, mask, cap, rule
 ):
-    old, weighted, weights = decoupled_ppo_inputs(behaviour, proximal, adv, mask, cap)
+    exact = np.exp(proximal.astype(np.float64) - behaviour)
+    assume(not np.any(np.isclose(exact[mask], cap, rtol=1e-4)))  # float32 and float64 agree on which side of the cap
+    old, weighted, weights, capped = decoupled_ppo_inputs(behaviour, proximal, adv, mask, cap, rule)
     loss = lambda lp: ppo_clip_loss(lp, old, weighted, mask, 0.2, 0.2)[0]
-    assert float(loss(logp)) == pytest.approx(
-        areal_decoupled_loss(logp, proximal, behaviour, adv, mask, 0.2, cap), rel=1e-4, abs=1e-5
-    )
-    np.testing.assert_allclose(
-        np.asarray(weights)[mask], np.exp(proximal.astype(np.float64) - behaviour)[mask], rtol=1e-5
-    )
-    assert not np.asarray(weights)[~mask].any()
+    oracle = lambda lp: areal_decoupled_loss(lp, proximal, behaviour, adv, mask, 0.2, cap, rule)
+    assert float(loss(logp)) == pytest.approx(oracle(logp), rel=1e-4, abs=1e-5)
+    np.testing.assert_allclose(np.asarray(weights)[mask], exact[mask], rtol=1e-5)
+    kept = np.where(exact > cap, 0.0, exact) if rule == "mask" else np.minimum(exact, cap)
+    np.testing.assert_allclose(np.asarray(capped)[mask], kept[mask], rtol=1e-5)
+    assert not np.asarray(weights)[~mask].any() and not np.asarray(capped)[~mask].any()
     # d/dlogp of the hand-written loss, by central differences on one valid token.
     if mask.any():
         b, t = map(int, np.argwhere(mask)[0])
         step = np.zeros(SHAPE, np.float32)
         step[b, t] = 1e-3
-        numeric = (
-            areal_decoupled_loss(logp + step, proximal, behaviour, adv, mask, 0.2, cap)
-            - areal_decoupled_loss(logp - step, proximal, behaviour, adv, mask, 0.2, cap)
-        ) / 2e-3
+        numeric = (oracle(logp + step) - oracle(logp - step)) / 2e-3
         ratio = np.exp(float(logp[b, t]) - float(proximal[b, t]))
         if abs(ratio - 0.8) > 2e-3 and abs(ratio - 1.2) > 2e-3:  # away from the clip's kinks
             assert float(jax.grad(loss)(logp)[b, t]) == pytest.approx(numeric, rel=2e-2, abs=1e-4)
 
 
-def test_a_non_finite_proximal_log_prob_gives_a_non_finite_weight_and_one_far_off_is_truncated():
+@pytest.mark.parametrize("rule, kept", [("mask", 0.0), ("truncate", 5.0)])
+def test_a_non_finite_proximal_log_prob_gives_a_non_finite_weight_and_one_far_off_is_masked_or_truncated(rule, kept):
     mask = np.ones((1, 3), bool)
     behaviour = np.zeros((1, 3), np.float32)
     proximal = np.array([[np.nan, 30.0, 0.0]], np.float32)
-    _, weighted, weights = decoupled_ppo_inputs(behaviour, proximal, np.ones((1, 3), np.float32), mask, 5.0)
+    _, weighted, weights, _ = decoupled_ppo_inputs(behaviour, proximal, np.ones((1, 3), np.float32), mask, 5.0, rule)
     assert np.isnan(weights[0, 0]) and np.isnan(weighted[0, 0])  # the learner's guard names "importance weights"
-    assert float(weighted[0, 1]) == 5.0 and float(weighted[0, 2]) == 1.0
+    assert float(weighted[0, 1]) == kept and float(weighted[0, 2]) == 1.0

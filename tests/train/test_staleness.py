@@ -8,6 +8,7 @@ import shutil
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import WALL_CLOCK, assert_same_checkpoint_state, fake_devices_env, small_train_config
@@ -333,3 +334,79 @@ def test_on_shared_devices_a_started_generation_is_computed_before_start_returns
     slow(jnp.ones((384, 384))).block_until_ready()  # compiled before the timed call
     started = stage.start(1, {}, 0, jax.random.PRNGKey(0))
     assert started.generation.is_ready() != separate
+
+
+# Behaviour -> proximal importance weights of the learner-path tests, cycled over the valid tokens: two over the cap 5.
+DESIGNED_WEIGHTS = (8.0, 0.5, 2.0, 6.0, 1.5, 0.9, 3.0)
+
+
+def decoupled_learner_inputs(tmp_path, rule):
+    """(the Learner's own jitted proximal program for train.importance_weight_rule=`rule`, the actor, a
+    batch whose behaviour log-probs sit log(DESIGNED_WEIGHTS) under the actor's, those proximal log-probs)."""
+    from update_inputs import CONFIG, update_inputs
+
+    from comppo_jax.train.learner import Learner, Offload
+    from comppo_jax.train.methods import recipe
+    from comppo_jax.train.update import policy_token_stats
+
+    cfg = small_train_config(tmp_path, train__proximal="recompute", train__importance_weight_rule=rule)
+    made = recipe(cfg.method, cfg.gate, cfg.critic.kind)
+    learner = Learner(
+        cfg,
+        CONFIG,
+        SimpleNamespace(recipe=made),
+        SimpleNamespace(values=None),
+        None,
+        Offload.of(False),
+        {"controller": None},
+        lambda what: None,
+    )
+    actor, *_, batch = update_inputs(batch=4, response=6)
+    stats = lambda params: np.asarray(
+        policy_token_stats(
+            params, CONFIG, batch.tokens, batch.attention_mask, batch.prompt_lengths, batch.response_tokens, 1.0
+        )[0],
+        np.float64,
+    )
+    mask = np.asarray(batch.response_mask)
+    weights = np.ones(mask.shape)
+    weights[mask] = np.resize(DESIGNED_WEIGHTS, mask.sum())
+    proximal = stats(actor)
+    batch = batch._replace(old_log_probs=jnp.asarray(np.where(mask, proximal - np.log(weights), 0.0), jnp.float32))
+    return learner, actor, batch, proximal, weights, mask, stats
+
+
+@pytest.mark.parametrize("rule", ["mask", "truncate"])
+def test_the_learners_decoupled_step_clips_against_the_proximal_policy_and_caps_weights_by_its_rule(tmp_path, rule):
+    """The Learner's proximal program, then the actor loss on its fields, against AReaL's loss by hand:
+    the ratio's reference is the proximal (recomputed) log-probs, not the behaviour's, and a weight over
+    the cap is dropped (mask, AReaL's: the token-mean still over every valid token) or truncated."""
+    from update_inputs import CONFIG
+
+    from comppo_jax.models import init_params
+    from comppo_jax.train.learner import importance_metrics
+    from comppo_jax.train.methods import ActorLoss
+    from comppo_jax.train.update import actor_loss
+
+    learner, actor, batch, proximal, weights, mask, stats = decoupled_learner_inputs(tmp_path, rule)
+    fields, got_weights, capped, finite = learner.proximal_inputs(actor, batch)
+    updated = batch._replace(**fields)
+    np.testing.assert_allclose(np.asarray(updated.old_log_probs)[mask], proximal[mask], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_weights)[mask], weights[mask], rtol=1e-4)
+    kept = np.where(weights > 5.0, 0.0 if rule == "mask" else 5.0, weights)
+    np.testing.assert_allclose(np.asarray(capped)[mask], kept[mask], rtol=1e-4)
+    assert all(bool(ok) for ok in finite.values())
+    over = float((weights[mask] > 5.0).mean())
+    assert importance_metrics(got_weights, batch.response_mask, 5.0, rule)[
+        f"importance_weight/{'masked' if rule == 'mask' else 'truncated'}_fraction"
+    ] == pytest.approx(over)
+    # A policy moved off the proximal one: some ratios leave [0.8, 1.2], so the clip's reference shows.
+    other = init_params(CONFIG, jax.random.PRNGKey(1), init_std=0.2)
+    current = jax.tree.map(lambda a, b: 0.8 * a + 0.2 * b, actor, other)
+    ratio = np.exp(stats(current) - proximal)
+    advantages = np.asarray(batch.advantages, np.float64)
+    per_token = -kept * np.minimum(ratio * advantages, np.clip(ratio, 0.8, 1.2) * advantages)
+    by_hand = per_token[mask].sum() / mask.sum()
+    assert ((ratio[mask] < 0.8) | (ratio[mask] > 1.2)).any()
+    loss, _ = actor_loss(current, CONFIG, updated, 0.2, 0.0, 1.0, ActorLoss(kl_term=False))
+    assert float(loss) == pytest.approx(by_hand, rel=1e-4, abs=1e-6)

@@ -104,6 +104,10 @@ CASES = {
         assign(rollout__old_log_probs="stored"),
         r"config\.rollout\.old_log_probs='stored': expected one of \('rescore', 'sampler'\)",
     ),
+    "unknown importance-weight rule": (
+        assign(train__importance_weight_rule="clamp"),
+        r"config\.train\.importance_weight_rule='clamp': expected one of \('mask', 'truncate'\)",
+    ),
     "unknown gate statistic": (
         assign(gate_statistic="entropi"),
         r"config\.gate_statistic='entropi': expected one of .*; "
