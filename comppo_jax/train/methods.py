@@ -194,9 +194,12 @@ class RunParts(NamedTuple):
 def run_parts(cfg, model_config) -> RunParts:
     made = recipe(cfg.method, cfg.gate, cfg.critic.kind)
     n = model_config.num_layers
-    hidden_layers = {"tac": fused_hidden_layers(n, cfg.critic.fused_layers), "standard": (n,), "full": (), "none": ()}[
-        made.critic
-    ]
+    # Only TAC's fused layers are checked against the model: no other critic reads them.
+    hidden_layers = (
+        fused_hidden_layers(n, cfg.critic.fused_layers)
+        if made.critic == "tac"
+        else {"standard": (n,)}.get(made.critic, ())
+    )
     position_schedule = load_position_schedule(cfg.position_schedule) if made.gate == "position" else None
     return RunParts(
         made,
@@ -209,11 +212,11 @@ def run_parts(cfg, model_config) -> RunParts:
 
 def init_critic(parts: RunParts, model_config, rng, policy=None, master_dtype="float32"):
     """Fresh critic params for the recipe (None without a critic); the full value model copies the
-    starting `policy`'s trunk into `master_dtype`."""
+    starting `policy`'s trunk into `master_dtype` and draws its value head from `rng`."""
     if parts.recipe.critic == "tac":
         return init_tac(parts.critic_module, rng, len(parts.hidden_layers), model_config.hidden_size, parts.top_k)
     if parts.recipe.critic == "full":
-        return init_value_model(policy, master_dtype)
+        return init_value_model(policy, master_dtype, rng)
     return init_standard_value_head(model_config.hidden_size) if parts.recipe.critic == "standard" else None
 
 

@@ -208,7 +208,8 @@ def critic_values(
     critic_params, batch: Minibatch, *, critic_module, kind: str, model_config: ModelConfig | None = None
 ):
     """V_t [B, T] at the response positions, from TAC, the standard head on the actor's features, or
-    the full value model on the tokens (`model_config`: its architecture); all clamped."""
+    the full value model on the tokens (`model_config`: its architecture); TAC's and the standard head's
+    clamped to [-1, 1], the full value model's not (as in tunix and verl)."""
     if kind == "tac":
         sequence = critic_module.apply(
             {"params": critic_params}, batch.hidden_states, batch.routing, batch.kappa_sequence

@@ -68,6 +68,23 @@ def test_merged_and_unmerged_forwards_agree_in_float32(base, targets):
     np.testing.assert_allclose(unmerged, folded, atol=1e-5, rtol=1e-5)
 
 
+def test_adapters_add_alpha_over_r_times_x_a_b(base):
+    """PEFT's scaling alpha / r (here 16 / 4 = 4; alpha / sqrt(r) would be 8): the adapted forward is the
+    base's with each W replaced by W + (alpha / r) A @ B, folded here by hand in float64, and so is `merged`."""
+    assert (CONFIG.lora_alpha, ALL.rank) == (16.0, 4)
+    adapted = lora.join(base, trained_adapters())
+    by_hand = dict(base["layers"])
+    for weight in ALL.weights:
+        a, b = (np.asarray(adapted["layers"][weight + suffix], np.float64) for suffix in ("_lora_a", "_lora_b"))
+        by_hand[weight] = (np.asarray(base["layers"][weight], np.float64) + 16.0 / 4 * a @ b).astype(np.float32)
+        np.testing.assert_allclose(
+            lora.merged(adapted, CONFIG)["layers"][weight], by_hand[weight], rtol=1e-6, atol=1e-6
+        )
+    folded = logits({**base, "layers": by_hand})
+    assert np.abs(folded - logits(base)).max() > 1e-2
+    np.testing.assert_allclose(logits(adapted), folded, atol=1e-5, rtol=1e-5)
+
+
 def test_split_join_and_base_share_the_base_arrays(base):
     adapted = lora.join(base, trained_adapters())
     trainable, frozen = lora.split(adapted)

@@ -6,9 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import small_train_config
 
 from comppo_jax.credit import FIXED_GATE, fit_position_schedule
-from comppo_jax.train.methods import Recipe, behaviour_pass, control_gate, recipe, spread_over_sequence
+from comppo_jax.train.methods import (
+    Recipe,
+    behaviour_pass,
+    control_gate,
+    critic_epochs_first,
+    recipe,
+    spread_over_sequence,
+)
 
 MASK = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
 KAPPA = jnp.asarray([[0.2, 0.5, 0.8, 0.0], [0.3, 0.6, 0.0, 0.0]])
@@ -76,3 +84,24 @@ def test_per_token_values_are_placed_at_the_state_before_each_token():
     np.testing.assert_allclose(placed[0, 1:4], KAPPA[0, :3])
     np.testing.assert_allclose(placed[1, 2:6], KAPPA[1])
     assert float(placed[0, 0]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "method,critic,gate_refresh,first",
+    [
+        ("comppo", "tac", "rollout", True),
+        ("comppo", "standard", "rollout", True),
+        ("ppo", "full", "rollout", True),
+        # The gate refreshed from each epoch's actor reruns Comp-GAE: the critic's targets change per
+        # epoch, so its epochs interleave with the actor's, whichever critic it is.
+        ("comppo", "tac", "epoch", False),
+        ("comppo", "standard", "epoch", False),
+        ("comppo", "full", "epoch", False),
+        ("grpo", "tac", "rollout", False),  # no critic
+    ],
+)
+def test_the_critics_epochs_run_first_unless_the_gate_is_refreshed_per_epoch(
+    tmp_path, method, critic, gate_refresh, first
+):
+    cfg = small_train_config(tmp_path, method=method, critic__kind=critic, gate_refresh=gate_refresh)
+    assert critic_epochs_first(cfg, recipe(cfg.method, cfg.gate, cfg.critic.kind)) is first

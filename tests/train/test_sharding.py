@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
         mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_sizes)), devices)
         actor, actor_opt, actor_tx, module, critic, critic_opt, critic_tx, batch = update_inputs()
         if KIND == "full":
-            critic = init_value_model(actor, jnp.float32)
+            critic = init_value_model(actor, jnp.float32, jax.random.PRNGKey(2))
             critic_opt = critic_tx.init(critic)
         steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt,
                                  actor_tx=actor_tx, critic=critic, critic_opt=critic_opt, critic_tx=critic_tx,
