@@ -129,8 +129,9 @@ def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
 
 
 def _config_rows(config, descriptions: dict, resolved: dict | None = None) -> dict[str, list[tuple[str, str, str]]]:
-    """{section: [(dotted name, value, description)]}; a field with a description is one row even if it holds a dict.
-    A field in `resolved` (dotted name -> what its value stands for in this config) shows both."""
+    """{section: [(dotted name, value, description)]}, the top level ("") first (method, steps, seed, output_dir:
+    the fields most runs set), then the sections in order; a field with a description is one row even if it holds
+    a dict. A field in `resolved` (dotted name -> what its value stands for in this config) shows both."""
     from comppo_jax.train.validation import config_fields
 
     rows: dict[str, list] = {}
@@ -142,7 +143,7 @@ def _config_rows(config, descriptions: dict, resolved: dict | None = None) -> di
         if resolved and path in resolved and resolved[path] != shown:
             description = f"[here: {resolved[path]}] {description}"
         rows.setdefault(section, []).append((path, text, description))
-    return rows
+    return dict(sorted(rows.items(), key=lambda row: row[0] != ""))
 
 
 def _resolved_fields(config) -> dict[str, str]:
@@ -285,7 +286,7 @@ _OVERRIDE_PARSERS = {bool: flags.BooleanParser(), int: flags.IntegerParser(), fl
 
 def _override_problem(name: str, argument: str, argv: list[str]) -> ConfigFileError | None:
     """The first `--<name>.<field>=value` of `argv` that names no field of the config (with the
-    closest field, by difflib) or whose value does not parse as the field's type."""
+    closest fields, `_close_fields`) or whose value does not parse as the field's type."""
     overrides = [arg for arg in argv[1:] if re.match(rf"--?(no)?{re.escape(name)}\.", arg)]
     if not overrides:
         return None
@@ -301,12 +302,9 @@ def _override_problem(name: str, argument: str, argv: list[str]) -> ConfigFileEr
             if not hasattr(value, "keys"):  # not a section: ml_collections' own error stands
                 return None
             if part not in value.keys():
-                close = difflib.get_close_matches(part, list(value.keys()), n=1)
-                hint = (
-                    f"; did you mean {'.'.join([*parts[:index], close[0]])}?"
-                    if close
-                    else f" (--help lists {argument}'s fields)"
-                )
+                close = _close_fields(config, dotted)
+                listed = " or ".join([", ".join(close[:-1]), close[-1]] if len(close) > 1 else close)
+                hint = f"; did you mean {listed}?" if close else f" (--help lists {argument}'s fields)"
                 return ConfigFileError(f"{arg}: {argument} has no field {'.'.join(parts[: index + 1])}{hint}")
             value = value[part]
         parser = _OVERRIDE_PARSERS.get(type(value))
@@ -316,6 +314,22 @@ def _override_problem(name: str, argument: str, argv: list[str]) -> ConfigFileEr
             except ValueError:
                 return ConfigFileError(f"{arg}: expected {type(value).__name__} ({argument} has {dotted}={value!r})")
     return None
+
+
+def _close_fields(config, dotted: str) -> list[str]:
+    """Up to 3 fields of `config` closest to the misspelt `dotted`, closest first: by the whole dotted
+    name and by the last name alone (a field of the same name in another section is as close), with
+    a field's `lr` read as learning_rate (train.lerning_rate: warm_start.learning_rate, train.actor_lr)."""
+    from comppo_jax.train.validation import config_fields
+
+    typed = dotted.rsplit(".", 1)[-1]
+    ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
+    scores = {}
+    for path, _ in config_fields(config):
+        name = path.rsplit(".", 1)[-1]
+        spelled = "_".join("learning_rate" if word == "lr" else word for word in name.split("_"))
+        scores[path] = max(ratio(dotted, path), ratio(typed, name), ratio(typed, spelled))
+    return sorted((path for path in scores if scores[path] >= 0.75), key=lambda path: -scores[path])[:3]
 
 
 def _load_config(argument: str):

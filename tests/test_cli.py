@@ -10,7 +10,7 @@ import re
 import pytest
 from conftest import CPU_ONLY_ENV, REPO, launch_script, require_libtpu
 
-from comppo_jax.cli import _config_rows, with_run_config
+from comppo_jax.cli import _config_rows, _override_problem, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
 from comppo_jax.models import load_config_file
 from comppo_jax.models.loading import PRESET_DIR
@@ -46,6 +46,15 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     assert experiment.returncode == 0, experiment.stderr
     for name, description in EXPERIMENT_HELP.items():
         assert f"--experiment.{name}=" in experiment.stdout and description in experiment.stdout
+
+
+def test_help_lists_the_top_level_fields_first():
+    """method, steps, seed and output_dir come before the sections (not after eval, alphabetically)."""
+    result = launch_script("launch/train.py", "--help")
+    assert result.returncode == 0, result.stderr
+    fields = result.stdout.split("--config fields", 1)[1].splitlines()
+    assert fields[2] == "[top level]", fields[:3]
+    assert any(line.startswith("  --config.method=") for line in fields[:20]), fields[:20]
 
 
 def test_a_cpu_run_without_jax_platforms_logs_no_error_lines():
@@ -111,7 +120,8 @@ CONFIG_CASES = {
     # Without --config the default loads, with the overrides, where launch/train.py defines the flag.
     "unknown field of the default": (
         ["--config.stepz=5"],
-        "ConfigFileError: --config.stepz=5: configs/tiny.py has no field stepz; did you mean steps?",
+        "ConfigFileError: --config.stepz=5: configs/tiny.py has no field stepz; "
+        "did you mean steps or warm_start.steps?",
     ),
     "unknown nested field": (
         ["--config=configs/tiny.py", "--config.rollout.max_new_token=8"],
@@ -149,6 +159,16 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
         f"error: {line.format(tmp=tmp_path)}",
         "(--verbosity=1 shows the traceback)",
     ], result.stderr
+
+
+def test_a_misspelt_field_suggests_the_close_fields_of_every_section(monkeypatch):
+    """A name close to fields of other sections (or to a field's `lr`, read as learning_rate) lists them."""
+    monkeypatch.chdir(REPO)
+    problem = _override_problem("config", "configs/tiny.py", ["train.py", "--config.train.lerning_rate=0.1"])
+    assert str(problem) == (
+        "--config.train.lerning_rate=0.1: configs/tiny.py has no field train.lerning_rate; "
+        "did you mean warm_start.learning_rate, train.actor_lr or train.critic_lr?"
+    )
 
 
 def test_a_config_error_with_verbosity_shows_the_traceback():

@@ -69,6 +69,7 @@ from comppo_jax.train.methods import (
     recipe as make_recipe,
 )
 from comppo_jax.train.outputs import CONFIG_FILE, load_run_config, save_run_config
+from comppo_jax.train.progress import StepBar, first_call_notices
 from comppo_jax.train.recorder import Recorder, initial_meta
 from comppo_jax.train.rollout_stage import RolloutStage, load_encodable_problems
 from comppo_jax.train.staleness import RolloutQueue
@@ -184,19 +185,6 @@ def completed_summary(cfg, checkpoints: RunCheckpoints, last_step: int, main_pro
     if main_process:
         print(f"run already complete at step {last_step}: nothing to do ({path})", flush=True)
     return summary
-
-
-def first_call_notices(enabled: bool):
-    """compiling(what): says "compiling <what>..." the first time each program is called (the first
-    step compiles them all, for up to minutes at scale; later calls reuse them)."""
-    said = set()
-
-    def compiling(what: str) -> None:
-        if enabled and what not in said:
-            said.add(what)
-            tqdm.tqdm.write(f"compiling {what}...")
-
-    return compiling
 
 
 def train(cfg) -> dict:
@@ -411,12 +399,16 @@ def schedule(
     starts the later ones), the learner assigns credit and updates, the recorder logs and
     checkpoints; a dev evaluation before the first step and after the last."""
     meta, last_step, rollout = recorder.meta, recorder.last_step, rollouts.stage
+    dev_accuracy = None  # the last one measured, shown on the step bar
     if "warm_start_dev_accuracy" not in meta:
         compiling("the dev evaluation")
-        meta["warm_start_dev_accuracy"] = rollout.evaluate(state["actor"], stoppable=True)
+        dev_accuracy = meta["warm_start_dev_accuracy"] = rollout.evaluate(state["actor"], stoppable=True)
+        if recorder.main_process:
+            policy = "warm-started" if cfg.warm_start.steps else "initial"
+            tqdm.tqdm.write(f"dev accuracy of the {policy} policy: {dev_accuracy:.3f}")
     # Steps count from 1 (comppo_jax.train.outputs): checkpoint N holds the state after step N.
     first_step = meta["step"] + 1  # its stages compile: a stop there ends the run at once, as nothing of it is saved
-    progress = tqdm.trange(first_step, last_step + 1, desc=cfg.method, disable=not show_progress)
+    progress = StepBar(range(first_step, last_step + 1), desc=cfg.method, disable=not show_progress)
     for step in progress:
         recorder.checkpoints.confirm_saves()  # a failed async save stops the run here, in one line naming it
         started = time.time()
@@ -432,13 +424,8 @@ def schedule(
             step, metrics, experience, learned, skipped=learner.skipped, phase=learner.phase, started=started
         )
         learner.skipped.stop_if_exhausted(step, learned.nonfinite)
-        progress.set_postfix(
-            reward=f"{metrics['reward/mean']:.2f}",
-            kl=f"{metrics.get('kl_loss', 0.0):.4f}",
-            gate=f"{metrics.get('gate/mean', 0.0):.2f}",
-            phase=metrics["phase"],
-            dev=metrics.get("dev_accuracy", ""),
-        )
+        dev_accuracy = metrics.get("dev_accuracy", dev_accuracy)
+        progress.set_postfix(step_postfix(metrics, dev_accuracy))
         stopping = stop.requested() and step < last_step  # every process reads it at the same step
         in_flight, in_flight_meta = rollouts.saved(state["actor"])
         recorder.checkpoint(
@@ -454,6 +441,18 @@ def schedule(
         state["actor"], stoppable=True
     )  # after the last checkpoint: a resume redoes only this
     return recorder.finish(final_accuracy, len(rollout.dev_problems), learner.skipped)
+
+
+def step_postfix(metrics: dict, dev_accuracy: float | None) -> dict[str, str]:
+    """The step bar's fields: the step's reward, KL loss, gate and phase, and the last dev accuracy
+    measured (evaluations are every train.eval_every steps; none yet in a resumed run: no field)."""
+    fields = {
+        "reward": f"{metrics['reward/mean']:.2f}",
+        "kl": f"{metrics.get('kl_loss', 0.0):.4f}",
+        "gate": f"{metrics.get('gate/mean', 0.0):.2f}",
+        "phase": str(metrics["phase"]),
+    }
+    return fields if dev_accuracy is None else {**fields, "dev": f"{dev_accuracy:.3f}"}
 
 
 def checkpointed(state: dict) -> dict:

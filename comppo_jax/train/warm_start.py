@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tqdm
 from absl import logging
 
 from comppo_jax import storage
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout import policy_token_stats
+from comppo_jax.train.progress import StepBar, first_call_notices
 from pallas_kernels.common import round_up
 
 # Batches are padded to a multiple of this many tokens, so the jitted step compiles once per
@@ -86,13 +86,15 @@ def warm_start(
     check_stop=None,
 ):
     """`steps` AdamW steps of supervised learning on `problems`' solutions; returns (params, last loss).
-    `progress`: a bar with the loss (read every 20 steps, so dispatch stays ahead of the device).
+    `progress`: a compile notice and a bar with the loss (read every 20 steps, so dispatch stays ahead
+    of the device).
     `check_stop(stage)` runs every 20 steps (the train loop's stop check, which may raise)."""
     tx = optax.adamw(learning_rate, b1=0.9, b2=0.999, weight_decay=0.0)
     opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
     loss = float("nan")
-    bar = tqdm.trange(steps, desc="warm start", disable=not progress)
+    first_call_notices(progress)("the warm start")
+    bar = StepBar(range(steps), desc="warm start", disable=not progress)
     for step in bar:
         params, opt_state, loss = supervised_step(
             params,
@@ -105,7 +107,6 @@ def warm_start(
             bar.set_postfix(loss=f"{float(loss):.3f}")
             if check_stop is not None:
                 check_stop(f"the warm start (step {step + 1} of {steps}; it starts over when the run is started again)")
-    bar.close()
     return params, float(loss)
 
 

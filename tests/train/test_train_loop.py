@@ -17,7 +17,7 @@ from comppo_jax.credit import load_position_schedule
 from comppo_jax.eval.held_out import held_out_diagnostics
 from comppo_jax.eval.restore import restore_policy
 from comppo_jax.train.checkpoint import RunCheckpoints
-from comppo_jax.train.loop import train
+from comppo_jax.train.loop import step_postfix, train
 from comppo_jax.train.outputs import load_run_config
 from comppo_jax.train.samples import load_samples
 
@@ -42,6 +42,7 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
         out, err = capsys.readouterr()
         assert "warm start: 100%" in err and "loss=" in err and "dev eval" in err and "comppo: 100%" in err
         assert [line for line in out.splitlines() if line.startswith("compiling ")] == [
+            "compiling the warm start...",
             "compiling the dev evaluation...",
             "compiling the sampler...",
             "compiling the scoring pass and credit...",
@@ -283,3 +284,10 @@ def test_the_dynamic_sampling_filter_switch_reaches_the_loop(tmp_path, monkeypat
             row["dynamic_sampling/uninformative_kept"],
         ) == (0.0, 0.0, 0.0)
     assert not any("kl_loss" in row for row in rows["accuracy"] + rows["reward"])
+
+
+def test_the_step_bar_shows_the_last_dev_accuracy_measured_or_none():
+    metrics = {"reward/mean": 0.5, "kl_loss": 0.001, "gate/mean": 0.6, "phase": 0}
+    fields = {"reward": "0.50", "kl": "0.0010", "gate": "0.60", "phase": "0"}
+    assert step_postfix(metrics, 0.31) == {**fields, "dev": "0.310"}
+    assert "dev" not in step_postfix(metrics, None)  # a resumed run before its first evaluation
