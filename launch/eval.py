@@ -19,7 +19,9 @@ step saved again with other weights is another policy), the set's digest (of its
 loaded: the benchmark file, the dev split as config.data selects it) and the settings. A rerun
 reuses it only when all three are the same, and otherwise says why in one line and evaluates the
 set again; the table (with the unweighted macro average over the frozen benchmarks) is printed and
-written as results.csv and results.json. `<output>` defaults to `<checkpoint>/eval/step_<N>`.
+written as results.csv and results.json, in the folder its last line names. `<output>` defaults to
+`<checkpoint>/eval/step_<N>`. Its first line names the step it restores, and each set shows a
+progress bar while it is evaluated.
 
 `--held_out_problems=N` also writes `<output>/held_out.json`: the checkpoint's realized gate
 statistics and critic diagnostics on the first N dev prompts (comppo_jax.eval.held_out);
@@ -93,6 +95,8 @@ def main(argv):
     step = checkpoints.resolve_step(_STEP.value)
     output = storage.path(_OUTPUT.value or storage.join(_CHECKPOINT.value, "eval", f"step_{step}"))
     main_process = jax.process_index() == 0  # a multi-process run: every process evaluates, process 0 writes
+    if main_process:  # the restore and the first compile take a while before any set's progress bar
+        print(f"restoring step {step} of {_CHECKPOINT.value} ...", flush=True)
     if _HELD_OUT.value:
         from comppo_jax.eval.held_out import held_out_diagnostics
 
@@ -198,6 +202,7 @@ def main(argv):
             + " | ".join(f"{row[m]:.3f} ({row[m + '_se']:.3f})" for m in metrics)
             + " |"
         )
+    print(f"results written to {output}/results.csv and results.json")
 
 
 def problems_digest(problems) -> str:

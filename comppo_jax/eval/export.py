@@ -18,7 +18,9 @@ run's base against base.json), whatever mesh the run trained on.
 before anything is read); the export is written into a folder of its own and put in place only
 when complete, and only if `out` is still new or empty then, so of two exports to one `out` one
 succeeds and the other fails naming it. A failure (a full disk) or SIGTERM / SIGINT on the way
-removes what was written and says in one line that nothing was written to `out`.
+removes what was written and says in one line that nothing was written to `out`. On a disk its files
+and folders get the modes new ones get under the umask (0644 and 0755 under 022; safetensors
+writes 0600), so a server running as another user can read them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from comppo_jax.train.outputs import load_run_config
 from comppo_jax.train.update import cast_params
 
 FORMATS = ("hf", "peft")
+NO_ADVISORY = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
 CLAIM = ".exporting"  # on a bucket: the object that claims `out` while an export uploads into it
 
 
@@ -65,10 +68,26 @@ def export_run(run_dir: str, step: str | int, out: str, format: str = "hf") -> l
     """Writes checkpoint `step` (latest, best or N) of the run in `run_dir` to `out` as `format`
     (module docstring); returns what it wrote, one line each."""
     try:
-        with _StopSignals() as signals:
+        with _StopSignals() as signals, _no_advisory_notices():
             return _export(run_dir, step, out, format, signals)
     except ExportStopped as stop:
         raise ExportError(f"{stop} received: the export was stopped; nothing was written to {out}") from None
+
+
+@contextlib.contextmanager
+def _no_advisory_notices() -> Iterator[None]:
+    """transformers, first imported by the export, logs "PyTorch was not found..." where torch is not
+    installed: an advisory notice (an export needs no torch) that TRANSFORMERS_NO_ADVISORY_WARNINGS
+    silences, and only advisory ones; its warnings and errors still show."""
+    previous = os.environ.get(NO_ADVISORY)
+    os.environ[NO_ADVISORY] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[NO_ADVISORY]
+        else:
+            os.environ[NO_ADVISORY] = previous
 
 
 def _export(run_dir: str, step: str | int, out: str, format: str, signals: _StopSignals) -> list[str]:
@@ -169,6 +188,7 @@ def _disk_folder(out: str, signals: _StopSignals) -> Iterator[str]:
         try:
             storage.make_dirs(partial)
             yield os.fspath(partial)
+            _readable_as_made(partial)
         except Exception as error:  # a full disk, a writer's error
             raise _failed(out, error) from error
         signals.check()
@@ -183,6 +203,20 @@ def _disk_folder(out: str, signals: _StopSignals) -> Iterator[str]:
             ) from error
     finally:
         storage.remove(partial)  # gone already once moved
+
+
+def _readable_as_made(folder) -> None:
+    """Gives every file and folder under `folder` the mode a new one gets under this process's umask
+    (0644 and 0755 under the usual 022): safetensors writes its files 0600, which a server running as
+    another user cannot read. The umask is read off `folder`'s own mode (mkdir's 0777 less the umask),
+    not set and reset: os.umask is process-wide, and exports may run in threads."""
+    folder_mode = os.stat(folder).st_mode & 0o777
+    folders = [folder]
+    while folders:  # epath has no recursive glob on a disk
+        for entry in folders.pop().iterdir():
+            os.chmod(entry, folder_mode if entry.is_dir() else folder_mode & 0o666)
+            if entry.is_dir():
+                folders.append(entry)
 
 
 @contextlib.contextmanager

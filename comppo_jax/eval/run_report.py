@@ -251,12 +251,40 @@ def gate_profile_svg(run_dir: str) -> str:
     )
 
 
-def _table(values: dict) -> str:
+def _cell(value) -> str:
+    """A table value as text: a float to 4 significant digits (a mean over a run's tokens has 16), a
+    string as it is, the rest (ints, booleans, null) as JSON."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _table(values: dict, notes: dict[str, str] | None = None) -> str:
+    """A two-column table of `values`, with `notes` ({key: text}) in small print beside their values."""
+    notes = notes or {}
     rows = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v) if not isinstance(v, str) else v)}</td></tr>"
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_cell(v))}"
+        + (f" <small>({html.escape(notes[k])})</small>" if k in notes else "")
+        + "</td></tr>"
         for k, v in values.items()
     )
     return f"<table>{rows}</table>"
+
+
+def _warmup_notes(summary: dict | None, config: dict | None) -> tuple[dict[str, str], dict[str, str]]:
+    """({key: note} for the summary's table, for the config's): the summary's `steps` counts the
+    critic's warm-up steps (its `steps` less its `actor_updates`), which the config's `steps` leaves
+    out unless train.critic_warmup_counts_toward_steps."""
+    steps, updates = (summary or {}).get("steps"), (summary or {}).get("actor_updates")
+    if not _is(steps, int) or not _is(updates, int) or steps <= updates:
+        return {}, {}
+    warmup = steps - updates
+    config_notes = (
+        {}
+        if _field(config or {}, "train.critic_warmup_counts_toward_steps")
+        else {"steps": f"actor updates; the critic's {warmup} warm-up steps (train.critic_warmup_steps) come first"}
+    )
+    return {"steps": f"includes the critic's {warmup} warm-up steps"}, config_notes
 
 
 KEY_FIELDS = ("method", "gate", "critic.kind", "gate_statistic", "seed", "steps", "model.path", "data.kind")
@@ -319,8 +347,9 @@ def run_report_html(run_dir: str) -> str:
         "advantageColors": color_table(ADVANTAGE_COLORMAP),
     }
     curves = _curves(run_dir, rows, finished)
+    summary_notes, config_notes = _warmup_notes(summary, config)
     if summary is not None:
-        summary_section = _table(summary)
+        summary_section = _table(summary, summary_notes)
     else:
         summary_section = _left_out(summary_problems) or "<p>No summary.json yet: the run has not finished.</p>"
     torn_note = f"<p class='warn'>{torn} line(s) of {METRICS_FILE} do not parse (left out).</p>" if torn else ""
@@ -331,7 +360,7 @@ def run_report_html(run_dir: str) -> str:
 <h2>Summary</h2>
 {summary_section}
 <h2>Config</h2>
-{_table(key_fields)}
+{_table(key_fields, config_notes)}
 <details><summary>the whole config.json</summary><pre>{html.escape(json.dumps(config, indent=2, sort_keys=True))}</pre>
 </details>
 <h2>Curves</h2>

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import stat
 import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -163,6 +164,8 @@ def test_two_exports_to_one_folder_at_once_one_succeeds_and_the_folder_holds_it_
     error = loser.stderr.splitlines()[0]
     assert f"{out} is no longer new or empty" in error or f"{out} exists and is not empty" in error, loser.stderr
     assert beside(out) == ["exported"] and sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    for path in (out, out / "model.safetensors"):  # safetensors writes 0600: a server as another user reads it
+        assert path.stat().st_mode & 0o044 == (out / "config.json").stat().st_mode & 0o044, path
 
     from comppo_jax.eval.restore import restore_policy
 
@@ -185,7 +188,9 @@ def test_of_two_exports_put_in_place_at_once_one_gets_the_folder_and_the_other_l
                 export_module._StopSignals() as signals,
                 export_module._export_folder(str(out), signals, name) as folder,
             ):
-                (pathlib.Path(folder) / "config.json").write_text(name)
+                written = pathlib.Path(folder) / "config.json"
+                written.write_text(name)
+                written.chmod(0o600)  # as safetensors writes its files
                 both_written.wait()
         except FileExistsError as error:
             return error
@@ -198,6 +203,11 @@ def test_of_two_exports_put_in_place_at_once_one_gets_the_folder_and_the_other_l
     assert str(error).startswith(f"{out} is no longer new or empty: another export")
     assert os.listdir(tmp_path) == ["exported"] and os.listdir(out) == ["config.json"]
     assert (out / "config.json").read_text() == winner
+    # Readable by a server running as another user, as a new file and folder are under the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((out / "config.json").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
 
 
 def exporter_stopped_while_writing_the_base(tmp_path) -> str:

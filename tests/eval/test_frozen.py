@@ -93,6 +93,9 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     result = launch_script(*command)
     assert result.returncode == 0, result.stderr[-4000:]
     (output,) = (run / "eval").iterdir()  # step_<best>
+    # Said before the long restore and compile, and where the results went.
+    assert result.stdout.startswith(f"restoring step {output.name.removeprefix('step_')} of {run} ...\n")
+    assert result.stdout.rstrip().endswith(f"results written to {output}/results.csv and results.json")
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
     metrics = ("greedy_pass@1", "avg@8", "pass@1", "pass@8", "majority@8")

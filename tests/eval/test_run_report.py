@@ -236,6 +236,17 @@ def test_a_torn_summary_or_gate_profile_is_left_out_and_named_and_the_rest_is_bu
     assert browser.find_element(By.ID, "curves") and spans(browser, "primary")
 
 
+def test_the_summary_explains_its_warm_up_steps_and_shows_floats_to_four_digits(tmp_path):
+    run = hand_written_run(tmp_path)
+    summary = {"steps": 4, "actor_updates": 2, "mean_gate": 0.6180339887498949, "skipped_updates": 0}
+    (run / "summary.json").write_text(json.dumps(summary))
+    page = run_report_html(str(run))
+    assert "<th>steps</th><td>4 <small>(includes the critic&#x27;s 2 warm-up steps)</small></td>" in page
+    assert "<th>mean_gate</th><td>0.618</td>" in page and "<th>skipped_updates</th><td>0</td>" in page
+    # The config's steps (2) are the actor updates: the warm-up came on top of them.
+    assert "<th>steps</th><td>2 <small>(actor updates; the critic&#x27;s 2 warm-up steps" in page
+
+
 def test_a_report_on_a_full_disk_fails_in_one_line_naming_where_and_leaves_no_temporary_or_partial_page(tmp_path):
     run = hand_written_run(tmp_path, kept_step(3))
     with full_disk(4096):  # the page is larger: its write fails part way
