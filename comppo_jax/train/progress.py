@@ -4,31 +4,38 @@ first-call compile notices."""
 from __future__ import annotations
 
 import tqdm
-from tqdm.std import EMA
 
 
 class StepBar(tqdm.tqdm):
     """tqdm over a loop whose first iteration compiles its programs (seconds on a CPU, minutes at
-    scale): the rate and ETA count from the end of that iteration, where plain tqdm takes its time
-    as every step's (the tiny warm start read `1/1000 [00:08<2:20:15]`). Until a later iteration
-    is timed the ETA is `?`. The elapsed time is the whole, compiles included."""
+    scale). The rate and ETA are the average over the iterations after the first, since it ended:
+    plain tqdm takes the compile as step time (the tiny warm start read `1/1000 [00:08<2:20:15]`),
+    and its smoothed rate misreads steps whose device work is read back in bursts (every 20 warm-
+    start steps) as a slowdown. Until a later iteration ends the ETA is `?`. The elapsed time is the
+    whole, compiles included."""
+
+    _timed_from: tuple[int, float] | None = None  # (n, clock) when the first iteration ended
 
     def __iter__(self):
         try:
             for index, item in enumerate(self.iterable):
                 yield item
-                if index > 0 or self.disable:
-                    self.update(1)
-                    continue
-                # The first iteration, counted without a rate: `initial` is where tqdm's average
-                # (its rate before the first smoothed one) starts, and the smoothing starts afresh.
-                self._ema_dn, self._ema_dt = EMA(self.smoothing), EMA(self.smoothing)
-                self.initial = self.n = self.last_print_n = 1
-                self.last_print_t = self._time()
-                self.refresh()
+                self.update(1)
+                if index == 0 and not self.disable:
+                    self._timed_from = (self.n, self._time())
         finally:
-            self.initial = 0  # the closing line's rate: tqdm's whole average, compile included
             self.close()
+
+    @property
+    def format_dict(self):
+        info = super().format_dict
+        counted = self.n - self._timed_from[0] if self._timed_from else 0
+        took = self._time() - self._timed_from[1] if self._timed_from else 0.0
+        # A rate of None with `initial` = n reads as no rate at all: tqdm shows `?`.
+        info["rate"] = counted / took if counted and took > 0 else None
+        if info["rate"] is None:
+            info["initial"] = self.n
+        return info
 
 
 def first_call_notices(enabled: bool):
