@@ -1,9 +1,11 @@
 """comppo_jax: CompPO (computation-conditioned credit transport) in JAX.
 
-Subpackages: `models` (pure-functional policy, HF interop), `credit` (gates and
-advantage estimators), `critic` (TAC), `rollout` (sampling, the scoring pass, text in and
-answers out), `data` (rewards, datasets, tokenizers), `train` (the loop and what it writes) and
-`eval` (restoring, evaluating and reporting runs). Notebooks: examples/.
+Subpackages, from the bottom: `models` (pure-functional policy, HF interop), `credit` (gates,
+advantage estimators and policy losses, by name in `credit.registry`), `critic` (TAC), `data`
+(rewards, datasets, tokenizers), `rollout` (the experience pipeline: sampling, rewards, the scoring
+pass), `runs` (a run's directory: lock, checkpoints, metrics), `train` (the loop, its stages and
+the config's specs), `planning` (the TPU plan and cost model) and `eval` (restoring, evaluating and
+reporting runs). Notebooks: examples/.
 """
 
 from comppo_jax.credit import (

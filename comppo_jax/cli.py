@@ -4,7 +4,7 @@
 unless `--verbosity` is given (Orbax logs every save at INFO), and an exception printed as one
 line, `error: <Type>: <message>`, with exit status 1 instead of a traceback. Orbax's own error
 logs (tracebacks from its background save threads) are held back too: every failure they describe
-reaches `main` as an exception (comppo_jax.train.checkpoint raises a failed save at the next step
+reaches `main` as an exception (comppo_jax.runs.checkpoint raises a failed save at the next step
 boundary), so it is printed in that one line. `--verbosity=1` (or any explicit `--verbosity`)
 shows everything, as plain absl would.
 
@@ -94,8 +94,8 @@ HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 def print_help(argv: list[str], field_help: dict[str, dict[str, str]]) -> None:
     """The entry point's docstring, its flags and, for each ml_collections config flag, every field of
     the config it loads (`--config=...` in `argv`, else the default) with its value and description
-    (`field_help[flag name]`, else the training config's, comppo_jax.train.paper.FIELD_HELP)."""
-    from comppo_jax.train.paper import FIELD_HELP
+    (`field_help[flag name]`, else the training config's, comppo_jax.train.schema.FIELD_HELP)."""
+    from comppo_jax.train.schema import FIELD_HELP
 
     main_module = sys.modules["__main__"]
     print((main_module.__doc__ or "").strip() + "\n")
@@ -147,8 +147,8 @@ def _config_rows(config, descriptions: dict, resolved: dict | None = None) -> di
 
 
 def _resolved_fields(config) -> dict[str, str]:
-    """What each "auto"-like field of a training config resolves to (comppo_jax.train.methods.RESOLVED_FIELDS)."""
-    from comppo_jax.train.methods import RESOLVED_FIELDS
+    """What each "auto"-like field of a training config resolves to (comppo_jax.train.specs.RESOLVED_FIELDS)."""
+    from comppo_jax.train.specs import RESOLVED_FIELDS
 
     return {path: resolve(config) for path, resolve in RESOLVED_FIELDS.items()}
 

@@ -32,7 +32,7 @@ from huggingface_hub import constants, errors
 from huggingface_hub.utils import validate_repo_id
 
 from comppo_jax import storage
-from comppo_jax.models.config import ConfigError
+from comppo_jax.errors import ConfigError
 
 # owner/name, optionally @revision (a branch may hold slashes: refs/pr/1); huggingface_hub validates the name.
 _HUB_ID = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^@\s]+))?", re.ASCII)

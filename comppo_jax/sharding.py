@@ -298,6 +298,17 @@ def kv_head_repeat(num_heads: int, num_kv_heads: int) -> int:
     return 1
 
 
+def decode_group_sizes(num_heads: int, num_kv_heads: int, devices: int) -> list[int]:
+    """The tensor-parallel group sizes G a decode layout can take on `devices`: dividing the devices
+    and the query heads, and dividing the kv heads or a multiple of them (each chip then keeps the
+    kv head its queries read, `kv_head_repeat`)."""
+    return [
+        g
+        for g in range(1, devices + 1)
+        if devices % g == 0 and num_heads % g == 0 and (num_kv_heads % g == 0 or g % num_kv_heads == 0)
+    ]
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Splits the leading (batch) dim over (data, fsdp); the other dims are replicated."""
     return NamedSharding(mesh, P(BATCH))

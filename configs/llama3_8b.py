@@ -1,11 +1,11 @@
 """Llama-3.1-8B-Instruct, the paper's transfer backbone. Training sections: appendix C's primary configuration
-(comppo_jax/train/paper.py).
+(comppo_jax/train/schema.py).
 
 Usage: --config=configs/llama3_8b.py (the model, gated on the hub: HF_TOKEN, and DAPO-Math-17K by hub id;
 --config.model.path= and --config.data.path= take a local or gs:// path instead)
 """
 
-from comppo_jax.train.paper import paper_config
+from comppo_jax.train.schema import paper_config
 
 
 def get_config():

@@ -9,7 +9,7 @@ count and id) is not kept: a command reading the run starts as its own command l
 evaluates on one machine as it is, and on every worker of a pod with --config.mesh.distributed=True.
 """
 
-from comppo_jax.train.outputs import load_run_config
+from comppo_jax.train.schema import load_run_config
 
 
 def get_config(run_dir: str):

@@ -5,7 +5,7 @@ A supervised warm start on the task's worked solutions gives an imperfect, non-z
 `model.path` empty means random init from `model.arch`; set it to load an HF checkpoint.
 """
 
-from comppo_jax.train.paper import paper_config
+from comppo_jax.train.schema import paper_config
 
 
 def get_config():
@@ -30,7 +30,7 @@ def get_config():
             pad_token_id=0,
         )
     )
-    # The paper's sections (comppo_jax.train.paper), overridden below for a few CPU minutes.
+    # The paper's sections (comppo_jax.train.schema), overridden below for a few CPU minutes.
     config.model.path_required = False
     # Short sequences: no remat and one vocabulary pass are fastest and fit easily.
     config.model.update(remat="none", logits_chunk=0)

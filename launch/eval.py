@@ -82,9 +82,10 @@ def main(argv):
     from comppo_jax.eval import evaluate_problems
     from comppo_jax.eval.frozen import eval_sampling, metric_names
     from comppo_jax.eval.restore import eval_meshes, policy_digest, restore_actor
+    from comppo_jax.runs.checkpoint import RunCheckpoints
     from comppo_jax.train import decode_layout
-    from comppo_jax.train.checkpoint import RunCheckpoints
-    from comppo_jax.train.rollout_stage import load_problems
+    from comppo_jax.train.specs import resolve
+    from comppo_jax.train.start import load_problems
 
     cfg = _CONFIG.value
     benchmarks = parse_benchmarks(cfg.eval.benchmarks)
@@ -131,7 +132,7 @@ def main(argv):
     cached = {name: _cached(output / f"{name}.json", keys[name], main_process) for name in sets}
 
     # Decoded in the run's decode layout (rollout.mesh), as its training rollouts were.
-    decode = decode_layout.for_run(cfg, mesh, policy_config, params, rollout_devices)
+    decode = decode_layout.for_run(resolve(cfg, policy_config).rollout, mesh, policy_config, params, rollout_devices)
     params = decode.reshard(params)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     rows = []

@@ -9,18 +9,18 @@ shapes (nothing is allocated), compiles the resharding into the sampler's decode
 collectives are printed), the sampler, the scoring pass, the critic's values, the actor update and the critic update
 with the TPU compiler, and prints per chip: arguments, outputs, resident state the step does not
 take, temporaries, generated code, the compiler's peak, the conservative args + out + temp + code, the verdict
-against the chip's HBM and the compile time (comppo_jax.train.plan). A program that exceeds HBM
+against the chip's HBM and the compile time (comppo_jax.planning.planner). A program that exceeds HBM
 is reported as "does not fit (needs ...)". Then the predicted step time: each program's FLOPs, HBM
 and interconnect bytes per chip read from its optimized HLO (loops counted by their trip counts),
 its roofline time on the chip's published peaks, how often a train step runs it, and the step's
-total and MFU (comppo_jax.train.cost). `--markdown=FILE` / `--time_markdown=FILE` append the
+total and MFU (comppo_jax.planning.hlo_cost). `--markdown=FILE` / `--time_markdown=FILE` append the
 tables as markdown, `--summary_markdown=FILE` one row per topology (decode beside its floor, the
 step, MFU); `--decode_layouts=train,4` also compiles the sampler in those layouts, side by side.
 
 `--overlap` prints instead, without compiling, the overlapped step (rollout.staleness >= 1 with
 mesh.rollout_devices) beside the synchronous colocated one for every rollout / learner split of
 the slice, with every response at the limit and with a real run's long-tailed lengths
-(comppo_jax.train.overlap):
+(comppo_jax.planning.overlap):
 
     python launch/plan.py --config=configs/qwen3_4b.py --topology=v5p:2x2x2,v6e:4x4 --overlap
 """
@@ -72,7 +72,7 @@ _SUMMARY_MARKDOWN = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    from comppo_jax.train import plan
+    from comppo_jax.planning import planner
 
     cfg = _CONFIG.value
     name = os.path.basename(flags.FLAGS["config"].config_filename)
@@ -82,24 +82,24 @@ def main(argv):
         return
     for topology in _TOPOLOGY.value:
         log = lambda m: print(m, flush=True)
-        result = plan.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=log)
+        result = planner.plan(cfg, topology, prompt_length=_PROMPT.value, steps=tuple(_STEPS.value), log=log)
         results = [result] + [
-            plan.with_decode_layout(cfg, result, layout, prompt_length=_PROMPT.value, log=log)
+            planner.with_decode_layout(cfg, result, layout, prompt_length=_PROMPT.value, log=log)
             for layout in _DECODE_LAYOUTS.value
         ]
         for index, result in enumerate(results):
-            print(plan.format_plan(result), flush=True)
+            print(planner.format_plan(result), flush=True)
             prefix = [name, topology, str(result.length)]
             # Every layout's own sampler rows; the other programs' once.
-            label = f" ({plan.layout_label(result)})" if _DECODE_LAYOUTS.value else ""
+            label = f" ({planner.layout_label(result)})" if _DECODE_LAYOUTS.value else ""
             rows = [
-                [row[0] + label * (row[0] in plan.SAMPLER_STEPS)] + row[1:]
-                for row in plan.table_rows(result)
-                if index == 0 or row[0] in plan.SAMPLER_STEPS
+                [row[0] + label * (row[0] in planner.SAMPLER_STEPS)] + row[1:]
+                for row in planner.table_rows(result)
+                if index == 0 or row[0] in planner.SAMPLER_STEPS
             ]
             write_rows(_MARKDOWN.value, prefix, rows)
             if _TIME_MARKDOWN.value:
-                summary = plan.step_summary(result)
+                summary = planner.step_summary(result)
                 total = [
                     "**step**" + label,
                     "",
@@ -111,8 +111,8 @@ def main(argv):
                     f"**{summary.seconds:.3g}**",
                     f"MFU **{summary.mfu:.1%}**",
                 ]
-                write_rows(_TIME_MARKDOWN.value, prefix, plan.time_rows(result) + [total])
-            write_rows(_SUMMARY_MARKDOWN.value, prefix, [plan.summary_row(result)])
+                write_rows(_TIME_MARKDOWN.value, prefix, planner.time_rows(result) + [total])
+            write_rows(_SUMMARY_MARKDOWN.value, prefix, [planner.summary_row(result)])
 
 
 def print_overlap(cfg, name: str, topology: str) -> None:
@@ -122,8 +122,9 @@ def print_overlap(cfg, name: str, topology: str) -> None:
     import numpy as np
 
     from comppo_jax.models import model_config
-    from comppo_jax.train import controller, overlap, plan
-    from comppo_jax.train import cost as costs
+    from comppo_jax.planning import overlap, planner
+    from comppo_jax.planning.chips import CHIPS
+    from comppo_jax.train import controller
 
     family, shape = topology.split(":")
     chips = math.prod(int(d) for d in shape.split("x"))
@@ -133,13 +134,13 @@ def print_overlap(cfg, name: str, topology: str) -> None:
         cfg.rollout.max_new_tokens,
     )
     epochs = max(controller.KNOBS["actor_epochs"])  # the phase controller's epochs per step (2 but in its last phase)
-    chip, remat = costs.CHIPS[family], cfg.model.remat == "full"
+    chip, remat = CHIPS[family], cfg.model.remat == "full"
     scale = 1.0
     if _CALIBRATE.value:
-        compiled = plan.plan(
+        compiled = planner.plan(
             cfg, topology, prompt_length=_PROMPT.value, steps=("score", "actor", "critic"), log=lambda m: None
         )
-        seconds = sum(t.seconds * t.runs for t in plan.step_times(compiled))
+        seconds = sum(t.seconds * t.runs for t in planner.step_times(compiled))
         roofline = overlap.learner_seconds(
             config, chip, chips, rows=rows, length=_PROMPT.value + limit, epochs=epochs, remat=remat
         )
@@ -159,7 +160,7 @@ def print_overlap(cfg, name: str, topology: str) -> None:
             f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, "
             f"longest {lengths.max()}), {epochs} epochs:"
         )
-        print("\n".join(plan.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
+        print("\n".join(planner.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
         moved = overlap.splits(
             config,
             chip,

@@ -495,7 +495,7 @@ LONGEST_FILES = (
     # the slow tier's
     "launch/test_local_cluster.py",
     "eval/test_experiment.py",
-    "train/test_checkpoint.py",
+    "runs/test_checkpoint.py",
     # the fast tier's
     "pallas_kernels/test_kernels.py",
     "rollout/test_sampler.py",
@@ -560,8 +560,8 @@ def stand_in_batch(cfg, recipe, *, lengths=(10, 7, 10, 3), seed=0):
     from comppo_jax.credit import grpo_advantages, retention_gate
     from comppo_jax.data.datasets import Problem
     from comppo_jax.data.rewards import Verdict
+    from comppo_jax.rollout.experience import Sampled
     from comppo_jax.train.methods import control_gate
-    from comppo_jax.train.sampling import Sampled
 
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths)

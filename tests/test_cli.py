@@ -14,7 +14,7 @@ from comppo_jax.cli import _config_rows, _override_problem, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
 from comppo_jax.models import load_config_file
 from comppo_jax.models.loading import PRESET_DIR
-from comppo_jax.train.paper import FIELD_HELP
+from comppo_jax.train.schema import FIELD_HELP
 
 
 @pytest.mark.parametrize("preset", ["tiny.py", "qwen3_4b.py", "llama3_8b.py"])

@@ -19,7 +19,7 @@ from comppo_jax import hub as sources
 from comppo_jax import storage
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import ConfigError, from_hf, load_policy
-from comppo_jax.train.rollout_stage import load_problems
+from comppo_jax.train.start import load_problems
 from comppo_jax.train.validation import validate_config
 
 MODEL, DATASET = "tiny-org/qwen3-tiny", "math-org/dapo-tiny"

@@ -47,8 +47,8 @@ import time
 import numpy as np
 
 from comppo_jax import storage
-from comppo_jax.train.checkpoint import committed_steps
-from comppo_jax.train.outputs import METRICS_FILE, read_metrics
+from comppo_jax.runs.checkpoint import committed_steps
+from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
 
 KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora")
 SUMMARY_FILE = "summary.json"

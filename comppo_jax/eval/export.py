@@ -44,8 +44,8 @@ from comppo_jax.eval.restore import restored_actor
 from comppo_jax.models import ConfigError, lora, model_config, to_hf
 from comppo_jax.models.hf import to_peft
 from comppo_jax.models.lora import LoraConfig
-from comppo_jax.train.checkpoint import RunCheckpoints
-from comppo_jax.train.outputs import load_run_config
+from comppo_jax.runs.checkpoint import RunCheckpoints
+from comppo_jax.train.schema import load_run_config
 from comppo_jax.train.update import cast_params
 
 FORMATS = ("hf", "peft")

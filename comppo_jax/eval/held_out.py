@@ -14,6 +14,7 @@ Rewards use the reward schedule's coefficients at the checkpoint's step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,14 +26,13 @@ from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.eval.restore import actor_target, eval_meshes, run_base, with_run_base
 from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.lora import LoraConfig
-from comppo_jax.rollout import encode_prompts, engine_options, generate, score_rollout
-from comppo_jax.train.checkpoint import RunCheckpoints
-from comppo_jax.train.controller import reward_schedule
+from comppo_jax.rollout.experience import ExperienceEnv, experience
+from comppo_jax.runs.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
-from comppo_jax.train.learner import credit
-from comppo_jax.train.methods import init_critic, run_parts, schedule_step, scoring_options
-from comppo_jax.train.rollout_stage import load_problems
-from comppo_jax.train.sampling import reward_generation
+from comppo_jax.train.learner import assign_credit
+from comppo_jax.train.methods import init_critic
+from comppo_jax.train.specs import resolve
+from comppo_jax.train.start import load_problems
 from comppo_jax.train.update import cast_params, critic_values, minibatch_shardings
 
 SHARED_SAMPLE_KEY = 0  # the reference's sampling key: the same tokens for every run
@@ -53,14 +53,18 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     policy_config = model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     step = checkpoints.resolve_step(step)
-    parts = run_parts(cfg, policy_config)
+    spec = resolve(cfg, policy_config)
+    credit = spec.learner.credit
+    # The first `problems` dev prompts as they are: no dynamic sampling's refills.
+    rollout = spec.rollout.experience
+    rollout = dataclasses.replace(rollout, rollout=dataclasses.replace(rollout.rollout, dynamic_sampling=False))
     targets = {"actor": actor_target(mesh, cfg, policy_config)}
-    if parts.recipe.critic != "none":
+    if credit.recipe.critic != "none":
         key = jax.random.PRNGKey(0)  # shapes only: abstract_sharded computes nothing
         targets["critic"] = sharding.abstract_sharded(
             mesh,
             lambda: init_critic(
-                parts, policy_config, key, policy=init_params(policy_config, key), master_dtype=cfg.train.master_dtype
+                credit, policy_config, key, policy=init_params(policy_config, key), master_dtype=cfg.train.master_dtype
             ),
         )
     restored = checkpoints.restore_params(targets, step)
@@ -76,51 +80,34 @@ def held_out_diagnostics(cfg, checkpoints: RunCheckpoints, step: str | int = "la
     group = cfg.rollout.samples_per_prompt
     values_fn = jax.jit(
         functools.partial(
-            critic_values, critic_module=parts.critic_module, kind=parts.recipe.critic, model_config=policy_config
+            critic_values, critic_module=credit.critic_module, kind=credit.recipe.critic, model_config=policy_config
         )
     )
     batch_shardings = minibatch_shardings(
-        mesh, with_routing=parts.recipe.critic == "tac", hidden_size=policy_config.hidden_size
+        mesh, with_routing=credit.recipe.critic == "tac", hidden_size=policy_config.hidden_size
     )
-    coefficients = reward_schedule(cfg.reward, cfg.rollout.max_new_tokens).at(
-        schedule_step(cfg, parts.recipe, step + 1)
-    )  # as the step after checkpoint `step` reads it
+    # As the step after checkpoint `step` reads it.
+    coefficients = spec.rollout.reward_schedule.at(spec.steps.schedule_step(step + 1))
     critic = restored.get("critic")
     own, shared = (
         {"kappa": [], "mask": [], "correct": []},
         {"values": [], "returns": [], "rewards": [], "kappa": [], "mask": []},
     )
     with jax.set_mesh(mesh), VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool:
+        env = ExperienceEnv(policy_config, tokenizer, pool, coefficients)
         for start in range(0, len(dev), cfg.rollout.prompts_per_step):
             chunk = dev[start : start + cfg.rollout.prompts_per_step]
-            tokens, mask = encode_prompts(tokenizer, chunk)
 
             def score(sampler, key):
                 """`sampler`'s responses to this chunk, scored by the checkpoint's actor, gate control, critic and
                 estimator."""
-                generation = generate(
-                    sampler,
-                    policy_config,
-                    tokens,
-                    mask,
-                    key,
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p,
-                    num_samples=group,
-                    eos_token_ids=(tokenizer.eos_token_id,),
-                    pad_token_id=tokenizer.pad_token_id,
-                    **engine_options(cfg.rollout),
-                )
-                sampled = reward_generation(tokenizer, pool, generation, chunk, group, coefficients)
-                rollout = score_rollout(policy, reference, policy_config, generation, **scoring_options(cfg, parts))
-                return credit(
-                    cfg,
-                    parts,
+                batch = experience(policy, reference, chunk, key, rollout, env, sampler=sampler)
+                return assign_credit(
+                    credit,
                     values_fn,
                     critic,
-                    rollout,
-                    sampled,
+                    batch.rollout,
+                    batch.sampled,
                     jax.random.fold_in(jax.random.PRNGKey(cfg.seed), start),
                     batch_shardings,
                 )

@@ -10,7 +10,7 @@ same from a `RunCheckpoints` the caller already holds (launch/eval.py).
 
 A warm-started run's base (its reference policy; a LoRA run's adapters sit on it) is read from
 `reference/`; a lost or damaged one is rebuilt as a resume rebuilds it, by replaying the warm
-start and checking it against the saved digests (comppo_jax.train.loop.restore_reference).
+start and checking it against the saved digests (comppo_jax.train.start.restore_reference).
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from comppo_jax import sharding
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import ModelConfig, init_params, load_policy, lora, model_config
 from comppo_jax.models.lora import LoraConfig
-from comppo_jax.train.checkpoint import RunCheckpoints, state_digests
-from comppo_jax.train.loop import kept_warm_start, restore_reference
-from comppo_jax.train.methods import base_source, initial_keys
-from comppo_jax.train.outputs import load_run_config
-from comppo_jax.train.rollout_stage import load_encodable_problems
+from comppo_jax.runs.checkpoint import RunCheckpoints, state_digests
+from comppo_jax.train.methods import initial_keys
+from comppo_jax.train.schema import load_run_config
+from comppo_jax.train.specs import base_source
+from comppo_jax.train.start import kept_warm_start, load_encodable_problems, restore_reference
 from comppo_jax.train.update import cast_params
 
 
 class RestoredPolicy(NamedTuple):
     cfg: Any  # the run's ml_collections config
-    step: int  # the checkpoint restored (steps count from 1; comppo_jax.train.outputs)
+    step: int  # the checkpoint restored (steps count from 1; comppo_jax.runs.outputs)
     model_config: ModelConfig
     params: dict  # in model_config.dtype
     tokenizer: Any
@@ -124,7 +124,7 @@ def restore_actor(cfg, checkpoints: RunCheckpoints, step: int, mesh=None) -> tup
 
 def restore_policy(run_dir: str, step: str | int = "best", cfg=None) -> RestoredPolicy:
     """Checkpoint `step` ("latest", "best" by dev accuracy, or a saved step number) of the run in
-    `run_dir`; `cfg` defaults to the run's own config.json (comppo_jax.train.outputs.load_run_config)."""
+    `run_dir`; `cfg` defaults to the run's own config.json (comppo_jax.runs.outputs.load_run_config)."""
     cfg = load_run_config(run_dir) if cfg is None else cfg
     checkpoints = RunCheckpoints(run_dir, read_only=True)
     try:

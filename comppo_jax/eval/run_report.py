@@ -6,7 +6,7 @@
 The page needs no network and no server (open it from disk). It shows the run's config and
 summary, its curves (curves.png, or drawn from metrics.jsonl for a run still going), the phase
 controller's timeline (each step's phase from metrics.jsonl), the gate profile by position
-(gate_profile.json), and a browser of the responses the run kept (comppo_jax.train.samples): pick
+(gate_profile.json), and a browser of the responses the run kept (comppo_jax.runs.samples): pick
 a step and a response, and each token is coloured by its gate kappa_t or by its advantage A_t
 (a toggle), with t, H_t, c_t, kappa_t, A_t and V_t on hover. Beside it the same tokens are coloured
 by the other estimator's advantage from the same rewards and values: GAE (kappa_t = gamma = 1)
@@ -38,9 +38,10 @@ from absl import logging
 
 from comppo_jax import storage
 from comppo_jax.credit import load_position_schedule
-from comppo_jax.train.outputs import CONFIG_FILE, METRICS_FILE, plot_run
+from comppo_jax.runs.outputs import METRICS_FILE, plot_run
+from comppo_jax.runs.samples import load_samples, sample_path
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
-from comppo_jax.train.samples import load_samples, sample_path
+from comppo_jax.train.schema import CONFIG_FILE
 
 REPORT_FILE = "report.html"
 PAGE_TEMPLATE = "run_report.html"  # the page's markup, style and script, beside this module
@@ -115,7 +116,7 @@ def _is(value, kind) -> bool:
 
 
 NUMBER = (int, float)
-# What the page's script reads of a kept step's record (comppo_jax.train.samples) and each response.
+# What the page's script reads of a kept step's record (comppo_jax.runs.samples) and each response.
 RECORD_FIELDS = {"estimator": str, "kappa_range": list, "responses": list}
 RESPONSE_FIELDS = {"row": int, "prompt": str, "verdict": str, "length": int, "t": list, "pieces": list, "tokens": dict}
 

@@ -6,15 +6,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, cast
 
+from comppo_jax.errors import ConfigError as ConfigError  # re-exported: callers import it from comppo_jax.models
+
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "xla", "chunked", "splash", "splash_interpret", "cudnn")  # comppo_jax.models.attention
 REMAT = ("none", "full", "dots", "dots_no_batch")  # per-layer jax.checkpoint policy (transformer.REMAT_POLICIES)
-
-
-class ConfigError(ValueError):
-    """A configuration field (a model's or a run's) is missing, malformed or unsupported; the
-    message names the field and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

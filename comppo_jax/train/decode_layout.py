@@ -11,26 +11,19 @@ dtype and moves it into that layout; the generation moves back to the training m
 (`DecodeLayout.to_training`). Nothing is gathered per token.
 
 `rollout.mesh.tensor` picks G: a number, "train" (decode on the training mesh, no resharding) or
-"auto", the G whose `decode_floor` is smallest on the chip (`cost.CHIPS`' published peaks) among
-those whose decode weights and page pool fit beside the state already in HBM. On a platform
-without published peaks (CPU) "auto" keeps the training mesh's tensor axis, replicated over
-data x fsdp.
-
-`decode_floor` is the least a decode step can cost per chip: it must read its share of the
-weights and of the live KV cache (rows of mean context, prompt + half the response) from HBM, and
-a group of G > 1 chips pays the latency of its per-layer collectives. `launch/plan.py` sets it
-beside the compiled sampler's own prediction.
+"auto", the G whose decode floor is smallest on the chip among those whose decode weights and
+page pool fit beside the state already in HBM (comppo_jax.planning.decode_floor, the one piece of
+the planner a run reads). On a platform without published peaks (CPU) "auto" keeps the training
+mesh's tensor axis, replicated over data x fsdp.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,9 +31,8 @@ from jax.sharding import PartitionSpec as P
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, lora, model_config
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.transformer import param_shapes
-from comppo_jax.rollout import engine, engine_options
-from comppo_jax.train import cost as costs
+from comppo_jax.planning.decode_floor import decode_candidates
+from comppo_jax.train.specs import RolloutStageSpec
 from comppo_jax.train.update import cast_params
 
 MODES = ("auto", "train")
@@ -61,7 +53,7 @@ def parse_tensor(value) -> str | int:
 def checked_tensor(value, config: ModelConfig, devices: int) -> str | int:
     """`parse_tensor(value)`, a group size refused with a ConfigError naming the ones `devices` allow."""
     choice = parse_tensor(value)
-    allowed = group_sizes(config, devices)
+    allowed = sharding.decode_group_sizes(config.num_heads, config.num_kv_heads, devices)
     if choice not in MODES and choice not in allowed:
         raise ConfigError(
             f"config.rollout.mesh.tensor={choice}: a decode group must divide the {devices} devices and the "
@@ -85,121 +77,16 @@ def check_config(cfg, mesh: Mesh, rollout_devices: list | None = None) -> None:
         )
 
 
-def group_sizes(config: ModelConfig, devices: int) -> list[int]:
-    """The G a decode layout can take on `devices`: dividing the devices and the query heads, and
-    dividing the kv heads or a multiple of them (each chip then keeps the kv head its queries read,
-    `sharding.kv_head_repeat`)."""
-    return [
-        g
-        for g in range(1, devices + 1)
-        if devices % g == 0
-        and config.num_heads % g == 0
-        and (config.num_kv_heads % g == 0 or g % config.num_kv_heads == 0)
-    ]
-
-
-def pool_heads_per_chip(config: ModelConfig, tensor: int) -> int:
-    """Kv heads of the page pool one chip of a group of `tensor` holds."""
-    repeat = tensor // config.num_kv_heads if tensor > config.num_kv_heads and tensor % config.num_kv_heads == 0 else 1
-    heads = config.num_kv_heads * repeat
-    return heads // tensor if heads % tensor == 0 and config.num_heads % tensor == 0 else heads
-
-
-def weight_bytes_per_chip(config: ModelConfig, tensor: int) -> tuple[int, int]:
-    """(bytes of the compute-dtype weights one chip of a group of `tensor` holds, of those a
-    decode step reads: all but an untied embedding table, of which it reads a row per token)."""
-    mesh = jax.sharding.AbstractMesh((1, 1, tensor), sharding.AXES)
-    itemsize = jnp.dtype(config.dtype).itemsize
-    held = read = 0
-    for path, shape in jax.tree_util.tree_flatten_with_path(
-        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
-    )[0]:
-        size = math.prod(NamedSharding(mesh, sharding.leaf_spec(mesh, path, shape)).shard_shape(shape)) * itemsize
-        held += size
-        untied_embedding = path[-1].key == "embed" and not config.tie_word_embeddings
-        read += 0 if untied_embedding else size
-    return held, read
-
-
-class DecodeFloor(NamedTuple):
-    """The least one rollout's decoding costs per chip in a decode layout (module docstring)."""
-
-    tensor: int  # G
-    replicas: int  # devices / G
-    weight_bytes: float  # read per token step
-    kv_bytes: float  # read per token step: the live cache's share at mean context
-    collective_hops: float  # per token step: two all-reduces per layer, the embedding's and the logits'
-    step_seconds: float  # one token step
-    steps: int  # token steps of the rollout (every row to max_new_tokens)
-    memory_bytes: float  # held while decoding: the decode weights and the page pool
-
-    @property
-    def seconds(self) -> float:
-        return self.step_seconds * self.steps
-
-
-def decode_floor(
-    config: ModelConfig,
-    chip: costs.Chip,
-    *,
-    devices: int,
-    tensor: int,
-    num_prompts: int,
-    samples: int,
-    prompt_length: int,
-    max_new_tokens: int,
-    page_size: int,
-    decode_slots: int | None,
-) -> DecodeFloor:
-    """`DecodeFloor` of G = `tensor` on `devices` chips for one rollout of `num_prompts` x `samples` rows."""
-    replicas = devices // tensor
-    layout = engine.make_layout(
-        num_prompts,
-        prompt_length,
-        num_samples=samples,
-        max_new_tokens=max_new_tokens,
-        page_size=page_size,
-        decode_slots=decode_slots,
-        shards=replicas,
-    )
-    itemsize = jnp.dtype(config.dtype).itemsize
-    held, read = weight_bytes_per_chip(config, tensor)
-    kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
-    kv = layout.slots * (prompt_length + max_new_tokens / 2) * kv_per_position
-    pool = layout.pages_per_layer * page_size * kv_per_position
-    # Two all-reduces per layer (the row-parallel attention output and MLP), the embedding lookup's, the logits' gather.
-    hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps("all-gather", tensor)
-    flops = 2 * layout.slots * held / itemsize  # each live row passes through this chip's weights once
-    step = max(flops / costs.peak_flops(chip, config.dtype), (read + kv) / chip.hbm_bytes) + hops * chip.hop_latency
-    return DecodeFloor(
-        tensor, replicas, float(read), float(kv), float(hops), step, layout.decode_steps, float(held + pool)
-    )
-
-
-def floors(config: ModelConfig, chip: costs.Chip, devices: int, **rollout) -> list[DecodeFloor]:
-    """`decode_floor` of every G `group_sizes` allows."""
-    return [decode_floor(config, chip, devices=devices, tensor=g, **rollout) for g in group_sizes(config, devices)]
-
-
-def fastest(candidates: list[DecodeFloor], budget: float | None) -> DecodeFloor:
-    """The candidate with the smallest floor among those within `budget` bytes per chip (None: no
-    limit), the smaller G on ties; if none fits, the one holding the least."""
-    fitting = [c for c in candidates if budget is None or c.memory_bytes <= budget]
-    if not fitting:
-        return min(candidates, key=lambda c: (c.memory_bytes, c.tensor))
-    return min(fitting, key=lambda c: (round(c.seconds, 9), c.tensor))
-
-
-def rollout_shapes(cfg, prompt_length: int = PLANNED_PROMPT_LENGTH) -> dict:
-    """`decode_floor`'s rollout keywords for a run config."""
-    options = engine_options(cfg.rollout)
+def rollout_shapes(spec: RolloutStageSpec, prompt_length: int = PLANNED_PROMPT_LENGTH) -> dict:
+    """The decode floor's rollout keywords for a run's rollout stage."""
+    rollout = spec.experience.rollout
     return dict(
-        num_prompts=cfg.rollout.prompts_per_step,
-        samples=cfg.rollout.samples_per_prompt,
+        num_prompts=spec.prompts_per_step,
+        samples=rollout.samples_per_prompt,
         prompt_length=prompt_length,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        page_size=options["page_size"],
-        decode_slots=options["decode_slots"],
+        max_new_tokens=rollout.max_new_tokens,
+        page_size=rollout.page_size,
+        decode_slots=rollout.decode_slots,
     )
 
 
@@ -210,7 +97,7 @@ class DecodeLayout(NamedTuple):
     tensor: int  # G, the tensor-parallel group
     resharded: bool  # False: the sampler reads the training layout (rollout.mesh.tensor=train, or the same layout)
     reshard: Callable  # actor -> the sampler's params, cast to the compute dtype, in the decode layout
-    floor: DecodeFloor | None  # G's floor on the run's chip (None: no published peaks)
+    floor: Any  # G's comppo_jax.planning DecodeFloor on the run's chip (None: no published peaks)
     candidates: tuple = ()  # every G's floor, as auto compared them
     separate: bool = False  # the decode mesh is the rollout stage's own devices (mesh.rollout_devices)
 
@@ -235,14 +122,14 @@ def decode_weights(actor, config: ModelConfig):
     return cast_params(lora.merged(actor, config), config.dtype)
 
 
-def _chosen_group(value, mesh: Mesh, config: ModelConfig, devices: int, *, chip, budget, rollout: dict, fallback: int):
+def _chosen_group(value, mesh: Mesh, config: ModelConfig, devices: int, *, target, rollout: dict, fallback: int):
     """(the checked choice, G, G's floor or None, every G's floor) of rollout.mesh.tensor=`value` on
-    `devices` chips: auto takes the fastest floor that fits `budget` (`fallback` on a chip without
-    published peaks), train the training mesh's tensor axis."""
+    `devices` chips: auto takes the fastest floor that fits (`fallback` on a chip without published
+    peaks), train the training mesh's tensor axis. `target`: `decode_candidates`' (None: the local chip)."""
     choice = checked_tensor(value, config, devices)
-    candidates = tuple(floors(config, chip, devices, **rollout)) if chip is not None else ()
+    candidates, fastest = decode_candidates(config, devices, rollout, target)
     if choice == "auto":
-        tensor = fastest(list(candidates), budget).tensor if candidates else fallback
+        tensor = fastest.tensor if fastest is not None else fallback
     elif choice == "train":
         tensor = mesh.shape["tensor"]
     else:
@@ -256,22 +143,20 @@ def make_decode_layout(
     config: ModelConfig,
     actor,
     *,
-    chip: costs.Chip | None,
-    budget: float | None,
     rollout: dict,
+    target=None,
     rollout_devices: list | None = None,
 ) -> DecodeLayout:
     """The decode layout `value` (rollout.mesh.tensor) names on `mesh` for params shaped like
-    `actor` (arrays or ShapeDtypeStructs; any dtype); `chip`, `budget` (bytes per chip free for
-    the decode weights and page pool, None: unknown) and `rollout` (`rollout_shapes`) settle auto.
+    `actor` (arrays or ShapeDtypeStructs; any dtype); `rollout` (`rollout_shapes`) and `target`
+    (chip, bytes per chip free for the decode weights and page pool; None: this process's devices)
+    settle auto.
     With `rollout_devices` (mesh.rollout_devices) the layout is on those devices instead."""
     if rollout_devices:
-        return _separate_layout(
-            value, mesh, config, actor, chip=chip, budget=budget, rollout=rollout, devices=rollout_devices
-        )
+        return _separate_layout(value, mesh, config, actor, target=target, rollout=rollout, devices=rollout_devices)
     devices = mesh.devices.size
     choice, tensor, floor, candidates = _chosen_group(
-        value, mesh, config, devices, chip=chip, budget=budget, rollout=rollout, fallback=mesh.shape["tensor"]
+        value, mesh, config, devices, target=target, rollout=rollout, fallback=mesh.shape["tensor"]
     )
     same = dict(mesh.shape) == {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
     weights = functools.partial(decode_weights, config=config)
@@ -287,16 +172,18 @@ def make_decode_layout(
 
 
 def _separate_layout(
-    value, mesh: Mesh, config: ModelConfig, actor, *, chip, budget, rollout: dict, devices: list
+    value, mesh: Mesh, config: ModelConfig, actor, *, target, rollout: dict, devices: list
 ) -> DecodeLayout:
     """The decode layout on the rollout stage's own `devices`. After each update the weights move
     there in one transfer: cast to the compute dtype on the training mesh, then copied device to
     device (`sharding.move`); across processes they are first laid out on the training devices
     exactly as on their rollout twins, so each process copies only its own shards."""
     choice, tensor, floor, candidates = _chosen_group(
-        value, mesh, config, len(devices), chip=chip, budget=budget, rollout=rollout, fallback=1
+        value, mesh, config, len(devices), target=target, rollout=rollout, fallback=1
     )
-    if choice == "train" and tensor not in group_sizes(config, len(devices)):
+    if choice == "train" and tensor not in sharding.decode_group_sizes(
+        config.num_heads, config.num_kv_heads, len(devices)
+    ):
         raise ConfigError(
             f"config.rollout.mesh.tensor=train: the training mesh's tensor axis {tensor} does not divide the "
             f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto"
@@ -315,28 +202,17 @@ def _separate_layout(
     )
 
 
-def local_chip_and_budget(mesh: Mesh) -> tuple[costs.Chip | None, float | None]:
-    """The published peaks of the mesh's devices (None on CPU), and 90% of the HBM a device has
-    free now, the least over processes (None where devices report no limit)."""
-    chip = costs.published_chip(mesh.devices.flat[0].device_kind)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    free = stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats else -1
-    free = sharding.min_over_processes(int(free))  # every process must choose the same layout
-    return chip, (0.9 * free if free >= 0 else None)
-
-
-def for_run(cfg, mesh: Mesh, config: ModelConfig, actor, rollout_devices: list | None = None) -> DecodeLayout:
-    """The decode layout of a run (`rollout.mesh.tensor`), on the devices of its training mesh or
-    on the rollout stage's own (`rollout_devices`, mesh.rollout_devices)."""
-    chip, budget = local_chip_and_budget(mesh)
+def for_run(
+    spec: RolloutStageSpec, mesh: Mesh, config: ModelConfig, actor, rollout_devices: list | None = None
+) -> DecodeLayout:
+    """The decode layout of a run's rollout stage (`rollout.mesh.tensor`), on the devices of its
+    training mesh or on the rollout stage's own (`rollout_devices`, mesh.rollout_devices)."""
     return make_decode_layout(
-        cfg.rollout.mesh.tensor,
+        spec.decode_tensor,
         mesh,
         config,
         actor,
-        chip=chip,
-        budget=budget,
-        rollout=rollout_shapes(cfg),
+        rollout=rollout_shapes(spec),
         rollout_devices=rollout_devices,
     )
 

@@ -26,30 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from comppo_jax import sharding
-from comppo_jax.credit import (
-    clip_advantages,
-    comp_gae,
-    decoupled_ppo_inputs,
-    gae,
-    grpo_advantages,
-    masked_mean,
-    whiten_advantages,
-)
+from comppo_jax.credit import clip_advantages, decoupled_ppo_inputs, masked_mean, registry
 from comppo_jax.rollout import policy_gate, policy_token_stats
+from comppo_jax.rollout.experience import GateSpec, Sampled
 from comppo_jax.train import controller
 from comppo_jax.train.guards import SkippedUpdates, all_finite, nonfinite_credit
-from comppo_jax.train.methods import (
-    Recipe,
-    RunParts,
-    control_gate,
-    critic_epochs_first,
-    critic_warmup,
-    gate_options,
-    kl_coefficient,
-    schedule_step,
-    spread_over_sequence,
-)
-from comppo_jax.train.sampling import Sampled
+from comppo_jax.train.methods import control_gate, spread_over_sequence
+from comppo_jax.train.specs import CreditSpec, LearnerSpec
 from comppo_jax.train.update import Minibatch, UpdateSteps, apply_actor_step, cast_params, take_rows
 
 
@@ -67,20 +50,17 @@ class Scored(NamedTuple):
         return cls(batch, rollout._replace(hidden_states=None, routing=None), sampled, kappa)
 
 
-def estimate_credit(cfg, recipe: Recipe, rewards, reward_tokens, values, kappa, mask):
-    """(advantages, returns) [B, T] of the recipe's estimator: group-relative for GRPO (Dr.GRPO
-    without the std with train.group_std_normalization=False), else GAE / Comp-GAE on `values`,
-    whitened."""
-    if recipe.estimator == "grpo":
-        advantages = grpo_advantages(
-            jnp.asarray(rewards), cfg.rollout.samples_per_prompt, mask, normalize_std=cfg.train.group_std_normalization
-        )
-        return advantages, jnp.zeros(mask.shape)
-    if recipe.estimator == "gae":
-        advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=cfg.train.lam)
-    else:
-        advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, cfg.train.lam)
-    return whiten_advantages(advantages, mask), returns
+class Signals(NamedTuple):
+    """What credit reads of a rollout besides its batch: the policy's own gate kappa [B, T] (before the
+    control), the terminal rewards [B] and the reward at each row's last token [B, T]."""
+
+    kappa: Any
+    rewards: Any
+    reward_tokens: Any
+
+    @classmethod
+    def of(cls, rollout, sampled: Sampled) -> Signals:
+        return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens)
 
 
 def rollout_batch(sampled: Sampled, rollout, batch_shardings) -> Minibatch:
@@ -108,33 +88,40 @@ def rollout_batch(sampled: Sampled, rollout, batch_shardings) -> Minibatch:
     )
 
 
-def credit_fields(cfg, parts: RunParts, values_fn, critic, batch: Minibatch, own_kappa, rewards, reward_tokens, rng):
+def controlled_gate(credit: CreditSpec, own_kappa, mask, rng):
+    """The kappa [B, T] the estimator and the TAC value mix read: the recipe's gate control on the
+    behaviour policy's own (`rng`: the shuffled control's key)."""
+    return control_gate(credit.recipe, own_kappa, mask, rng, credit.position_schedule, fixed_value=credit.fixed_gate)
+
+
+def credit_fields(credit: CreditSpec, values_fn, critic, batch: Minibatch, signals: Signals, rng):
     """The credit of a `rollout_batch`: the gate control on the behaviour policy's own kappa, V_t from
-    `critic` on the behaviour features, the recipe's advantages (whitened) and returns. Returns (the
-    Minibatch fields it fills: ref_log_probs (zeros without a reference), kappa_sequence, old_values,
-    advantages, returns; the controlled kappa [B, T]). Traceable: the learner runs it as one program."""
+    `critic` on the behaviour features, the estimator's advantages (whitened) and returns
+    (comppo_jax.credit.registry). Returns (the Minibatch fields it fills: ref_log_probs (zeros without
+    a reference), kappa_sequence, old_values, advantages, returns; the controlled kappa [B, T]).
+    Traceable: the learner runs it as one program."""
     mask = batch.response_mask
-    kappa = control_gate(parts.recipe, own_kappa, mask, rng, parts.position_schedule, fixed_value=cfg.fixed_gate)
+    kappa = controlled_gate(credit, signals.kappa, mask, rng)
     zeros = jnp.zeros(mask.shape)
     fields = dict(
         ref_log_probs=zeros if batch.ref_log_probs is None else batch.ref_log_probs,
         kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]),
     )
-    if parts.recipe.estimator == "grpo":
+    if credit.recipe.critic == "none":
         values = zeros
     else:
         values = values_fn(critic, batch._replace(advantages=zeros, returns=zeros, old_values=zeros, **fields))
-    advantages, returns = estimate_credit(cfg, parts.recipe, rewards, reward_tokens, values, kappa, mask)
+    advantages, returns = registry.estimate(
+        credit.estimator, signals.rewards, signals.reward_tokens, values, kappa, mask
+    )
     return dict(fields, old_values=values, advantages=advantages, returns=returns), kappa
 
 
-def credit(cfg, parts: RunParts, values_fn, critic, rollout, sampled: Sampled, rng, batch_shardings) -> Scored:
+def assign_credit(credit: CreditSpec, values_fn, critic, rollout, sampled: Sampled, rng, batch_shardings) -> Scored:
     """The credit of a scored batch (`credit_fields`, operation by operation: eval.held_out's), `rng`
     the gate control's key."""
     batch = rollout_batch(sampled, rollout, batch_shardings)
-    fields, kappa = credit_fields(
-        cfg, parts, values_fn, critic, batch, rollout.kappa, sampled.rewards, sampled.reward_tokens, rng
-    )
+    fields, kappa = credit_fields(credit, values_fn, critic, batch, Signals.of(rollout, sampled), rng)
     return Scored.of(batch._replace(**fields), rollout, sampled, kappa)
 
 
@@ -143,22 +130,18 @@ def gate_key(step_rng):
     return jax.random.fold_in(step_rng, 1)
 
 
-def guarded_credit(
-    cfg, parts: RunParts, values_fn, critic, batch: Minibatch, own_kappa, rewards, reward_tokens, step_rng, clip
-):
+def guarded_credit(credit: CreditSpec, values_fn, critic, batch: Minibatch, signals: Signals, step_rng, clip):
     """The learner's credit program: `credit_fields`, the advantages clipped to `clip` too, and whether
     values, clipped advantages and returns are finite (`guards.nonfinite_credit` reads the flags back).
     One program: its parts dispatched one by one until that read were, on a pod, cross-process programs
     back to back (XLA:CPU over gloo hangs on those: docs/reliability.md)."""
-    fields, kappa = credit_fields(
-        cfg, parts, values_fn, critic, batch, own_kappa, rewards, reward_tokens, gate_key(step_rng)
-    )
+    fields, kappa = credit_fields(credit, values_fn, critic, batch, signals, gate_key(step_rng))
     clipped = clip_advantages(fields["advantages"], clip)
     finite = all_finite(values=fields["old_values"], advantages=clipped, returns=fields["returns"])
     return fields, kappa, clipped, finite
 
 
-def refreshed_gate(cfg, model_config, actor, batch: Minibatch):
+def refreshed_gate(gate: GateSpec, model_config, actor, batch: Minibatch):
     """gate_refresh=epoch: the current actor's gate on the stored batch (H -> c -> kappa [B, T], no
     gradient). The learner runs it as a program of its own: in one with `refreshed_credit`, XLA
     recomputes the gate's last operations inside those that read it, rounding apart."""
@@ -171,22 +154,22 @@ def refreshed_gate(cfg, model_config, actor, batch: Minibatch):
         batch.prompt_lengths,
         mask,
         length=mask.shape[1],
-        **gate_options(cfg),
+        **gate.options(),
     )
 
 
 def refreshed_credit(
-    cfg, parts: RunParts, own, batch: Minibatch, kappa_before, rewards, reward_tokens, step_rng, clip, importance=None
+    credit: CreditSpec, batch: Minibatch, signals: Signals, kappa_before, step_rng, clip, importance=None
 ) -> tuple[dict, jax.Array]:
-    """gate_refresh=epoch: the refreshed gate `own` through the gate control, and Comp-GAE rerun with
-    the stored values and rewards. Returns (the Minibatch fields that change: advantages (whitened,
+    """gate_refresh=epoch: the refreshed gate (`signals.kappa`) through the gate control, and Comp-GAE
+    rerun with the stored values and rewards. Returns (the Minibatch fields that change: advantages (whitened,
     clipped to `clip`, times the capped `importance` weights of train.proximal=recompute), returns
     and kappa_sequence; the gate's mean |change| from `kappa_before`). The learner runs it as one program."""
     mask = batch.response_mask
-    kappa = control_gate(
-        parts.recipe, own, mask, gate_key(step_rng), parts.position_schedule, fixed_value=cfg.fixed_gate
+    kappa = controlled_gate(credit, signals.kappa, mask, gate_key(step_rng))
+    advantages, returns = registry.estimate(
+        credit.estimator, signals.rewards, signals.reward_tokens, batch.old_values, kappa, mask
     )
-    advantages, returns = estimate_credit(cfg, parts.recipe, rewards, reward_tokens, batch.old_values, kappa, mask)
     advantages = clip_advantages(advantages, clip)
     fields = dict(
         advantages=advantages if importance is None else advantages * importance,
@@ -301,34 +284,33 @@ class Learner:
 
     def __init__(
         self,
-        cfg,
+        spec: LearnerSpec,
         model_config,
-        parts: RunParts,
         steps: UpdateSteps,
         batch_shardings,
         offload: Offload,
         meta: dict,
         compiling: Callable[[str], None],
     ):
-        self.cfg, self.model_config, self.parts, self.steps = cfg, model_config, parts, steps
+        self.spec, self.model_config, self.steps = spec, model_config, steps
         self.batch_shardings, self.offload, self.compiling = batch_shardings, offload, compiling
-        self.control_config = controller.controller_config(cfg.controller)
+        self.control_config = spec.controller
         self.control_state = meta["controller"]
         self.skipped = SkippedUpdates(
-            cfg.train.max_skipped_updates, **meta.get("skipped_updates", {})
+            spec.max_skipped_updates, **meta.get("skipped_updates", {})
         )  # absent before the guard existed
-        self.warmup = critic_warmup(cfg, parts.recipe)
+        self.warmup = spec.steps.warmup
         # The step's programs besides the update steps (module docstring), jitted once per run.
-        self.credit = jax.jit(functools.partial(guarded_credit, cfg, parts, steps.values))
-        self.refreshed_gate = jax.jit(functools.partial(refreshed_gate, cfg, model_config))
-        self.refreshed_credit = jax.jit(functools.partial(refreshed_credit, cfg, parts))
+        self.credit = jax.jit(functools.partial(guarded_credit, spec.credit, steps.values))
+        self.refreshed_gate = jax.jit(functools.partial(refreshed_gate, spec.credit.gate, model_config))
+        self.refreshed_credit = jax.jit(functools.partial(refreshed_credit, spec.credit))
         self.proximal_inputs = jax.jit(
             functools.partial(
                 proximal_inputs,
                 model_config,
-                cfg.rollout.temperature,
-                cfg.train.importance_weight_cap,
-                cfg.train.importance_weight_rule,
+                spec.temperature,
+                spec.importance_weight_cap,
+                spec.importance_weight_rule,
             )
         )
 
@@ -337,41 +319,34 @@ class Learner:
 
     def update(self, state: dict, experience, step: int, step_rng) -> tuple[dict, Learned]:
         """Credit and the update epochs of batch `step` (step_rng: the step's key)."""
-        cfg, steps, offload = self.cfg, self.steps, self.offload
-        knobs = controller.knobs(self.control_state, schedule_step(cfg, self.parts.recipe, step), self.control_config)
+        spec, steps, offload = self.spec, self.steps, self.offload
+        knobs = controller.knobs(self.control_state, spec.steps.schedule_step(step), self.control_config)
         rollout, sampled = experience.rollout, experience.sampled
         batch = rollout_batch(sampled, rollout, self.batch_shardings)
-        fields, kappa, clipped, finite = self.credit(
-            state["critic"],
-            batch,
-            rollout.kappa,
-            sampled.rewards,
-            sampled.reward_tokens,
-            step_rng,
-            knobs["advantage_clip"],
-        )
+        signals = Signals.of(rollout, sampled)
+        fields, kappa, clipped, finite = self.credit(state["critic"], batch, signals, step_rng, knobs["advantage_clip"])
         scored = Scored.of(batch._replace(**fields), rollout, sampled, kappa)
         batch = scored.batch._replace(advantages=clipped)
         importance, capped = {}, None
-        if cfg.train.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
+        if spec.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
             self.compiling("the proximal log-probs")
             proximal, weights, capped, weighed = self.proximal_inputs(state["actor"], batch)
             batch = batch._replace(**proximal)
             importance = importance_metrics(
-                weights, batch.response_mask, cfg.train.importance_weight_cap, cfg.train.importance_weight_rule
+                weights, batch.response_mask, spec.importance_weight_cap, spec.importance_weight_rule
             )
             # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
             finite = {"importance weights": weighed.pop("importance weights"), **finite, **weighed}
         batch = offload.to_update(batch)
         state["actor_opt"] = offload.fetch(state["actor_opt"])
         actor_hyper = dict(
-            learning_rate=cfg.train.actor_lr * knobs["actor_lr_multiplier"],
+            learning_rate=spec.actor_lr * knobs["actor_lr_multiplier"],
             clip=knobs["clip"],
-            kl_coef=kl_coefficient(cfg) * knobs["kl_multiplier"],
+            kl_coef=spec.kl_coef * knobs["kl_multiplier"],
             grad_clip=knobs["actor_grad_clip"],
         )
         critic_hyper = dict(
-            learning_rate=cfg.train.critic_lr * knobs["critic_lr_multiplier"],
+            learning_rate=spec.critic_lr * knobs["critic_lr_multiplier"],
             value_clip=knobs["value_clip"],
             grad_clip=knobs["critic_grad_clip"],
         )
@@ -380,10 +355,10 @@ class Learner:
         rows = batch.response_mask.shape[0]
         # A non-finite reward, value, advantage or return skips the whole update.
         nonfinite = nonfinite_credit(sampled.rewards, **finite)
-        size = cfg.train.minibatch_size
+        size = spec.minibatch_size
         # step - 1: the shuffles of the earlier 0-based numbering, so earlier runs reproduce
         orders = [
-            np.random.default_rng([cfg.seed, step - 1, epoch]).permutation(rows)
+            np.random.default_rng([spec.seed, step - 1, epoch]).permutation(rows)
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))
         ]
 
@@ -394,7 +369,7 @@ class Learner:
                 return placed_from_host(take_rows(batch, picked), self.batch_shardings), None
             return batch, picked
 
-        critic_first = critic_epochs_first(cfg, self.parts.recipe)
+        critic_first = spec.critic_first
         interleaved = state["critic"] is not None and not critic_first  # a critic step after each actor step
         critic_metrics = []
         if critic_first:  # the critic's epochs, then its features go: the actor's epochs hold no more than GRPO's
@@ -414,14 +389,12 @@ class Learner:
         for epoch, order in enumerate(orders):
             # Epoch 0's actor is the behaviour policy (as is every epoch's during the critic warm-up): its gate is the
             # rollout's.
-            if cfg.gate_refresh == "epoch" and epoch > 0 and update_actor:
+            if spec.gate_refresh == "epoch" and epoch > 0 and update_actor:
                 self.compiling("the gate refresh")
                 fresh, change = self.refreshed_credit(
-                    self.refreshed_gate(state["actor"], scored.batch),
                     scored.batch,
+                    signals._replace(kappa=self.refreshed_gate(state["actor"], scored.batch)),
                     scored.kappa,
-                    sampled.rewards,
-                    sampled.reward_tokens,
                     step_rng,
                     knobs["advantage_clip"],
                     capped,

@@ -3,7 +3,8 @@
 `Recorder.step_metrics` gathers a step's numbers from the rollout (rewards, lengths, the policy's
 own gate) and the learner (losses, norms, the critic's diagnostics); `Recorder.record` writes them
 (metrics.jsonl and the other config.loggers: TensorBoard, wandb) and keeps a few responses with
-their per-token credit every `outputs.sample_every` steps (comppo_jax.train.samples);
+their per-token credit every `outputs.sample_every` steps (comppo_jax.train.samples; their files:
+comppo_jax.runs.samples);
 `Recorder.checkpoint` saves an async Orbax checkpoint every `checkpoint.every` steps, at every
 dev evaluation (so keep_best keeps the best evaluated policy), at the last step and when a stop
 was requested. `Recorder.meta` is what a checkpoint holds beside the state: the step, the
@@ -22,14 +23,14 @@ from comppo_jax import sharding, storage
 from comppo_jax.credit import position_bin_totals, save_position_schedule, schedule_from_totals
 from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.data.rewards import Verdict
+from comppo_jax.runs.checkpoint import RunCheckpoints
+from comppo_jax.runs.outputs import METRICS_FILE, MetricsWriter, plot_run
+from comppo_jax.runs.samples import save_samples
 from comppo_jax.train import controller
-from comppo_jax.train.checkpoint import RunCheckpoints
 from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
 from comppo_jax.train.guards import SkippedUpdates
-from comppo_jax.train.methods import critic_warmup, prepended_warmup, total_steps
-from comppo_jax.train.methods import recipe as make_recipe
-from comppo_jax.train.outputs import METRICS_FILE, MetricsWriter, parse_loggers, plot_run
-from comppo_jax.train.samples import keeps_samples, kept_responses, save_samples
+from comppo_jax.train.samples import keeps_samples, kept_responses
+from comppo_jax.train.specs import RecorderSpec
 
 # The rollouts' own gates averaged per bin of t/T over the whole run (a comppo_jax.credit position
 # schedule): the position-only control of a later run reads it (config.position_schedule).
@@ -51,29 +52,23 @@ def initial_meta() -> dict:
 class Recorder:
     """Metrics, checkpoints and the summary of one run (module docstring)."""
 
-    def __init__(self, cfg, checkpoints: RunCheckpoints, meta: dict, tokenizer, *, main_process: bool):
-        self.cfg, self.checkpoints, self.meta, self.main_process = cfg, checkpoints, meta, main_process
+    def __init__(self, spec: RecorderSpec, checkpoints: RunCheckpoints, meta: dict, tokenizer, *, main_process: bool):
+        self.spec, self.checkpoints, self.meta, self.main_process = spec, checkpoints, meta, main_process
         self.tokenizer = tokenizer  # the kept responses' token pieces
-        self.recipe = make_recipe(cfg.method, cfg.gate, cfg.critic.kind)
-        self.last_step, self.warmup, self.prepended = (
-            total_steps(cfg, self.recipe),
-            critic_warmup(cfg, self.recipe),
-            prepended_warmup(cfg, self.recipe),
-        )
-        self.has_critic = self.recipe.critic != "none"
+        self.last_step, self.warmup = spec.steps.total, spec.steps.warmup
+        self.has_critic = spec.credit.recipe.critic != "none"
         self.update_windows: list[tuple[float, float]] = []  # the last updates' (start, end) wall times
         self.writer = MetricsWriter(
-            cfg.output_dir,
+            spec.output_dir,
             resumed_step=meta["step"],
-            loggers=parse_loggers(cfg.loggers),
+            loggers=spec.loggers,
             enabled=main_process,
-            config=cfg.to_dict(),
+            config=spec.record,
         )
 
     def evaluates(self, step: int) -> bool:
         """Whether step `step` ends with a dev evaluation (every train.eval_every actor-update steps)."""
-        every = self.cfg.train.eval_every
-        return bool(every) and step > self.prepended and (step - self.prepended) % every == 0
+        return self.spec.evaluates(step)
 
     def step_metrics(self, step: int, experience, learned) -> dict:
         """The step's numbers from its experience and its update (adds the rollouts' gates to the run's profile)."""
@@ -84,7 +79,7 @@ class Recorder:
         metrics.update(sampled.reward_metrics)
         if learned.gate_change is not None:
             metrics["gate_refresh/mean_abs_change"] = learned.gate_change
-        metrics["response_clip_ratio"] = float(np.mean(lengths >= self.cfg.rollout.max_new_tokens))
+        metrics["response_clip_ratio"] = float(np.mean(lengths >= self.spec.max_new_tokens))
         metrics["response_length"] = float(lengths.mean())
         correct = np.asarray([v is Verdict.CORRECT for v in sampled.verdicts])
         if scored.rollout.kappa is not None:  # the policy's own gate, every method that ran the behaviour pass
@@ -109,7 +104,7 @@ class Recorder:
     ) -> None:
         """Adds the step's wall times: the rollout stage's host time, the update's, the generation
         of this step's batch (dispatch to ready) and the fraction of it that ran during updates."""
-        self.update_windows = (self.update_windows + [update_window])[-(self.cfg.rollout.staleness + 2) :]
+        self.update_windows = (self.update_windows + [update_window])[-(self.spec.staleness + 2) :]
         started, ready = experience.generation_window
         overlapped = sum(max(0.0, min(ready, end) - max(started, begin)) for begin, end in self.update_windows)
         metrics.update(
@@ -143,16 +138,16 @@ class Recorder:
             },
         )
         self.writer.write(metrics)
-        if keeps_samples(self.cfg.outputs, step, self.evaluates(step)):
-            kept = kept_responses(self.cfg, self.recipe, self.tokenizer, step, sampled, learned.scored)
+        if keeps_samples(self.spec.kept, step, self.evaluates(step)):
+            kept = kept_responses(self.spec, self.tokenizer, step, sampled, learned.scored)
             if self.main_process:
-                save_samples(self.cfg.output_dir, kept)
+                save_samples(self.spec.output_dir, kept)
             self.writer.write_samples(kept)
 
     def checkpoint(self, step: int, state: dict, metrics: dict, stages_meta: dict, *, stopping: bool) -> None:
         """Starts step `step`'s checkpoint when it is due (module docstring); `stages_meta`: the
         prompt stream's position, the controller's and the guard's state."""
-        if step % self.cfg.checkpoint.every == 0 or step == self.last_step or stopping or "dev_accuracy" in metrics:
+        if step % self.spec.checkpoint_every == 0 or step == self.last_step or stopping or "dev_accuracy" in metrics:
             self.meta.update(step=step, **stages_meta)
             self.writer.flush()  # first: a checkpointed step's metrics row is never lost (a bucket has no appends)
             self.checkpoints.save(step, state, self.meta, metrics.get("dev_accuracy"))
@@ -165,10 +160,10 @@ class Recorder:
 
     def finish(self, final_accuracy: float, dev_problems: int, skipped: SkippedUpdates) -> dict:
         """The run's summary, written with its gate profile and curves by the main process."""
-        cfg, meta, checkpoints = self.cfg, self.meta, self.checkpoints
+        spec, meta, checkpoints = self.spec, self.meta, self.checkpoints
         checkpoints.wait()
         summary = {
-            "method": cfg.method,
+            "method": spec.method,
             "warm_start_dev_accuracy": meta["warm_start_dev_accuracy"],
             "final_dev_accuracy": final_accuracy,
             "steps": self.last_step,
@@ -194,19 +189,19 @@ class Recorder:
                 meta["gate_profile"]["sums"],
                 meta["gate_profile"]["counts"],
                 {
-                    "source": str(storage.path(cfg.output_dir)),
-                    "method": cfg.method,
+                    "source": str(storage.path(spec.output_dir)),
+                    "method": spec.method,
                     "steps": self.last_step,
-                    "seed": cfg.seed,
+                    "seed": spec.seed,
                 },
             )
-            save_position_schedule(profile, storage.path(cfg.output_dir) / GATE_PROFILE_FILE)
-        storage.write_text(storage.path(cfg.output_dir) / "summary.json", json.dumps(summary, indent=2))
-        if cfg.plot:
+            save_position_schedule(profile, storage.path(spec.output_dir) / GATE_PROFILE_FILE)
+        storage.write_text(storage.path(spec.output_dir) / "summary.json", json.dumps(summary, indent=2))
+        if spec.plot:
             plot_run(
-                storage.path(cfg.output_dir) / METRICS_FILE,
-                storage.path(cfg.output_dir) / "curves.png",
-                title=f"{cfg.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
+                storage.path(spec.output_dir) / METRICS_FILE,
+                storage.path(spec.output_dir) / "curves.png",
+                title=f"{spec.method}: dev accuracy {meta['warm_start_dev_accuracy']:.2f} -> {final_accuracy:.2f}",
                 warm_start_accuracy=meta["warm_start_dev_accuracy"],
             )
         return summary

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from comppo_jax.credit import gspo_loss, kl_penalty, masked_mean, ppo_clip_loss, value_loss
+from comppo_jax.credit import kl_penalty, masked_mean, value_loss
+from comppo_jax.credit.registry import ActorLoss, surrogate
 from comppo_jax.critic import Routing, standard_value_head, value_model_values
 from comppo_jax.models import ModelConfig, lora
 from comppo_jax.rollout import gather_response, policy_token_stats
 from comppo_jax.sharding import batch_sharding, features_sharding, replicated, tree_shardings
-from comppo_jax.train.methods import ActorLoss
 
 
 class Minibatch(NamedTuple):
@@ -119,37 +119,7 @@ def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm, losse
     )
 
 
-def surrogate(loss: ActorLoss, log_probs, old_log_probs, advantages, mask, clip):
-    """The clipped surrogate the config picks: PPO's per-token ratio (eq. ppo_outer) clipped to
-    [1 - clip, 1 + clip * clip_high_scale], or GSPO's sequence ratio at its own clip range."""
-    if loss.policy_loss == "ppo":
-        return ppo_clip_loss(
-            log_probs,
-            old_log_probs,
-            advantages,
-            mask,
-            clip,
-            clip * loss.clip_high_scale,
-            aggregation=loss.aggregation,
-            norm_length=loss.norm_length,
-        )
-    low, high = loss.sequence_clip
-    return gspo_loss(
-        log_probs,
-        old_log_probs,
-        advantages,
-        mask,
-        low,
-        high,
-        token_level=loss.policy_loss == "gspo_token",
-        aggregation=loss.aggregation,
-        norm_length=loss.norm_length,
-    )
-
-
-def actor_loss(
-    params, config: ModelConfig, batch: Minibatch, clip, kl_coef, temperature: float, loss: ActorLoss = ActorLoss()
-):
+def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, loss: ActorLoss = ActorLoss()):
     """Clipped surrogate (`surrogate`) + kl_coef * low-variance KL to the reference policy, the KL
     aggregated as `loss.kl_aggregation`; without a KL term (`loss.kl_term=False`, DAPO) the
     surrogate alone, and no kl_loss metric."""
@@ -160,7 +130,7 @@ def actor_loss(
         batch.attention_mask,
         batch.prompt_lengths,
         batch.response_tokens,
-        temperature,
+        loss.temperature,
     )
     mask = batch.response_mask
     policy_loss, stats = surrogate(loss, log_probs, batch.old_log_probs, batch.advantages, mask, clip)
@@ -187,16 +157,13 @@ def actor_step(
     *,
     config: ModelConfig,
     tx,
-    temperature: float,
     loss: ActorLoss = ActorLoss(),
 ):
     """One actor update of `params` (every weight, or a LoRA run's adapters beside the `frozen`
     base: comppo_jax.models.lora); hyper: learning_rate, clip, kl_coef, grad_clip (traced scalars).
     Skipped (params and optimizer state unchanged, actor_finite=False) on a non-finite loss or gradient."""
     policy_loss = lambda params, *args: actor_loss(lora.join(frozen, params), *args)
-    grads, metrics = jax.grad(policy_loss, has_aux=True)(
-        params, config, batch, hyper["clip"], hyper["kl_coef"], temperature, loss
-    )
+    grads, metrics = jax.grad(policy_loss, has_aux=True)(params, config, batch, hyper["clip"], hyper["kl_coef"], loss)
     losses = (metrics["policy_loss"],) + ((metrics["kl_loss"],) if loss.kl_term else ())
     params, opt_state, grad_norm, finite = _clip_and_apply(
         tx, params, opt_state, grads, hyper["learning_rate"], hyper["grad_clip"], losses
@@ -278,21 +245,19 @@ def apply_actor_step(steps: UpdateSteps, actor, opt_state, batch: Minibatch, hyp
 
 def jit_update_steps(
     mesh: Mesh,
+    state: dict,
     *,
     model_config: ModelConfig,
-    temperature: float,
-    actor,
-    actor_opt,
     actor_tx,
-    critic=None,
-    critic_opt=None,
     critic_tx=None,
     critic_module=None,
     critic_kind: str = "none",
     actor_loss: ActorLoss = ActorLoss(),
 ) -> UpdateSteps:
     """`actor_step` (with the surrogate `actor_loss`), `critic_step` and `critic_values` as jax.jit
-    with in/out shardings on `mesh`; the two steps also `on_rows`."""
+    with in/out shardings on `mesh` for the `state`'s actor, actor_opt, critic and critic_opt
+    (arrays or ShapeDtypeStructs; critic None: no critic); the two steps also `on_rows`."""
+    actor, actor_opt, critic, critic_opt = (state.get(name) for name in ("actor", "actor_opt", "critic", "critic_opt"))
     rep = replicated(mesh)
     batch = minibatch_shardings(mesh, with_routing=critic_kind == "tac", hidden_size=model_config.hidden_size)
     (trainable_sh, frozen_sh), actor_opt_sh = (
@@ -311,7 +276,7 @@ def jit_update_steps(
 
     # The frozen base is read, never donated: the reference policy is the same arrays.
     actor_fn, actor_on_rows = minibatch_and_rows_steps(
-        functools.partial(actor_step, config=model_config, tx=actor_tx, temperature=temperature, loss=actor_loss),
+        functools.partial(actor_step, config=model_config, tx=actor_tx, loss=actor_loss),
         (trainable_sh, actor_opt_sh),
         (rep, frozen_sh),
     )

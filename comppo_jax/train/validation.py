@@ -1,7 +1,7 @@
 """One validation pass over a training config, before the warm start or any compile.
 
 `validate_config(cfg)` checks every field a run reads: that it exists (against the preset
-template, `comppo_jax.train.paper.paper_config`), every enum, every range, the paths a run needs
+template, `comppo_jax.train.schema.paper_config`), every enum, every range, the paths a run needs
 (model, tokenizer, data, position schedule) and the batch arithmetic. It collects every problem
 and raises one `ConfigError` listing them, each naming the field, the value and the fix, so a
 mistake costs seconds, not the 11-minute warm start. The mesh-dependent divisibility checks
@@ -23,13 +23,14 @@ from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
 from comppo_jax.models.lora import TARGETS as LORA_TARGETS
 from comppo_jax.models.lora import parse_targets as parse_lora_targets
 from comppo_jax.models.paged_cache import PAGED_ATTENTION
+from comppo_jax.rollout.experience import DYNAMIC_SAMPLING_FILTERS
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
+from comppo_jax.runs.outputs import parse_loggers
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
 from comppo_jax.train.decode_layout import parse_tensor
 from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES, PROXIMAL
-from comppo_jax.train.outputs import parse_loggers
-from comppo_jax.train.sampling import DYNAMIC_SAMPLING_FILTERS
+from comppo_jax.train.schema import paper_config
 
 CRITIC_KINDS = ("tac", "standard", "full")
 DATA_KINDS = ("synthetic", "dapo_math")
@@ -57,8 +58,6 @@ def _lookup(cfg, dotted: str):
 
 def missing_fields(cfg) -> list[str]:
     """Fields the preset template has and `cfg` lacks (a deleted or misspelt field)."""
-    from comppo_jax.train.paper import paper_config  # paper -> controller; imported late to keep this module light
-
     missing = []
     template = paper_config(dict(cfg.model.arch) if "model" in cfg and "arch" in cfg.model else {})
     for dotted, _ in config_fields(template, whole={"model.arch"}):  # model.arch is the model's own, not checked
@@ -256,48 +255,93 @@ def _check_combinations(problems: _Problems, cfg) -> None:
         )
 
 
-def validate_config(cfg) -> None:
-    """Raises ConfigError listing every problem of a training config (nothing is loaded or compiled)."""
-    missing = missing_fields(cfg)
-    if missing:
-        raise ConfigError(
-            "\n".join(
-                f"config.{name} is missing: restore it from configs/ (the preset's value) or pass --config.{name}=..."
-                for name in missing
-            )
-        )
-    problems = _Problems(cfg)
-    problems.enum("method", METHODS)
-    problems.enum("gate", GATES)
-    problems.enum("critic.kind", CRITIC_KINDS)
-    problems.enum("model.attention", ATTENTION)
-    problems.enum("model.remat", REMAT)
-    problems.enum("model.arch.dtype", DTYPES)
-    problems.enum("train.master_dtype", DTYPES)
-    problems.enum("data.kind", DATA_KINDS)
-    problems.enum("rollout.window", WINDOWS)
-    problems.enum("rollout.old_log_probs", OLD_LOG_PROBS)
-    problems.enum("rollout.paged_attention", PAGED_ATTENTION)
-    problems.enum("reward.length_penalty", LENGTH_PENALTIES)
-    problems.enum("reward.length_penalty_on", LENGTH_PENALTY_SCOPES)
-    problems.enum("gate_statistic", GATE_STATISTICS)
-    problems.enum("gate_refresh", GATE_REFRESH)
-    problems.enum("train.policy_loss", POLICY_LOSSES)
-    problems.enum("train.loss_aggregation", ("auto",) + LOSS_AGGREGATIONS)
-    problems.enum("train.kl_aggregation", KL_AGGREGATIONS)
-    problems.enum("rollout.dynamic_sampling_filter", DYNAMIC_SAMPLING_FILTERS)
-    problems.number("sink_tokens", low=0, integer=True)
-    problems.number("train.clip_high_scale", low=0, low_open=True)
-    problems.number("train.gspo_clip_low", low=0, high=1, low_open=True)
-    problems.number("train.gspo_clip_high", low=0, low_open=True)
-    problems.number("rollout.max_refills", low=-1, integer=True)
-    problems.number("rollout.staleness", low=0, integer=True)
-    problems.enum("train.proximal", PROXIMAL)
-    problems.number("train.importance_weight_cap", low=1)
-    problems.enum("train.importance_weight_rule", IMPORTANCE_WEIGHT_RULES)
-    problems.number("mesh.rollout_devices", low=0, integer=True)
-    problems.number("model.lora.rank", low=0, integer=True)
-    problems.number("model.lora.alpha", low=0, low_open=True)
+# Each enumerated field and what it takes.
+ENUM_FIELDS = {
+    "method": METHODS,
+    "gate": GATES,
+    "critic.kind": CRITIC_KINDS,
+    "model.attention": ATTENTION,
+    "model.remat": REMAT,
+    "model.arch.dtype": DTYPES,
+    "train.master_dtype": DTYPES,
+    "data.kind": DATA_KINDS,
+    "rollout.window": WINDOWS,
+    "rollout.old_log_probs": OLD_LOG_PROBS,
+    "rollout.paged_attention": PAGED_ATTENTION,
+    "reward.length_penalty": LENGTH_PENALTIES,
+    "reward.length_penalty_on": LENGTH_PENALTY_SCOPES,
+    "gate_statistic": GATE_STATISTICS,
+    "gate_refresh": GATE_REFRESH,
+    "train.policy_loss": POLICY_LOSSES,
+    "train.loss_aggregation": ("auto",) + LOSS_AGGREGATIONS,
+    "train.kl_aggregation": KL_AGGREGATIONS,
+    "rollout.dynamic_sampling_filter": DYNAMIC_SAMPLING_FILTERS,
+    "train.proximal": PROXIMAL,
+    "train.importance_weight_rule": IMPORTANCE_WEIGHT_RULES,
+}
+COUNT = dict(low=1, integer=True)  # a positive whole number
+ZERO_OR_MORE = dict(low=0, integer=True)
+POSITIVE = dict(low=0, low_open=True)
+# Each numeric field's range (`_Problems.number`'s keywords).
+NUMBER_FIELDS = {
+    "sink_tokens": ZERO_OR_MORE,
+    "train.clip_high_scale": POSITIVE,
+    "train.gspo_clip_low": dict(low=0, high=1, low_open=True),
+    "train.gspo_clip_high": POSITIVE,
+    "rollout.max_refills": dict(low=-1, integer=True),
+    "rollout.staleness": ZERO_OR_MORE,
+    "train.importance_weight_cap": dict(low=1),
+    "mesh.rollout_devices": ZERO_OR_MORE,
+    "model.lora.rank": ZERO_OR_MORE,
+    "model.lora.alpha": POSITIVE,
+    "outputs.sample_every": dict(low=-1, integer=True),
+    "outputs.samples_per_step": ZERO_OR_MORE,
+    "outputs.sample_tokens": dict(low=2, integer=True),
+    "steps": COUNT,
+    "seed": ZERO_OR_MORE,
+    "train.actor_lr": POSITIVE,
+    "train.critic_lr": POSITIVE,
+    "train.kl_coef": dict(low=0),
+    "train.kl_coef_grpo": dict(low=0),
+    "train.lam": dict(low=0, high=1, low_open=True),
+    "train.minibatch_size": COUNT,
+    "train.critic_warmup_steps": ZERO_OR_MORE,
+    "train.eval_every": ZERO_OR_MORE,
+    "train.max_skipped_updates": COUNT,
+    "gate_envelope.kappa_lo": dict(low=0, high=1),
+    "gate_envelope.kappa_hi": dict(low=0, high=1),
+    "gate_envelope.tau": POSITIVE,
+    "fixed_gate": dict(low=0, high=1),
+    "rollout.prompts_per_step": COUNT,
+    "rollout.samples_per_prompt": COUNT,
+    "rollout.max_new_tokens": COUNT,
+    "rollout.temperature": POSITIVE,
+    "rollout.top_p": dict(low=0, high=1, low_open=True),
+    "rollout.page_size": COUNT,
+    "rollout.decode_slots": ZERO_OR_MORE,
+    "critic.fused_layers": COUNT,
+    "critic.bottleneck": COUNT,
+    "critic.top_k": COUNT,
+    "reward.workers": COUNT,
+    "reward.timeout_s": POSITIVE,
+    "checkpoint.every": COUNT,
+    "checkpoint.keep_last": COUNT,
+    "checkpoint.keep_best": ZERO_OR_MORE,
+    "resume_step": dict(low=-1, integer=True),
+    "data.dev_size": COUNT,
+}
+# Checked only where the field is read: (the condition on the config, the field, its range).
+CONDITIONAL_NUMBER_FIELDS = (
+    (lambda cfg: cfg.data.kind == "synthetic", "data.train_size", COUNT),
+    (lambda cfg: bool(cfg.warm_start.steps), "warm_start.steps", ZERO_OR_MORE),
+    (lambda cfg: bool(cfg.warm_start.steps), "warm_start.batch_size", COUNT),
+    (lambda cfg: bool(cfg.warm_start.steps), "warm_start.learning_rate", POSITIVE),
+)
+
+
+def _check_parsed_fields(problems: _Problems, cfg) -> None:
+    """The fields a parser reads: the LoRA targets, the decode layout's group, the loggers (and the
+    output folders they write)."""
     try:
         parse_lora_targets(problems.value("model.lora.targets"))
     except ConfigError:
@@ -318,60 +362,23 @@ def validate_config(cfg) -> None:
         if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
             problems.add("loggers", "wandb is not installed: pip install 'comppo_jax[wandb]' (or drop wandb)")
         _check_output_folders(problems, cfg, loggers)
-    problems.number("outputs.sample_every", low=-1, integer=True)
-    problems.number("outputs.samples_per_step", low=0, integer=True)
-    problems.number("outputs.sample_tokens", low=2, integer=True)
-    problems.number("steps", low=1, integer=True)
-    problems.number("seed", low=0, integer=True)
-    for name in ("train.actor_lr", "train.critic_lr"):
-        problems.number(name, low=0, low_open=True)
-    for name in ("train.kl_coef", "train.kl_coef_grpo"):
-        problems.number(name, low=0)
-    problems.number("train.lam", low=0, high=1, low_open=True)
-    problems.number("train.minibatch_size", low=1, integer=True)
-    problems.number("train.critic_warmup_steps", low=0, integer=True)
-    problems.number("train.eval_every", low=0, integer=True)
-    problems.number("train.max_skipped_updates", low=1, integer=True)
-    problems.number("gate_envelope.kappa_lo", low=0, high=1)
-    problems.number("gate_envelope.kappa_hi", low=0, high=1)
-    if cfg.gate_envelope.kappa_lo >= cfg.gate_envelope.kappa_hi:
+
+
+def _check_relations(problems: _Problems, cfg) -> None:
+    """What one field's range cannot say: the gate's range in order, a warm start with worked
+    solutions to train on, and the controller's and reward schedule's own checks."""
+    envelope = cfg.gate_envelope
+    if envelope.kappa_lo >= envelope.kappa_hi:
         problems.lines.append(
-            f"config.gate_envelope: kappa_lo={cfg.gate_envelope.kappa_lo} must be below kappa_hi="
-            f"{cfg.gate_envelope.kappa_hi} (0 <= kappa_lo < kappa_hi <= 1); swap them"
+            f"config.gate_envelope: kappa_lo={envelope.kappa_lo} must be below kappa_hi={envelope.kappa_hi} "
+            "(0 <= kappa_lo < kappa_hi <= 1); swap them"
         )
-    problems.number("gate_envelope.tau", low=0, low_open=True)
-    problems.number("fixed_gate", low=0, high=1)
-    problems.number("rollout.prompts_per_step", low=1, integer=True)
-    problems.number("rollout.samples_per_prompt", low=1, integer=True)
-    problems.number("rollout.max_new_tokens", low=1, integer=True)
-    problems.number("rollout.temperature", low=0, low_open=True)
-    problems.number("rollout.top_p", low=0, high=1, low_open=True)
-    problems.number("rollout.page_size", low=1, integer=True)
-    problems.number("rollout.decode_slots", low=0, integer=True)
-    problems.number("critic.fused_layers", low=1, integer=True)
-    problems.number("critic.bottleneck", low=1, integer=True)
-    problems.number("critic.top_k", low=1, integer=True)
-    problems.number("reward.workers", low=1, integer=True)
-    problems.number("reward.timeout_s", low=0, low_open=True)
-    problems.number("checkpoint.every", low=1, integer=True)
-    problems.number("checkpoint.keep_last", low=1, integer=True)
-    problems.number("checkpoint.keep_best", low=0, integer=True)
-    problems.number("resume_step", low=-1, integer=True)
-    problems.number("data.dev_size", low=1, integer=True)
-    if cfg.data.kind == "synthetic":
-        problems.number("data.train_size", low=1, integer=True)
-    if cfg.warm_start.steps:
-        problems.number("warm_start.steps", low=0, integer=True)
-        problems.number("warm_start.batch_size", low=1, integer=True)
-        problems.number("warm_start.learning_rate", low=0, low_open=True)
-        if (
-            cfg.data.kind == "dapo_math"
-        ):  # the warm start reads each problem's solution; DAPO rows carry only the answer
-            problems.add(
-                "warm_start.steps",
-                "the supervised warm start trains on worked solutions and data.kind='dapo_math' has "
-                "none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)",
-            )
+    if cfg.warm_start.steps and cfg.data.kind == "dapo_math":  # the warm start reads each problem's solution
+        problems.add(
+            "warm_start.steps",
+            "the supervised warm start trains on worked solutions and data.kind='dapo_math' has "
+            "none; pass --config.warm_start.steps=0 (or --config.data.kind=synthetic)",
+        )
     for check in (
         lambda: controller.controller_config(cfg.controller),
         lambda: controller.reward_schedule(cfg.reward, cfg.rollout.max_new_tokens),
@@ -380,6 +387,28 @@ def validate_config(cfg) -> None:
             check()
         except (ValueError, TypeError) as error:
             problems.lines.append(str(error))
+
+
+def validate_config(cfg) -> None:
+    """Raises ConfigError listing every problem of a training config (nothing is loaded or compiled)."""
+    missing = missing_fields(cfg)
+    if missing:
+        raise ConfigError(
+            "\n".join(
+                f"config.{name} is missing: restore it from configs/ (the preset's value) or pass --config.{name}=..."
+                for name in missing
+            )
+        )
+    problems = _Problems(cfg)
+    for dotted, allowed in ENUM_FIELDS.items():
+        problems.enum(dotted, allowed)
+    for dotted, bounds in NUMBER_FIELDS.items():
+        problems.number(dotted, **bounds)
+    for applies, dotted, bounds in CONDITIONAL_NUMBER_FIELDS:
+        if applies(cfg):
+            problems.number(dotted, **bounds)
+    _check_parsed_fields(problems, cfg)
+    _check_relations(problems, cfg)
     _check_mesh(problems, cfg)
     _check_paths(problems, cfg)
     if not problems.lines:  # the combinations read several fields: only once each is valid

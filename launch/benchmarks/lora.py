@@ -1,7 +1,7 @@
 """LoRA beside full fine-tuning, measured side by side in one run: the actor update and decoding.
 
 Each shape runs twice, full fine-tuning and LoRA (rank 8, alpha 16, every projection), through
-the programs train() runs (`plan.train_step_programs`, compiled for this machine; random
+the programs train() runs (`planner.train_step_programs`, compiled for this machine; random
 weights): `--model=tiny` (default) runs `tiny`, configs/tiny.py, and `wide`, the same with 4x its
 width and 2x its depth; `--model=qwen3_0.6b` runs the step suite's Qwen3-0.6B shapes (bf16, full
 remat, 512-token prompts + `length` - 512 new tokens; meant for a GPU). Per

@@ -1,9 +1,9 @@
-"""One train step's programs, predicted (comppo_jax.train.cost) and measured side by side.
+"""One train step's programs, predicted (comppo_jax.planning.hlo_cost) and measured side by side.
 
-The programs are those `launch/plan.py` compiles for a TPU slice (`plan.train_step_programs`),
+The programs are those `launch/plan.py` compiles for a TPU slice (`planner.train_step_programs`),
 here compiled for this machine's devices and run on real arrays: the sampler on random prompts,
 the scoring pass on its rollout, the actor and critic updates on a minibatch of it. Each is
-predicted from its own optimized HLO with the roofline of `comppo_jax.train.cost` on this
+predicted from its own optimized HLO with the roofline of `comppo_jax.planning.hlo_cost` on this
 machine's peaks: a GPU or TPU's published ones, or, on a CPU, the ones measured here (the rate
 of a square matmul in each dtype and the bandwidth of a large array copy), so the method is
 checked end to end without an accelerator. Weights are random and every row decodes to
@@ -27,14 +27,15 @@ import numpy as np
 from benchmarks.sampler import TunixWorker
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
+from comppo_jax.credit import registry
 from comppo_jax.data.rewards import terminal_reward_tokens
 from comppo_jax.models import lora, to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.train import cost as costs
-from comppo_jax.train import decode_layout, plan
-from comppo_jax.train.learner import estimate_credit, take_rows
-from comppo_jax.train.methods import control_gate, run_parts
-from comppo_jax.train.update import Minibatch
+from comppo_jax.planning import chips, hlo_cost, planner
+from comppo_jax.train import decode_layout
+from comppo_jax.train.learner import controlled_gate
+from comppo_jax.train.specs import credit_spec
+from comppo_jax.train.update import Minibatch, take_rows
 
 QWEN3_0_6B = dict(
     architecture="qwen3",
@@ -70,7 +71,7 @@ def step_config(model: str, length: int):
     return cfg, 512
 
 
-def measured_cpu(megabytes: int = 512, size: int = 1024) -> costs.Chip:
+def measured_cpu(megabytes: int = 512, size: int = 1024) -> chips.Chip:
     """This CPU's peaks as the cost model needs them, measured: square matmuls in each dtype and
     an elementwise pass over an array several times the cache, updated in place (a fresh output
     would time the page faults of its first touch)."""
@@ -95,7 +96,7 @@ def measured_cpu(megabytes: int = 512, size: int = 1024) -> costs.Chip:
         5,
     )
     flop = 2 * size**3
-    return costs.Chip(
+    return chips.Chip(
         f"this CPU ({jax.local_device_count()} device(s), measured)",
         flop / seconds["bfloat16"],
         flop / seconds["float32"],
@@ -106,15 +107,15 @@ def measured_cpu(megabytes: int = 512, size: int = 1024) -> costs.Chip:
     )
 
 
-def this_chip() -> costs.Chip:
+def this_chip() -> chips.Chip:
     """The peaks of the first local device: published for a known GPU or TPU, measured on a CPU."""
     device = jax.devices()[0]
     if device.platform == "cpu":
         return measured_cpu()
-    chip = costs.published_chip(device.device_kind)
+    chip = chips.published_chip(device.device_kind)
     if chip is None:
         raise ValueError(
-            f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.train.cost.CHIPS"
+            f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.planning.chips.CHIPS"
         )
     return chip
 
@@ -141,7 +142,7 @@ def _materialize(tree, rng: np.random.Generator, zeros: bool = False):
 class OnDevice(NamedTuple):
     """A train step's programs compiled for this machine, on real arrays."""
 
-    step: plan.TrainStepPrograms
+    step: planner.TrainStepPrograms
     compiled: dict  # program -> jax.stages.Compiled
     calls: dict  # program -> run it once (blocking); the updates carry their donated state
     state: dict  # the arrays the programs read
@@ -156,7 +157,7 @@ def on_device(cfg, prompt_length: int, mesh, rng: np.random.Generator) -> OnDevi
     platform) and runs each once: random weights and prompts (the same for every config of one
     model from the same `rng` state), the values on the whole scored rollout, the updates on a
     minibatch of it."""
-    step = plan.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=mesh.devices.flat[0].platform)
+    step = planner.train_step_programs(cfg, mesh, prompt_length=prompt_length, platform=mesh.devices.flat[0].platform)
     host_prompts = rng.integers(3, step.config.vocab_size, (cfg.rollout.prompts_per_step, prompt_length), np.int32)
     state = {
         name: _materialize(tree, rng, zeros=name.endswith("_opt"))
@@ -257,13 +258,13 @@ def run(
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         measured = interleaved_medians(programs.calls, repeats)
 
-    options = plan.cost_options_for(
+    options = planner.cost_options_for(
         layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=len(devices)
     )
     rows, predicted_step, measured_step = [], 0.0, 0.0
     for name, program in compiled.items():
-        cost = costs.program_cost(program.as_text(), **options)
-        predicted = costs.roofline_seconds(cost, chip)
+        cost = hlo_cost.program_cost(program.as_text(), **options)
+        predicted = hlo_cost.roofline_seconds(cost, chip)
         runs = step.runs[name]
         predicted_step, measured_step = predicted_step + predicted * runs, measured_step + measured[name] * runs
         rows.append(
@@ -272,7 +273,7 @@ def run(
                 "runs / step": runs,
                 "GFLOP": f"{cost.flops / 1e9:.3g}",
                 "HBM GB": f"{cost.hbm_bytes / 1e9:.3g}",
-                "bound": costs.bound(cost, chip),
+                "bound": hlo_cost.bound(cost, chip),
                 "predicted ms": f"{predicted * 1e3:.3g}",
                 "measured ms": f"{measured[name] * 1e3:.3g}",
                 "measured / predicted": f"{measured[name] / predicted:.2f}",
@@ -302,7 +303,7 @@ def run(
             "uncounted",
         ],
     )
-    mfu = lambda seconds: step.model_flops / (seconds * len(devices) * costs.peak_flops(chip, config.dtype))
+    mfu = lambda seconds: step.model_flops / (seconds * len(devices) * chips.peak_flops(chip, config.dtype))
     print(
         f"train step (device programs only): predicted {predicted_step:.3g} s, measured {measured_step:.3g} s, "
         f"measured / predicted {measured_step / predicted_step:.2f}; MFU measured {mfu(measured_step):.1%}, "
@@ -367,7 +368,7 @@ def grpo_peer(tunix_python: str, repeats: int) -> None:
     mesh = sharding.make_mesh(cfg.mesh, jax.devices())
     # Our default scoring pass (rescored old log-probs and the gate statistics), timed beside the
     # step that matches tunix's work: the sampler's log-probs, the reference pass alone.
-    default_score = plan.train_step_programs(
+    default_score = planner.train_step_programs(
         cfg, mesh, prompt_length=prompt_length, platform=jax.devices()[0].platform
     ).programs["score"][0]
     cfg.rollout.old_log_probs = "sampler"
@@ -438,7 +439,7 @@ def credit_call(cfg, ours: OnDevice, rng: np.random.Generator):
     """Blocking call of what the learner's `credit` computes besides the critic's values: the
     method's gate control and its estimator (Comp-GAE, GAE or group-relative) with whitening, on
     the values of the scored rollout and uniform random rewards at each row's last token."""
-    parts = run_parts(cfg, ours.step.config)
+    credit = credit_spec(cfg, ours.step.config)
     mask = ours.rollout.response_mask
     rewards = rng.random(mask.shape[0]).astype(np.float32)
     reward_tokens = terminal_reward_tokens(rewards, sharding.to_host(mask))
@@ -450,10 +451,8 @@ def credit_call(cfg, ours: OnDevice, rng: np.random.Generator):
     key = jax.random.PRNGKey(1)
 
     def call():
-        kappa = control_gate(
-            parts.recipe, ours.rollout.kappa, mask, key, parts.position_schedule, fixed_value=cfg.fixed_gate
-        )
-        jax.block_until_ready(estimate_credit(cfg, parts.recipe, rewards, reward_tokens, values, kappa, mask))
+        kappa = controlled_gate(credit, ours.rollout.kappa, mask, key)
+        jax.block_until_ready(registry.estimate(credit.estimator, rewards, reward_tokens, values, kappa, mask))
 
     return call
 

@@ -10,9 +10,9 @@ import jax
 import pytest
 from conftest import launch_script, restored_on_one_device, small_train_config
 
-from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.runs.checkpoint import RunCheckpoints
 from comppo_jax.train.loop import train
-from comppo_jax.train.outputs import save_run_config
+from comppo_jax.train.schema import save_run_config
 
 LORA = dict(model__lora__rank=4, model__lora__targets="q,v,gate,down", train__actor_lr=1e-2)
 STEP = 3  # the run's last checkpoint (2 steps after a 1-step critic warm-up)

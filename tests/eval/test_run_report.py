@@ -22,10 +22,12 @@ from comppo_jax.eval.run_report import (
     run_report_html,
     write_run_report,
 )
-from comppo_jax.train.methods import recipe as make_recipe
-from comppo_jax.train.outputs import save_run_config
+from comppo_jax.models import model_config
+from comppo_jax.runs.samples import save_samples
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
-from comppo_jax.train.samples import kept_responses, save_samples
+from comppo_jax.train.samples import kept_responses
+from comppo_jax.train.schema import save_run_config
+from comppo_jax.train.specs import resolve
 
 PHASES = ["stable", "stable", "warning", "warning", "stable", "stable"]
 HOSTILE_PROMPT = "What is 1 + 1? </script><script>document.title = 'broken'</script>"
@@ -45,10 +47,10 @@ def run_dir(tmp_path_factory):
     with open(path / "metrics.jsonl", "w") as f:
         for step, phase in enumerate(PHASES, 1):
             f.write(json.dumps({"step": step, "phase": phase, "reward/mean": 0.1 * step, "gate/mean": 0.5}) + "\n")
-    recipe = make_recipe("comppo")
+    spec = resolve(cfg, model_config(cfg.model)).recorder
     for step in (3, 6):
-        sampled, scored = stand_in_batch(cfg, recipe, seed=step)
-        record = kept_responses(cfg, recipe, CharTokenizer(), step, sampled, scored)
+        sampled, scored = stand_in_batch(cfg, spec.credit.recipe, seed=step)
+        record = kept_responses(spec, CharTokenizer(), step, sampled, scored)
         record["responses"][0]["prompt"] = HOSTILE_PROMPT  # text that must not end the page's script
         save_samples(str(path), record)
     kappa, mask = scored.rollout.kappa, sampled.host_mask
@@ -151,7 +153,7 @@ HOSTILE_TEXTS = ("<!--<script>", "</script>", "<img src=x onerror=\"document.tit
 
 
 def kept_step(step: int, prompt: str = "What is 1 + 1?", pieces: tuple[str, ...] = ("2", ".")) -> dict:
-    """A kept step's record (comppo_jax.train.samples) written by hand: one CompPO response of `pieces`."""
+    """A kept step's record (comppo_jax.runs.samples) written by hand: one CompPO response of `pieces`."""
     n = len(pieces)
     ramp = [round(0.1 * t, 5) for t in range(1, n + 1)]
     response = {

@@ -64,7 +64,7 @@ def main(argv):
     shapes = dict(num_prompts=4, samples=2, prompt_length=7, max_new_tokens=10, page_size=4, decode_slots=None)
 
     def sample(value, temperature):
-        layout = decode_layout.make_decode_layout(value, mesh, config, params, chip=None, budget=None, rollout=shapes)
+        layout = decode_layout.make_decode_layout(value, mesh, config, params, target=(None, None), rollout=shapes)
         with jax.set_mesh(mesh):
             sampler = layout.reshard(params)
             with jax.set_mesh(layout.mesh):

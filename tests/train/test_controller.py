@@ -22,7 +22,7 @@ from comppo_jax.train.controller import (
     target_phase,
     update,
 )
-from comppo_jax.train.paper import paper_config
+from comppo_jax.train.schema import paper_config
 
 CALIBRATED = ControllerConfig()
 LITERAL = ControllerConfig(**THRESHOLDS["paper_literal"])

@@ -24,8 +24,8 @@ from conftest import (
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, preset_model_config
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.train import cost as costs
-from comppo_jax.train import decode_layout, plan
+from comppo_jax.planning import chips, decode_floor, planner
+from comppo_jax.train import decode_layout
 from comppo_jax.train.validation import validate_config
 
 QWEN3_4B = preset_model_config("qwen3_4b")
@@ -36,7 +36,7 @@ PRESET_ROLLOUT = dict(
 
 
 def test_floor_is_the_weight_and_kv_share_read_per_token_step_plus_the_groups_latency():
-    floor = decode_layout.decode_floor(QWEN3_4B, costs.CHIPS["v5p"], devices=8, tensor=4, **PRESET_ROLLOUT)
+    floor = decode_floor.decode_floor(QWEN3_4B, chips.CHIPS["v5p"], devices=8, tensor=4, **PRESET_ROLLOUT)
     c = QWEN3_4B
     weights = 2 * (
         c.num_layers
@@ -54,19 +54,19 @@ def test_floor_is_the_weight_and_kv_share_read_per_token_step_plus_the_groups_la
     assert (
         floor.collective_hops == (2 * c.num_layers + 1) * 2 * 3 + 3
     )  # ring all-reduces per layer and the embedding's, the logits' gather
-    chip = costs.CHIPS["v5p"]
+    chip = chips.CHIPS["v5p"]
     assert floor.step_seconds == pytest.approx(
         (weights / 4 + norms + kv) / chip.hbm_bytes + floor.collective_hops * chip.hop_latency
     )
     assert floor.steps == 16384 and floor.seconds == pytest.approx(16384 * floor.step_seconds)
     # One chip per group: every chip reads all the weights, no collectives.
-    alone = decode_layout.decode_floor(QWEN3_4B, chip, devices=8, tensor=1, **PRESET_ROLLOUT)
+    alone = decode_floor.decode_floor(QWEN3_4B, chip, devices=8, tensor=1, **PRESET_ROLLOUT)
     assert alone.collective_hops == 0 and alone.weight_bytes == pytest.approx(weights + norms)
 
 
 def test_group_sizes_follow_the_heads_and_kv_heads_share_each_chips_pages():
-    assert decode_layout.group_sizes(QWEN3_4B, 8) == [1, 2, 4, 8]
-    assert decode_layout.group_sizes(QWEN3_4B, 64) == [
+    assert decode_floor.decode_group_sizes(QWEN3_4B, 8) == [1, 2, 4, 8]
+    assert decode_floor.decode_group_sizes(QWEN3_4B, 64) == [
         1,
         2,
         4,
@@ -74,20 +74,20 @@ def test_group_sizes_follow_the_heads_and_kv_heads_share_each_chips_pages():
         16,
         32,
     ]  # 32 query heads; 16 and 32 repeat the 8 kv heads
-    assert decode_layout.group_sizes(dataclasses.replace(QWEN3_4B, num_heads=12, num_kv_heads=4), 16) == [1, 2, 4]
-    assert [decode_layout.pool_heads_per_chip(QWEN3_4B, g) for g in (1, 2, 8, 16, 32)] == [8, 4, 1, 1, 1]
+    assert decode_floor.decode_group_sizes(dataclasses.replace(QWEN3_4B, num_heads=12, num_kv_heads=4), 16) == [1, 2, 4]
+    assert [decode_floor.pool_heads_per_chip(QWEN3_4B, g) for g in (1, 2, 8, 16, 32)] == [8, 4, 1, 1, 1]
 
 
 def test_auto_takes_the_fastest_layout_that_fits():
-    candidates = decode_layout.floors(QWEN3_4B, costs.CHIPS["v5p"], 8, **PRESET_ROLLOUT)
-    fastest = decode_layout.fastest(candidates, budget=None)
+    candidates = decode_floor.floors(QWEN3_4B, chips.CHIPS["v5p"], 8, **PRESET_ROLLOUT)
+    fastest = decode_floor.fastest(candidates, budget=None)
     assert fastest.seconds == min(c.seconds for c in candidates)
     # Without room for the fastest's weights and pages, the fastest of those that fit.
     budget = fastest.memory_bytes - 1
     fitting = [c for c in candidates if c.memory_bytes <= budget]
-    assert fitting and decode_layout.fastest(candidates, budget).tensor == min(fitting, key=lambda c: c.seconds).tensor
+    assert fitting and decode_floor.fastest(candidates, budget).tensor == min(fitting, key=lambda c: c.seconds).tensor
     # Nothing fits: the layout that holds the least.
-    assert decode_layout.fastest(candidates, budget=1).tensor == min(candidates, key=lambda c: c.memory_bytes).tensor
+    assert decode_floor.fastest(candidates, budget=1).tensor == min(candidates, key=lambda c: c.memory_bytes).tensor
 
 
 def test_rollout_mesh_tensor_is_validated_by_name(tmp_path):
@@ -100,7 +100,7 @@ def test_rollout_mesh_tensor_is_validated_by_name(tmp_path):
         lambda s: jax.ShapeDtypeStruct(s, "float32"), {"w": (4, 4)}, is_leaf=lambda x: isinstance(x, tuple)
     )
     with pytest.raises(ConfigError, match=r"rollout\.mesh\.tensor=3: .* here: 1 \(or auto, train\)"):
-        decode_layout.make_decode_layout("3", mesh, QWEN3_4B, shapes, chip=None, budget=None, rollout=PRESET_ROLLOUT)
+        decode_layout.make_decode_layout("3", mesh, QWEN3_4B, shapes, target=(None, None), rollout=PRESET_ROLLOUT)
 
 
 def run_payload(script, *args, env) -> str:
@@ -153,8 +153,8 @@ def plan_sampler(topology: str, tensor: str):
     require_libtpu()
     cfg = load_config_file(PRESET_DIR / "qwen3_4b.py")
     cfg.rollout.mesh.tensor = tensor
-    result = plan.plan(cfg, topology, prompt_length=512, steps=plan.SAMPLER_STEPS, log=lambda message: None)
-    return result, plan.with_decode_layout(cfg, result, "train", prompt_length=512, log=lambda message: None)
+    result = planner.plan(cfg, topology, prompt_length=512, steps=planner.SAMPLER_STEPS, log=lambda message: None)
+    return result, planner.with_decode_layout(cfg, result, "train", prompt_length=512, log=lambda message: None)
 
 
 def gathered_per_token_step(result) -> float:
@@ -195,7 +195,7 @@ def test_tpu_decode_loop_gathers_no_weights_and_reads_near_its_floor(topology, g
     assert len(per_layer) >= 2  # the attention output's and the MLP's row-parallel projections
     assert max(x.bytes for x in sampler.decode_collectives if x.kind == "all-gather") <= logits
     # Predicted from the compiled decode loop, within 1.5x of the floor; the resharding program moves the weights once.
-    times = {t.program: t.seconds for t in plan.step_times(decoded)}
+    times = {t.program: t.seconds for t in planner.step_times(decoded)}
     assert times["sample decode"] < 1.5 * decoded.decode.floor.seconds
     reshard = next(s for s in decoded.steps if s.step == "reshard")
     assert reshard.cost.collective_bytes > 0 and reshard.error is None

@@ -14,7 +14,8 @@ from comppo_jax.critic import init_value_model, value_model_values
 from comppo_jax.critic.value_model import TRUNK
 from comppo_jax.models import init_params
 from comppo_jax.sharding import make_mesh
-from comppo_jax.train.methods import init_critic, initial_keys, run_parts
+from comppo_jax.train.methods import init_critic, initial_keys
+from comppo_jax.train.specs import resolve
 from comppo_jax.train.update import adamw, critic_values, jit_update_steps
 
 
@@ -44,10 +45,10 @@ def test_the_loops_full_critic_has_verls_head_and_unclamped_values(tmp_path):
     """Built as the train loop builds it (`init_critic` with the run's critic key), read as the update
     step reads it (`critic_values`): values beyond [-1, 1] come back as the head computes them."""
     cfg = small_train_config(tmp_path, method="ppo", critic__kind="full")
-    parts = run_parts(cfg, CONFIG)
+    credit = resolve(cfg, CONFIG).learner.credit
     _, critic_rng, _ = initial_keys(cfg.seed)
     critic = init_critic(
-        parts, CONFIG, critic_rng, policy=init_params(CONFIG, jax.random.PRNGKey(0)), master_dtype="float32"
+        credit, CONFIG, critic_rng, policy=init_params(CONFIG, jax.random.PRNGKey(0)), master_dtype="float32"
     )
     assert_verls_head(critic["head"])
     minibatch = update_inputs()[-1]
@@ -76,13 +77,9 @@ def test_the_critic_step_trains_every_weight_of_the_value_model_and_leaves_the_a
     mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     steps = jit_update_steps(
         mesh,
+        dict(actor=actor, actor_opt=actor_opt, critic=critic, critic_opt=critic_tx.init(critic)),
         model_config=CONFIG,
-        temperature=1.0,
-        actor=actor,
-        actor_opt=actor_opt,
         actor_tx=actor_tx,
-        critic=critic,
-        critic_opt=critic_tx.init(critic),
         critic_tx=critic_tx,
         critic_kind="full",
     )
@@ -103,9 +100,10 @@ def test_the_critic_step_trains_every_weight_of_the_value_model_and_leaves_the_a
 
 
 def test_ppo_with_critic_kind_full_starts_its_critic_from_the_policy_and_scores_without_actor_features(tmp_path):
-    from comppo_jax.train.checkpoint import RunCheckpoints
-    from comppo_jax.train.loop import starting_point, training_mesh
-    from comppo_jax.train.methods import behaviour_pass, scoring_options
+    from comppo_jax.models import model_config
+    from comppo_jax.runs.checkpoint import RunCheckpoints
+    from comppo_jax.train.loop import training_mesh
+    from comppo_jax.train.start import starting_point
 
     cfg = small_train_config(
         tmp_path,
@@ -118,9 +116,10 @@ def test_ppo_with_critic_kind_full_starts_its_critic_from_the_policy_and_scores_
     )
     mesh, _ = training_mesh(cfg)
     checkpoints = RunCheckpoints(cfg.output_dir)
-    start = starting_point(cfg, mesh, None, checkpoints, [], show_progress=False)
+    spec = resolve(cfg, model_config(cfg.model))
+    start = starting_point(cfg, spec, mesh, None, checkpoints, [], show_progress=False)
     critic, reference = start.state["critic"], start.reference()
-    assert start.parts.recipe.critic == "full" and start.parts.hidden_layers == ()
+    assert spec.learner.credit.recipe.critic == "full" and spec.learner.credit.hidden_layers == ()
     assert_verls_head(critic["head"])
     for copied, policy in zip(
         jax.tree.leaves(critic["trunk"]), jax.tree.leaves({name: reference[name] for name in TRUNK})
@@ -129,6 +128,5 @@ def test_ppo_with_critic_kind_full_starts_its_critic_from_the_policy_and_scores_
         np.testing.assert_array_equal(copied, policy.astype(jnp.float32))
     assert jax.tree.structure(start.state["critic_opt"].inner_state[0].mu) == jax.tree.structure(critic)
     # With the sampler's log-probs nothing reads the behaviour policy's forward: no scoring pass of its own.
-    assert not behaviour_pass(start.parts.recipe, cfg.rollout.old_log_probs)
-    assert scoring_options(cfg, start.parts)["behaviour_pass"] is False
+    assert spec.rollout.experience.scoring.options()["behaviour_pass"] is False
     checkpoints.close()

@@ -15,8 +15,9 @@ import pytest
 from conftest import small_train_config
 from update_inputs import CONFIG, HYPER, update_inputs
 
-from comppo_jax.train import loop, sampling
-from comppo_jax.train.checkpoint import NonFiniteStateError, RunCheckpoints
+from comppo_jax.rollout import experience
+from comppo_jax.runs.checkpoint import NonFiniteStateError, RunCheckpoints
+from comppo_jax.train import loop
 from comppo_jax.train.guards import NonFiniteError, StopSignals
 from comppo_jax.train.update import actor_step, critic_step
 
@@ -31,7 +32,7 @@ def test_a_non_finite_loss_leaves_params_and_optimizer_state_unchanged():
     poisoned = batch._replace(
         advantages=batch.advantages.at[0, 0].set(jnp.nan), returns=batch.returns.at[1, 0].set(jnp.inf)
     )
-    step = jax.jit(functools.partial(actor_step, config=CONFIG, tx=actor_tx, temperature=1.0))
+    step = jax.jit(functools.partial(actor_step, config=CONFIG, tx=actor_tx))
     params, opt_state, metrics = step(actor, actor_opt, poisoned, HYPER["actor"])
     assert not metrics["actor_finite"]
     assert_trees_equal(params, actor)
@@ -77,7 +78,7 @@ def restored_state(run_dir, step):
 def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_path, monkeypatch):
     """Steps 1..5 (a critic warm-up step, then 4 actor updates): NaN rewards at step 2, then at 4 and 5."""
     calls = []
-    score = sampling.score_responses
+    score = experience.score_responses
 
     def poisoned(texts, *args, **kwargs):
         rewards, verdicts, metrics = score(texts, *args, **kwargs)
@@ -87,7 +88,7 @@ def test_nan_rewards_are_skipped_counted_and_stop_the_run_after_k_in_a_row(tmp_p
             rewards[0] = np.nan
         return rewards, verdicts, metrics
 
-    monkeypatch.setattr(sampling, "score_responses", poisoned)
+    monkeypatch.setattr(experience, "score_responses", poisoned)
     config = small_train_config(tmp_path, steps=4, checkpoint__keep_last=10, train__max_skipped_updates=2)
     with pytest.raises(
         NonFiniteError,

@@ -43,9 +43,10 @@ SCRIPT = textwrap.dedent(
     from comppo_jax.rollout.sampler import Generation
     from comppo_jax.train import controller
     from comppo_jax.train.learner import Learner, Offload
-    from comppo_jax.train.methods import critic_warmup, init_critic, run_parts, scoring_options
+    from comppo_jax.rollout.experience import Sampled
+    from comppo_jax.train.methods import init_critic
     from comppo_jax.train.rollout_stage import Experience
-    from comppo_jax.train.sampling import Sampled
+    from comppo_jax.train.specs import resolve
     from comppo_jax.train.update import adamw, jit_update_steps, minibatch_shardings
     from conftest import small_train_config
     from update_inputs import CONFIG, update_inputs
@@ -56,16 +57,16 @@ SCRIPT = textwrap.dedent(
             critic__top_k=4,
         )
         mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2), jax.devices())
-        parts = run_parts(cfg, CONFIG)
+        spec = resolve(cfg, CONFIG)
+        credit = spec.learner.credit
         actor, _, _, _, _, _, _, batch = update_inputs(batch=8)
         actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
-        critic = init_critic(parts, CONFIG, jax.random.PRNGKey(1))
+        critic = init_critic(credit, CONFIG, jax.random.PRNGKey(1))
         state = dict(actor=actor, actor_opt=actor_tx.init(actor), critic=critic, critic_opt=critic_tx.init(critic))
         state = sharding.put(state, sharding.tree_shardings(mesh, state))
         steps = jit_update_steps(
-            mesh, model_config=CONFIG, temperature=1.0, actor=state["actor"], actor_opt=state["actor_opt"],
-            actor_tx=actor_tx, critic=state["critic"], critic_opt=state["critic_opt"], critic_tx=critic_tx,
-            critic_module=parts.critic_module, critic_kind=parts.recipe.critic,
+            mesh, state, model_config=CONFIG, actor_tx=actor_tx, critic_tx=critic_tx,
+            critic_module=credit.critic_module, critic_kind=credit.recipe.critic,
         )
         generation = Generation(
             batch.tokens, batch.attention_mask, batch.prompt_lengths, batch.response_tokens, batch.response_mask,
@@ -77,14 +78,14 @@ SCRIPT = textwrap.dedent(
         reward_tokens[np.arange(8), host_mask.sum(1) - 1] = rewards
         sampled = Sampled(generation, [], [], rewards, [], {}, host_mask, reward_tokens)
         with jax.set_mesh(mesh):
-            options = scoring_options(cfg, parts)
+            options = spec.rollout.experience.scoring.options()
             rollout = jax.jit(lambda actor: score_rollout(actor, actor, CONFIG, generation, **options))(state["actor"])
             assert rollout.routing is not None
             learner = Learner(
-                cfg, CONFIG, parts, steps, minibatch_shardings(mesh, True, CONFIG.hidden_size), Offload.of(offload),
+                spec.learner, CONFIG, steps, minibatch_shardings(mesh, True, CONFIG.hidden_size), Offload.of(offload),
                 {"controller": controller.initial_state()}, lambda what: None,
             )
-            step = critic_warmup(cfg, parts.recipe) + 1  # the critic's and the actor's epochs
+            step = spec.steps.warmup + 1  # the critic's and the actor's epochs
             experience = Experience(step, step, sampled, rollout, 0.0, (0.0, 0.0))
             del dispatched[:]
             state, learned = learner.update(state, experience, step, jax.random.PRNGKey(2))
@@ -185,7 +186,7 @@ STEP_SCRIPT = textwrap.dedent(
 STEP_PROGRAMS = {
     "jit(decode_weights)",  # the sampler's weights in the decode layout (decode_layout)
     "jit(generate)",  # each generation round (rollout.sampler)
-    "jit(_gather_rows)",  # dynamic sampling's kept groups (sampling.take_groups)
+    "jit(_gather_rows)",  # dynamic sampling's kept groups (rollout.experience.take_groups)
     "jit(score_rollout)",  # the behaviour and reference scoring (rollout.scoring)
     "jit(<lambda>)",  # the checkpoint's leaf digests (checkpoint.state_digests), read back at once
 }

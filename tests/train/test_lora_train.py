@@ -20,20 +20,23 @@ from conftest import (
 )
 
 from comppo_jax.models import lora
-from comppo_jax.train.checkpoint import BASE_RECORD, RunCheckpoints
+from comppo_jax.runs.checkpoint import BASE_RECORD, RunCheckpoints
 
 LORA = dict(model__lora__rank=4, model__lora__targets="q,v,gate,down", train__actor_lr=1e-2)
 
 
 def test_a_lora_run_starts_with_one_base_which_is_its_reference_and_adamw_over_the_adapters(tmp_path):
-    from comppo_jax.train.loop import starting_point, training_mesh
+    from comppo_jax.models import model_config
+    from comppo_jax.train.loop import training_mesh
+    from comppo_jax.train.specs import resolve
+    from comppo_jax.train.start import starting_point
 
     cfg = small_train_config(
         tmp_path, warm_start__steps=0, train__master_dtype="float32", model__arch__dtype="bfloat16", **LORA
     )
     mesh, _ = training_mesh(cfg)
     checkpoints = RunCheckpoints(cfg.output_dir)
-    start = starting_point(cfg, mesh, None, checkpoints, [], show_progress=False)
+    start = starting_point(cfg, resolve(cfg, model_config(cfg.model)), mesh, None, checkpoints, [], show_progress=False)
     actor = start.state["actor"]
     adapters, base = lora.split(actor)
     assert set(adapters["layers"]) == {f"{w}_proj_lora_{p}" for w in ("q", "v", "gate", "down") for p in "ab"}
@@ -109,7 +112,7 @@ class Loaded(Exception):
 
 def saved_run(run, actor: dict, **overrides):
     """A run directory as train() leaves it after checkpoint 1 (its config.json and one checkpoint of `actor`)."""
-    from comppo_jax.train.outputs import save_run_config
+    from comppo_jax.train.schema import save_run_config
 
     save_run_config(small_train_config(run, **overrides), str(run))
     checkpoints = RunCheckpoints(str(run), keep_last=2, keep_best=0)
@@ -126,7 +129,7 @@ def test_lora_on_a_run_that_trained_every_weight_and_the_reverse_are_refused_bef
     def reached(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(loop, "load_tokenizer", reached)
+    monkeypatch.setattr("comppo_jax.train.start.load_tokenizer", reached)
     full, adapted = tmp_path / "full", tmp_path / "lora"
     saved_run(full, {"layers": {"q_proj": jnp.zeros((2, 4, 4))}})
     with pytest.raises(

@@ -9,14 +9,9 @@ import pytest
 from conftest import small_train_config
 
 from comppo_jax.credit import FIXED_GATE, fit_position_schedule
-from comppo_jax.train.methods import (
-    Recipe,
-    behaviour_pass,
-    control_gate,
-    critic_epochs_first,
-    recipe,
-    spread_over_sequence,
-)
+from comppo_jax.models import model_config
+from comppo_jax.train.methods import Recipe, behaviour_pass, control_gate, recipe, spread_over_sequence
+from comppo_jax.train.specs import resolve
 
 MASK = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
 KAPPA = jnp.asarray([[0.2, 0.5, 0.8, 0.0], [0.3, 0.6, 0.0, 0.0]])
@@ -104,4 +99,4 @@ def test_the_critics_epochs_run_first_unless_the_gate_is_refreshed_per_epoch(
     tmp_path, method, critic, gate_refresh, first
 ):
     cfg = small_train_config(tmp_path, method=method, critic__kind=critic, gate_refresh=gate_refresh)
-    assert critic_epochs_first(cfg, recipe(cfg.method, cfg.gate, cfg.critic.kind)) is first
+    assert resolve(cfg, model_config(cfg.model)).learner.critic_first is first

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import small_train_config
 
-from comppo_jax.train import loop, run_dir
-from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.runs import run_dir
+from comppo_jax.runs.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.train import loop, start
 
 
 def stale(run, **overrides):
@@ -125,10 +126,10 @@ def test_completed_summary_trusts_only_a_summary_it_can_read(tmp_path, capsys, c
     path = tmp_path / "summary.json"
     path.write_bytes(torn.encode("utf-8", "surrogateescape"))
     with caplog.at_level(logging.WARNING):
-        assert loop.completed_summary(cfg, checkpoints, 3, main_process=True) is None
+        assert start.completed_summary(cfg, checkpoints, 3, main_process=True) is None
     assert f"{path} cannot be read (" in caplog.text and "resuming from checkpoint 3" in caplog.text
     assert "nothing to do" not in capsys.readouterr().out
     path.write_text(json.dumps({"steps": 3}))
-    assert loop.completed_summary(cfg, checkpoints, 3, main_process=True) == {"steps": 3}
+    assert start.completed_summary(cfg, checkpoints, 3, main_process=True) == {"steps": 3}
     assert f"run already complete at step 3: nothing to do ({path})" in capsys.readouterr().out
     checkpoints.close()

@@ -12,23 +12,22 @@ from conftest import small_train_config, stand_in_batch
 
 from comppo_jax.credit import comp_gae, gae, retention_gate
 from comppo_jax.data.tokenizers import CharTokenizer
-from comppo_jax.train.methods import recipe as make_recipe
-from comppo_jax.train.samples import (
-    keeps_samples,
-    kept_positions,
-    kept_responses,
-    kept_rows,
-    load_samples,
-    sample_path,
-    save_samples,
-)
+from comppo_jax.models import model_config
+from comppo_jax.runs.samples import load_samples, sample_path, save_samples
+from comppo_jax.train.samples import keeps_samples, kept_positions, kept_responses, kept_rows
+from comppo_jax.train.specs import resolve
+
+
+def recorder_spec(cfg):
+    """What the recorder keeps responses by, resolved from `cfg` as the train loop resolves it."""
+    return resolve(cfg, model_config(cfg.model)).recorder
 
 
 def kept(tmp_path, method="comppo", gate="attention", **overrides):
     cfg = small_train_config(tmp_path, method=method, gate=gate, **overrides)
-    recipe = make_recipe(method, gate, cfg.critic.kind)
-    sampled, scored = stand_in_batch(cfg, recipe)
-    return cfg, sampled, scored, kept_responses(cfg, recipe, CharTokenizer(), 7, sampled, scored)
+    spec = recorder_spec(cfg)
+    sampled, scored = stand_in_batch(cfg, spec.credit.recipe)
+    return cfg, sampled, scored, kept_responses(spec, CharTokenizer(), 7, sampled, scored)
 
 
 def test_steps_rows_and_tokens_kept():
@@ -87,7 +86,7 @@ def test_a_long_response_keeps_its_first_and_last_tokens_and_a_file_round_trips_
     assert record["responses"][-1]["t"] == [1, 2, 3]  # 3 tokens: all kept
     scored.batch.old_values[0, 1] = np.nan
     sampled.rewards[0] = np.nan  # a step the skipped-update guard catches
-    record = kept_responses(small_train_config(tmp_path), make_recipe("comppo"), CharTokenizer(), 9, sampled, scored)
+    record = kept_responses(recorder_spec(small_train_config(tmp_path)), CharTokenizer(), 9, sampled, scored)
     assert record["responses"][0]["tokens"]["value"][1] is None and record["responses"][0]["reward"] is None
     path = save_samples(str(tmp_path), record)
     assert path == sample_path(str(tmp_path), 9) and path.endswith("samples/step_000009.json")

@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent(
         if KIND == "full":
             critic = init_value_model(actor, jnp.float32, jax.random.PRNGKey(2))
             critic_opt = critic_tx.init(critic)
-        steps = jit_update_steps(mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt,
-                                 actor_tx=actor_tx, critic=critic, critic_opt=critic_opt, critic_tx=critic_tx,
+        steps = jit_update_steps(mesh, dict(actor=actor, actor_opt=actor_opt, critic=critic, critic_opt=critic_opt),
+                                 model_config=CONFIG, actor_tx=actor_tx, critic_tx=critic_tx,
                                  critic_module=module, critic_kind=KIND)
         state = (actor, actor_opt, critic, critic_opt)
         actor, actor_opt, critic, critic_opt = sharding.put(state, sharding.tree_shardings(mesh, state))
@@ -117,13 +117,9 @@ def test_tiny_train_step_compiles_for_a_tpu_topology(chip):
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
     steps = jit_update_steps(
         mesh,
+        dict(actor=actor, actor_opt=actor_opt, critic=critic, critic_opt=critic_opt),
         model_config=CONFIG,
-        temperature=1.0,
-        actor=actor,
-        actor_opt=actor_opt,
         actor_tx=actor_tx,
-        critic=critic,
-        critic_opt=critic_opt,
         critic_tx=critic_tx,
         critic_module=module,
         critic_kind="tac",

@@ -303,29 +303,25 @@ def test_on_shared_devices_a_started_generation_is_computed_before_start_returns
     run; this one fails at once when the wait is removed). On its own devices it is only dispatched."""
     import jax.numpy as jnp
 
+    from comppo_jax.models import model_config
+    from comppo_jax.rollout import experience
     from comppo_jax.sharding import make_mesh
     from comppo_jax.train import rollout_stage
+    from comppo_jax.train.specs import resolve
 
     cfg = small_train_config(tmp_path)
     slow = jax.jit(lambda x: jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y), x))  # about a second here
-    monkeypatch.setattr(rollout_stage, "generate", lambda *args, **kwargs: slow(jnp.ones((384, 384)) / 384))
+    monkeypatch.setattr(experience, "generate", lambda *args, **kwargs: slow(jnp.ones((384, 384)) / 384))
     monkeypatch.setattr(
-        rollout_stage, "encode_prompts", lambda tokenizer, chosen: (np.zeros((1, 1), np.int32), np.ones((1, 1), bool))
+        experience, "encode_prompts", lambda tokenizer, chosen: (np.zeros((1, 1), np.int32), np.ones((1, 1), bool))
     )
     decode = SimpleNamespace(
         reshard=lambda params: params, replicated=lambda key: key, mesh=make_mesh(cfg.mesh), separate=separate
     )
+    tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
     stage = rollout_stage.RolloutStage(
-        cfg,
-        decode.mesh,
-        None,
-        SimpleNamespace(eos_token_id=2, pad_token_id=0),
-        ([None] * 8, []),
-        None,
-        decode,
-        lambda: None,
-        None,
-        None,
+        resolve(cfg, model_config(cfg.model)).rollout,
+        rollout_stage.RolloutContext(decode.mesh, None, tokenizer, ([None] * 8, []), decode, lambda: None, None),
         prompt_position=(0, 0),
         stop=None,
         compiling=lambda what: None,
@@ -345,16 +341,15 @@ def decoupled_learner_inputs(tmp_path, rule):
     batch whose behaviour log-probs sit log(DESIGNED_WEIGHTS) under the actor's, those proximal log-probs)."""
     from update_inputs import CONFIG, update_inputs
 
+    from comppo_jax.models import model_config
     from comppo_jax.train.learner import Learner, Offload
-    from comppo_jax.train.methods import recipe
+    from comppo_jax.train.specs import resolve
     from comppo_jax.train.update import policy_token_stats
 
     cfg = small_train_config(tmp_path, train__proximal="recompute", train__importance_weight_rule=rule)
-    made = recipe(cfg.method, cfg.gate, cfg.critic.kind)
     learner = Learner(
-        cfg,
+        resolve(cfg, model_config(cfg.model)).learner,
         CONFIG,
-        SimpleNamespace(recipe=made),
         SimpleNamespace(values=None),
         None,
         Offload.of(False),
@@ -383,9 +378,9 @@ def test_the_learners_decoupled_step_clips_against_the_proximal_policy_and_caps_
     the cap is dropped (mask, AReaL's: the token-mean still over every valid token) or truncated."""
     from update_inputs import CONFIG
 
+    from comppo_jax.credit.registry import ActorLoss
     from comppo_jax.models import init_params
     from comppo_jax.train.learner import importance_metrics
-    from comppo_jax.train.methods import ActorLoss
     from comppo_jax.train.update import actor_loss
 
     learner, actor, batch, proximal, weights, mask, stats = decoupled_learner_inputs(tmp_path, rule)
@@ -408,5 +403,5 @@ def test_the_learners_decoupled_step_clips_against_the_proximal_policy_and_caps_
     per_token = -kept * np.minimum(ratio * advantages, np.clip(ratio, 0.8, 1.2) * advantages)
     by_hand = per_token[mask].sum() / mask.sum()
     assert ((ratio[mask] < 0.8) | (ratio[mask] > 1.2)).any()
-    loss, _ = actor_loss(current, CONFIG, updated, 0.2, 0.0, 1.0, ActorLoss(kl_term=False))
+    loss, _ = actor_loss(current, CONFIG, updated, 0.2, 0.0, ActorLoss(kl_term=False))
     assert float(loss) == pytest.approx(by_hand, rel=1e-4, abs=1e-6)

@@ -1,7 +1,7 @@
 """The train loop end to end on the tiny default, shrunk to a couple of steps, for each method.
 
 In this process, so the runs share compiled programs; launch/train.py itself runs in
-tests/train/test_presets_train.py and tests/train/test_checkpoint.py."""
+tests/train/test_presets_train.py and tests/runs/test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from comppo_jax import sharding
 from comppo_jax.credit import load_position_schedule
 from comppo_jax.eval.held_out import held_out_diagnostics
 from comppo_jax.eval.restore import restore_policy
-from comppo_jax.train.checkpoint import RunCheckpoints
+from comppo_jax.runs.checkpoint import RunCheckpoints
+from comppo_jax.runs.samples import load_samples
 from comppo_jax.train.loop import step_postfix, train
-from comppo_jax.train.outputs import load_run_config
-from comppo_jax.train.samples import load_samples
+from comppo_jax.train.schema import load_run_config
 
 
 @pytest.mark.slow
@@ -152,7 +152,7 @@ def test_offloading_idle_state_to_host_changes_no_number(tmp_path, monkeypatch):
 def test_the_critics_epochs_first_change_no_number_and_free_its_features(tmp_path, monkeypatch):
     """The learner runs the critic's epochs before the actor's and then frees the critic's
     features: the same metrics and checkpoints as the interleaved order, bitwise."""
-    from comppo_jax.train import learner
+    from comppo_jax.train import learner, specs
 
     freed = []
     free = learner.free_device_arrays
@@ -160,7 +160,7 @@ def test_the_critics_epochs_first_change_no_number_and_free_its_features(tmp_pat
     rows = {}
     for first in (True, False):
         if not first:
-            monkeypatch.setattr(learner, "critic_epochs_first", lambda cfg, made: False)
+            monkeypatch.setattr(specs, "critic_epochs_first", lambda cfg, made: False)
         train(small_train_config(tmp_path / str(first), method="comppo"))
         rows[first] = [{k: v for k, v in row.items() if k not in WALL_CLOCK} for row in _rows(tmp_path / str(first))]
     assert rows[True] == rows[False]

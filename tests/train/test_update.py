@@ -14,14 +14,15 @@ from conftest import nested_jaxprs, small_train_config
 from update_inputs import CONFIG, HYPER, update_inputs
 
 from comppo_jax.credit import gspo_loss, ppo_clip_loss
-from comppo_jax.train.methods import ActorLoss, actor_loss_of
-from comppo_jax.train.update import actor_step, cast_params, surrogate
+from comppo_jax.credit.registry import ActorLoss, surrogate
+from comppo_jax.train.specs import actor_loss_of
+from comppo_jax.train.update import actor_step, cast_params
 
 
 def test_fp32_master_weights_train_through_a_bf16_forward():
     actor, actor_opt, actor_tx, *_, batch = update_inputs()
     bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
-    step = functools.partial(actor_step, config=bf16, tx=actor_tx, temperature=1.0)
+    step = functools.partial(actor_step, config=bf16, tx=actor_tx)
     jaxpr = jax.make_jaxpr(step)(actor, actor_opt, batch, HYPER["actor"]).jaxpr
     dots = [e for j in nested_jaxprs(jaxpr) for e in j.eqns if e.primitive.name == "dot_general"]
     assert any(all(v.aval.dtype == jnp.bfloat16 for v in e.invars) for e in dots)  # the forward computes in bf16 ...
@@ -164,9 +165,7 @@ def test_a_lora_step_trains_only_the_adapters_and_leaves_the_base_arrays_in_plac
         lora.trainable(actor)
     )  # AdamW moments: adapters only
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-    steps = jit_update_steps(
-        mesh, model_config=CONFIG, temperature=1.0, actor=actor, actor_opt=actor_opt, actor_tx=actor_tx
-    )
+    steps = jit_update_steps(mesh, dict(actor=actor, actor_opt=actor_opt), model_config=CONFIG, actor_tx=actor_tx)
     before = jax.tree.map(np.asarray, lora.trainable(actor)["layers"])  # the step donates the adapters
     with jax.set_mesh(mesh):
         new_actor, new_opt, metrics = apply_actor_step(steps, actor, actor_opt, batch, HYPER["actor"])

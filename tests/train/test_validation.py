@@ -16,8 +16,8 @@ def nothing_loads(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("train() got past validation (it loaded the tokenizer)")
 
-    monkeypatch.setattr(loop, "load_tokenizer", reached)
-    monkeypatch.setattr(loop, "load_policy", reached)
+    monkeypatch.setattr("comppo_jax.train.start.load_tokenizer", reached)
+    monkeypatch.setattr("comppo_jax.train.start.load_policy", reached)
 
 
 def delete(dotted):

@@ -66,7 +66,7 @@ def test_the_warm_start_compiles_one_program_for_batches_of_many_lengths(tmp_pat
     from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.models import ModelConfig, init_params
     from comppo_jax.train import warm_start as module
-    from comppo_jax.train.rollout_stage import load_encodable_problems
+    from comppo_jax.train.start import load_encodable_problems
 
     cfg = small_train_config(str(tmp_path))
     tokenizer = load_tokenizer("")

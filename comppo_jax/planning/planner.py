@@ -26,7 +26,7 @@ meanwhile (e.g. the reference params and the critic during the actor step) is ad
 "resident", so each step's total is what the chip must hold; with `train.offload_idle` the state
 `OFFLOADED` names waits in host memory instead, and the plan counts its bytes and transfers.
 
-The same compiled programs give the step time: `comppo_jax.train.cost` reads each one's FLOPs,
+The same compiled programs give the step time: `comppo_jax.planning.hlo_cost` reads each one's FLOPs,
 HBM and collective bytes per chip from its optimized HLO, `step_times` takes their roofline time
 on the chip's peaks times the runs per step (the sampler split into prefill and decode), and
 `step_summary` the total and MFU (`model_flops`). `with_decode_layout` compiles the sampler again
@@ -53,21 +53,14 @@ from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.lora import LoraConfig
 from comppo_jax.models.paged_cache import resolve_paged_attention
+from comppo_jax.planning import chips, hlo_cost
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, decode_layout
-from comppo_jax.train import cost as costs
 from comppo_jax.train.learner import without_features
 from comppo_jax.train.loop import check_batch
-from comppo_jax.train.methods import (
-    actor_loss_of,
-    behaviour_pass,
-    critic_epochs_first,
-    init_critic,
-    kl_term,
-    run_parts,
-    scoring_options,
-)
+from comppo_jax.train.methods import init_critic
+from comppo_jax.train.specs import resolve
 from comppo_jax.train.update import Minibatch, adamw, cast_params, jit_update_steps, minibatch_shardings
 from pallas_kernels import PLATFORM_BACKENDS
 
@@ -122,9 +115,9 @@ class StepPlan(NamedTuple):
     resident: int  # state held in HBM that the step does not take
     compile_seconds: float
     error: str | None = None  # "does not fit (needs ...)" or the compiler's message
-    cost: costs.ProgramCost | None = None  # per chip, one run (comppo_jax.train.cost)
+    cost: hlo_cost.ProgramCost | None = None  # per chip, one run (comppo_jax.planning.hlo_cost)
     parts: dict | None = None  # the sampler's cost split: {"prefill": outside the decode loop, "decode": the loop}
-    decode_collectives: tuple = ()  # the sampler's: `costs.loop_collectives` of its decode loop
+    decode_collectives: tuple = ()  # the sampler's: `hlo_cost.loop_collectives` of its decode loop
 
 
 class Plan(NamedTuple):
@@ -169,7 +162,7 @@ def _does_not_fit(message: str) -> str:
 def _compile(name, jitted, args, resident, log, cost_options) -> StepPlan:
     """Compiles `jitted(*args)`. `resident`: bytes of the state held meanwhile; arguments the
     program does not read (jit drops them) are placed all the same, so they are added to it.
-    `cost_options`: `costs.program_cost`'s keywords for this program."""
+    `cost_options`: `hlo_cost.program_cost`'s keywords for this program."""
     log(f"compiling {name} ...")
     started = time.time()
     try:
@@ -183,14 +176,14 @@ def _compile(name, jitted, args, resident, log, cost_options) -> StepPlan:
         )
     seconds = time.time() - started
     text = compiled.as_text()
-    cost = costs.program_cost(text, **cost_options)
+    cost = hlo_cost.program_cost(text, **cost_options)
     parts, in_loop = None, ()
     if name == "sample":
-        outside = costs.program_cost(
+        outside = hlo_cost.program_cost(
             text, **{**cost_options, "loop_trips": {**cost_options["loop_trips"], engine.DECODE_SCOPE: 0}}
         )
         parts = {"prefill": outside, "decode": cost + outside.scaled(-1)}
-        in_loop = tuple(costs.loop_collectives(text, engine.DECODE_SCOPE, cost_options["devices"]))
+        in_loop = tuple(hlo_cost.loop_collectives(text, engine.DECODE_SCOPE, cost_options["devices"]))
     stats = compiled.memory_analysis()
     arguments, temp, code = stats.argument_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes
     resident += max(0, tree_bytes_per_chip(args) - arguments)
@@ -241,7 +234,7 @@ OFFLOADED = {
 
 
 def train_step_programs(
-    cfg, mesh, *, prompt_length: int, platform: str, chip: costs.Chip | None = None, hbm: int | None = None
+    cfg, mesh, *, prompt_length: int, platform: str, chip: chips.Chip | None = None, hbm: int | None = None
 ) -> TrainStepPrograms:
     """The resharding into the decode layout, the sampler, scoring pass, actor and critic updates of
     `cfg` on `mesh`, with the kernels a `platform` run picks; `chip` and `hbm` (bytes per chip)
@@ -249,7 +242,8 @@ def train_step_programs(
     check_batch(cfg, mesh)
     config = model_config(cfg.model)
     config = config.replace(attention=resolve_implementation(config.attention, config.dtype, platform=platform))
-    parts = run_parts(cfg, config)
+    spec = resolve(cfg, config)
+    credit = spec.learner.credit
     key = jax.random.PRNGKey(0)
     abstract = lambda make: sharding.abstract_sharded(mesh, make)
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
@@ -261,7 +255,7 @@ def train_step_programs(
     else:
         master = lambda: cast_params(init_params(config, key), cfg.train.master_dtype)
     new_critic = lambda: init_critic(
-        parts, config, key, policy=init_params(config, key), master_dtype=cfg.train.master_dtype
+        credit, config, key, policy=init_params(config, key), master_dtype=cfg.train.master_dtype
     )
     state = {
         "actor": abstract(master),
@@ -294,11 +288,11 @@ def train_step_programs(
     score = jax.jit(
         lambda policy, reference, generation: score_rollout(
             policy,
-            frozen_reference(policy, reference) if kl_term(cfg) else None,
+            frozen_reference(policy, reference) if spec.learner.actor_loss.kl_term else None,
             config,
             generation,
             backend=PLATFORM_BACKENDS[platform],
-            **scoring_options(cfg, parts),
+            **spec.rollout.experience.scoring.options(),
         )
     )
 
@@ -324,23 +318,20 @@ def train_step_programs(
             rollout.routing,
         )
         return _with_shardings(
-            fields, minibatch_shardings(mesh, with_routing=parts.recipe.critic == "tac", hidden_size=config.hidden_size)
+            fields,
+            minibatch_shardings(mesh, with_routing=credit.recipe.critic == "tac", hidden_size=config.hidden_size),
         )
 
     state["rollout_batch"] = minibatch(rows)
     update = jit_update_steps(
         mesh,
+        state,
         model_config=config,
-        temperature=cfg.rollout.temperature,
-        actor=state["actor"],
-        actor_opt=state["actor_opt"],
         actor_tx=actor_tx,
-        critic=state["critic"],
-        critic_opt=state["critic_opt"],
         critic_tx=critic_tx,
-        critic_module=parts.critic_module,
-        critic_kind=parts.recipe.critic,
-        actor_loss=actor_loss_of(cfg),
+        critic_module=credit.critic_module,
+        critic_kind=credit.recipe.critic,
+        actor_loss=spec.learner.actor_loss,
     )
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     bytes_of = {name: tree_bytes_per_chip(tree) for name, tree in state.items()}
@@ -358,7 +349,7 @@ def train_step_programs(
     train_rows = minibatch(cfg.train.minibatch_size)
     # The learner runs the critic's epochs first where it can and then frees the critic's
     # features: the actor's epochs hold the rollout batch and read minibatches without them.
-    critic_first = critic_epochs_first(cfg, parts.recipe)
+    critic_first = spec.learner.critic_first
     lean = lambda batch: _with_shardings(
         jax.eval_shape(without_features, batch), jax.tree.map(lambda x: x.sharding, batch)
     )
@@ -369,13 +360,12 @@ def train_step_programs(
     # The sampler's weights in its decode layout: auto picks the fastest that fits beside the state it holds.
     beside_sampler = held("sample", "actor", "actor_opt", "reference", "critic", "critic_opt")
     decode = decode_layout.make_decode_layout(
-        cfg.rollout.mesh.tensor,
+        spec.rollout.decode_tensor,
         mesh,
         config,
         state["actor"],
-        chip=chip,
-        budget=None if hbm is None else 0.9 * (hbm - beside_sampler),
-        rollout=decode_layout.rollout_shapes(cfg, prompt_length),
+        target=(chip, None if hbm is None else 0.9 * (hbm - beside_sampler)),
+        rollout=decode_layout.rollout_shapes(spec.rollout, prompt_length),
     )
     # Prompts are a few KB: replicated, each replica takes its own rows' (the engine's shard_prompts).
     prompts = jax.ShapeDtypeStruct(
@@ -496,11 +486,11 @@ def train_step_programs(
         prompt_length=prompt_length,
         response=response,
         epochs=epochs,
-        reference=kl_term(cfg),
-        behaviour=behaviour_pass(parts.recipe, cfg.rollout.old_log_probs),
+        reference=spec.learner.actor_loss.kl_term,
+        behaviour=spec.rollout.experience.scoring.behaviour_pass,
         gate_refreshes=epochs - 1 if cfg.gate_refresh == "epoch" else 0,
         frozen_base=adapters.enabled,
-        value_model=parts.recipe.critic == "full",
+        value_model=credit.recipe.critic == "full",
     )
     host = max((sum(bytes_of[name] for name in names) for names in on_host.values()), default=0)
     # Each step the moments and the reference go to the device and back; the rollout batch goes
@@ -558,7 +548,7 @@ def _programs_for(cfg, topology: str, *, prompt_length: int):
     mesh = sharding.make_mesh(cfg.mesh, devices)
     family = topology.split(":")[0]
     return mesh, train_step_programs(
-        cfg, mesh, prompt_length=prompt_length, platform="tpu", chip=costs.CHIPS[family], hbm=HBM_GIB[family] * GIB
+        cfg, mesh, prompt_length=prompt_length, platform="tpu", chip=chips.CHIPS[family], hbm=HBM_GIB[family] * GIB
     )
 
 
@@ -609,7 +599,7 @@ def with_decode_layout(cfg, result: Plan, tensor: str, *, prompt_length: int, lo
 
 
 def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) -> dict:
-    """`costs.program_cost`'s keywords for a train step's programs: every row runs to
+    """`hlo_cost.program_cost`'s keywords for a train step's programs: every row runs to
     `max_new_tokens`, so decoding attends to the prompt and half the response on average."""
     steps = layout.decode_steps
     length = layout.prompt_width + layout.max_new_tokens
@@ -683,15 +673,15 @@ class ProgramTime(NamedTuple):
     runs: int  # per train step
     seconds: float  # one run, roofline
     bound: str  # "compute", "memory"
-    cost: costs.ProgramCost
+    cost: hlo_cost.ProgramCost
 
 
-def _chip(result: Plan, chip: costs.Chip | None) -> costs.Chip:
+def _chip(result: Plan, chip: chips.Chip | None) -> chips.Chip:
     """`chip`, or the peaks of the plan's TPU family."""
-    return chip or costs.CHIPS[result.topology.split(":")[0]]
+    return chip or chips.CHIPS[result.topology.split(":")[0]]
 
 
-def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime]:
+def step_times(result: Plan, chip: chips.Chip | None = None) -> list[ProgramTime]:
     """Each compiled program's predicted time per run on `chip` (default: the topology's); the
     sampler as its prefill and its decode loop; with train.offload_idle, the host transfers (not
     overlapped with compute)."""
@@ -705,11 +695,17 @@ def step_times(result: Plan, chip: costs.Chip | None = None) -> list[ProgramTime
         ).items():
             times.append(
                 ProgramTime(
-                    name, result.runs[step.step], costs.roofline_seconds(cost, chip), costs.bound(cost, chip), cost
+                    name,
+                    result.runs[step.step],
+                    hlo_cost.roofline_seconds(cost, chip),
+                    hlo_cost.bound(cost, chip),
+                    cost,
                 )
             )
     if result.transfer_bytes:
-        times.append(ProgramTime("host transfers", 1, result.transfer_bytes / chip.host_bytes, "host link", costs.ZERO))
+        times.append(
+            ProgramTime("host transfers", 1, result.transfer_bytes / chip.host_bytes, "host link", hlo_cost.ZERO)
+        )
     return times
 
 
@@ -726,7 +722,7 @@ TIME_COLUMNS = (
 )
 
 
-def time_rows(result: Plan, chip: costs.Chip | None = None) -> list[list[str]]:
+def time_rows(result: Plan, chip: chips.Chip | None = None) -> list[list[str]]:
     """The step-time breakdown per chip, one row per program (TIME_COLUMNS)."""
     times = step_times(result, chip)
     total = sum(t.seconds * t.runs for t in times)
@@ -746,10 +742,10 @@ def time_rows(result: Plan, chip: costs.Chip | None = None) -> list[list[str]]:
     ]
 
 
-def mfu(result: Plan, seconds: float, chip: costs.Chip | None = None) -> float:
+def mfu(result: Plan, seconds: float, chip: chips.Chip | None = None) -> float:
     """Model FLOPs of one train step over what the slice's chips could do in `seconds`."""
     chip = _chip(result, chip)
-    return result.model_flops / (seconds * result.chips * costs.peak_flops(chip, result.dtype))
+    return result.model_flops / (seconds * result.chips * chips.peak_flops(chip, result.dtype))
 
 
 class StepSummary(NamedTuple):
@@ -759,7 +755,7 @@ class StepSummary(NamedTuple):
     uncounted: tuple  # loops counted once and kernels without a FLOP model
 
 
-def step_summary(result: Plan, chip: costs.Chip | None = None) -> StepSummary:
+def step_summary(result: Plan, chip: chips.Chip | None = None) -> StepSummary:
     chip = _chip(result, chip)
     times = step_times(result, chip)
     total = sum(t.seconds * t.runs for t in times)
@@ -769,7 +765,7 @@ def step_summary(result: Plan, chip: costs.Chip | None = None) -> StepSummary:
     )
 
 
-def format_summary(result: Plan, chip: costs.Chip | None = None) -> str:
+def format_summary(result: Plan, chip: chips.Chip | None = None) -> str:
     chip = _chip(result, chip)
     summary = step_summary(result, chip)
     text = (
@@ -853,7 +849,7 @@ def format_plan(result: Plan) -> str:
     ]
     lines += format_decode(result)
     lines += aligned(TABLE_COLUMNS, table_rows(result))
-    lines += ["step time per chip (roofline: comppo_jax.train.cost):"]
+    lines += ["step time per chip (roofline: comppo_jax.planning.hlo_cost):"]
     lines += aligned(TIME_COLUMNS, time_rows(result))
     return "\n".join(lines + [format_summary(result)])
 
@@ -918,7 +914,7 @@ SUMMARY_COLUMNS = (
 )
 
 
-def summary_row(result: Plan, chip: costs.Chip | None = None) -> list[str]:
+def summary_row(result: Plan, chip: chips.Chip | None = None) -> list[str]:
     """One row per plan (SUMMARY_COLUMNS): each program's seconds per step, the decode loop beside
     its floor, the step and its MFU (docs/benchmarks.md's step-time table)."""
     chip = _chip(result, chip)

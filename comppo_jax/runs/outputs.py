@@ -1,13 +1,10 @@
-"""What a run writes: its config, metrics per step to JSONL and TensorBoard, and a PNG at the end.
-
-`config.json` is the run's whole config as it ran (written at every start, so a resume that raised
-`steps` records the new value); `load_run_config` reads it back as the ConfigDict that trains and
-evaluates the same way, so a run directory alone is enough to restore and evaluate it.
+"""What a run writes each step: metrics to JSONL, TensorBoard and W&B, and a PNG at the end (its
+config.json: comppo_jax.train.schema).
 
 `metrics.jsonl` has one JSON object per step (numbers, the phase name and one sampled
 response); the other loggers of `config.loggers` get every numeric metric: TensorBoard event
 files under `tensorboard/`, a Weights & Biases run (`WandbLogger`, with the kept responses of
-comppo_jax.train.samples as a table). Steps count
+comppo_jax.runs.samples as a table). Steps count
 from 1: row `step` N describes the run's N-th step, the state after it is checkpoint N, and step 0
 is the warm-started policy before any RL step. On resume from checkpoint N, rows after step N
 (and a new run's: rows of an attempt that stopped before its first checkpoint) are set aside into
@@ -30,52 +27,6 @@ from absl import logging
 from comppo_jax import storage
 
 METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.json"
-
-
-def save_run_config(cfg, output_dir: str) -> None:
-    storage.write_text(storage.path(output_dir) / CONFIG_FILE, cfg.to_json_best_effort(indent=2, sort_keys=True))
-
-
-def _tuples(value):
-    """JSON arrays back to tuples: every sequence in this project's configs is a tuple."""
-    if isinstance(value, dict):
-        return {key: _tuples(item) for key, item in value.items()}
-    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
-
-
-def _with_defaults(values: dict, defaults: dict) -> dict:
-    """`values` with every field of `defaults` it lacks added (nested sections merged); its own values win."""
-    merged = dict(values)
-    for name, default in defaults.items():
-        if name not in merged:
-            merged[name] = default
-        elif isinstance(default, dict) and isinstance(merged[name], dict):
-            merged[name] = _with_defaults(merged[name], default)
-    return merged
-
-
-def load_run_config(run_dir: str):
-    """The ml_collections ConfigDict a run trained with (`<run_dir>/config.json`). Fields added to
-    the project after the run was written take their defaults (comppo_jax.train.paper.paper_config),
-    so `--config.<new field>=` overrides and evaluation work on older runs too."""
-    import ml_collections
-
-    from comppo_jax.train.paper import paper_config
-
-    path = storage.path(run_dir) / CONFIG_FILE
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} does not exist: {run_dir} is not a training run's output_dir "
-            "(launch/train.py writes config.json there when it starts; for a run without one, "
-            "pass the config it trained with: --config=<file> and its overrides)"
-        )
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from error
-    arch = values.get("model", {}).get("arch", {}) if isinstance(values, dict) else {}
-    return ml_collections.ConfigDict(_tuples(_with_defaults(values, paper_config(arch).to_dict())))
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -183,7 +134,7 @@ class WandbLogger:
         self.run.log({name: value for name, value in metrics.items() if _scalar(value)})
 
     def log_samples(self, record: dict) -> None:
-        """comppo_jax.train.samples' record as a table: one row per kept response, its per-token
+        """comppo_jax.runs.samples' record as a table: one row per kept response, its per-token
         arrays as JSON text."""
         columns = ["step", "row", "prompt", "response", "reward", "verdict", "length", "mean_kappa", "tokens"]
         rows = []

@@ -1,4 +1,4 @@
-"""The per-chip cost model read from optimized HLO (comppo_jax.train.cost) and the plan's step time."""
+"""The per-chip cost model read from optimized HLO (comppo_jax.planning.hlo_cost) and the plan's step time."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from conftest import require_libtpu
 
 from comppo_jax.models import model_config
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.train import cost as costs
-from comppo_jax.train import plan
+from comppo_jax.planning import chips, hlo_cost, planner
 
 
 def compiled_text(fn, *shapes):
@@ -24,7 +23,7 @@ def test_a_scanned_matmul_counts_every_iteration_where_xla_counts_one():
 
     text, xla = compiled_text(layers, ((10, 256, 256), jnp.float32), ((64, 256), jnp.float32))
     one = 2 * 64 * 256 * 256
-    cost = costs.program_cost(text)
+    cost = hlo_cost.program_cost(text)
     assert cost.flops == pytest.approx(10 * one, rel=1e-6) and cost.flops_fp32 == cost.flops
     assert xla["flops"] == pytest.approx(one, rel=0.01)  # why the walker exists
     assert cost.unknown_loops == ()
@@ -44,7 +43,7 @@ def test_loop_free_flops_match_xla_cost_analysis():
         ((512, 128), jnp.bfloat16),
         ((512, 2048), jnp.bfloat16),
     )
-    cost = costs.program_cost(text)
+    cost = hlo_cost.program_cost(text)
     analytic = 2 * 512 * 512 * 512 + 2 * 512 * 512 * 128 + 2 * 4 * 8 * 128 * 128 * 64 + 2 * 512 * 512 * 2048
     assert cost.flops == pytest.approx(analytic, rel=1e-6)
     assert cost.flops == pytest.approx(xla["flops"], rel=0.05)  # XLA adds the elementwise work
@@ -62,9 +61,9 @@ def test_a_data_dependent_loop_takes_its_count_from_its_named_scope():
 
     text, _ = compiled_text(decode, ((128, 128), jnp.float32), ((16, 128), jnp.float32))
     one = 2 * 16 * 128 * 128
-    unknown = costs.program_cost(text)
+    unknown = hlo_cost.program_cost(text)
     assert unknown.flops == pytest.approx(one) and len(unknown.unknown_loops) == 1
-    counted = costs.program_cost(text, loop_trips={"decode_here": 7})
+    counted = hlo_cost.program_cost(text, loop_trips={"decode_here": 7})
     assert counted.flops == pytest.approx(7 * one) and counted.unknown_loops == ()
 
 
@@ -75,8 +74,8 @@ def test_a_cond_counts_its_costlier_branch_or_the_given_rate():
 
     text, _ = compiled_text(admit, ((128, 128), jnp.float32), ((16, 128), jnp.float32), ((), jnp.bool_))
     both = 2 * 2 * 16 * 128 * 128
-    assert costs.program_cost(text).flops == pytest.approx(both)
-    assert costs.program_cost(text, branch_rates={"admit_here": 0.25}).flops == pytest.approx(both / 4)
+    assert hlo_cost.program_cost(text).flops == pytest.approx(both)
+    assert hlo_cost.program_cost(text, branch_rates={"admit_here": 0.25}).flops == pytest.approx(both / 4)
 
 
 def test_in_place_updates_and_sliced_operands_move_their_slices_not_the_buffer():
@@ -90,33 +89,33 @@ def test_in_place_updates_and_sliced_operands_move_their_slices_not_the_buffer()
     text, _ = compiled_text(write_rows, ((64, 4096), jnp.float32), ((64, 4096), jnp.float32))
     buffer = 64 * 4096 * 4
     # Each of the 64 steps reads a row and writes a row; a whole-buffer count would be 64 x 2 buffers.
-    assert costs.program_cost(text).hbm_bytes < 8 * buffer
+    assert hlo_cost.program_cost(text).hbm_bytes < 8 * buffer
 
 
 def test_roofline_is_the_slower_of_compute_and_memory_plus_the_collectives():
-    chip = costs.Chip("test", bf16_flops=100.0, fp32_flops=50.0, hbm_bytes=10.0, ici_bytes=2.0, host_bytes=1.0)
-    compute_bound = costs.ProgramCost(200.0, 50.0, 10.0, 4.0, {"all-reduce": 4.0})
-    assert costs.roofline_seconds(compute_bound, chip) == pytest.approx(2.0 + 1.0 + 2.0)
-    memory_bound = costs.ProgramCost(100.0, 0.0, 50.0, 0.0, {})
-    assert costs.roofline_seconds(memory_bound, chip) == pytest.approx(5.0)
+    chip = chips.Chip("test", bf16_flops=100.0, fp32_flops=50.0, hbm_bytes=10.0, ici_bytes=2.0, host_bytes=1.0)
+    compute_bound = hlo_cost.ProgramCost(200.0, 50.0, 10.0, 4.0, {"all-reduce": 4.0})
+    assert hlo_cost.roofline_seconds(compute_bound, chip) == pytest.approx(2.0 + 1.0 + 2.0)
+    memory_bound = hlo_cost.ProgramCost(100.0, 0.0, 50.0, 0.0, {})
+    assert hlo_cost.roofline_seconds(memory_bound, chip) == pytest.approx(5.0)
 
 
 def test_each_collective_pays_its_ring_steps_in_hop_latency():
-    chip = costs.Chip("test", 100.0, 100.0, 10.0, 2.0, 1.0, hop_latency=0.5)
-    assert costs.roofline_seconds(
-        costs.ProgramCost(0.0, 0.0, 10.0, 4.0, {}, collective_hops=6.0), chip
+    chip = chips.Chip("test", 100.0, 100.0, 10.0, 2.0, 1.0, hop_latency=0.5)
+    assert hlo_cost.roofline_seconds(
+        hlo_cost.ProgramCost(0.0, 0.0, 10.0, 4.0, {}, collective_hops=6.0), chip
     ) == pytest.approx(1 + 2 + 3)
-    reduce = costs._parse_instruction(
+    reduce = hlo_cost._parse_instruction(
         "%ar = f32[8,16]{1,0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add"
     )
-    assert costs._collective_cost(reduce, {}, 8).collective_hops == 2 * (4 - 1)
+    assert hlo_cost._collective_cost(reduce, {}, 8).collective_hops == 2 * (4 - 1)
     # jax 0.10's mesh form of replica groups: the product of the axes named.
-    gather = costs._parse_instruction(
+    gather = hlo_cost._parse_instruction(
         "%ag = f32[2,8]{0,1} all-gather(%x), channel_id=1, "
         "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={1}"
     )
-    assert costs._group_size(gather.attributes, 8) == 4
-    assert costs._collective_cost(gather, {}, 8).collective_hops == 3
+    assert hlo_cost._group_size(gather.attributes, 8) == 4
+    assert hlo_cost._collective_cost(gather, {}, 8).collective_hops == 3
 
 
 def test_a_layer_weight_sliced_inside_a_nested_fusion_is_read_as_its_slice():
@@ -156,23 +155,25 @@ ENTRY %main (x: bf16[8,512], w: bf16[36,512,256], i: s32[]) -> f32[8,256] {
 """
     layer = 512 * 256 * 2
     expected = 8 * 512 * 2 + layer + 4 + 8 * 256 * 4  # x, one layer's slice, the index, the output
-    assert costs.program_cost(text).hbm_bytes == pytest.approx(expected)
+    assert hlo_cost.program_cost(text).hbm_bytes == pytest.approx(expected)
 
 
 def test_decode_attention_counts_the_kv_of_its_live_rows_not_its_tile_padding():
-    call = costs._parse_instruction(
+    call = hlo_cost._parse_instruction(
         '%ragged_paged_attention.1 = bf16[8,4,128]{2,1,0} custom-call(%q, %pool), custom_call_target="tpu_custom_call"'
     )
     shapes = {"q": ("bf16", (8, 4, 128)), "pool": ("bf16", (100, 64, 4, 128))}
-    full = costs._paged_kv_bytes(call, shapes, context=1000.0)
+    full = hlo_cost._paged_kv_bytes(call, shapes, context=1000.0)
     assert full == 8 * 1000 * 4 * 128 * 2
-    assert costs._paged_kv_bytes(call, shapes, context=1000.0, rows=1) == full / 8
-    assert costs._attention_flops(call, shapes, 1000.0, rows=1) == costs._attention_flops(call, shapes, 1000.0) / 8
+    assert hlo_cost._paged_kv_bytes(call, shapes, context=1000.0, rows=1) == full / 8
+    assert (
+        hlo_cost._attention_flops(call, shapes, 1000.0, rows=1) == hlo_cost._attention_flops(call, shapes, 1000.0) / 8
+    )
 
 
 def test_every_topology_the_plan_accepts_has_published_peaks():
-    assert set(plan.HBM_GIB) <= set(costs.CHIPS)
-    for chip in costs.CHIPS.values():
+    assert set(planner.HBM_GIB) <= set(chips.CHIPS)
+    for chip in chips.CHIPS.values():
         assert min(chip.bf16_flops, chip.fp32_flops, chip.hbm_bytes, chip.ici_bytes, chip.host_bytes) > 0
         assert chip.fp32_flops <= chip.bf16_flops
 
@@ -180,24 +181,24 @@ def test_every_topology_the_plan_accepts_has_published_peaks():
 def test_model_flops_are_6n_per_trained_token_plus_the_rollout():
     cfg = load_config_file(PRESET_DIR / "qwen3_4b.py")
     config = model_config(cfg.model)
-    n = plan.matmul_params(config)
+    n = planner.matmul_params(config)
     assert 3.5e9 < n < 4.5e9  # Qwen3-4B: 4.0B parameters, tied embeddings
-    one_epoch = plan.model_flops(
+    one_epoch = planner.model_flops(
         config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False
     )
-    two_epochs = plan.model_flops(
+    two_epochs = planner.model_flops(
         config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False
     )
     tokens = 16 * (512 + 4096)
     # One more epoch adds a forward and backward: 6N per token plus attention.
     assert 6 * n * tokens < two_epochs - one_epoch < 6 * n * tokens * 1.5
     # Skipping the behaviour pass (GRPO with the sampler's log-probs) takes one forward off.
-    no_behaviour = plan.model_flops(
+    no_behaviour = planner.model_flops(
         config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False, behaviour=False
     )
     assert 2 * n * tokens < one_epoch - no_behaviour < 2 * n * tokens * 1.5
     # gate_refresh=epoch: a forward without the vocabulary projection per refresh.
-    refreshed = plan.model_flops(
+    refreshed = planner.model_flops(
         config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=2, reference=False, gate_refreshes=1
     )
     body = n - config.hidden_size * config.vocab_size
@@ -216,7 +217,7 @@ def tiny(**arch):
 
 
 def program(cfg, name, topology="v5e:2x2", prompt_length=24):
-    result = plan.plan(cfg, topology, prompt_length=prompt_length, steps=(name,), log=lambda message: None)
+    result = planner.plan(cfg, topology, prompt_length=prompt_length, steps=(name,), log=lambda message: None)
     (step,) = result.steps
     assert step.error is None and step.cost.flops > 0 and step.cost.hbm_bytes > 0
     assert step.cost.unknown_loops == () and step.cost.unknown_kernels == ()
@@ -249,7 +250,7 @@ def test_decode_bytes_grow_with_the_context_and_the_plan_prints_the_step_time():
     per_step = lambda step, cfg: step.parts["decode"].hbm_bytes / cfg.rollout.max_new_tokens
     assert per_step(long, longer) > 1.1 * per_step(short, tiny())
     assert short.parts["prefill"].flops > 0 and short.parts["decode"].flops > 0
-    text = plan.format_plan(short_result)
+    text = planner.format_plan(short_result)
     assert "sample decode" in text and "sample prefill" in text and "MFU" in text
-    summary = plan.step_summary(short_result)
+    summary = planner.step_summary(short_result)
     assert summary.seconds > 0 and 0 < summary.mfu < 1 and summary.uncounted == ()

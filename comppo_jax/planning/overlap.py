@@ -28,8 +28,8 @@ from typing import NamedTuple
 import numpy as np
 
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.train import cost as costs
-from comppo_jax.train.decode_layout import group_sizes, pool_heads_per_chip, weight_bytes_per_chip
+from comppo_jax.planning import chips, hlo_cost
+from comppo_jax.planning.decode_floor import decode_group_sizes, pool_heads_per_chip, weight_bytes_per_chip
 
 # A 16K run's response lengths: log-normal around 30% of the limit, 5% clipped at it (DAPO-style
 # math runs clip a few percent; most responses end far earlier).
@@ -51,17 +51,17 @@ def long_tail_lengths(
 
 
 def rollout_seconds(
-    config: ModelConfig, chip: costs.Chip, devices: int, lengths: np.ndarray, prompt_length: int
+    config: ModelConfig, chip: chips.Chip, devices: int, lengths: np.ndarray, prompt_length: int
 ) -> tuple[float, int]:
     """(the decode roofline of rows of `lengths` on `devices` chips, the group size G it takes:
-    the fastest `group_sizes` allows). Rows are dealt to the devices / G replicas in turn."""
+    the fastest `decode_group_sizes` allows). Rows are dealt to the devices / G replicas in turn."""
     itemsize = np.dtype(config.dtype).itemsize
     best = None
-    for tensor in group_sizes(config, devices):
+    for tensor in decode_group_sizes(config, devices):
         replicas = devices // tensor
         _, read = weight_bytes_per_chip(config, tensor)
         kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
-        hops = (2 * config.num_layers + 1) * costs.ring_steps("all-reduce", tensor) + costs.ring_steps(
+        hops = (2 * config.num_layers + 1) * hlo_cost.ring_steps("all-reduce", tensor) + hlo_cost.ring_steps(
             "all-gather", tensor
         )
         steps = np.arange(int(lengths.max()))
@@ -73,7 +73,7 @@ def rollout_seconds(
             flops = 2 * live * read / itemsize
             per_replica.append(
                 np.maximum(
-                    flops / costs.peak_flops(chip, config.dtype), (read + context * kv_per_position) / chip.hbm_bytes
+                    flops / chips.peak_flops(chip, config.dtype), (read + context * kv_per_position) / chip.hbm_bytes
                 )
             )
         seconds = float(np.sum(np.max(per_replica, axis=0)) + len(steps) * hops * chip.hop_latency)
@@ -84,7 +84,7 @@ def rollout_seconds(
 
 def learner_seconds(
     config: ModelConfig,
-    chip: costs.Chip,
+    chip: chips.Chip,
     devices: int,
     *,
     rows: int,
@@ -97,16 +97,16 @@ def learner_seconds(
     """Scoring (behaviour and reference forwards) and `epochs` forward + backward passes over
     `rows` rows of `length` tokens (padded to the longest), at `devices` chips' peak; `remat`
     (model.remat=full) recomputes each forward in the backward pass."""
-    from comppo_jax.train.plan import matmul_params
+    from comppo_jax.planning.planner import matmul_params
 
     n = matmul_params(config)
     forward = rows * length * (2 * n + 4 * config.num_layers * config.num_heads * config.head_dim * length / 2)
     flops = (int(reference) + int(behaviour)) * forward + epochs * (4 if remat else 3) * forward
-    return flops / (devices * costs.peak_flops(chip, config.dtype))
+    return flops / (devices * chips.peak_flops(chip, config.dtype))
 
 
 def scoring_seconds(
-    config: ModelConfig, chip: costs.Chip, devices: int, *, rows: int, length: int, reference: bool = True
+    config: ModelConfig, chip: chips.Chip, devices: int, *, rows: int, length: int, reference: bool = True
 ) -> float:
     """The scoring pass alone (behaviour and reference forwards) on `devices` chips."""
     return learner_seconds(config, chip, devices, rows=rows, length=length, epochs=0, reference=reference)
@@ -118,7 +118,7 @@ def feature_bytes(config: ModelConfig, *, rows: int, length: int, fused_layers: 
     return rows * length * (fused_layers * config.hidden_size * np.dtype(config.dtype).itemsize + 3 * 4)
 
 
-def transfer_seconds(config: ModelConfig, chip: costs.Chip, devices: int) -> float:
+def transfer_seconds(config: ModelConfig, chip: chips.Chip, devices: int) -> float:
     """The compute-dtype weights sent to `devices` rollout chips over the interconnect (each chip
     receives at least its share, at its link rate)."""
     held, _ = weight_bytes_per_chip(config, 1)
@@ -141,7 +141,7 @@ class Split(NamedTuple):
 
 def splits(
     config: ModelConfig,
-    chip: costs.Chip,
+    chip: chips.Chip,
     devices: int,
     lengths: np.ndarray,
     *,
@@ -165,7 +165,7 @@ def splits(
     rollout, group = rollout_seconds(config, chip, devices, lengths, prompt_length)
     result = [Split(0, group, rollout, learner(devices), 0.0)]
     for r in range(1, devices):
-        if not group_sizes(config, r):
+        if not decode_group_sizes(config, r):
             continue
         rollout, group = rollout_seconds(config, chip, r, lengths, prompt_length)
         split = Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r))

@@ -20,8 +20,9 @@ import pytest
 from conftest import CPU_ONLY_ENV, HANG_S, REPO, WALL_CLOCK, small_train_config, small_train_flags
 
 from comppo_jax.models import CheckpointError
-from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
-from comppo_jax.train.loop import restore_for_resume, train
+from comppo_jax.runs.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.train.loop import train
+from comppo_jax.train.start import restore_for_resume
 
 
 def test_keeps_the_last_n_and_the_best_by_dev_accuracy(tmp_path):
@@ -289,7 +290,7 @@ def test_a_structure_error_of_the_restore_itself_is_a_mismatch_not_damage(tmp_pa
     checkpoints.close()
     checkpoints = RunCheckpoints(str(tmp_path), keep_last=2, keep_best=0)
     monkeypatch.setattr(RunCheckpoints, "_check_structure", lambda *args, **kwargs: None)
-    monkeypatch.setattr("comppo_jax.train.checkpoint.leaf_paths", lambda tree: [])  # nor the digests' names
+    monkeypatch.setattr("comppo_jax.runs.checkpoint.leaf_paths", lambda tree: [])  # nor the digests' names
     with pytest.raises(
         CheckpointMismatchError,
         match=r"checkpoint 8 under .* does not fit this config's state: ValueError: User-provided restore item and "
@@ -352,7 +353,7 @@ def test_retention_keeps_the_newest_good_checkpoint_until_a_newer_save_is_confir
 FAILED_SAVE = """
 import resource, sys
 import jax.numpy as jnp, numpy as np
-from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.runs.checkpoint import CheckpointMismatchError, RunCheckpoints
 checkpoints = RunCheckpoints(sys.argv[1], keep_last=1, keep_best=0)
 checkpoints.save(1, {"w": jnp.ones(8)}, {"next_step": 1})
 checkpoints.confirm_saves(wait=True)

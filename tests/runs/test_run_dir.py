@@ -21,9 +21,10 @@ from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_conf
 
 from comppo_jax import storage
 from comppo_jax.models import CheckpointError, ConfigError
-from comppo_jax.train import loop, run_dir
-from comppo_jax.train.checkpoint import CheckpointMismatchError, RunCheckpoints
-from comppo_jax.train.outputs import save_run_config
+from comppo_jax.runs import run_dir
+from comppo_jax.train import loop
+from comppo_jax.runs.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.train.schema import save_run_config
 
 
 class Loaded(Exception):
@@ -35,7 +36,7 @@ def nothing_loads(monkeypatch):
     def reached(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(loop, "load_tokenizer", reached)
+    monkeypatch.setattr("comppo_jax.train.start.load_tokenizer", reached)
 
 
 def recorded_run(run, **overrides):
@@ -167,7 +168,7 @@ def hold_lock(directory) -> subprocess.Popen:
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom comppo_jax.train.run_dir import RunLock\n"
+            "import sys, time\nfrom comppo_jax.runs.run_dir import RunLock\n"
             f"RunLock({str(directory)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)",
         ],
         cwd=REPO,

@@ -7,7 +7,7 @@ import pytest
 
 from comppo_jax.data.rewards import Verdict
 from comppo_jax.rollout import Generation
-from comppo_jax.train.sampling import DynamicSamplingExhausted, Sampled, dynamic_sampling, take_groups
+from comppo_jax.rollout.experience import DynamicSamplingExhausted, Sampled, dynamic_sampling, take_groups
 
 GROUP = 2
 

@@ -9,7 +9,7 @@ from conftest import require_libtpu
 
 from comppo_jax.models import model_config, param_shapes
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.train import plan
+from comppo_jax.planning import planner
 
 PROMPT = 24
 
@@ -41,7 +41,7 @@ def actor_minibatch_bytes(cfg, chips: int) -> int:
 def test_tiny_actor_step_compiles_for_tpu_and_its_arguments_are_the_analytic_count(topology):
     require_libtpu()
     cfg = tiny_config()
-    result = plan.plan(cfg, topology, prompt_length=PROMPT, steps=("actor",), log=lambda message: None)
+    result = planner.plan(cfg, topology, prompt_length=PROMPT, steps=("actor",), log=lambda message: None)
     assert result.attention == "splash"  # what a TPU run picks, not this host's CPU fallback
     (actor,) = result.steps
     assert result.chips == 4 and actor.error is None
@@ -54,8 +54,8 @@ def test_tiny_actor_step_compiles_for_tpu_and_its_arguments_are_the_analytic_cou
     assert actor.arguments == pytest.approx(analytic, rel=0.01)
     assert result.state["actor"] == pytest.approx(params * 4 / result.chips, rel=0.01)
     assert 0 < actor.temp and 0 < actor.code and 0 < actor.peak <= result.hbm and actor.conservative <= result.hbm
-    assert plan.verdict(actor, result.hbm) == "fits"
-    assert "v5" in plan.format_plan(result)
+    assert planner.verdict(actor, result.hbm) == "fits"
+    assert "v5" in planner.format_plan(result)
 
 
 def test_out_of_memory_messages_become_one_line():
@@ -63,25 +63,26 @@ def test_out_of_memory_messages_become_one_line():
         "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (22.91G) "
         "exceeds available HBM (15.75G)."
     )  # qwen3_4b at 16K on v5e:4x4 with materialized attention and logits
-    assert plan._does_not_fit(seen) == "does not fit (needs 22.91G for HLO temporaries alone, 15.75G HBM)"
+    assert planner._does_not_fit(seen) == "does not fit (needs 22.91G for HLO temporaries alone, 15.75G HBM)"
     message = (
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
         "Used 57.27G of 15.75G hbm. Exceeded hbm capacity by 41.52G."
     )
-    assert plan._does_not_fit(message) == "does not fit (needs 57.27G of 15.75G HBM)"
+    assert planner._does_not_fit(message) == "does not fit (needs 57.27G of 15.75G HBM)"
     assert (
-        plan._does_not_fit("RESOURCE_EXHAUSTED: Exceeded hbm capacity by 3.1G") == "does not fit (exceeds HBM by 3.1G)"
+        planner._does_not_fit("RESOURCE_EXHAUSTED: Exceeded hbm capacity by 3.1G")
+        == "does not fit (exceeds HBM by 3.1G)"
     )
 
 
 def test_unknown_topology_and_step_are_named():
     with pytest.raises(ValueError, match="'tpu9'"):
-        plan.topology_devices("tpu9:2x2")
+        planner.topology_devices("tpu9:2x2")
     with pytest.raises(ValueError, match="backward"):
-        plan.plan(tiny_config(), "v5e:2x2", prompt_length=PROMPT, steps=("backward",))
+        planner.plan(tiny_config(), "v5e:2x2", prompt_length=PROMPT, steps=("backward",))
     require_libtpu()
     with pytest.raises(ValueError, match="'v5e:3x3'"):
-        plan.topology_devices("v5e:3x3")
+        planner.topology_devices("v5e:3x3")
 
 
 @pytest.mark.slow
@@ -91,7 +92,9 @@ def test_offloading_idle_state_frees_its_hbm_and_the_plan_counts_the_transfers()
     for offload in (False, True):
         cfg = tiny_config()
         cfg.train.offload_idle = offload
-        results[offload] = plan.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("actor",), log=lambda message: None)
+        results[offload] = planner.plan(
+            cfg, "v5e:2x2", prompt_length=PROMPT, steps=("actor",), log=lambda message: None
+        )
     (kept,), (offloaded,) = results[False].steps, results[True].steps
     state = results[True].state
     # The actor's epochs hold the rollout batch without the critic's features (the critic's epochs ran first).
@@ -106,7 +109,7 @@ def test_offloading_idle_state_frees_its_hbm_and_the_plan_counts_the_transfers()
     assert (
         results[True].transfer_bytes == 2 * (state["actor_opt"] + state["reference"]) + state["rollout_batch"] + epochs
     )
-    assert "host transfers" in plan.format_plan(results[True]) and "host transfers" not in plan.format_plan(
+    assert "host transfers" in planner.format_plan(results[True]) and "host transfers" not in planner.format_plan(
         results[False]
     )
 
@@ -120,7 +123,7 @@ def test_a_full_copy_critic_is_planned_as_a_second_model():
     for kind in ("standard", "full"):
         cfg = tiny_config()
         cfg.method, cfg.critic.kind = "ppo", kind
-        results[kind] = plan.plan(
+        results[kind] = planner.plan(
             cfg, "v5e:2x2", prompt_length=PROMPT, steps=("values", "critic"), log=lambda message: None
         )
     full, standard = results["full"], results["standard"]
@@ -140,7 +143,7 @@ def test_a_full_copy_critic_is_planned_as_a_second_model():
         * (PROMPT + cfg.rollout.max_new_tokens)
         / full.chips
     )
-    trunk_matmuls = plan.matmul_params(config) - config.hidden_size * config.vocab_size
+    trunk_matmuls = planner.matmul_params(config) - config.hidden_size * config.vocab_size
     assert values["full"].cost.flops >= 2 * trunk_matmuls * tokens  # a whole forward pass per value pass
     assert values["standard"].cost.flops < values["full"].cost.flops / 100
-    assert all(plan.verdict(step, result.hbm) == "fits" for result in results.values() for step in result.steps)
+    assert all(planner.verdict(step, result.hbm) == "fits" for result in results.values() for step in result.steps)

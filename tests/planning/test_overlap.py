@@ -7,8 +7,7 @@ import pytest
 from conftest import REPO
 
 from comppo_jax.models import load_config_file, model_config
-from comppo_jax.train import cost as costs
-from comppo_jax.train import decode_layout, overlap
+from comppo_jax.planning import chips, decode_floor, overlap
 
 
 def qwen3_4b():
@@ -16,9 +15,9 @@ def qwen3_4b():
 
 
 def test_every_row_at_the_limit_decodes_in_the_decode_floor_of_its_best_group():
-    config, chip = qwen3_4b(), costs.CHIPS["v5p"]
+    config, chip = qwen3_4b(), chips.CHIPS["v5p"]
     seconds, group = overlap.rollout_seconds(config, chip, 8, np.full(16, 16384), 512)
-    floors = decode_layout.floors(
+    floors = decode_floor.floors(
         config,
         chip,
         8,
@@ -39,7 +38,7 @@ def test_long_tailed_lengths_are_mostly_short_with_a_few_at_the_limit():
 
 
 def test_the_learner_halves_on_twice_the_chips_and_the_split_pays_the_longer_stage():
-    config, chip = qwen3_4b(), costs.CHIPS["v5p"]
+    config, chip = qwen3_4b(), chips.CHIPS["v5p"]
     one = overlap.learner_seconds(config, chip, 4, rows=16, length=16896, epochs=2)
     assert overlap.learner_seconds(config, chip, 8, rows=16, length=16896, epochs=2) == pytest.approx(one / 2)
     split = overlap.Split(4, 4, rollout=10.0, learner=7.0, transfer=0.5)
@@ -50,7 +49,7 @@ def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_docs_quote_with_the_l
     # docs/benchmarks.md quotes this prediction with the learner at peak FLOPs: 1.297x (1.39x calibrated on the
     # compiled programs).
     lengths = overlap.long_tail_lengths(16, 16384)
-    results = overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2)
+    results = overlap.splits(qwen3_4b(), chips.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2)
     best = min(results[1:], key=lambda s: s.seconds)
     assert best.rollout_devices == 4 and results[0].seconds / best.seconds == pytest.approx(1.297, abs=0.001)
     rows = overlap.split_rows(results)
@@ -61,7 +60,7 @@ def test_scoring_on_the_learners_chips_beats_moving_the_critics_features_at_16k(
     lengths = overlap.long_tail_lengths(16, 16384)
     best = lambda scoring: (
         min(
-            overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, scoring=scoring)[
+            overlap.splits(qwen3_4b(), chips.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, scoring=scoring)[
                 1:
             ],
             key=lambda s: s.seconds,
@@ -74,7 +73,7 @@ def test_scoring_on_the_learners_chips_beats_moving_the_critics_features_at_16k(
 def test_a_calibrated_learner_scales_every_learner_term_and_leaves_the_rollout():
     lengths = overlap.long_tail_lengths(16, 16384)
     plain, scaled = (
-        overlap.splits(qwen3_4b(), costs.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, learner_scale=scale)
+        overlap.splits(qwen3_4b(), chips.CHIPS["v5p"], 8, lengths, prompt_length=512, epochs=2, learner_scale=scale)
         for scale in (1.0, 1.24)
     )
     for a, b in zip(plain, scaled):

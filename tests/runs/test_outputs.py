@@ -3,6 +3,8 @@ warm-start point, legends clear of the data)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 import os
 import sys
@@ -16,7 +18,8 @@ from matplotlib.figure import Figure
 
 from comppo_jax import storage
 from comppo_jax.models import load_config_file
-from comppo_jax.train.outputs import METRICS_FILE, PANELS, MetricsWriter, load_run_config, plot_run, save_run_config
+from comppo_jax.runs.outputs import METRICS_FILE, PANELS, MetricsWriter, plot_run
+from comppo_jax.train.schema import load_run_config, save_run_config
 from comppo_jax.train.validation import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -195,7 +198,7 @@ def test_the_recorder_flushes_every_row_before_a_checkpoint_save_starts(bucket):
             seen.append([json.loads(line)["step"] for line in storage.read_lines(f"{run}/{METRICS_FILE}")])
 
     recorder = Recorder.__new__(Recorder)  # only what checkpoint() reads
-    recorder.cfg = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    recorder.spec = SimpleNamespace(checkpoint_every=10)
     recorder.checkpoints, recorder.meta, recorder.last_step = Checkpoints(), {}, 100
     recorder.writer = MetricsWriter(run, loggers=("jsonl",))
     for step in (1, 2):

@@ -1,0 +1,98 @@
+"""The package's shape, read from its code: train/ holds no planning and reads the planner through
+one function; the whole config is read where it is resolved, validated, recorded and compared on
+resume, never by a stage or anything under it; no function on the data path takes more than eight
+parameters; no import climbs from a lower package to a higher one."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+from conftest import REPO
+
+ROOT = pathlib.Path(REPO) / "comppo_jax"
+TRAIN = ROOT / "train"
+
+# Where a function may take the whole config (`cfg`): its validation, its record and the resume's
+# comparison, its resolution into specs, the run's entry and start (which resolve it).
+WHOLE_CONFIG = {"validation.py", "schema.py", "specs.py", "loop.py", "start.py"}
+# The data path: rollout -> score -> credit -> update, and what records it.
+DATA_PATH = [
+    ROOT / "rollout" / "experience.py",
+    ROOT / "credit" / "registry.py",
+    *(TRAIN / f"{name}.py" for name in ("rollout_stage", "staleness", "learner", "update", "recorder", "samples")),
+]
+# Lower packages first: a module may import from its own package and those before it.
+LAYERS = ["errors", "storage", "sharding", "hub", "models", "credit", "critic", "data", "rollout", "runs", "train"]
+LAYERS += ["planning", "eval"]
+# The one climb: the decode layout's auto choice reads the planner's decode floor (`decode_candidates`).
+CLIMBS = {"train/decode_layout.py imports comppo_jax.planning.decode_floor"}
+
+
+def imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every `from comppo_jax... import ...` and `import comppo_jax...` in `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("comppo_jax"):
+            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("comppo_jax")]
+    return found
+
+
+def functions(path: pathlib.Path):
+    return [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)]
+
+
+def parameters(function: ast.FunctionDef) -> list[str]:
+    arguments = function.args
+    names = [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+    return [name for name in names if name not in ("self", "cls")]
+
+
+def test_train_holds_no_planning_and_reads_the_planner_through_one_function():
+    reads = {
+        (path.name, module, name)
+        for path in TRAIN.glob("*.py")
+        for module, names in imports(path)
+        if module.startswith("comppo_jax.planning")
+        for name in names or ["*"]
+    }
+    assert reads == {("decode_layout.py", "comppo_jax.planning.decode_floor", "decode_candidates")}
+    assert sum(len(path.read_text().splitlines()) for path in TRAIN.glob("*.py")) <= 4500
+
+
+def test_only_the_config_s_resolution_validation_record_and_the_run_s_entry_take_the_whole_config():
+    takers = sorted(
+        f"{path.relative_to(ROOT)}:{function.name}"
+        for path in [*TRAIN.glob("*.py"), *(ROOT / "rollout").glob("*.py"), *(ROOT / "credit").glob("*.py")]
+        if path.name not in WHOLE_CONFIG
+        for function in functions(path)
+        if "cfg" in parameters(function)
+    )
+    # The decode layout's check runs with the validation, before anything loads.
+    assert takers == ["train/decode_layout.py:check_config"]
+
+
+def test_no_function_on_the_data_path_takes_more_than_eight_parameters():
+    crowded = [
+        f"{path.relative_to(ROOT)}:{function.name} ({len(parameters(function))})"
+        for path in DATA_PATH
+        for function in functions(path)
+        if len(parameters(function)) > 8
+    ]
+    assert crowded == []
+
+
+def test_no_import_climbs_to_a_higher_package():
+    rank = {name: index for index, name in enumerate(LAYERS)}
+    climbing = []
+    for path in ROOT.rglob("*.py"):
+        package = path.relative_to(ROOT).parts[0].removesuffix(".py")
+        if package not in rank:
+            continue
+        for module, _ in imports(path):
+            target = module.split(".")[1] if "." in module else ""
+            if target in rank and rank[target] > rank[package]:
+                climbing.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert set(climbing) == CLIMBS
