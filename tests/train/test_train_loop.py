@@ -250,13 +250,13 @@ def test_the_dynamic_sampling_filter_switch_reaches_the_loop(tmp_path, monkeypat
     """Verdicts all wrong, shaped rewards all different (a stand-in verifier): DAPO's accuracy filter
     drops every group (and refills to its cap), the reward filter keeps every group. No KL term: no kl_loss."""
     from comppo_jax.data.rewards import Verdict
-    from comppo_jax.train import sampling
+    from comppo_jax.rollout import experience
 
     def all_wrong_and_distinct(texts, golds, lengths, pool, coefficients):
         rewards = np.linspace(-0.5, 0.5, len(texts)).astype(np.float32)
         return rewards, [Verdict.INCORRECT] * len(texts), {"reward/mean": float(rewards.mean())}
 
-    monkeypatch.setattr(sampling, "score_responses", all_wrong_and_distinct)
+    monkeypatch.setattr(experience, "score_responses", all_wrong_and_distinct)
     rows = {}
     for filter_by in ("accuracy", "reward"):
         train(
