@@ -3,11 +3,10 @@ warm-start point, legends clear of the data)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import matplotlib
 import numpy as np

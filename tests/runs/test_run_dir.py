@@ -22,8 +22,8 @@ from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_conf
 from comppo_jax import storage
 from comppo_jax.models import CheckpointError, ConfigError
 from comppo_jax.runs import run_dir
-from comppo_jax.train import loop
 from comppo_jax.runs.checkpoint import CheckpointMismatchError, RunCheckpoints
+from comppo_jax.train import loop
 from comppo_jax.train.schema import save_run_config
 
 
