@@ -351,6 +351,21 @@ def full_disk(free_bytes: int = 0):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def start_script(script: str, *args: str):
+    """`launch_script`'s `python <script> <args>` started in the background (its output piped, as text)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, script, *args],
+        cwd=REPO,
+        env=CPU_ONLY_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def launch_script(script: str, *args: str, env: dict | None = None):
     """`python <script> <args>` from the repository root on the CPU backend (`env` replaces
     CPU_ONLY_ENV), its output captured, allowed HANG_S."""

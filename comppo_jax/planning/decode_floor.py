@@ -127,8 +127,8 @@ def fastest(candidates: list[DecodeFloor], budget: float | None) -> DecodeFloor:
 
 
 def local_chip_and_budget() -> tuple[Chip | None, float | None]:
-    """The published peaks of the mesh's devices (None on CPU), and 90% of the HBM a device has
-    free now, the least over processes (None where devices report no limit)."""
+    """The published peaks of this process's devices (None on CPU), and 90% of the HBM its first
+    device has free now, the least over processes (None where devices report no limit)."""
     chip = published_chip(jax.local_devices()[0].device_kind)
     stats = jax.local_devices()[0].memory_stats() or {}
     free = stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats else -1

@@ -308,7 +308,7 @@ class Learner:
             functools.partial(
                 proximal_inputs,
                 model_config,
-                spec.temperature,
+                spec.actor_loss.temperature,
                 spec.importance_weight_cap,
                 spec.importance_weight_rule,
             )

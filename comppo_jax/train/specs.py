@@ -87,7 +87,6 @@ class LearnerSpec:
     kl_coef: float
     minibatch_size: int
     seed: int  # the minibatch shuffles
-    temperature: float
     gate_refresh: str
     critic_first: bool  # every critic epoch before the actor's (`critic_epochs_first`)
     proximal: str
@@ -212,8 +211,7 @@ def run_recipe(cfg) -> Recipe:
     return recipe(cfg.method, cfg.gate, cfg.critic.kind)
 
 
-def steps_of(cfg) -> Steps:
-    made = run_recipe(cfg)
+def steps_of(cfg, made: Recipe) -> Steps:
     warmup = cfg.train.critic_warmup_steps if made.critic != "none" else 0
     total = cfg.steps if cfg.train.critic_warmup_counts_toward_steps else cfg.steps + warmup
     return Steps(cfg.steps, warmup, total)
@@ -281,7 +279,6 @@ def learner_spec(cfg, credit: CreditSpec, steps: Steps) -> LearnerSpec:
         kl_coefficient(cfg),
         train.minibatch_size,
         cfg.seed,
-        cfg.rollout.temperature,
         cfg.gate_refresh,
         critic_first=critic_epochs_first(cfg, credit.recipe),
         proximal=train.proximal,
@@ -313,8 +310,8 @@ def recorder_spec(cfg, credit: CreditSpec, steps: Steps) -> RecorderSpec:
 
 def resolve(cfg, model_config) -> RunSpec:
     """The run's specs (module docstring) for a validated config and its model."""
-    steps = steps_of(cfg)
     credit = credit_spec(cfg, model_config)
+    steps = steps_of(cfg, credit.recipe)
     rollout = RolloutStageSpec(
         experience_spec(cfg, credit),
         cfg.rollout.prompts_per_step,

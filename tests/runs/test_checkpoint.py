@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, WALL_CLOCK, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, HANG_S, WALL_CLOCK, small_train_config, small_train_flags, start_script
 
 from comppo_jax.models import CheckpointError
 from comppo_jax.runs.checkpoint import CheckpointMismatchError, RunCheckpoints
@@ -74,14 +74,7 @@ def restored_state(run_dir, step):
 def stop_with_sigterm_after(run_dir, rows, **overrides) -> subprocess.CompletedProcess:
     """Runs launch/train.py and sends it SIGTERM twice (the second during its save) once metrics.jsonl has
     `rows` rows."""
-    process = subprocess.Popen(
-        [sys.executable, "launch/train.py", *small_train_flags(run_dir, **overrides)],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start_script("launch/train.py", *small_train_flags(run_dir, **overrides))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
     while process.poll() is None and time.time() < deadline:

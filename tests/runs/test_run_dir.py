@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_config, small_train_flags
+from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_config, small_train_flags, start_script
 
 from comppo_jax import storage
 from comppo_jax.models import CheckpointError, ConfigError
@@ -239,14 +239,7 @@ def test_the_holder_keeps_its_heartbeat_fresh_and_stops_when_the_lock_is_no_long
 
 
 def start(run, **overrides) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "launch/train.py", *small_train_flags(run, **overrides)],
-        cwd=REPO,
-        env=CPU_ONLY_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_script("launch/train.py", *small_train_flags(run, **overrides))
 
 
 def wait_for(condition, timeout=HANG_S):
