@@ -346,6 +346,15 @@ def put(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
 
 
+def from_host(tree: Any, shardings: Any) -> Any:
+    """Host arrays, the same on every process, placed with `shardings` (a pytree, or one sharding for
+    every leaf): each process puts its own devices' blocks. (`jax.device_put` onto several processes'
+    devices first compares each array across them: a cross-process program each.)"""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), tree, shardings)
+
+
 def to_host(x) -> np.ndarray:
     """A (possibly multi-host sharded) array as one NumPy array on this host."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

@@ -12,6 +12,7 @@
                                          # CompPO, PPO, GRPO vs tunix's PPO, per phase
     python launch/benchmark.py lora      # LoRA vs full fine-tuning: actor state, update time, decoding merged or not
     python launch/benchmark.py staleness # a short tiny run at rollout.staleness 0 and 1: step times, generation overlap
+    python launch/benchmark.py packing   # the learner's programs on packed rows vs padded, long-tailed lengths
 
 Flags left unset keep each suite's defaults. Record results in docs/benchmarks.md.
 """
@@ -24,7 +25,7 @@ from absl import app, flags
 
 from comppo_jax import cli
 
-SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step", "lora", "staleness")
+SUITES = ("forward", "credit", "kernel", "critic", "sampler", "host", "step", "lora", "staleness", "packing")
 _BATCH = flags.DEFINE_integer("batch", None, "Batch size (suite default if unset).")
 _LENGTH = flags.DEFINE_integer("length", None, "Sequence length (suite default if unset).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (suite default if unset).")

@@ -1,8 +1,14 @@
 """Attention that also yields the per-token Herfindahl concentration of the head-averaged attention.
 
 `attention_with_concentration(q, k, v, attention_mask, window_start, *, sm_scale=None,
-block_q=None, block_k=None, backend=None)` -> (out [B, L, Hq, D], herfindahl [B, L] f32,
-window_size [B, L] int32); definitions in docs/conventions.md (paper eq. herfindahl).
+block_q=None, block_k=None, backend=None, segment_ids=None)` -> (out [B, L, Hq, D], herfindahl
+[B, L] f32, window_size [B, L] int32); definitions in docs/conventions.md (paper eq. herfindahl).
+
+Packed rows (several sequences per row, the learner's sequence packing): `segment_ids` [B, L]
+gives each token its sequence, a query sees only its own segment's keys, and `window_start` is
+per query [B, L] (at or after the query's segment start), so every token's H_t is its own
+sequence's. Segments are contiguous runs; the blockwise kernels skip the key blocks before a
+query block's earliest segment start.
 
 Backends:
 - "tpu": one Mosaic kernel (`pallas_kernels.tpu`), blockwise, never materializes [L, L].
@@ -33,6 +39,7 @@ from pallas_kernels.common import (
     STATISTICS,
     ConcentrationOutputs,
     causal_attention,
+    row_segments,
     window_sizes,
 )
 from pallas_kernels.gpu import attention_with_concentration_gpu
@@ -73,8 +80,12 @@ def attention_with_concentration(
     return_lse: bool = False,
     statistics: Sequence[str] = (),
     sink_tokens: int = DEFAULT_SINK_TOKENS,
+    segment_ids: Int[Array, "B L"] | None = None,
 ) -> ConcentrationOutputs:
     """Causal GQA attention plus (herfindahl [B, L] f32, window_size [B, L] int32); see module doc.
+
+    window_start: [B] (one per row) or [B, L] (per query); segment_ids: [B, L] or None (one
+    sequence per row).
 
     `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
     (detached), which lets a later pass recompute exact attention probabilities blockwise.
@@ -99,6 +110,7 @@ def attention_with_concentration(
             return_lse=return_lse,
             statistics=statistics,
             sink_tokens=sink_tokens,
+            segment_ids=segment_ids,
         )
     kernel = functools.partial(
         BACKENDS[backend],
@@ -109,29 +121,33 @@ def attention_with_concentration(
         statistics=statistics,
         sink_tokens=sink_tokens,
     )
-    return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start)
+    segments = row_segments(attention_mask, segment_ids)
+    return _with_xla_gradient(kernel, sm_scale)(q, k, v, attention_mask, window_start, segments)
 
 
 def _with_xla_gradient(
     kernel: Callable[..., ConcentrationOutputs], sm_scale: float | None
-) -> Callable[[Array, Array, Array, Array, Array], ConcentrationOutputs]:
+) -> Callable[[Array, Array, Array, Array, Array, Array], ConcentrationOutputs]:
     """`kernel` whose output's VJP is that of `causal_attention`; the statistics get no gradient."""
 
     @jax.custom_vjp
-    def attention(q: Array, k: Array, v: Array, attention_mask: Array, window_start: Array) -> ConcentrationOutputs:
-        return kernel(q, k, v, attention_mask, window_start)
+    def attention(
+        q: Array, k: Array, v: Array, attention_mask: Array, window_start: Array, segments: Array
+    ) -> ConcentrationOutputs:
+        return kernel(q, k, v, attention_mask, window_start, segment_ids=segments)
 
     def forward_pass(
-        q: Array, k: Array, v: Array, attention_mask: Array, window_start: Array
-    ) -> tuple[ConcentrationOutputs, tuple[Array, Array, Array, Array]]:
-        return kernel(q, k, v, attention_mask, window_start), (q, k, v, attention_mask)
+        q: Array, k: Array, v: Array, attention_mask: Array, window_start: Array, segments: Array
+    ) -> tuple[ConcentrationOutputs, tuple[Array, ...]]:
+        outputs = kernel(q, k, v, attention_mask, window_start, segment_ids=segments)
+        return outputs, (q, k, v, attention_mask, segments)
 
-    def backward_pass(
-        residuals: tuple[Array, Array, Array, Array], cotangents: tuple[Array, ...]
-    ) -> tuple[Array | None, ...]:
-        q, k, v, attention_mask = residuals
-        _, pullback = jax.vjp(lambda q, k, v: causal_attention(q, k, v, attention_mask, sm_scale=sm_scale), q, k, v)
-        return (*pullback(cotangents[0]), None, None)  # mask and window_start: not differentiable
+    def backward_pass(residuals: tuple[Array, ...], cotangents: tuple[Array, ...]) -> tuple[Array | None, ...]:
+        q, k, v, attention_mask, segments = residuals
+        _, pullback = jax.vjp(
+            lambda q, k, v: causal_attention(q, k, v, attention_mask, sm_scale=sm_scale, segment_ids=segments), q, k, v
+        )
+        return (*pullback(cotangents[0]), None, None, None)  # mask, window_start, segments: not differentiable
 
     attention.defvjp(forward_pass, backward_pass)
     return attention

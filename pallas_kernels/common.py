@@ -14,10 +14,12 @@ def check_attention_inputs(
     k: Float[Array, "B L Hkv D"],
     v: Float[Array, "B L Hkv D"],
     attention_mask: Bool[Array, "B L"],
-    window_start: Int[Array, " B"] | None = None,
+    window_start: Int[Array, " B"] | Int[Array, "B L"] | None = None,
+    segment_ids: Int[Array, "B L"] | None = None,
 ) -> tuple[int, int, int, int, int]:
-    """Validates shapes/dtypes (window_start=None: attention without a concentration window);
-    returns (batch, length, num_heads, head_dim, num_kv_heads)."""
+    """Validates shapes/dtypes (window_start=None: attention without a concentration window; per row
+    [B] or per query [B, L]; segment_ids None: one segment per row); returns (batch, length,
+    num_heads, head_dim, num_kv_heads)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, L, Hq, D], got shape {q.shape}")
     batch, length, num_heads, head_dim = q.shape
@@ -37,10 +39,48 @@ def check_attention_inputs(
             f"got {attention_mask.dtype} {attention_mask.shape}"
         )
     if window_start is not None and (
-        window_start.shape != (batch,) or not jnp.issubdtype(window_start.dtype, jnp.integer)
+        window_start.shape not in ((batch,), (batch, length)) or not jnp.issubdtype(window_start.dtype, jnp.integer)
     ):
-        raise ValueError(f"window_start must be int [B] = [{batch}], got {window_start.dtype} {window_start.shape}")
+        raise ValueError(
+            f"window_start must be int [B] = [{batch}] or [B, L] = [{batch}, {length}], "
+            f"got {window_start.dtype} {window_start.shape}"
+        )
+    if segment_ids is not None and (
+        segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"segment_ids must be int [B, L] = [{batch}, {length}], got {segment_ids.dtype} {segment_ids.shape}"
+        )
     return batch, length, num_heads, head_dim, num_kv_heads
+
+
+def row_segments(attention_mask: Bool[Array, "B L"], segment_ids: Int[Array, "B L"] | None) -> Int[Array, "B L"]:
+    """int32 segment ids [B, L]: `segment_ids`, or one segment (0) per row when None."""
+    if segment_ids is None:
+        return jnp.zeros(attention_mask.shape, jnp.int32)
+    return segment_ids.astype(jnp.int32)
+
+
+def query_window_start(window_start: Int[Array, " B"] | Int[Array, "B L"], length: int) -> Int[Array, "B L"]:
+    """int32 window start per query [B, L] from one per row [B] or per query [B, L]."""
+    window_start = window_start.astype(jnp.int32)
+    if window_start.ndim == 1:
+        return jnp.broadcast_to(window_start[:, None], (window_start.shape[0], length))
+    return window_start
+
+
+def segment_starts(segments: Int[Array, "B L"]) -> Int[Array, "B L"]:
+    """int32 [B, L]: the first position of each query's segment (segments are contiguous runs)."""
+    positions = jnp.arange(segments.shape[1], dtype=jnp.int32)[None]
+    begins = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(begins, positions, 0), axis=1)
+
+
+def block_minimum(per_query: Int[Array, "B L"], block: int, padded: int) -> Int[Array, "B N"]:
+    """int32 [B, padded // block]: the minimum of `per_query` over each block of `block` queries (queries
+    past L count as the row's last): the first key a blockwise kernel's query block can need."""
+    extended = jnp.pad(per_query, ((0, 0), (0, padded - per_query.shape[1])), mode="edge")
+    return extended.reshape(per_query.shape[0], padded // block, block).min(axis=2).astype(jnp.int32)
 
 
 # A finite "minus infinity" for masked logits: exp() of it is 0 and max() of it never yields NaN.
@@ -51,16 +91,21 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def window_sizes(attention_mask: Bool[Array, "B L"], window_start: Int[Array, " B"]) -> Int[Array, "B L"]:
-    """n [B, L] int32: real keys in [window_start, p] for each query p (0 when p < window_start).
+def window_sizes(
+    attention_mask: Bool[Array, "B L"], window_start: Int[Array, " B"] | Int[Array, "B L"]
+) -> Int[Array, "B L"]:
+    """n [B, L] int32: real keys in [window_start, p] for each query p (0 when p < window_start);
+    window_start per row [B] or per query [B, L] (packed rows: at or after the query's segment start,
+    so the window holds its own sequence's keys only).
 
     Computed from prefix counts of the mask, so no kernel needs to count keys.
     """
+    window_start = query_window_start(window_start, attention_mask.shape[1])
     counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1)  # real keys in [0, p]
-    before = jnp.take_along_axis(counts, jnp.clip(window_start[:, None] - 1, 0, attention_mask.shape[1] - 1), axis=1)
-    before = jnp.where(window_start[:, None] > 0, before, 0)  # real keys in [0, window_start)
+    before = jnp.take_along_axis(counts, jnp.clip(window_start - 1, 0, attention_mask.shape[1] - 1), axis=1)
+    before = jnp.where(window_start > 0, before, 0)  # real keys in [0, window_start)
     positions = jnp.arange(attention_mask.shape[1])[None]
-    return jnp.where(positions >= window_start[:, None], counts - before, 0).astype(jnp.int32)
+    return jnp.where(positions >= window_start, counts - before, 0).astype(jnp.int32)
 
 
 def causal_attention(
@@ -70,14 +115,18 @@ def causal_attention(
     attention_mask: Bool[Array, "B L"],
     *,
     sm_scale: float | None = None,
+    segment_ids: Int[Array, "B L"] | None = None,
 ) -> Float[Array, "B L Hq D"]:
-    """Plain causal GQA attention, `jax.nn.dot_product_attention` (XLA; cuDNN where it applies).
+    """Plain causal GQA attention, `jax.nn.dot_product_attention` (XLA; cuDNN where it applies);
+    with `segment_ids` a query sees only the keys of its own segment.
 
     The layers without concentration use it, and it supplies the gradient of the kernels' output.
     """
     length = q.shape[1]
     causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
     mask = causal[None, None] & attention_mask[:, None, None, :]
+    if segment_ids is not None:
+        mask &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale)
 
 

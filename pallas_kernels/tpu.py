@@ -5,19 +5,27 @@ for ALL query heads, because the head average couples them (paper eq. herfindahl
 
 - phase 0 runs the online softmax over the causal kv blocks, per head, in fp32, and writes the
   attention output and the per-head log-sum-exp, which also stays in VMEM scratch.
-- phase 1 revisits the kv blocks that meet the window [window_start, p] and recomputes the
+- phase 1 revisits the kv blocks that meet the window [window_start_p, p] and recomputes the
   probabilities exactly from that LSE, p_hi = exp(s_hi - lse_h), sums them over heads, and
   accumulates sum_i a_i and sum_i a_i^2 over the window keys. H = (sum a^2) / (sum a)^2 is the
   Herfindahl index of the head-mean attention renormalized over the window. The optional
   statistics (`pallas_kernels.common.STATISTICS`: entropy, sink-masked Herfindahl, max weight)
   ride along as a few more running sums per query in the same pass.
 
+Packed rows (`segment_ids`, several sequences per row): query p sees key i iff i <= p, key i is
+real and both share a segment; its window starts at its own window_start_p ([B] per row or
+[B, L] per query). As in JAX's splash attention, the per-query int32 data (segment id, window
+start) enter as [B, Lp, 128] lane-replicated tiles read as (block_q, 1) columns, and the key
+segment ids as a (1, block_k) row beside the key mask.
+
 Nothing of size [L, L] exists: the largest arrays are the [Hq, block_q, D] q/out blocks and the
 [block_q, block_k] logits of one head. Per-row statistics live as (block_q, 128) lane-replicated
 tiles and the concentration leaves the kernel as a lane-major (1, block_q) row (one 2-D
 transpose) of a [B, num_q_blocks, 1, block_q] array, so no lane<->sublane reshape is needed
-(those fail on v4). Blocks that the causal mask or the window rule out are skipped with
-`pl.when`, and their index maps are clamped so they are not fetched either.
+(those fail on v4). Blocks that the causal mask rules out, that lie before the q block's
+earliest segment start (phase 0) or before its earliest window start (phase 1) are skipped with
+`pl.when` (the two per-(row, q block) minima are scalar-prefetched), and their index maps are
+clamped so they are not fetched either.
 
 With `interpret=True` the same kernel runs on CPU (the "interpret" backend, used by the tests).
 No VJP is defined: this is the scoring pass (no gradient flows through it; see the package doc).
@@ -40,12 +48,16 @@ from pallas_kernels.common import (
     DEFAULT_SINK_TOKENS,
     MASK_VALUE,
     ConcentrationOutputs,
+    block_minimum,
     check_attention_inputs,
     check_statistics,
     finish_statistics,
     merge_partials,
     partial_names,
+    query_window_start,
     round_up,
+    row_segments,
+    segment_starts,
     window_partials,
     window_sizes,
 )
@@ -58,8 +70,9 @@ VMEM_BUDGET_BYTES = 13 * 2**20
 def vmem_bytes(
     num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int, block_q: int, block_k: int, partials: int = 2
 ) -> int:
-    """Estimated VMEM of one program: double-buffered blocks plus fp32 scratch (`partials` window sums)."""
-    q_and_out = 2 * 2 * num_heads * block_q * head_dim * itemsize
+    """Estimated VMEM of one program: double-buffered blocks (with the two int32 per-query tiles)
+    plus fp32 scratch (`partials` window sums)."""
+    q_and_out = 2 * 2 * num_heads * block_q * head_dim * itemsize + 2 * 2 * block_q * LANES * 4
     k_and_v = 2 * 2 * num_kv_heads * block_k * head_dim * itemsize
     scratch = num_heads * block_q * (2 * LANES + head_dim) * 4 + partials * block_q * LANES * 4
     temporaries = 3 * block_q * block_k * 4
@@ -90,11 +103,15 @@ def default_block_sizes(
 
 
 def _concentration_attention_kernel(
-    window_start_ref: jax.Ref,  # [B] int32, scalar-prefetched to SMEM
+    first_key_ref: jax.Ref,  # [B * nq] int32 (SMEM): per (row, q block), the first key a query sees
+    first_window_ref: jax.Ref,  # [B * nq] int32 (SMEM): per (row, q block), the earliest window start
     q_ref: jax.Ref,  # (Hq, bq, D)
     k_ref: jax.Ref,  # (Hkv, bk, D)
     v_ref: jax.Ref,  # (Hkv, bk, D)
+    q_segment_ref: jax.Ref,  # (bq, LANES) int32, lane-replicated: each query's segment id
+    q_window_ref: jax.Ref,  # (bq, LANES) int32, lane-replicated: each query's window start
     key_mask_ref: jax.Ref,  # (1, bk) int32, 1 = real token
+    key_segment_ref: jax.Ref,  # (1, bk) int32: each key's segment id
     out_ref: jax.Ref,  # (Hq, bq, D)
     herfindahl_ref: jax.Ref,  # (1, bq) f32, lane-major
     lse_ref: jax.Ref,  # (Hq, 1, bq) f32, lane-major
@@ -116,11 +133,14 @@ def _concentration_attention_kernel(
     num_heads = q_ref.shape[0]
     last_kv_block = lax.div((q_block + 1) * block_q - 1, block_k)
     causal_block = kv_block <= last_kv_block
-    window_start = window_start_ref[batch]
+    row_block = batch * pl.num_programs(1) + q_block
+    first_key_block = lax.div(first_key_ref[row_block], block_k)
+    first_window_block = lax.div(first_window_ref[row_block], block_k)
 
     q_pos = q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
     k_pos = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    visible = (k_pos <= q_pos) & (key_mask_ref[...] != 0)
+    same_segment = q_segment_ref[...][:, :1] == key_segment_ref[...]  # (bq, 1) vs (1, bk)
+    visible = (k_pos <= q_pos) & (key_mask_ref[...] != 0) & same_segment
 
     def logits(head: Array) -> tuple[Array, Array]:
         kv_head = lax.div(head, group)
@@ -133,13 +153,13 @@ def _concentration_attention_kernel(
         )
         return scores * sm_scale, kv_head
 
-    @pl.when((phase == 0) & (kv_block == 0))
+    @pl.when((phase == 0) & (kv_block == 0))  # even when block 0 is skipped: the init reads no k/v
     def _init_softmax() -> None:
         max_scratch[...] = jnp.full(max_scratch.shape, MASK_VALUE, jnp.float32)
         sum_scratch[...] = jnp.zeros(sum_scratch.shape, jnp.float32)
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
-    @pl.when((phase == 0) & causal_block)
+    @pl.when((phase == 0) & causal_block & (kv_block >= first_key_block))
     def _online_softmax() -> None:
         def head_step(head: Array, carry: int) -> int:
             scores, kv_head = logits(head)
@@ -181,13 +201,14 @@ def _concentration_attention_kernel(
         for scratch in partial_scratch.values():  # every partial starts at 0 (the running max too: a >= 0)
             scratch[...] = jnp.zeros(scratch.shape, jnp.float32)
 
-    @pl.when((phase == 1) & causal_block & (kv_block >= lax.div(window_start, block_k)))
+    @pl.when((phase == 1) & causal_block & (kv_block >= first_window_block))
     def _accumulate_concentration() -> None:
         def head_step(head: Array, head_sum: Array) -> Array:
             scores, _ = logits(head)
             return head_sum + jnp.exp(scores - max_scratch[head][:, :1])
 
         head_sum = lax.fori_loop(0, num_heads, head_step, jnp.zeros((block_q, block_k), jnp.float32))
+        window_start = q_window_ref[...][:, :1]  # (bq, 1)
         in_window = visible & (k_pos >= window_start)
         block = window_partials(head_sum * (1.0 / num_heads), in_window, k_pos, window_start, statistics, sink_tokens)
         for name, scratch in partial_scratch.items():
@@ -208,15 +229,18 @@ def _kv_index_map(
     q_block: Array,
     phase: Array,
     kv_block: Array,
-    window_start_ref: jax.Ref,
+    first_key_ref: jax.Ref,
+    first_window_ref: jax.Ref,
     *,
     block_q: int,
     block_k: int,
+    num_q_blocks: int,
     keep_last_in_phase_1: bool,
 ) -> Array:
     """Clamps kv_block to the blocks the program computes on, so skipped steps fetch nothing new."""
     last = lax.div((q_block + 1) * block_q - 1, block_k)
-    first = jnp.where(phase == 1, lax.div(window_start_ref[batch], block_k), 0)
+    row_block = batch * num_q_blocks + q_block
+    first = lax.div(jnp.where(phase == 1, first_window_ref[row_block], first_key_ref[row_block]), block_k)
     if keep_last_in_phase_1:  # v is not read in phase 1: hold the last phase-0 block
         first = jnp.where(phase == 1, last, first)
     return jnp.minimum(jnp.maximum(kv_block, first), last)
@@ -227,7 +251,7 @@ def attention_with_concentration_tpu(
     k: Float[Array, "B L Hkv D"],
     v: Float[Array, "B L Hkv D"],
     attention_mask: Bool[Array, "B L"],
-    window_start: Int[Array, " B"],
+    window_start: Int[Array, " B"] | Int[Array, "B L"],
     *,
     sm_scale: float | None = None,
     block_q: int | None = None,
@@ -236,6 +260,7 @@ def attention_with_concentration_tpu(
     return_lse: bool = False,
     statistics: Sequence[str] = (),
     sink_tokens: int = DEFAULT_SINK_TOKENS,
+    segment_ids: Int[Array, "B L"] | None = None,
 ) -> ConcentrationOutputs:
     """Blockwise attention with concentration on TPU (or interpreted on CPU).
 
@@ -244,9 +269,13 @@ def attention_with_concentration_tpu(
     multiple of both internally. Default blocks are the largest that fit the VMEM budget.
     `return_lse=True` appends the per-head log-sum-exp of the scaled logits, [B, Hq, L] f32
     (0 for a query that sees no key); a non-empty `statistics` appends {statistic: [B, L] f32}.
+    window_start is [B] (per row) or [B, L] (per query); `segment_ids` [B, L] packs several
+    sequences (contiguous runs) per row, None is one per row.
     """
     statistics = check_statistics(statistics, sink_tokens)
-    batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(q, k, v, attention_mask, window_start)
+    batch, length, num_heads, head_dim, num_kv_heads = check_attention_inputs(
+        q, k, v, attention_mask, window_start, segment_ids
+    )
     key_multiple = 8 if interpret else LANES
     default_q, default_k = default_block_sizes(
         length,
@@ -270,33 +299,51 @@ def attention_with_concentration_tpu(
     def heads_major(x: Array) -> Array:  # [B, L, H, D] -> [B, H, Lp, D]
         return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-    key_mask = jnp.pad(attention_mask, ((0, 0), (0, pad))).astype(jnp.int32)[:, None, :]
-    window_start = window_start.astype(jnp.int32)
+    segments = row_segments(attention_mask, segment_ids)
+    window_start = query_window_start(window_start, length)
     num_q_blocks, num_kv_blocks = padded // block_q, padded // block_k
+    # Per (row, q block), flattened to 1-D for SMEM: the first key any of its queries can see (its
+    # earliest segment start; 0 without segments), and the earliest key of any of its windows
+    # (keys before a query's segment start are invisible, so its window effectively starts at or
+    # after that).
+    starts = segment_starts(segments)
+    first_key = block_minimum(starts, block_q, padded).reshape(-1)
+    first_window = block_minimum(jnp.maximum(window_start, starts), block_q, padded).reshape(-1)
 
-    kv_map = functools.partial(_kv_index_map, block_q=block_q, block_k=block_k)
+    def key_row(x: Array) -> Array:  # [B, L] -> [B, 1, Lp] int32
+        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, pad)))[:, None, :]
+
+    def query_tile(x: Array) -> Array:  # [B, L] -> [B, Lp, LANES] int32, lane-replicated
+        return jnp.broadcast_to(jnp.pad(x, ((0, 0), (0, pad)), mode="edge")[:, :, None], (batch, padded, LANES))
+
+    kv_map = functools.partial(_kv_index_map, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
     k_map = functools.partial(kv_map, keep_last_in_phase_1=False)
     v_map = functools.partial(kv_map, keep_last_in_phase_1=True)
-    q_spec = pl.BlockSpec((None, num_heads, block_q, head_dim), lambda b, i, p, j, ws: (b, 0, i, 0))
-    row_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0))
+    q_spec = pl.BlockSpec((None, num_heads, block_q, head_dim), lambda b, i, p, j, *_: (b, 0, i, 0))
+    query_spec = pl.BlockSpec((None, block_q, LANES), lambda b, i, p, j, *_: (b, i, 0))
+    key_spec = pl.BlockSpec((None, 1, block_k), lambda b, i, p, j, *s: (b, 0, k_map(b, i, p, j, *s)))
+    row_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, i, p, j, *_: (b, i, 0, 0))
     row_shape = jax.ShapeDtypeStruct((batch, num_q_blocks, 1, block_q), jnp.float32)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(batch, num_q_blocks, 2, num_kv_blocks),
         in_specs=[
             q_spec,
             pl.BlockSpec(
-                (None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws), 0)
+                (None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, *s: (b, 0, k_map(b, i, p, j, *s), 0)
             ),
             pl.BlockSpec(
-                (None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, ws: (b, 0, v_map(b, i, p, j, ws), 0)
+                (None, num_kv_heads, block_k, head_dim), lambda b, i, p, j, *s: (b, 0, v_map(b, i, p, j, *s), 0)
             ),
-            pl.BlockSpec((None, 1, block_k), lambda b, i, p, j, ws: (b, 0, k_map(b, i, p, j, ws))),
+            query_spec,
+            query_spec,
+            key_spec,
+            key_spec,
         ],
         out_specs=[
             q_spec,
             row_spec,
-            pl.BlockSpec((None, None, num_heads, 1, block_q), lambda b, i, p, j, ws: (b, i, 0, 0, 0)),
+            pl.BlockSpec((None, None, num_heads, 1, block_q), lambda b, i, p, j, *_: (b, i, 0, 0, 0)),
         ]
         + [row_spec] * len(statistics),
         scratch_shapes=[
@@ -330,7 +377,17 @@ def attention_with_concentration_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="attention_with_concentration",
-    )(window_start, heads_major(q), heads_major(k), heads_major(v), key_mask)
+    )(
+        first_key,
+        first_window,
+        heads_major(q),
+        heads_major(k),
+        heads_major(v),
+        query_tile(segments),
+        query_tile(window_start),
+        key_row(attention_mask),
+        key_row(segments),
+    )
     out = out.transpose(0, 2, 1, 3)[:, :length]
     per_token = lambda rows: rows.reshape(batch, padded)[:, :length]
     outputs: ConcentrationOutputs = (out, per_token(herfindahl), window_sizes(attention_mask, window_start))

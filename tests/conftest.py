@@ -599,6 +599,7 @@ def stand_in_batch(cfg, recipe, *, lengths=(10, 7, 10, 3), seed=0):
         reward_metrics={},
         host_mask=mask,
         reward_tokens=reward_tokens,
+        host_lengths=lengths.astype(np.int32),
     )
     credit_kappa = np.asarray(control_gate(recipe, kappa, mask, jax.random.key(seed), fixed_value=cfg.fixed_gate))
     advantages = np.asarray(grpo_advantages(rewards, group, mask)) if recipe.estimator == "grpo" else None

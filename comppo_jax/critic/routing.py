@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import round_up
+from pallas_kernels.common import query_window_start, round_up
 
 
 class Routing(NamedTuple):
@@ -43,8 +43,10 @@ def _check(q, k, lse, attention_mask, window_start):
         raise ValueError(f"lse must be [B, Hq, L] = {(batch, num_heads, length)}, got {lse.shape}")
     if attention_mask.shape != (batch, length):
         raise ValueError(f"attention_mask must be [B, L] = {(batch, length)}, got {attention_mask.shape}")
-    if window_start.shape != (batch,):
-        raise ValueError(f"window_start must be [B] = ({batch},), got {window_start.shape}")
+    if window_start.shape not in ((batch,), (batch, length)):
+        raise ValueError(
+            f"window_start must be [B] = ({batch},) or [B, L] = {(batch, length)}, got {window_start.shape}"
+        )
 
 
 KEY_BLOCKS_SCOPE = "window_key_blocks"
@@ -67,7 +69,8 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
 
     q [B, L, Hq, D], k [B, L, Hkv, D] (the final layer's, after norm and RoPE); lse [B, Hq, L]
     per-head log-sum-exp of the scaled causal logits; attention_mask [B, L] bool;
-    window_start [B] int. Where n_t < K the trailing slots are not valid.
+    window_start [B] int, or per query [B, L] (packed rows: at or after the query's sequence start,
+    so I_t holds its own sequence's keys). Where n_t < K the trailing slots are not valid.
     """
     _check(q, k, lse, attention_mask, window_start)
     batch, length, num_heads, head_dim = q.shape
@@ -80,7 +83,8 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
     k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
     lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, pad)))
     key_mask = jnp.pad(attention_mask.astype(bool), ((0, 0), (0, pad)))
-    window_start = window_start.astype(jnp.int32)
+    # Per query; queries past L take the row's last start, so they never lower a block's first key.
+    window_start = jnp.pad(query_window_start(window_start, length), ((0, 0), (0, pad)), mode="edge")
 
     def one_query_block(row, q_block):
         q_row, k_row, lse_row, mask_row, start = row
@@ -89,6 +93,7 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
         q_tile = q_tile.reshape(block_q, -1, group, head_dim)  # GQA groups: [bq, Hkv, g, D]
         lse_tile = lax.dynamic_slice_in_dim(lse_row, first_query, block_q, 1).reshape(-1, group, block_q)
         q_pos = first_query + jnp.arange(block_q)
+        start_tile = lax.dynamic_slice_in_dim(start, first_query, block_q, 0)[:, None]  # [bq, 1]
 
         def merge(kv_block, carry):
             best, best_index, mass = carry
@@ -99,7 +104,7 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
             k_pos = first_key + jnp.arange(block_k)
             in_window = (
                 (k_pos[None] <= q_pos[:, None])
-                & (k_pos[None] >= start)
+                & (k_pos[None] >= start_tile)
                 & lax.dynamic_slice_in_dim(mask_row, first_key, block_k, 0)[None]
             )
             head_mean = jnp.where(in_window, head_mean, 0.0)
@@ -111,7 +116,7 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
 
         init = (jnp.full((block_q, top_k), -1.0), jnp.zeros((block_q, top_k), jnp.int32), jnp.zeros((block_q,)))
         # Only key blocks that meet [window_start, last query of the block] can contribute.
-        first_block = jnp.clip(lax.div(start, block_k), 0, padded // block_k)
+        first_block = jnp.clip(lax.div(jnp.min(start_tile), block_k), 0, padded // block_k)
         last_block = lax.div(first_query + block_q - 1, block_k) + 1
         with jax.named_scope(KEY_BLOCKS_SCOPE):  # the planner's cost model counts this loop by this name
             best, best_index, mass = lax.fori_loop(first_block, jnp.maximum(first_block, last_block), merge, init)

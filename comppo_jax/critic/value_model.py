@@ -31,11 +31,22 @@ def init_value_model(policy: dict, master_dtype, rng) -> dict:
     return {"trunk": trunk, "head": {"weight": weight, "bias": jnp.zeros((), jnp.float32)}}
 
 
-def value_model_values(params: dict, config: ModelConfig, tokens, attention_mask) -> jax.Array:
+def value_model_values(
+    params: dict, config: ModelConfig, tokens, attention_mask, *, segment_ids=None, positions=None
+) -> jax.Array:
     """V_t = w . h_t + b [B, L], unclamped as in tunix and verl, on the value model's own final hidden
     state h_t (tokens [B, L]; the trunk runs in `config.dtype`, the head in float32; gradients reach
-    every weight)."""
+    every weight). Packed rows: `segment_ids` and `positions` as `forward` takes them."""
     trunk = jax.tree.map(lambda p: p.astype(config.dtype), params["trunk"])
-    out = forward(trunk, config, tokens, attention_mask, hidden_layers=(config.num_layers,), compute_logits=False)
+    out = forward(
+        trunk,
+        config,
+        tokens,
+        attention_mask,
+        hidden_layers=(config.num_layers,),
+        compute_logits=False,
+        segment_ids=segment_ids,
+        positions=positions,
+    )
     head = params["head"]
     return out.hidden_states[0].astype(jnp.float32) @ head["weight"] + head["bias"]

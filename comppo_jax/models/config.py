@@ -10,7 +10,16 @@ from comppo_jax.errors import ConfigError as ConfigError  # re-exported: callers
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("auto", "xla", "chunked", "splash", "splash_interpret", "cudnn")  # comppo_jax.models.attention
+ATTENTION = (
+    "auto",
+    "xla",
+    "chunked",
+    "splash",
+    "splash_interpret",
+    "packed_flash",
+    "packed_flash_interpret",
+    "cudnn",
+)  # comppo_jax.models.attention
 REMAT = ("none", "full", "dots", "dots_no_batch")  # per-layer jax.checkpoint policy (transformer.REMAT_POLICIES)
 
 

@@ -278,8 +278,10 @@ def _check_forward_inputs(
     config: ModelConfig,
     tokens: Int[Array, "B L"],
     attention_mask: Bool[Array, "B L"],
-    window_start: Int[Array, " B"] | None,
+    window_start: Int[Array, " B"] | Int[Array, "B L"] | None,
     hidden_layers: tuple[int, ...],
+    segment_ids: Int[Array, "B L"] | None,
+    positions: Int[Array, "B L"] | None,
 ) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be int [B, L], got {tokens.dtype} {tokens.shape}")
@@ -287,8 +289,14 @@ def _check_forward_inputs(
         raise ValueError(
             f"attention_mask must be bool {tokens.shape}, got {attention_mask.dtype} {attention_mask.shape}"
         )
-    if window_start is not None and window_start.shape != tokens.shape[:1]:
-        raise ValueError(f"window_start must be int [B] = [{tokens.shape[0]}], got shape {window_start.shape}")
+    if window_start is not None and window_start.shape not in (tokens.shape[:1], tokens.shape):
+        raise ValueError(
+            f"window_start must be int [B] = [{tokens.shape[0]}] or [B, L] = {list(tokens.shape)}, "
+            f"got shape {window_start.shape}"
+        )
+    for name, array in (("segment_ids", segment_ids), ("positions", positions)):
+        if array is not None and array.shape != tokens.shape:
+            raise ValueError(f"{name} must be int [B, L] = {list(tokens.shape)}, got shape {array.shape}")
     bad = [i for i in hidden_layers if not 0 <= i <= config.num_layers]
     if bad:
         raise ValueError(f"hidden_layers {bad} out of range [0, {config.num_layers}] (HF hidden_states indexing)")
@@ -311,7 +319,7 @@ def forward(
     config: ModelConfig,
     tokens: Int[Array, "B L"],
     attention_mask: Bool[Array, "B L"],
-    window_start: Int[Array, " B"] | None = None,
+    window_start: Int[Array, " B"] | Int[Array, "B L"] | None = None,
     *,
     hidden_layers: tuple[int, ...] | None = None,
     concentration_backend: str | None = None,
@@ -319,6 +327,8 @@ def forward(
     compute_logits: bool = True,
     concentration_statistics: tuple[str, ...] = (),
     sink_tokens: int = pallas_kernels.DEFAULT_SINK_TOKENS,
+    segment_ids: Int[Array, "B L"] | None = None,
+    positions: Int[Array, "B L"] | None = None,
 ) -> ForwardOutput:
     """Teacher-forced forward pass.
 
@@ -335,6 +345,9 @@ def forward(
     `concentration_statistics` (needs window_start): more statistics of the same final-layer
     window distribution from the same kernel pass (`pallas_kernels.STATISTICS`; `sink_tokens`
     for "sink_herfindahl"), returned in `out.statistics`.
+    Packed rows (comppo_jax.models.packing): `segment_ids` [B, L] keeps every layer's attention within
+    each token's own sequence, `positions` [B, L] are the RoPE positions in it, and window_start is
+    per query [B, L] (at or after the query's sequence start).
     """
     if (return_final_attention or concentration_statistics) and window_start is None:
         raise ValueError(
@@ -342,24 +355,25 @@ def forward(
             "computes them)"
         )
     hidden_layers = tuple(range(config.num_layers + 1)) if hidden_layers is None else tuple(hidden_layers)
-    _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers)
+    _check_forward_inputs(config, tokens, attention_mask, window_start, hidden_layers, segment_ids, positions)
     batch, length = tokens.shape
     dtype = jnp.dtype(config.dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config))
-    # Positions count real tokens, so left-padded rows get the same positions as unpadded ones.
-    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    if positions is None:  # Positions count real tokens, so left-padded rows get the same positions as unpadded ones.
+        positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
     embedded = params["embed"].astype(dtype)[tokens]
 
     def concentrated(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Any]]:
         # Per batch shard with all heads: H_t is a statistic of the head-averaged attention.
+        attend = functools.partial(
+            pallas_kernels.attention_with_concentration,
+            backend=concentration_backend,
+            return_lse=return_final_attention,
+            statistics=concentration_statistics,
+            sink_tokens=sink_tokens,
+        )
         kernel = sharding.per_shard(
-            functools.partial(
-                pallas_kernels.attention_with_concentration,
-                backend=concentration_backend,
-                return_lse=return_final_attention,
-                statistics=concentration_statistics,
-                sink_tokens=sink_tokens,
-            ),
+            lambda q, k, v, mask, start, segments: attend(q, k, v, mask, start, segment_ids=segments),
             in_specs=P(sharding.BATCH),
             out_specs=P(sharding.BATCH),
         )
@@ -370,6 +384,7 @@ def forward(
             v,
             attention_mask,
             window_start.astype(jnp.int32),  # type: ignore[union-attr]
+            segment_ids,
         )
         statistics = {"herfindahl": herfindahl, "window_size": window_size}
         if return_final_attention:
@@ -382,7 +397,7 @@ def forward(
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(concentrated, q, k, v)[1])
 
     def causal(q: Array, k: Array, v: Array) -> Array:
-        return training_attention(q, k, v, attention_mask, implementation=config.attention)
+        return training_attention(q, k, v, attention_mask, implementation=config.attention, segment_ids=segment_ids)
 
     def plain(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Any]]:
         return causal(q, k, v), no_statistics(q, k, v)

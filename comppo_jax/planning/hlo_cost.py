@@ -357,22 +357,29 @@ def _live_rows(instruction: _Instruction, rows: int | None) -> int:
     return out if rows is None else min(out, rows)
 
 
+# Attention kernels whose blocks skip the keys of other segments on packed rows (their cost: the
+# `visited` share of the causal blocks; `program_cost(attention_visited=...)`).
+SEGMENT_SKIPPING = ("attention_with_concentration", "packed_flash_attention")
+
+
 def _attention_flops(
-    instruction: _Instruction, shapes: dict, context: float | None, rows: int | None = None
+    instruction: _Instruction, shapes: dict, context: float | None, rows: int | None = None, visited: float = 1.0
 ) -> float | None:
     """FLOPs of the attention kernels XLA treats as opaque custom calls, from their shapes. Causal
     self-attention over L keys is 2 matmuls x 2 x heads x L^2 / 2 x d forward (QK^T and PV), the
     queries [..., heads, L, d] being the kernel's largest operand; splash's backward kernels take
     3 (dq) and 4 (dkv) such matmuls; decode attends `context` keys per token [tokens, heads, d]."""
     name = instruction.name
-    if name.startswith(("splash_mha", "attention_with_concentration", "flash_attention")):
+    if name.startswith(("splash_mha", "attention_with_concentration", "flash_attention", "packed_flash_attention")):
         operands = [shapes[o][1] for o in instruction.operands if o in shapes and len(shapes[o][1]) >= 3]
         if not operands:
             return None
         q = max(operands, key=math.prod)
         length, head_dim = q[-2], q[-1]
-        matmuls = 3 if "_dq" in name else 4 if "_dkv" in name else 2
-        return matmuls * 2.0 * math.prod(q[:-2]) * length * length * head_dim / 2
+        matmuls = 3 if "_dq" in name else 4 if ("_dkv" in name or "_dkdv" in name) else 2
+        # The kernels that skip other segments' key blocks visit this share of the causal blocks.
+        share = visited if name.startswith(SEGMENT_SKIPPING) else 1.0
+        return share * matmuls * 2.0 * math.prod(q[:-2]) * length * length * head_dim / 2
     if "paged_attention" in name and context is not None:
         return 2.0 * 2.0 * _live_rows(instruction, rows) * math.prod(_arrays(instruction.type)[0][1][1:]) * context
     return None
@@ -469,13 +476,15 @@ def program_cost(
     branch_rates: dict | None = None,
     context: float | None = None,
     decode_rows: int | None = None,
+    attention_visited: float = 1.0,
 ) -> ProgramCost:
     """The per-chip cost of a compiled program (see the module docstring). `text`:
     `compiled.as_text()`; `devices`: chips in the program, the group size of a collective that
     names none; `loop_trips`: {named scope: trip count} for loops with data-dependent bounds;
     `branch_rates`: {named scope: how often its `cond` takes the costlier branch} (else always);
     `context`: mean keys a decode attention call reads per row; `decode_rows`: rows per call that
-    attend (beyond them, the engine's tile padding)."""
+    attend (beyond them, the engine's tile padding); `attention_visited`: the share of causal blocks
+    the segment-skipping attention kernels visit (packed rows: `SEGMENT_SKIPPING`)."""
     computations, entry = parse_hlo(text)
     loop_trips, branch_rates = loop_trips or {}, branch_rates or {}
     memo: dict[str, ProgramCost] = {}
@@ -559,7 +568,7 @@ def program_cost(
             if i.opcode == "custom-call" and (
                 'custom_call_target="tpu_custom_call"' in i.attributes or "__gpu$xla.gpu.triton" in i.attributes
             ):
-                flops = _attention_flops(i, shapes, context, decode_rows)
+                flops = _attention_flops(i, shapes, context, decode_rows, attention_visited)
                 if flops is None:
                     unknown_kernels.append(i.name.split(".")[0])
                 else:

@@ -11,8 +11,9 @@ all N chips. Both are rooflines, as the plan's:
   (`long_tail_lengths`: most responses far below the limit, a few clipped at it, as in a real 16K
   run) the cache shrinks as the step goes on, but the loop runs to the longest row;
 - the learner (`learner_seconds`): the scoring pass (behaviour and reference forwards) and the
-  actor's epochs of forward + backward over the batch padded to its longest row, at the chips'
-  peak (the compiled actor update is compute-bound in the plan), on the learner's chips;
+  actor's epochs of forward + backward over the batch as the learner lays it out (`LearnerBatch`:
+  padded to its longest row, or packed, train.packing), at the chips' peak (the compiled actor
+  update is compute-bound in the plan), on the learner's chips;
 - the move (`transfer_seconds`): the compute-dtype weights sent once over the interconnect.
 
 Where the scoring pass runs is a choice (`splits(scoring=...)`): on the learner's chips (what
@@ -25,11 +26,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from comppo_jax.models.config import ModelConfig
+from comppo_jax.models.packing import make_packing
 from comppo_jax.planning import chips, hlo_cost
 from comppo_jax.planning.decode_floor import decode_group_sizes, pool_heads_per_chip, weight_bytes_per_chip
+from pallas_kernels.common import round_up, segment_starts
+from pallas_kernels.packed_attention import block_bounds, visited_block_pairs
 
 # A 16K run's response lengths: log-normal around 30% of the limit, 5% clipped at it (DAPO-style
 # math runs clip a few percent; most responses end far earlier).
@@ -82,34 +87,94 @@ def rollout_seconds(
     return best
 
 
+def attention_flops(config: ModelConfig, tokens: float, keys: float) -> float:
+    """Causal attention of `tokens` queries over `keys` keys each on average: 4 x layers x heads x
+    head_dim per key (QK^T and PV)."""
+    return tokens * 4 * config.num_layers * config.num_heads * config.head_dim * keys
+
+
+def token_flops(config: ModelConfig, tokens: float, keys: float) -> float:
+    """A forward pass over `tokens` tokens attending to `keys` keys each on average: 2N per token
+    plus their attention (`attention_flops`)."""
+    from comppo_jax.planning.planner import matmul_params
+
+    return tokens * 2 * matmul_params(config) + attention_flops(config, tokens, keys)
+
+
+class LearnerBatch(NamedTuple):
+    """A step's sequences as the learner computes them: padded (one per row of `row_length`) or
+    packed (train.packing: first-fit-decreasing rows of `row_length`, comppo_jax.models.packing)."""
+
+    lengths: np.ndarray  # [rows] tokens (prompt + response) of each sequence
+    row_length: int
+    packed: bool = False
+    multiple: int = 1  # the packed row count's divisor (the devices rows are split over)
+    segment_skip: bool = False  # packed: the attention kernels skip other segments' key blocks
+
+    @classmethod
+    def of(cls, lengths, prompt_length: int, max_new_tokens: int, **options) -> LearnerBatch:
+        """Responses of `lengths` tokens after `prompt_length`-token prompts, rows of the longest possible."""
+        return cls(prompt_length + np.asarray(lengths), prompt_length + max_new_tokens, **options)
+
+    def packing(self):
+        """The packed rows (comppo_jax.models.packing.Packing, host arrays); None when padded."""
+        if not self.packed:
+            return None
+        return make_packing(self.lengths, self.row_length, multiple=self.multiple)
+
+    def rows(self) -> int:
+        """Rows computed."""
+        return len(self.lengths) if not self.packed else self.packing().segment_ids.shape[0]
+
+    def attention_visited(self, block: int = 512) -> float:
+        """The share of causal (query block, key block) pairs a segment-skipping attention kernel
+        visits on these rows (`pallas_kernels.packed_attention`'s bounds; 1 when padded or not skipping)."""
+        if not (self.packed and self.segment_skip):
+            return 1.0
+        segments = jnp.asarray(self.packing().segment_ids)
+        padded = round_up(self.row_length, block)
+        starts = jnp.pad(segment_starts(segments), ((0, 0), (0, padded - self.row_length)), mode="edge")
+        visited, _ = visited_block_pairs(*block_bounds(starts, block, block), block, block)
+        blocks = padded // block
+        return float(visited.sum()) / (visited.shape[0] * blocks * (blocks + 1) / 2)
+
+    def forward_flops(self, config: ModelConfig) -> float:
+        """One forward over the rows computed: every slot of each row through the matmuls; attention
+        over each row's causal keys, or (segment_skip) each sequence's own."""
+        rows, length = self.rows(), self.row_length
+        if self.packed and self.segment_skip:
+            return token_flops(config, rows * length, 0) + sum(attention_flops(config, n, n / 2) for n in self.lengths)
+        return token_flops(config, rows * length, length / 2)
+
+    def real_flops(self, config: ModelConfig) -> float:
+        """One forward over the real tokens alone: each sequence by itself."""
+        return sum(token_flops(config, n, n / 2) for n in self.lengths)
+
+
 def learner_seconds(
     config: ModelConfig,
     chip: chips.Chip,
     devices: int,
+    batch: LearnerBatch,
     *,
-    rows: int,
-    length: int,
     epochs: int,
     reference: bool = True,
     behaviour: bool = True,
     remat: bool = True,
 ) -> float:
     """Scoring (behaviour and reference forwards) and `epochs` forward + backward passes over
-    `rows` rows of `length` tokens (padded to the longest), at `devices` chips' peak; `remat`
-    (model.remat=full) recomputes each forward in the backward pass."""
-    from comppo_jax.planning.planner import matmul_params
-
-    n = matmul_params(config)
-    forward = rows * length * (2 * n + 4 * config.num_layers * config.num_heads * config.head_dim * length / 2)
+    `batch` as the learner lays it out, at `devices` chips' peak; `remat` (model.remat=full)
+    recomputes each forward in the backward pass."""
+    forward = batch.forward_flops(config)
     flops = (int(reference) + int(behaviour)) * forward + epochs * (4 if remat else 3) * forward
     return flops / (devices * chips.peak_flops(chip, config.dtype))
 
 
 def scoring_seconds(
-    config: ModelConfig, chip: chips.Chip, devices: int, *, rows: int, length: int, reference: bool = True
+    config: ModelConfig, chip: chips.Chip, devices: int, batch: LearnerBatch, *, reference: bool = True
 ) -> float:
     """The scoring pass alone (behaviour and reference forwards) on `devices` chips."""
-    return learner_seconds(config, chip, devices, rows=rows, length=length, epochs=0, reference=reference)
+    return learner_seconds(config, chip, devices, batch, epochs=0, reference=reference)
 
 
 def feature_bytes(config: ModelConfig, *, rows: int, length: int, fused_layers: int = 4) -> float:
@@ -151,16 +216,17 @@ def splits(
     remat: bool = True,
     scoring: str = "learner",
     learner_scale: float = 1.0,
+    packed: bool = False,
+    segment_skip: bool = False,
 ) -> list[Split]:
     """The synchronous colocated step (rollout_devices 0), then every split r = 1 .. devices - 1,
     the scoring pass on the `scoring` ("learner" or "rollout") side; `learner_scale` calibrates
-    the learner's roofline (the compiled programs' time over it, `launch/plan.py --calibrate_learner`)."""
+    the learner's roofline (the compiled programs' time over it, `launch/plan.py --calibrate_learner`);
+    `packed` (and `segment_skip`): the learner packs the batch (`LearnerBatch`)."""
     rows, length = len(lengths), prompt_length + int(lengths.max())
+    batch = LearnerBatch(prompt_length + np.asarray(lengths), length, packed, segment_skip=segment_skip)
     learner = lambda chips: (
-        learner_scale
-        * learner_seconds(
-            config, chip, chips, rows=rows, length=length, epochs=epochs, reference=reference, remat=remat
-        )
+        learner_scale * learner_seconds(config, chip, chips, batch, epochs=epochs, reference=reference, remat=remat)
     )
     rollout, group = rollout_seconds(config, chip, devices, lengths, prompt_length)
     result = [Split(0, group, rollout, learner(devices), 0.0)]
@@ -170,10 +236,8 @@ def splits(
         rollout, group = rollout_seconds(config, chip, r, lengths, prompt_length)
         split = Split(r, group, rollout, learner(devices - r), transfer_seconds(config, chip, r))
         if scoring == "rollout":
-            moved = learner_scale * scoring_seconds(config, chip, r, rows=rows, length=length, reference=reference)
-            kept = learner_scale * scoring_seconds(
-                config, chip, devices - r, rows=rows, length=length, reference=reference
-            )
+            moved = learner_scale * scoring_seconds(config, chip, r, batch, reference=reference)
+            kept = learner_scale * scoring_seconds(config, chip, devices - r, batch, reference=reference)
             split = split._replace(
                 rollout=rollout + moved,
                 learner=split.learner - kept,

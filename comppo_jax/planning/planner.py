@@ -52,8 +52,9 @@ from comppo_jax.critic import routing
 from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.lora import LoraConfig
+from comppo_jax.models.packing import Packing, make_packing
 from comppo_jax.models.paged_cache import resolve_paged_attention
-from comppo_jax.planning import chips, hlo_cost
+from comppo_jax.planning import chips, hlo_cost, overlap
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, decode_layout
@@ -137,6 +138,9 @@ class Plan(NamedTuple):
     host_bytes: int = 0  # per chip, parked in host memory (train.offload_idle)
     transfer_bytes: int = 0  # per chip and step, host <-> device (train.offload_idle)
     decode: decode_layout.DecodeLayout | None = None  # the sampler's layout, its floor and the candidates auto compared
+    # The learner's programs (score, values, actor, critic): program -> (rows computed, real tokens / computed
+    # tokens, real-token FLOPs / computed FLOPs) of the long-tailed lengths a 16K run has, as train.packing lays them
+    learner_rows: dict = {}
 
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
@@ -216,6 +220,8 @@ class TrainStepPrograms(NamedTuple):
     layout: engine.Layout  # the rollout engine's
     rows: int  # rollout rows per step
     runs: dict  # program -> runs per train step
+    # train.packing: program -> the LearnerBatch its rows are (the long-tailed lengths a 16K run has, packed)
+    batches: dict
     model_flops: float  # one train step's, all chips (`model_flops`)
     host_bytes: int  # per chip, the most parked in host memory at once (train.offload_idle)
     transfer_bytes: int  # per chip and step, between host and device memory (train.offload_idle)
@@ -270,6 +276,24 @@ def train_step_programs(
     response = cfg.rollout.max_new_tokens
     length = prompt_length + response
     batch_sharding = sharding.batch_sharding(mesh)
+    # The learner's layout of a batch: with train.packing, the long-tailed lengths of a real run packed.
+    packed = cfg.train.get("packing", False)
+    learner_batch = lambda batch: overlap.LearnerBatch.of(
+        overlap.long_tail_lengths(batch, response),
+        prompt_length,
+        response,
+        packed=packed,
+        multiple=sharding.batch_size_multiple(mesh),
+        segment_skip=packed and config.attention not in ("xla", "cudnn"),  # the kernels that skip other segments
+    )
+
+    def packing(batch):
+        """The packed rows' index arrays of a `batch`-row batch (None: padded), as sharded shapes."""
+        layout = learner_batch(batch)
+        if not layout.packed:
+            return None
+        host = make_packing(layout.lengths, length, multiple=layout.multiple)
+        return Packing(*(jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=batch_sharding) for x in host))
 
     def generation(batch):
         shapes = Generation(
@@ -286,12 +310,13 @@ def train_step_programs(
     # run's reference is the policy's own base: the same arrays, not a second argument.
     frozen_reference = lambda policy, reference: lora.base(policy) if adapters.enabled else reference
     score = jax.jit(
-        lambda policy, reference, generation: score_rollout(
+        lambda policy, reference, generation, packing: score_rollout(
             policy,
             frozen_reference(policy, reference) if spec.learner.actor_loss.kl_term else None,
             config,
             generation,
             backend=PLATFORM_BACKENDS[platform],
+            packing=packing,
             **spec.rollout.experience.scoring.options(),
         )
     )
@@ -299,7 +324,7 @@ def train_step_programs(
     def minibatch(batch):
         """The Minibatch of `batch` rows, shaped as score_and_credit builds it."""
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            rollout = jax.eval_shape(score, state["policy"], state["reference"], generation(batch))
+            rollout = jax.eval_shape(score, state["policy"], state["reference"], generation(batch), None)
         per_token = jax.ShapeDtypeStruct((batch, response), jnp.float32)
         reference_log_probs = per_token if rollout.ref_log_probs is None else rollout.ref_log_probs
         fields = Minibatch(
@@ -317,10 +342,11 @@ def train_step_programs(
             rollout.hidden_states,
             rollout.routing,
         )
-        return _with_shardings(
+        laid_out = _with_shardings(
             fields,
             minibatch_shardings(mesh, with_routing=credit.recipe.critic == "tac", hidden_size=config.hidden_size),
         )
+        return laid_out._replace(packing=packing(batch))
 
     state["rollout_batch"] = minibatch(rows)
     update = jit_update_steps(
@@ -434,7 +460,7 @@ def train_step_programs(
         "sample": sampling,
         "score": (
             score,
-            (state["policy"], state["reference"], generation(rows)),
+            (state["policy"], state["reference"], generation(rows), packing(rows)),
             held("score", *beside_policy, "actor_opt", "critic", "critic_opt"),
         ),
         "actor": (
@@ -512,6 +538,15 @@ def train_step_programs(
         layout,
         rows,
         {"reshard": 1, "sample": 1, "score": 1, "values": 1, "actor": updates, "critic": updates},
+        {
+            name: learner_batch(batch)
+            for name, batch in (
+                ("score", rows),
+                ("values", rows),
+                ("actor", cfg.train.minibatch_size),
+                ("critic", cfg.train.minibatch_size),
+            )
+        },
         flops,
         host,
         moved,
@@ -526,8 +561,11 @@ def _compile_steps(cfg, step: TrainStepPrograms, mesh, names, *, prompt_length: 
     compiled = []
     for name in names:
         if step.programs[name] is not None:
+            options = dict(cost_options)
+            if name in step.batches:  # packed rows: the skipping kernels visit a share of the causal blocks
+                options["attention_visited"] = step.batches[name].attention_visited()
             with jax.sharding.use_abstract_mesh(step.meshes.get(name, mesh).abstract_mesh):
-                compiled.append(_compile(name, *step.programs[name], log, cost_options))
+                compiled.append(_compile(name, *step.programs[name], log, options))
     return compiled
 
 
@@ -578,6 +616,14 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
         step.host_bytes,
         step.transfer_bytes,
         step.decode,
+        {
+            name: (
+                batch.rows(),
+                float(batch.lengths.sum()) / (batch.rows() * batch.row_length),
+                batch.real_flops(config) / batch.forward_flops(config),
+            )
+            for name, batch in step.batches.items()
+        },
     )
 
 
@@ -765,6 +811,19 @@ def step_summary(result: Plan, chip: chips.Chip | None = None) -> StepSummary:
     )
 
 
+def learner_against_real_tokens(result: Plan, chip: chips.Chip | None = None) -> tuple[float, float]:
+    """(the learner's programs' predicted seconds per step; the same programs on the real tokens alone:
+    each one's time times its rows' real-token FLOPs over the FLOPs of the rows it computes, for the
+    long-tailed lengths of a 16K run, padded or packed as train.packing lays them out)."""
+    times = {t.program: t for t in step_times(result, chip)}
+    predicted = real = 0.0
+    for name, (_, _, real_fraction) in result.learner_rows.items():
+        if name in times:
+            seconds = times[name].seconds * times[name].runs
+            predicted, real = predicted + seconds, real + seconds * real_fraction
+    return predicted, real
+
+
 def format_summary(result: Plan, chip: chips.Chip | None = None) -> str:
     chip = _chip(result, chip)
     summary = step_summary(result, chip)
@@ -775,6 +834,16 @@ def format_summary(result: Plan, chip: chips.Chip | None = None) -> str:
     )
     if summary.uncounted:
         text += "; counted once (no trip count or FLOP model): " + ", ".join(summary.uncounted)
+    learner, real = learner_against_real_tokens(result, chip)
+    if learner:
+        rows = ", ".join(
+            f"{name} {count} rows ({efficiency:.0%} real tokens)"
+            for name, (count, efficiency, _) in result.learner_rows.items()
+        )
+        text += (
+            f"\nlearner (long-tailed lengths, {rows}): {learner:.3g} s, {learner / real:.2f}x its "
+            f"{real:.3g} s on the real tokens alone"
+        )
     return text
 
 

@@ -30,11 +30,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from comppo_jax import sharding
 from comppo_jax.credit import informative_groups
 from comppo_jax.data.rewards import RewardCoefficients, Verdict, score_responses, terminal_reward_tokens
+from comppo_jax.models.packing import Packing, make_packing, on_devices
 from comppo_jax.rollout.sampler import Generation, generate
 from comppo_jax.rollout.scoring import Rollout, score_rollout
 from comppo_jax.rollout.text import decode_responses, encode_prompts
@@ -107,6 +108,7 @@ class ScoringSpec:
     hidden_layers: tuple[int, ...] = ()
     top_k: int | None = None
     gate: GateSpec = GateSpec()
+    packing: bool = False  # the policies run on packed rows (comppo_jax.models.packing)
 
     def options(self) -> dict:
         """`score_rollout`'s keywords (all but the kernel backend)."""
@@ -141,6 +143,7 @@ class Sampled(NamedTuple):
     reward_metrics: dict
     host_mask: np.ndarray  # [B, T] response mask on the host
     reward_tokens: np.ndarray  # [B, T] the reward at each row's last token
+    host_lengths: np.ndarray  # [B] real tokens (prompt + response) of each row, on the host
 
 
 def reward_generation(
@@ -148,6 +151,7 @@ def reward_generation(
 ) -> Sampled:
     """Decodes and verifies a generation's responses to `problems` (`group` rows each)."""
     host_mask = sharding.to_host(generation.response_mask)
+    host_lengths = sharding.to_host(generation.attention_mask).sum(axis=1).astype(np.int32)
     texts = decode_responses(tokenizer, generation)
     golds = [p.answer for p in problems for _ in range(group)]
     rewards, verdicts, metrics = score_responses(texts, golds, host_mask.sum(axis=1), pool, coefficients)
@@ -160,6 +164,7 @@ def reward_generation(
         metrics,
         host_mask,
         terminal_reward_tokens(rewards, host_mask),
+        host_lengths,
     )
 
 
@@ -203,6 +208,7 @@ def take_groups(pieces: list[tuple[Sampled, list[int]]], group: int) -> Sampled:
         {},
         host("host_mask"),
         host("reward_tokens"),
+        host("host_lengths"),
     )
 
 
@@ -301,6 +307,16 @@ class ScoredBatch(NamedTuple):
 
     sampled: Sampled
     rollout: Rollout
+    packing: Packing | None = None  # the rows the scoring pass ran on (ScoringSpec.packing)
+
+
+def scoring_packing(sampled: Sampled) -> Packing:
+    """The whole batch packed (`make_packing`), its rows split as the generation's mesh splits a batch."""
+    tokens = sampled.generation.tokens
+    placement = getattr(tokens, "sharding", None)
+    mesh = placement.mesh if isinstance(placement, NamedSharding) and isinstance(placement.mesh, Mesh) else None
+    multiple = 1 if mesh is None else sharding.batch_size_multiple(mesh)
+    return on_devices(make_packing(sampled.host_lengths, tokens.shape[1], multiple=multiple), mesh)
 
 
 def dispatch(sampler: Any, prompts: list, key: jax.Array, spec: RolloutSpec, env: ExperienceEnv) -> Generation:
@@ -372,6 +388,9 @@ def experience(
     env.notify("sampling")
     policy, reference = (source() if callable(source) else source for source in (policy, reference))
     env.notify("scoring")
-    rollout = score_rollout(policy, reference, env.model_config, sampled.generation, **spec.scoring.options())
+    packing = scoring_packing(sampled) if spec.scoring.packing else None
+    rollout = score_rollout(
+        policy, reference, env.model_config, sampled.generation, packing=packing, **spec.scoring.options()
+    )
     env.notify("scored")
-    return ScoredBatch(sampled, rollout)
+    return ScoredBatch(sampled, rollout, packing)

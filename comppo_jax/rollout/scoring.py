@@ -27,6 +27,7 @@ from comppo_jax import sharding
 from comppo_jax.credit import GATE_STATISTICS, entropy_from_logits, retention_gate, statistic_concentration
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
+from comppo_jax.models.packing import Packing, gather_tokens, pack, unpack
 from comppo_jax.models.transformer import ForwardOutput, lm_logits
 from comppo_jax.rollout.sampler import Generation
 from pallas_kernels import DEFAULT_SINK_TOKENS, window_sizes
@@ -66,21 +67,44 @@ def gather_response(
     return jnp.take_along_axis(x, positions.reshape(positions.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def response_token_stats(
+def read_response(
+    x: Shaped[Array, "R S *rest"], prompt_lengths: Int[Array, " B"], length: int, packing: Packing | None = None
+) -> Shaped[Array, "B T *rest"]:
+    """x at the positions before each response token, [B, T, ...]: `gather_response` on the sequence
+    layout, or read from packed rows (comppo_jax.models.packing)."""
+    if packing is None:
+        return gather_response(x, prompt_lengths, length)
+    return gather_tokens(x, packing, response_positions(prompt_lengths, length))
+
+
+def model_rows(
+    tokens: Int[Array, "B L"], attention_mask: Bool[Array, "B L"], packing: Packing | None
+) -> tuple[Int[Array, "R S"], Bool[Array, "R S"], dict]:
+    """(tokens, mask, `forward`'s packing keywords) of the rows the model runs on: the sequence layout's,
+    or its packed rows (each token's segment and position)."""
+    if packing is None:
+        return tokens, attention_mask, {}
+    return (
+        pack(tokens, packing),
+        jnp.asarray(packing.attention_mask),
+        dict(segment_ids=packing.segment_ids, positions=packing.positions),
+    )
+
+
+def token_stats(
     params: dict,
     config: ModelConfig,
-    final_hidden: Float[Array, "B L D"],
-    prompt_lengths: Int[Array, " B"],
-    response_tokens: Int[Array, "B T"],
+    hidden: Float[Array, "B N D"],
+    targets: Int[Array, "B N"],
     temperature: float = 1.0,
-) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
-    """(log pi(y_t | h_t), entropy) [B, T] float32 from the final-norm hidden states [B, L, D].
+) -> tuple[Float[Array, "B N"], Float[Array, "B N"]]:
+    """(log pi(target | h), entropy) [B, N] float32 at final-norm hidden states [B, N, D].
 
     log-probs are of softmax(logits / temperature); the entropy is of softmax(logits). The
-    vocabulary projection runs `config.logits_chunk` response tokens at a time (0: all), each
-    chunk rematerialized in the backward pass, so no [B, T, V] float32 logits are ever held.
+    vocabulary projection runs `config.logits_chunk` positions at a time (0: all), each chunk
+    rematerialized in the backward pass, so no [B, N, V] float32 logits are ever held.
     """
-    batch, length = response_tokens.shape
+    batch, length = targets.shape
     chunk = max(min(config.logits_chunk or length, length), 1)
     padded = round_up(length, chunk)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
@@ -94,17 +118,60 @@ def response_token_stats(
         taken = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0]
         return taken - jax.nn.logsumexp(scaled, axis=-1), entropy_from_logits(logits)
 
-    hidden = gather_response(final_hidden, prompt_lengths, length)
-    log_probs, entropy = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(response_tokens)))
+    log_probs, entropy = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(targets)))
     from_chunks = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length]
     return from_chunks(log_probs), from_chunks(entropy)
 
 
-def window_start_of(window: str, prompt_lengths: Int[Array, " B"]) -> Int[Array, " B"]:
-    """[B] first key position of the concentration window: P for "response", 0 for "full"."""
+def packed_targets(
+    packing: Packing, prompt_lengths: Int[Array, " B"], response_tokens: Int[Array, "B T"]
+) -> Int[Array, "R S"]:
+    """Each packed slot's response token to score: y_t at the slot before it (sequence position
+    P + t - 2), 0 at the prompt's other slots and where no token lies."""
+    sequence = jnp.maximum(packing.segment_ids - 1, 0)
+    t = packing.positions - prompt_lengths[sequence] + 1  # 0-based index of the response token it predicts
+    length = response_tokens.shape[1]
+    scored = (packing.segment_ids > 0) & (t >= 0) & (t < length)
+    return jnp.where(scored, response_tokens[sequence, jnp.clip(t, 0, length - 1)], 0)
+
+
+def response_token_stats(
+    params: dict,
+    config: ModelConfig,
+    final_hidden: Float[Array, "B L D"],
+    prompt_lengths: Int[Array, " B"],
+    response_tokens: Int[Array, "B T"],
+    temperature: float = 1.0,
+    packing: Packing | None = None,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """(log pi(y_t | h_t), entropy) [B, T] float32 from the final-norm hidden states (`token_stats`):
+    of the sequence layout [B, L, D] at the positions before each response token, or of packed rows
+    [R, S, D] (`packing`) at every slot, read back per response token: no padded position is scored."""
+    length = response_tokens.shape[1]
+    if packing is None:
+        hidden = gather_response(final_hidden, prompt_lengths, length)
+        return token_stats(params, config, hidden, response_tokens, temperature)
+    targets = packed_targets(packing, prompt_lengths, response_tokens)
+    log_probs, entropy = token_stats(params, config, final_hidden, targets, temperature)
+    return (
+        read_response(log_probs, prompt_lengths, length, packing),
+        read_response(entropy, prompt_lengths, length, packing),
+    )
+
+
+def window_start_of(
+    window: str, prompt_lengths: Int[Array, " B"], packing: Packing | None = None
+) -> Int[Array, " B"] | Int[Array, "R S"]:
+    """First key position of the concentration window: P for "response", 0 for "full"; per row [B],
+    or per packed slot [R, S] (from its own sequence's first slot)."""
     if window not in WINDOWS:
         raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
-    return prompt_lengths if window == "response" else jnp.zeros_like(prompt_lengths)
+    if packing is None:
+        return prompt_lengths if window == "response" else jnp.zeros_like(prompt_lengths)
+    first_slot = jnp.arange(packing.positions.shape[1], dtype=jnp.int32)[None] - packing.positions
+    if window == "full":
+        return first_slot
+    return first_slot + prompt_lengths[jnp.maximum(packing.segment_ids - 1, 0)]
 
 
 def extra_statistics(gate_statistic: str) -> tuple[str, ...]:
@@ -116,9 +183,9 @@ def extra_statistics(gate_statistic: str) -> tuple[str, ...]:
 
 def response_gate(
     out: ForwardOutput,
-    attention_mask: Bool[Array, "B L"],
+    attention_mask: Bool[Array, "R S"],
     prompt_lengths: Int[Array, " B"],
-    window_start: Int[Array, " B"],
+    window_start: Int[Array, " B"] | Int[Array, "R S"],
     length: int,
     *,
     gate_statistic: str,
@@ -126,17 +193,20 @@ def response_gate(
     kappa_lo: float,
     kappa_hi: float,
     tau: float,
+    packing: Packing | None = None,
 ) -> tuple[Float[Array, "B T"], Int[Array, "B T"], Float[Array, "B T"]]:
     """(H_t, n_t, kappa_t) [B, T] from a forward pass's final-layer statistics (paper eqs. herfindahl,
     cnorm, kappa_attention), kappa from the c_t of `gate_statistic` (`statistic_concentration`).
-    `out` comes from a forward pass with a window_start, so its concentration fields are not None."""
-    herfindahl = gather_response(out.herfindahl, prompt_lengths, length)  # type: ignore[arg-type]
-    window_size = gather_response(out.window_size, prompt_lengths, length)  # type: ignore[arg-type]
+    `out` comes from a forward pass with a window_start, so its concentration fields are not None;
+    with `packing` it ran on packed rows."""
+    read = lambda x: read_response(x, prompt_lengths, length, packing)
+    herfindahl = read(out.herfindahl)
+    window_size = read(out.window_size)
     value, n = herfindahl, window_size
     if gate_statistic != "herfindahl":
-        value = gather_response(out.statistics[gate_statistic], prompt_lengths, length)  # type: ignore[index]
+        value = read(out.statistics[gate_statistic])  # type: ignore[index]
     if gate_statistic == "sink_herfindahl":  # its own window: without the first sink_tokens key positions
-        n = gather_response(window_sizes(attention_mask, window_start + sink_tokens), prompt_lengths, length)
+        n = read(window_sizes(attention_mask, window_start + sink_tokens))
     kappa = retention_gate(
         statistic_concentration(gate_statistic, value, n), kappa_lo=kappa_lo, kappa_hi=kappa_hi, tau=tau
     )
@@ -173,26 +243,29 @@ def policy_gate(
     kappa_hi: float = 0.9,
     tau: float = 4.0,
     backend: str | None = None,
+    packing: Packing | None = None,
 ) -> Float[Array, "B T"]:
     """kappa_t [B, T] of `params` on a scored batch (0 on padding), detached: the gate alone, as the
-    behaviour pass computes it (no logits, no critic features). `gate_refresh=epoch` calls it with
-    the current actor at the start of each update epoch."""
-    window_start = window_start_of(window, prompt_lengths)
+    behaviour pass computes it (no logits, no critic features), on packed rows with `packing`.
+    `gate_refresh=epoch` calls it with the current actor at the start of each update epoch."""
+    window_start = window_start_of(window, prompt_lengths, packing)
+    rows, rows_mask, packed = model_rows(tokens, attention_mask, packing)
     out = forward(
         params,
         config,
-        tokens,
-        attention_mask,
+        rows,
+        rows_mask,
         window_start,
         hidden_layers=(),
         concentration_backend=backend,
         compute_logits=False,
         concentration_statistics=extra_statistics(gate_statistic),
         sink_tokens=sink_tokens,
+        **packed,
     )
     _, _, kappa = response_gate(
         out,
-        attention_mask,
+        rows_mask,
         prompt_lengths,
         window_start,
         length,
@@ -201,6 +274,7 @@ def policy_gate(
         kappa_lo=kappa_lo,
         kappa_hi=kappa_hi,
         tau=tau,
+        packing=packing,
     )
     return jax.lax.stop_gradient(jnp.where(response_mask, kappa, 0.0))
 
@@ -213,10 +287,15 @@ def policy_token_stats(
     prompt_lengths: Int[Array, " B"],
     response_tokens: Int[Array, "B T"],
     temperature: float = 1.0,
+    packing: Packing | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
-    """Teacher-forced (log-probs, entropies) [B, T] of y_1..y_T under `params` (`response_token_stats`)."""
-    out = forward(params, config, tokens, attention_mask, hidden_layers=(config.num_layers,), compute_logits=False)
-    return response_token_stats(params, config, out.hidden_states[0], prompt_lengths, response_tokens, temperature)
+    """Teacher-forced (log-probs, entropies) [B, T] of y_1..y_T under `params` (`response_token_stats`),
+    the model run on packed rows with `packing`."""
+    rows, rows_mask, packed = model_rows(tokens, attention_mask, packing)
+    out = forward(params, config, rows, rows_mask, hidden_layers=(config.num_layers,), compute_logits=False, **packed)
+    return response_token_stats(
+        params, config, out.hidden_states[0], prompt_lengths, response_tokens, temperature, packing
+    )
 
 
 @functools.partial(
@@ -255,6 +334,7 @@ def score_rollout(
     behaviour_pass: bool = True,
     gate_statistic: str = "herfindahl",
     sink_tokens: int = DEFAULT_SINK_TOKENS,
+    packing: Packing | None = None,
 ) -> Rollout:
     """Scores a generation with the behaviour policy `params` (and `ref_params`, if given).
 
@@ -267,8 +347,10 @@ def score_rollout(
     old_log_probs: "rescore" (teacher-forced here) or "sampler" (`generation.log_probs`).
     behaviour_pass=False (needs old_log_probs="sampler", no hidden_layers, top_k=None): no
     behaviour forward; herfindahl, window_size and kappa are None.
+    packing: the generation's sequences packed (comppo_jax.models.packing): both policies run on the
+    packed rows; the Rollout is in the sequence layout all the same (hidden states and routing unpacked).
     """
-    window_start = window_start_of(window, generation.prompt_lengths)
+    window_start = window_start_of(window, generation.prompt_lengths, packing)
     if old_log_probs not in OLD_LOG_PROBS:
         raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROBS}, got {old_log_probs!r}")
     if not behaviour_pass and (old_log_probs != "sampler" or hidden_layers or top_k is not None):
@@ -289,6 +371,7 @@ def score_rollout(
             generation.prompt_lengths,
             generation.response_tokens,
             temperature,
+            packing,
         )
         ref_log_probs = zero(ref_log_probs)
     if not behaviour_pass:
@@ -310,11 +393,12 @@ def score_rollout(
         )
     # The final-norm hidden states feed the chunked log-probs; the critic's layers ride along.
     with_final = hidden_layers if config.num_layers in hidden_layers else hidden_layers + (config.num_layers,)
+    rows, rows_mask, packed = model_rows(generation.tokens, mask, packing)
     out = forward(
         params,
         config,
-        generation.tokens,
-        mask,
+        rows,
+        rows_mask,
         window_start,
         hidden_layers=with_final,
         concentration_backend=backend,
@@ -322,17 +406,18 @@ def score_rollout(
         compute_logits=False,
         concentration_statistics=extra_statistics(gate_statistic),
         sink_tokens=sink_tokens,
+        **packed,
     )
     length = generation.response_tokens.shape[1]
     log_probs = generation.log_probs
     if old_log_probs == "rescore":
         final_hidden = out.hidden_states[with_final.index(config.num_layers)]
         log_probs, _ = response_token_stats(
-            params, config, final_hidden, generation.prompt_lengths, generation.response_tokens, temperature
+            params, config, final_hidden, generation.prompt_lengths, generation.response_tokens, temperature, packing
         )
     herfindahl, window_size, kappa = response_gate(
         out,
-        mask,
+        rows_mask,
         generation.prompt_lengths,
         window_start,
         length,
@@ -341,10 +426,18 @@ def score_rollout(
         kappa_lo=kappa_lo,
         kappa_hi=kappa_hi,
         tau=tau,
+        packing=packing,
     )
     routing: Routing | None = None
     if top_k is not None:
-        routing = window_topk(*out.final_attention, mask, window_start, top_k=top_k)
+        routing = window_topk(*out.final_attention, rows_mask, window_start, top_k=top_k)
+    hidden_states = out.hidden_states[: len(hidden_layers)]
+    if packing is not None:  # back to the sequence layout, the routed keys as positions in their sequences
+        sequence_layout = lambda x: unpack(x, packing, generation.tokens.shape[1])
+        hidden_states = jax.vmap(sequence_layout)(hidden_states)
+        if routing is not None:
+            in_sequence = jnp.take_along_axis(packing.positions[:, :, None], routing.indices, axis=1)
+            routing = jax.tree.map(sequence_layout, routing._replace(indices=in_sequence))
     return jax.lax.stop_gradient(
         Rollout(
             generation.tokens,
@@ -356,7 +449,7 @@ def score_rollout(
             zero(herfindahl),
             zero(window_size),
             zero(kappa),
-            sharding.constrain_features(out.hidden_states[: len(hidden_layers)]),
+            sharding.constrain_features(hidden_states),
             routing,
         )
     )

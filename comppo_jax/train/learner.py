@@ -27,6 +27,7 @@ import numpy as np
 
 from comppo_jax import sharding
 from comppo_jax.credit import clip_advantages, decoupled_ppo_inputs, masked_mean, registry
+from comppo_jax.models.packing import Packing, efficiency, make_packing, on_devices
 from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.rollout.experience import GateSpec, Sampled
 from comppo_jax.train import controller
@@ -63,10 +64,10 @@ class Signals(NamedTuple):
         return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens)
 
 
-def rollout_batch(sampled: Sampled, rollout, batch_shardings) -> Minibatch:
+def rollout_batch(sampled: Sampled, rollout, batch_shardings, packing: Packing | None = None) -> Minibatch:
     """The scored rollout as a Minibatch laid out as `batch_shardings`, without its credit (advantages,
     returns, old_values, kappa_sequence None; ref_log_probs None without a reference): `credit_fields`
-    computes those."""
+    computes those. `packing`: the whole batch's packed rows (the scoring pass's), placed already."""
     generation = sampled.generation
     batch = Minibatch(
         generation.tokens,
@@ -83,9 +84,10 @@ def rollout_batch(sampled: Sampled, rollout, batch_shardings) -> Minibatch:
         rollout.hidden_states,
         rollout.routing,
     )
-    return jax.tree.map(
+    placed = jax.tree.map(
         lambda x, s: None if x is None else jax.device_put(x, s), batch, batch_shardings, is_leaf=lambda x: x is None
     )
+    return placed._replace(packing=packing)
 
 
 def controlled_gate(credit: CreditSpec, own_kappa, mask, rng):
@@ -154,6 +156,7 @@ def refreshed_gate(gate: GateSpec, model_config, actor, batch: Minibatch):
         batch.prompt_lengths,
         mask,
         length=mask.shape[1],
+        packing=batch.packing,
         **gate.options(),
     )
 
@@ -193,6 +196,7 @@ def proximal_inputs(model_config, temperature: float, cap: float, rule: str, act
         batch.prompt_lengths,
         batch.response_tokens,
         temperature,
+        batch.packing,
     )[0]
     old_log_probs, advantages, weights, capped = decoupled_ppo_inputs(
         batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cap, rule
@@ -215,13 +219,6 @@ def without_features(batch: Minibatch) -> Minibatch:
     on_host = isinstance(batch.hidden_states, np.ndarray)
     hidden_states, routing = (_emptied_features if on_host else _emptied_on_device)(batch.hidden_states, batch.routing)
     return batch._replace(hidden_states=hidden_states, routing=routing)
-
-
-def placed_from_host(tree, shardings):
-    """Host arrays, the same on every process (`sharding.to_host` gathers them whole), placed with
-    `shardings`: each process puts its own devices' blocks. (`jax.device_put` onto several
-    processes' devices first compares each array across them: a cross-process program each.)"""
-    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), tree, shardings)
 
 
 def free_device_arrays(*arrays) -> None:
@@ -300,6 +297,9 @@ class Learner:
             spec.max_skipped_updates, **meta.get("skipped_updates", {})
         )  # absent before the guard existed
         self.warmup = spec.steps.warmup
+        # Packed rows are placed on the batch's mesh and split as a batch's rows are.
+        self.mesh = None if batch_shardings is None else batch_shardings.tokens.mesh
+        self.row_multiple = 1 if self.mesh is None else sharding.batch_size_multiple(self.mesh)
         # The step's programs besides the update steps (module docstring), jitted once per run.
         self.credit = jax.jit(functools.partial(guarded_credit, spec.credit, steps.values))
         self.refreshed_gate = jax.jit(functools.partial(refreshed_gate, spec.credit.gate, model_config))
@@ -322,7 +322,7 @@ class Learner:
         spec, steps, offload = self.spec, self.steps, self.offload
         knobs = controller.knobs(self.control_state, spec.steps.schedule_step(step), self.control_config)
         rollout, sampled = experience.rollout, experience.sampled
-        batch = rollout_batch(sampled, rollout, self.batch_shardings)
+        batch = rollout_batch(sampled, rollout, self.batch_shardings, experience.packing)
         signals = Signals.of(rollout, sampled)
         fields, kappa, clipped, finite = self.credit(state["critic"], batch, signals, step_rng, knobs["advantage_clip"])
         scored = Scored.of(batch._replace(**fields), rollout, sampled, kappa)
@@ -362,12 +362,22 @@ class Learner:
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))
         ]
 
+        packings = []
+
         def minibatch_of(picked) -> tuple[Minibatch, np.ndarray | None]:
             """(what a step reads, the rows it picks there): the whole batch and the minibatch's rows, selected inside
-            the step's program (`update.on_rows`); with the batch on the host, the minibatch placed from there."""
+            the step's program (`update.on_rows`); with the batch on the host, the minibatch placed from there. With
+            train.packing, the minibatch's own packed rows ride along (`take_rows` leaves them)."""
+            packing = None
+            if spec.packing:
+                packing = make_packing(sampled.host_lengths[picked], batch.tokens.shape[1], multiple=self.row_multiple)
+                packings.append(efficiency(sampled.host_lengths[picked], packing))
+                packing = on_devices(packing, self.mesh)
             if offload.update_on_host:
-                return placed_from_host(take_rows(batch, picked), self.batch_shardings), None
-            return batch, picked
+                return sharding.from_host(take_rows(batch, picked), self.batch_shardings)._replace(
+                    packing=packing
+                ), None
+            return batch._replace(packing=packing), picked
 
         critic_first = spec.critic_first
         interleaved = state["critic"] is not None and not critic_first  # a critic step after each actor step
@@ -429,6 +439,10 @@ class Learner:
         metrics = (
             {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
         )
+        if experience.packing is not None:  # real tokens / computed tokens
+            metrics["packing/scoring_efficiency"] = efficiency(sampled.host_lengths, experience.packing)
+        if packings:
+            metrics["packing/update_efficiency"] = float(np.mean(packings))
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
         return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
 

@@ -60,6 +60,7 @@ class Experience(NamedTuple):
     rollout: Any
     reshard_seconds: float  # moving the weights into the decode layout
     generation_window: tuple[float, float]  # (dispatched, ready) wall times of its first generation round
+    packing: Any = None  # comppo_jax.models.packing.Packing: the rows the scoring pass ran on (None: unpacked)
 
 
 @dataclasses.dataclass
@@ -192,7 +193,13 @@ class RolloutStage:
         )
         window = (started.window[0], started.window[1] or time.time())
         return Experience(
-            started.step, started.version, scored.sampled, scored.rollout, started.reshard_seconds, window
+            started.step,
+            started.version,
+            scored.sampled,
+            scored.rollout,
+            started.reshard_seconds,
+            window,
+            scored.packing,
         )
 
     def evaluate(self, params, stoppable: bool) -> float:

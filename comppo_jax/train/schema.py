@@ -306,6 +306,13 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             "time)",
         ),
         Field(
+            "packing",
+            True,
+            "sequence packing: the scoring pass, the critic's values and the actor and critic updates run on "
+            "rows holding several responses end to end (first-fit-decreasing, bucketed row counts), no padded "
+            "token computed; equal to the padded path within float32 rounding (False: one response per row)",
+        ),
+        Field(
             "proximal",
             "behaviour",
             "the policy the PPO ratio is clipped against: behaviour (the generating policy, the paper's) | "

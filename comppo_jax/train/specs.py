@@ -93,6 +93,7 @@ class LearnerSpec:
     importance_weight_cap: float
     importance_weight_rule: str
     max_skipped_updates: int
+    packing: bool = False  # minibatches on packed rows (comppo_jax.models.packing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +264,7 @@ def experience_spec(cfg, credit: CreditSpec) -> ExperienceSpec:
             credit.hidden_layers,
             credit.top_k,
             credit.gate,
+            cfg.train.packing,
         ),
     )
 
@@ -285,6 +287,7 @@ def learner_spec(cfg, credit: CreditSpec, steps: Steps) -> LearnerSpec:
         importance_weight_cap=train.importance_weight_cap,
         importance_weight_rule=train.importance_weight_rule,
         max_skipped_updates=train.max_skipped_updates,
+        packing=train.packing,
     )
 
 

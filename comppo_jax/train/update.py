@@ -28,12 +28,16 @@ from comppo_jax.credit import kl_penalty, masked_mean, value_loss
 from comppo_jax.credit.registry import ActorLoss, surrogate
 from comppo_jax.critic import Routing, standard_value_head, value_model_values
 from comppo_jax.models import ModelConfig, lora
-from comppo_jax.rollout import gather_response, policy_token_stats
+from comppo_jax.models.packing import Packing, pack, pack_positions
+from comppo_jax.rollout import policy_token_stats
+from comppo_jax.rollout.scoring import model_rows, read_response
 from comppo_jax.sharding import batch_sharding, features_sharding, replicated, tree_shardings
 
 
 class Minibatch(NamedTuple):
-    """Everything one gradient step reads; per-token arrays [B, T], sequence arrays [B, L]."""
+    """Everything one gradient step reads; per-token arrays [B, T], sequence arrays [B, L]. With a
+    `packing` (comppo_jax.models.packing) of exactly these rows, the model and critic run on its packed
+    rows; the per-token arrays stay per sequence, so credit and every loss aggregation are the same."""
 
     tokens: jax.Array
     attention_mask: jax.Array
@@ -48,25 +52,30 @@ class Minibatch(NamedTuple):
     kappa_sequence: jax.Array  # [B, L] the (control) gate at the critic's positions
     hidden_states: jax.Array  # [L', B, L, D] behaviour features the critic reads
     routing: Routing | None
+    packing: Packing | None = None  # these rows packed (None: the model runs on the sequence layout)
 
 
 def minibatch_shardings(mesh: Mesh, with_routing: bool, hidden_size: int) -> Minibatch:
     """Rows split over (data, fsdp); the hidden states carry the batch on axis 1 and their width
-    over `tensor` (`sharding.features_spec`)."""
+    over `tensor` (`sharding.features_spec`); a packing is read as the learner placed it (rows split
+    over (data, fsdp) too)."""
     rows = batch_sharding(mesh)
     fields = dict.fromkeys(Minibatch._fields, rows)
     fields.update(
-        hidden_states=features_sharding(mesh, hidden_size), routing=Routing(rows, rows, rows) if with_routing else None
+        hidden_states=features_sharding(mesh, hidden_size),
+        routing=Routing(rows, rows, rows) if with_routing else None,
+        packing=None,
     )
     return Minibatch(**fields)
 
 
 def take_rows(batch: Minibatch, rows) -> Minibatch:
     """The minibatch of `rows` (hidden states carry the batch on axis 1): traced inside a step
-    (`on_rows`), or of host arrays."""
+    (`on_rows`), or of host arrays. Its `packing` is left as it is: the learner sets the minibatch's."""
     pick = lambda x: None if x is None else x[rows]
+    kept = ("hidden_states", "routing", "packing")
     return batch._replace(
-        **{name: pick(getattr(batch, name)) for name in batch._fields if name not in ("hidden_states", "routing")},
+        **{name: pick(getattr(batch, name)) for name in batch._fields if name not in kept},
         hidden_states=batch.hidden_states[:, rows],
         routing=None if batch.routing is None else jax.tree.map(lambda x: x[rows], batch.routing),
     )
@@ -131,6 +140,7 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, los
         batch.prompt_lengths,
         batch.response_tokens,
         loss.temperature,
+        batch.packing,
     )
     mask = batch.response_mask
     policy_loss, stats = surrogate(loss, log_probs, batch.old_log_probs, batch.advantages, mask, clip)
@@ -176,16 +186,25 @@ def critic_values(
 ):
     """V_t [B, T] at the response positions, from TAC, the standard head on the actor's features, or
     the full value model on the tokens (`model_config`: its architecture); TAC's and the standard head's
-    clamped to [-1, 1], the full value model's not (as in tunix and verl)."""
+    clamped to [-1, 1], the full value model's not (as in tunix and verl). With a `batch.packing` the
+    critic runs on the packed rows (the features packed, the routed keys moved to their packed slots)."""
+    packing = batch.packing
+    laid_out = (lambda x: x) if packing is None else (lambda x: pack(x, packing))
     if kind == "tac":
+        routing = batch.routing
+        if packing is not None:
+            routing = Routing(
+                pack_positions(routing.indices, packing), laid_out(routing.weights), laid_out(routing.valid)
+            )
         sequence = critic_module.apply(
-            {"params": critic_params}, batch.hidden_states, batch.routing, batch.kappa_sequence
+            {"params": critic_params}, jax.vmap(laid_out)(batch.hidden_states), routing, laid_out(batch.kappa_sequence)
         ).value
     elif kind == "full":
-        sequence = value_model_values(critic_params, model_config, batch.tokens, batch.attention_mask)
+        tokens, mask, packed = model_rows(batch.tokens, batch.attention_mask, packing)
+        sequence = value_model_values(critic_params, model_config, tokens, mask, **packed)
     else:
-        sequence = standard_value_head(critic_params, batch.hidden_states[-1])
-    return gather_response(sequence, batch.prompt_lengths, batch.response_mask.shape[1])
+        sequence = standard_value_head(critic_params, laid_out(batch.hidden_states[-1]))
+    return read_response(sequence, batch.prompt_lengths, batch.response_mask.shape[1], packing)
 
 
 def critic_step(

@@ -65,6 +65,136 @@ def test_attention_path_matches_reference_forward_and_gradient(path):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=5e-5, err_msg=f"d{name}")
 
 
+# Packed rows: per row, (length, segment id) runs filling ROW_LENGTH, id 0 for padding. Row 0 has
+# left padding, a 5-token sequence and sequences across block edges (32, 40 and 48 tokens); row 1
+# padding between sequences. Sequence 2 has a hole (padding inside the sequence) at HOLE.
+ROW_LENGTH = 200
+PACKED_ROWS = [[(3, 0), (45, 1), (70, 2), (5, 3), (60, 4), (17, 0)], [(90, 7), (4, 0), (33, 5), (64, 6), (9, 0)]]
+HOLE = (2, range(10, 13))  # (segment id, offsets within its sequence)
+
+
+def packed_inputs(seed=0, heads=4, kv_heads=2, head_dim=16):
+    """Packed q, k, v, mask, segment_ids, cotangent weights (zero at padding), and `unpack`: packed
+    [R, L, ...] -> [S, L, ...], each sequence alone at the start of a row, zero past its end."""
+    rng = np.random.default_rng(seed)
+    segments, rows, positions, valid = np.zeros((len(PACKED_ROWS), ROW_LENGTH), np.int32), [], [], []
+    for r, runs in enumerate(PACKED_ROWS):
+        offset = 0
+        for length, segment in runs:
+            segments[r, offset : offset + length] = segment
+            if segment:
+                rows.append(np.full(ROW_LENGTH, r))
+                positions.append(np.minimum(offset + np.arange(ROW_LENGTH), ROW_LENGTH - 1))
+                valid.append(np.arange(ROW_LENGTH) < length)
+            offset += length
+        assert offset == ROW_LENGTH
+    mask = segments > 0
+    hole_segment, hole_offsets = HOLE
+    hole_row, hole_start = np.argwhere(segments == hole_segment)[0]
+    mask[hole_row, hole_start + np.asarray(hole_offsets)] = False
+    rows, positions, valid = np.stack(rows), np.stack(positions), np.stack(valid)
+
+    def unpack(x):
+        gathered = x[rows, positions]
+        return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), gathered, jnp.zeros((), x.dtype))
+
+    shape = lambda h: (len(PACKED_ROWS), ROW_LENGTH, h, head_dim)
+    q, k, v = (jnp.asarray(rng.normal(size=shape(h)), jnp.float32) for h in (heads, kv_heads, kv_heads))
+    weights = jnp.asarray(rng.normal(size=shape(heads)), jnp.float32) * mask[:, :, None, None]
+    return q, k, v, jnp.asarray(mask), jnp.asarray(segments), weights, unpack
+
+
+PACKED_PATHS = {
+    "xla": lambda q, k, v, m, s: training_attention(q, k, v, m, implementation="xla", segment_ids=s),
+    "chunked, blocks of 40": lambda q, k, v, m, s: training_attention(
+        q, k, v, m, implementation="chunked", block=40, segment_ids=s
+    ),
+    "chunked, uneven blocks": lambda q, k, v, m, s: chunked_attention(
+        q, k, v, m, block_q=32, block_k=48, segment_ids=s
+    ),
+    "chunked, one block": lambda q, k, v, m, s: chunked_attention(q, k, v, m, segment_ids=s),
+    # Packed rows (segment ids given) hand over to packed_flash, interpreted here.
+    "splash (interpreted)": lambda q, k, v, m, s: training_attention(
+        q, k, v, m, implementation="splash_interpret", block=128, segment_ids=s
+    ),
+    "cudnn's, run by XLA": lambda q, k, v, m, s: cudnn_attention(q, k, v, m, implementation="xla", segment_ids=s),
+}
+# The contributor's loop runs one path of each kind; CI runs them all.
+PACKED_PARAMS = [
+    pytest.param(path, marks=pytest.mark.slow) if path in ("chunked, uneven blocks", "chunked, one block") else path
+    for path in PACKED_PATHS
+]
+
+
+@pytest.mark.parametrize("path", PACKED_PARAMS)
+def test_packed_rows_give_each_sequence_what_it_gets_alone(path):
+    """Forward at every real token and the gradients w.r.t. the packed q, k, v: the packed rows
+    against the same path on each sequence alone in a padded row, without segment ids."""
+    q, k, v, mask, segments, weights, unpack = packed_inputs()
+    attend = PACKED_PATHS[path]
+    alone_mask = unpack(mask)
+    real = np.asarray(alone_mask)
+    packed_out = attend(q, k, v, mask, segments)
+    alone_out = attend(unpack(q), unpack(k), unpack(v), alone_mask, None)
+    np.testing.assert_allclose(np.asarray(unpack(packed_out))[real], np.asarray(alone_out)[real], atol=1e-5)
+
+    packed_loss = lambda q, k, v: jnp.sum(attend(q, k, v, mask, segments) * weights)
+    alone_loss = lambda q, k, v: jnp.sum(attend(unpack(q), unpack(k), unpack(v), alone_mask, None) * unpack(weights))
+    value, grads = jax.value_and_grad(packed_loss, argnums=(0, 1, 2))(q, k, v)
+    expected_value, expected_grads = jax.value_and_grad(alone_loss, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    for name, grad, expected in zip("qkv", grads, expected_grads):
+        assert np.abs(np.asarray(expected)).max() > 0.1  # the loss reaches every input
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("path", PACKED_PARAMS)
+def test_one_segment_per_row_is_the_same_as_no_segment_ids(path):
+    q, k, v, mask, weights = inputs(batch=2, length=100)
+    attend = lambda segments: lambda q, k, v: PACKED_PATHS[path](q, k, v, mask, segments)
+    value, grads = value_and_grads(attend(None), q, k, v, weights)
+    expected_value, expected_grads = value_and_grads(attend(jnp.full(mask.shape, 3, jnp.int32)), q, k, v, weights)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    for grad, expected in zip(grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cudnn_packed_rows_match_the_float32_reference():
+    """cuDNN with segment ids (the explicit-mask path) on bfloat16 against the float32 reference
+    with the same segments, on the same rounded inputs: bounds as the unpacked cuDNN test."""
+    q, k, v, mask, segments, weights, _ = packed_inputs(head_dim=64)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    up = lambda x: x.astype(jnp.float32)
+    real = np.asarray(mask)
+    attend = lambda q, k, v: cudnn_attention(q, k, v, mask, segment_ids=segments)
+    reference = lambda q, k, v: causal_attention(q, k, v, mask, segment_ids=segments)
+    out = jax.jit(attend)(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32)[real], np.asarray(reference(up(q), up(k), up(v)))[real], atol=3e-2
+    )
+    _, grads = jax.jit(lambda q, k, v: value_and_grads(attend, q, k, v, weights))(q, k, v)
+    _, expected = value_and_grads(reference, up(q), up(k), up(v), weights)
+    for name, grad, want in zip("qkv", grads, expected):
+        want = np.asarray(want)
+        np.testing.assert_allclose(
+            np.asarray(grad, np.float32), want, atol=2e-2 * np.abs(want).max(), err_msg=f"d{name}"
+        )
+
+
+def test_chunked_packed_rows_skip_the_key_blocks_before_each_segment():
+    """The forward's (and dq's) first key block per query block: the one holding the earliest
+    segment start of its queries over the batch; without segments, block 0."""
+    from comppo_jax.models.attention import _first_key_blocks
+
+    _, _, _, _, segments, _, _ = packed_inputs()
+    padded = jnp.pad(segments, ((0, 0), (0, 288 - ROW_LENGTH)), mode="edge")
+    # segment starts: row 0 at 0, 3, 48, 118, 123, 183; row 1 at 0, 90, 94, 127, 191
+    np.testing.assert_array_equal(_first_key_blocks(padded, 32, 48), [0, 0, 0, 1, 2, 2, 3, 3, 3])
+    assert _first_key_blocks(None, 32, 48) is None
+
+
 @pytest.mark.parametrize("length", [1, 3])
 def test_one_block_attention_handles_fewer_queries_than_slices(length):
     q, k, v, mask, _ = inputs(batch=2, length=length)
@@ -135,6 +265,8 @@ def test_bad_attention_inputs_are_named():
         training_attention(q, k, v, mask.astype(jnp.int32))
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         training_attention(q[:, :, :3], k, v, mask)
+    with pytest.raises(ValueError, match="segment_ids must be int"):
+        training_attention(q, k, v, mask, segment_ids=mask)
     for field, value in (("attention", "flash"), ("remat", "some"), ("logits_chunk", -1)):
         with pytest.raises(ConfigError, match=field):
             ModelConfig(

@@ -18,6 +18,7 @@ from conftest import TPU_TOPOLOGIES, hlo_shapes, jaxpr_shapes, square, tpu_devic
 
 from comppo_jax.models import preset_model_config
 from pallas_kernels import attention_with_concentration
+from pallas_kernels.tpu import LANES
 
 LONG = 8192
 
@@ -55,7 +56,10 @@ def test_no_l_by_l_intermediate_and_linear_memory_at_8192(backend):
     half = jax.jit(f).lower(*kernel_inputs(LONG // 2)).compile()
     temp, temp_half = compiled.memory_analysis().temp_size_in_bytes, half.memory_analysis().temp_size_in_bytes
     dense_probabilities = LONG * LONG * 4
-    assert temp < dense_probabilities / 16, f"temp {temp} bytes"
+    # The TPU kernel's per-query segment id and window start, lane-replicated int32 tiles (as splash's
+    # query segment ids): linear in L, 1 KiB per token.
+    query_tiles = 2 * LONG * LANES * 4 if backend == "interpret" else 0
+    assert temp < dense_probabilities / 16 + query_tiles, f"temp {temp} bytes"
     assert temp <= 2.5 * temp_half, f"memory grows faster than L: {temp_half} -> {temp} bytes"
 
 

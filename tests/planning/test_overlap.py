@@ -39,8 +39,9 @@ def test_long_tailed_lengths_are_mostly_short_with_a_few_at_the_limit():
 
 def test_the_learner_halves_on_twice_the_chips_and_the_split_pays_the_longer_stage():
     config, chip = qwen3_4b(), chips.CHIPS["v5p"]
-    one = overlap.learner_seconds(config, chip, 4, rows=16, length=16896, epochs=2)
-    assert overlap.learner_seconds(config, chip, 8, rows=16, length=16896, epochs=2) == pytest.approx(one / 2)
+    batch = overlap.LearnerBatch(np.full(16, 16896), 16896)
+    one = overlap.learner_seconds(config, chip, 4, batch, epochs=2)
+    assert overlap.learner_seconds(config, chip, 8, batch, epochs=2) == pytest.approx(one / 2)
     split = overlap.Split(4, 4, rollout=10.0, learner=7.0, transfer=0.5)
     assert split.seconds == 10.5 and overlap.Split(0, 4, 10.0, 7.0, 0.0).seconds == 17.0
 
@@ -54,6 +55,18 @@ def test_qwen3_4b_at_16k_on_a_v5p_16_slice_overlaps_to_the_docs_quote_with_the_l
     assert best.rollout_devices == 4 and results[0].seconds / best.seconds == pytest.approx(1.297, abs=0.001)
     rows = overlap.split_rows(results)
     assert rows[0][0] == "synchronous" and "(best)" in rows[4][0]
+
+
+def test_the_packed_learner_computes_fewer_flops_than_the_padded_and_more_than_the_real_tokens():
+    config, lengths = qwen3_4b(), overlap.long_tail_lengths(16, 16384)
+    layout = lambda **options: overlap.LearnerBatch.of(lengths, 512, 16384, **options)
+    padded, packed, skipping = layout(), layout(packed=True), layout(packed=True, segment_skip=True)
+    assert padded.rows() == 16 and packed.rows() < 16
+    real = padded.real_flops(config)
+    assert real < skipping.forward_flops(config) < packed.forward_flops(config) < padded.forward_flops(config)
+    # A sequence per row, nothing to pack: the packed layout computes what the padded one does.
+    full = lambda **options: overlap.LearnerBatch.of(np.full(4, 16384), 512, 16384, **options)
+    assert full(packed=True).forward_flops(config) == full().forward_flops(config) == full().real_flops(config)
 
 
 def test_scoring_on_the_learners_chips_beats_moving_the_critics_features_at_16k():

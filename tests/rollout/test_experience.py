@@ -38,6 +38,7 @@ def fake_sampled(rewards, prompt_width: int, tag: str, correct=None) -> Sampled:
         {"reward/correct": float((rewards > 0).sum()), "reward/mean": float(rewards.mean())},
         np.ones((rows, response), bool),
         np.tile(rewards[:, None], (1, response)),
+        np.full(rows, tokens.shape[1], np.int32),
     )
 
 

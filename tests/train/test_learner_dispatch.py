@@ -76,7 +76,8 @@ SCRIPT = textwrap.dedent(
         rewards = np.asarray([1.0, 0.0] * 4)
         reward_tokens = np.zeros(host_mask.shape, np.float32)
         reward_tokens[np.arange(8), host_mask.sum(1) - 1] = rewards
-        sampled = Sampled(generation, [], [], rewards, [], {}, host_mask, reward_tokens)
+        host_lengths = np.asarray(batch.attention_mask).sum(1).astype(np.int32)
+        sampled = Sampled(generation, [], [], rewards, [], {}, host_mask, reward_tokens, host_lengths)
         with jax.set_mesh(mesh):
             options = spec.rollout.experience.scoring.options()
             rollout = jax.jit(lambda actor: score_rollout(actor, actor, CONFIG, generation, **options))(state["actor"])

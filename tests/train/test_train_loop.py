@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
-from conftest import WALL_CLOCK, assert_same_checkpoint_state, small_train_config
+from conftest import WALL_CLOCK, assert_same_checkpoint_state, restored_on_one_device, small_train_config
 
 from comppo_jax import sharding
 from comppo_jax.credit import load_position_schedule
@@ -291,3 +292,70 @@ def test_the_step_bar_shows_the_last_dev_accuracy_measured_or_none():
     fields = {"reward": "0.50", "kl": "0.0010", "gate": "0.60", "phase": "0"}
     assert step_postfix(metrics, 0.31) == {**fields, "dev": "0.310"}
     assert "dev" not in step_postfix(metrics, None)  # a resumed run before its first evaluation
+
+
+def _close_rows(packed: list[dict], padded: list[dict], rtol: float = 1e-5) -> list[str]:
+    """Where a packed run's metrics rows leave the padded run's (numbers within `rtol` relative, 1e-7
+    absolute; everything else equal); the packing metrics and wall-clock fields aside."""
+    differences = []
+    for step, (a, b) in enumerate(zip(packed, padded, strict=True)):
+        names = (set(a) | set(b)) - set(WALL_CLOCK) - {name for name in a if name.startswith("packing/")}
+        for name in sorted(names):
+            x, y = a.get(name), b.get(name)
+            if isinstance(x, float) and isinstance(y, float):
+                if not np.isclose(x, y, rtol=rtol, atol=1e-7):
+                    differences.append(f"step row {step} {name}: packed {x} padded {y}")
+            elif x != y:
+                differences.append(f"step row {step} {name}: packed {x!r} padded {y!r}")
+    return differences
+
+
+# DAPO's overlong shaping: a 3-step warm start answers nothing right, and without it every reward is 0, the
+# advantages 0 and the gradient rounding noise (test_each_variant_switch_changes_the_metrics_it_must_change).
+SHAPED_REWARDS = dict(
+    reward__length_penalty="overlong",
+    reward__overlong_buffer=12,
+    reward__length_penalty_on="all",
+    reward__length_penalty_schedule="constant",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,overrides",
+    [("comppo", {}), ("ppo", {}), ("ppo", {"critic__kind": "full"}), ("comppo", {"model__lora__rank": 4})],
+    ids=["comppo", "ppo-standard-critic", "ppo-full-critic", "comppo-lora"],
+)
+def test_a_packed_run_matches_the_padded_run(tmp_path, method, overrides):
+    """train.packing (the default) against train.packing=False, over the critic's warm-up step and the
+    actor's first update: every metric within float32 rounding (1e-5 relative), the packing
+    efficiencies logged, the actor's weights within 1e-5 of each array's largest magnitude (GRPO's
+    loss and gradients are compared in tests/train/test_packed_update.py: here its advantages are 0,
+    every response running to the limit, and its gradient rounding noise).
+    AdamW scales a gradient at rounding level to a whole step of its learning rate, so weights whose
+    gradients start there show their rounding at that size: TAC's relevance and routing weights (the
+    critic within 1e-3) and LoRA's B, zero at the start (the adapters within 1e-4). Later steps
+    compound it, as any change of summation order would."""
+    rows = {}
+    for packing in (True, False):
+        cfg = small_train_config(
+            tmp_path / str(packing), method=method, steps=1, train__packing=packing, **SHAPED_REWARDS, **overrides
+        )
+        train(cfg)
+        rows[packing] = _rows(tmp_path / str(packing))
+    assert _close_rows(rows[True], rows[False]) == []
+    assert any(row.get("policy_loss") for row in rows[True])  # a real gradient, not rounding noise
+    assert all(0 < row["packing/update_efficiency"] <= 1 for row in rows[True] if "packing/update_efficiency" in row)
+    assert all(0 < row["packing/scoring_efficiency"] <= 1 for row in rows[True])
+    assert not any(name.startswith("packing/") for row in rows[False] for name in row)
+    last = rows[True][-1]["step"]
+    packed, padded = (restored_on_one_device(tmp_path / str(p), last) for p in (True, False))
+    for part, tolerance in (("actor", 1e-4 if "model__lora__rank" in overrides else 1e-5), ("critic", 1e-3)):
+        if packed.get(part) is None:
+            continue
+        for (path, x), y in zip(
+            jax.tree_util.tree_flatten_with_path(packed[part])[0], jax.tree.leaves(padded[part]), strict=True
+        ):
+            scale = max(float(np.max(np.abs(y), initial=0.0)), 1e-30)
+            error = float(np.max(np.abs(np.asarray(x, np.float64) - y), initial=0.0)) / scale
+            assert error <= tolerance, f"{part}{jax.tree_util.keystr(path)}: {error:.2e} of its largest magnitude"
