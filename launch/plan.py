@@ -19,8 +19,8 @@ step, MFU); `--decode_layouts=train,4` also compiles the sampler in those layout
 
 `--overlap` prints instead, without compiling, the overlapped step (rollout.staleness >= 1 with
 mesh.rollout_devices) beside the synchronous colocated one for every rollout / learner split of
-the slice, with every response at the limit and with a real run's long-tailed lengths
-(comppo_jax.planning.overlap):
+the slice, with every response at the limit and with a real run's long-tailed lengths, the
+learner's batch padded or packed as train.packing lays it out (comppo_jax.planning.overlap):
 
     python launch/plan.py --config=configs/qwen3_4b.py --topology=v5p:2x2x2,v6e:4x4 --overlap
 """
@@ -135,15 +135,17 @@ def print_overlap(cfg, name: str, topology: str) -> None:
     )
     epochs = max(controller.KNOBS["actor_epochs"])  # the phase controller's epochs per step (2 but in its last phase)
     chip, remat = CHIPS[family], cfg.model.remat == "full"
+    packed = cfg.train.get("packing", False)  # the learner's layout, as the compiled programs have it
     scale = 1.0
     if _CALIBRATE.value:
         compiled = planner.plan(
             cfg, topology, prompt_length=_PROMPT.value, steps=("score", "actor", "critic"), log=lambda m: None
         )
         seconds = sum(t.seconds * t.runs for t in planner.step_times(compiled))
-        roofline = overlap.learner_seconds(
-            config, chip, chips, rows=rows, length=_PROMPT.value + limit, epochs=epochs, remat=remat
+        layout = overlap.LearnerBatch.of(
+            overlap.long_tail_lengths(rows, limit), _PROMPT.value, limit, packed=packed, segment_skip=packed
         )
+        roofline = overlap.learner_seconds(config, chip, chips, layout, epochs=epochs, remat=remat)
         scale = seconds / roofline
         print(
             f"learner calibrated on the compiled programs: {seconds:.3g} s against the roofline's {roofline:.3g} s "
@@ -153,25 +155,21 @@ def print_overlap(cfg, name: str, topology: str) -> None:
         ("every response at the limit", np.full(rows, limit)),
         ("long-tailed lengths", overlap.long_tail_lengths(rows, limit)),
     ):
-        results = overlap.splits(
-            config, chip, chips, lengths, prompt_length=_PROMPT.value, epochs=epochs, remat=remat, learner_scale=scale
+        options = dict(
+            prompt_length=_PROMPT.value,
+            epochs=epochs,
+            remat=remat,
+            learner_scale=scale,
+            packed=packed,
+            segment_skip=packed,
         )
+        results = overlap.splits(config, chip, chips, lengths, **options)
         print(
             f"{name} on {topology} ({chips} chips), {rows} rows, {label} (mean {lengths.mean():.0f}, "
             f"longest {lengths.max()}), {epochs} epochs:"
         )
         print("\n".join(planner.aligned(overlap.COLUMNS, overlap.split_rows(results))), flush=True)
-        moved = overlap.splits(
-            config,
-            chip,
-            chips,
-            lengths,
-            prompt_length=_PROMPT.value,
-            epochs=epochs,
-            remat=remat,
-            scoring="rollout",
-            learner_scale=scale,
-        )
+        moved = overlap.splits(config, chip, chips, lengths, scoring="rollout", **options)
         best = min(moved[1:], key=lambda s: s.seconds)
         print(
             f"scoring on the rollout's chips instead (the critic's features cross): best {best.rollout_devices} "

@@ -9,7 +9,8 @@ concentration window see only their own sequence) and its position in the sequen
 
 Shapes come from buckets (`packed_rows`): S is the sequence layout's L, so any sequence fits a row,
 and R is rounded up to one of a few sizes per batch size, so the jitted programs are compiled once
-per bucket rather than once per batch. Values at packed slots where no token lies are 0 and are
+per bucket rather than once per batch. A batch that would save few rows stays in the sequence
+layout (`worth_packing`). Values at packed slots where no token lies are 0 and are
 never read back: `unpack` and `gather_tokens` read only real tokens.
 """
 
@@ -88,11 +89,16 @@ def sequence_lengths(attention_mask: np.ndarray) -> np.ndarray:
 
 def make_packing(lengths: np.ndarray, length: int, *, multiple: int = 1) -> Packing:
     """The packing (host arrays) of sequences of `lengths` [B] tokens from rows of `length` (L) tokens
-    into bucketed rows of L tokens (`packed_rows`; `multiple`: the row count's divisor)."""
+    into bucketed rows of L tokens (`packed_rows`; `multiple`: the row count's divisor, the devices
+    the rows are split over in contiguous blocks). First-fit-decreasing fills the heaviest rows
+    first; they are dealt to the devices in turn, so no device gets all of them."""
     lengths = np.asarray(lengths, np.int32)
     batch = len(lengths)
     members = first_fit_decreasing(lengths, length)
     rows = packed_rows(len(members), batch, multiple)
+    members += [[] for _ in range(rows - len(members))]
+    per_device = rows // multiple
+    members = [members[(r % per_device) * multiple + r // per_device] for r in range(rows)]
     segment_ids, positions, source = (np.zeros((rows, length), np.int32) for _ in range(3))
     offsets = np.zeros((batch,), np.int32)
     for r, row in enumerate(members):
@@ -115,9 +121,18 @@ def on_devices(packing: Packing, mesh: Mesh | None) -> Packing:
     return sharding.from_host(packing, sharding.batch_sharding(mesh))
 
 
-def efficiency(lengths: np.ndarray, packing: Packing) -> float:
-    """Real tokens (the host `lengths` of its sequences) / computed tokens of the packed rows."""
-    return float(np.sum(lengths)) / float(np.size(packing.segment_ids))
+def worth_packing(lengths: np.ndarray, length: int, *, multiple: int = 1, min_saving: float = 0.0) -> Packing | None:
+    """`make_packing`, or None where its rows would be more than (1 - `min_saving`) of the batch's (the
+    sequence layout then costs about as much, without packing's gathers)."""
+    packing = make_packing(lengths, length, multiple=multiple)
+    return packing if packing.segment_ids.shape[0] <= (1 - min_saving) * len(lengths) else None
+
+
+def efficiency(lengths: np.ndarray, packing: Packing | None, length: int) -> float:
+    """Real tokens (the host `lengths` of its sequences) / computed tokens: of the packed rows, or
+    (packing None) of the sequence layout's rows of `length` tokens."""
+    computed = len(lengths) * length if packing is None else np.size(packing.segment_ids)
+    return float(np.sum(lengths)) / float(computed)
 
 
 def pack(x: Shaped[Array, "B L *rest"], packing: Packing) -> Shaped[Array, "R S *rest"]:

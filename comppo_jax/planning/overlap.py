@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.packing import make_packing
+from comppo_jax.models.packing import worth_packing
 from comppo_jax.planning import chips, hlo_cost
 from comppo_jax.planning.decode_floor import decode_group_sizes, pool_heads_per_chip, weight_bytes_per_chip
 from pallas_kernels.common import round_up, segment_starts
@@ -110,6 +110,7 @@ class LearnerBatch(NamedTuple):
     packed: bool = False
     multiple: int = 1  # the packed row count's divisor (the devices rows are split over)
     segment_skip: bool = False  # packed: the attention kernels skip other segments' key blocks
+    min_saving: float = 0.0  # packed only where that saves this fraction of the rows (train.packing_min_saving)
 
     @classmethod
     def of(cls, lengths, prompt_length: int, max_new_tokens: int, **options) -> LearnerBatch:
@@ -117,38 +118,69 @@ class LearnerBatch(NamedTuple):
         return cls(prompt_length + np.asarray(lengths), prompt_length + max_new_tokens, **options)
 
     def packing(self):
-        """The packed rows (comppo_jax.models.packing.Packing, host arrays); None when padded."""
+        """The packed rows (comppo_jax.models.packing.Packing, host arrays); None when padded (or
+        when packing would save less than `min_saving` of the rows, as the learner decides)."""
         if not self.packed:
             return None
-        return make_packing(self.lengths, self.row_length, multiple=self.multiple)
+        return worth_packing(self.lengths, self.row_length, multiple=self.multiple, min_saving=self.min_saving)
 
     def rows(self) -> int:
         """Rows computed."""
-        return len(self.lengths) if not self.packed else self.packing().segment_ids.shape[0]
+        packing = self.packing()
+        return len(self.lengths) if packing is None else packing.segment_ids.shape[0]
 
     def attention_visited(self, block: int = 512) -> float:
         """The share of causal (query block, key block) pairs a segment-skipping attention kernel
-        visits on these rows (`pallas_kernels.packed_attention`'s bounds; 1 when padded or not skipping)."""
-        if not (self.packed and self.segment_skip):
+        visits on the busiest batch shard's rows (`pallas_kernels.packed_attention`'s bounds, which
+        ignore the key mask: an empty row is visited whole); 1 when padded or not skipping."""
+        packing = self.packing()
+        if packing is None or not self.segment_skip:
             return 1.0
-        segments = jnp.asarray(self.packing().segment_ids)
+        segments = jnp.asarray(packing.segment_ids)
         padded = round_up(self.row_length, block)
         starts = jnp.pad(segment_starts(segments), ((0, 0), (0, padded - self.row_length)), mode="edge")
         visited, _ = visited_block_pairs(*block_bounds(starts, block, block), block, block)
         blocks = padded // block
-        return float(visited.sum()) / (visited.shape[0] * blocks * (blocks + 1) / 2)
+        per_row = np.asarray(visited.sum(axis=(1, 2))) / (blocks * (blocks + 1) / 2)
+        return float(per_row.reshape(self.multiple, -1).mean(axis=1).max())
+
+    def shard_sequences(self) -> list[list[list[int]]]:
+        """Per batch shard (`multiple` of them, each a contiguous block of rows), its rows' sequence lengths."""
+        packing = self.packing()
+        if packing is not None:
+            rows = [[int(packing.lengths[s - 1]) for s in np.unique(row[row > 0])] for row in packing.segment_ids]
+        else:
+            rows = [[int(n)] for n in self.lengths]
+        per_shard = len(rows) // self.multiple
+        return [rows[k * per_shard : (k + 1) * per_shard] for k in range(self.multiple)]
 
     def forward_flops(self, config: ModelConfig) -> float:
-        """One forward over the rows computed: every slot of each row through the matmuls; attention
-        over each row's causal keys, or (segment_skip) each sequence's own."""
-        rows, length = self.rows(), self.row_length
-        if self.packed and self.segment_skip:
-            return token_flops(config, rows * length, 0) + sum(attention_flops(config, n, n / 2) for n in self.lengths)
-        return token_flops(config, rows * length, length / 2)
+        """One forward over the rows computed, as the data-parallel program runs it: its busiest batch
+        shard's FLOPs times the shards. Every slot of each row goes through the matmuls; attention over
+        each row's causal keys, or (segment_skip) each sequence's own."""
+        length = self.row_length
+
+        skipping = self.segment_skip and self.packing() is not None
+
+        def shard(rows: list[list[int]]) -> float:
+            if skipping:
+                attention = sum(attention_flops(config, n, n / 2) for row in rows for n in row)
+            else:
+                attention = attention_flops(config, len(rows) * length, length / 2)
+            return token_flops(config, len(rows) * length, 0) + attention
+
+        return self.multiple * max(shard(rows) for rows in self.shard_sequences())
 
     def real_flops(self, config: ModelConfig) -> float:
         """One forward over the real tokens alone: each sequence by itself."""
         return sum(token_flops(config, n, n / 2) for n in self.lengths)
+
+    def balanced_real_flops(self, config: ModelConfig) -> float:
+        """`real_flops` as the `multiple` batch shards could at best compute it, whole sequences per
+        shard: each shard at least the even share and the longest sequence, times the shards (a
+        data-parallel program runs as long as its busiest shard)."""
+        alone = [token_flops(config, n, n / 2) for n in self.lengths]
+        return self.multiple * max(max(alone), sum(alone) / self.multiple)
 
 
 def learner_seconds(

@@ -52,7 +52,7 @@ from comppo_jax.critic import routing
 from comppo_jax.models import init_params, lora, model_config
 from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.lora import LoraConfig
-from comppo_jax.models.packing import Packing, make_packing
+from comppo_jax.models.packing import Packing
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.planning import chips, hlo_cost, overlap
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
@@ -139,7 +139,8 @@ class Plan(NamedTuple):
     transfer_bytes: int = 0  # per chip and step, host <-> device (train.offload_idle)
     decode: decode_layout.DecodeLayout | None = None  # the sampler's layout, its floor and the candidates auto compared
     # The learner's programs (score, values, actor, critic): program -> (rows computed, real tokens / computed
-    # tokens, real-token FLOPs / computed FLOPs) of the long-tailed lengths a 16K run has, as train.packing lays them
+    # tokens, the real tokens' FLOPs split over the batch shards whole sequences at a time / computed FLOPs:
+    # `LearnerBatch.balanced_real_flops`) of the long-tailed lengths a 16K run has, as train.packing lays them
     learner_rows: dict = {}
 
 
@@ -285,14 +286,14 @@ def train_step_programs(
         packed=packed,
         multiple=sharding.batch_size_multiple(mesh),
         segment_skip=packed and config.attention not in ("xla", "cudnn"),  # the kernels that skip other segments
+        min_saving=cfg.train.get("packing_min_saving", 0.0),
     )
 
     def packing(batch):
         """The packed rows' index arrays of a `batch`-row batch (None: padded), as sharded shapes."""
-        layout = learner_batch(batch)
-        if not layout.packed:
+        host = learner_batch(batch).packing()
+        if host is None:
             return None
-        host = make_packing(layout.lengths, length, multiple=layout.multiple)
         return Packing(*(jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=batch_sharding) for x in host))
 
     def generation(batch):
@@ -620,7 +621,7 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
             name: (
                 batch.rows(),
                 float(batch.lengths.sum()) / (batch.rows() * batch.row_length),
-                batch.real_flops(config) / batch.forward_flops(config),
+                batch.balanced_real_flops(config) / batch.forward_flops(config),
             )
             for name, batch in step.batches.items()
         },
@@ -813,7 +814,8 @@ def step_summary(result: Plan, chip: chips.Chip | None = None) -> StepSummary:
 
 def learner_against_real_tokens(result: Plan, chip: chips.Chip | None = None) -> tuple[float, float]:
     """(the learner's programs' predicted seconds per step; the same programs on the real tokens alone:
-    each one's time times its rows' real-token FLOPs over the FLOPs of the rows it computes, for the
+    each one's time times its real tokens' FLOPs (as evenly over the batch shards as whole sequences
+    allow: `LearnerBatch.balanced_real_flops`) over the FLOPs of the rows it computes, for the
     long-tailed lengths of a 16K run, padded or packed as train.packing lays them out)."""
     times = {t.program: t for t in step_times(result, chip)}
     predicted = real = 0.0

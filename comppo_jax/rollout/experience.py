@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from comppo_jax import sharding
 from comppo_jax.credit import informative_groups
 from comppo_jax.data.rewards import RewardCoefficients, Verdict, score_responses, terminal_reward_tokens
-from comppo_jax.models.packing import Packing, make_packing, on_devices
+from comppo_jax.models.packing import Packing, on_devices, worth_packing
 from comppo_jax.rollout.sampler import Generation, generate
 from comppo_jax.rollout.scoring import Rollout, score_rollout
 from comppo_jax.rollout.text import decode_responses, encode_prompts
@@ -109,6 +109,7 @@ class ScoringSpec:
     top_k: int | None = None
     gate: GateSpec = GateSpec()
     packing: bool = False  # the policies run on packed rows (comppo_jax.models.packing)
+    packing_min_saving: float = 0.0  # ... when that saves at least this fraction of the batch's rows
 
     def options(self) -> dict:
         """`score_rollout`'s keywords (all but the kernel backend)."""
@@ -310,13 +311,15 @@ class ScoredBatch(NamedTuple):
     packing: Packing | None = None  # the rows the scoring pass ran on (ScoringSpec.packing)
 
 
-def scoring_packing(sampled: Sampled) -> Packing:
-    """The whole batch packed (`make_packing`), its rows split as the generation's mesh splits a batch."""
+def scoring_packing(sampled: Sampled, min_saving: float) -> Packing | None:
+    """The whole batch packed, its rows split as the generation's mesh splits a batch; None where that
+    saves less than `min_saving` of its rows (`worth_packing`)."""
     tokens = sampled.generation.tokens
     placement = getattr(tokens, "sharding", None)
     mesh = placement.mesh if isinstance(placement, NamedSharding) and isinstance(placement.mesh, Mesh) else None
     multiple = 1 if mesh is None else sharding.batch_size_multiple(mesh)
-    return on_devices(make_packing(sampled.host_lengths, tokens.shape[1], multiple=multiple), mesh)
+    packing = worth_packing(sampled.host_lengths, tokens.shape[1], multiple=multiple, min_saving=min_saving)
+    return None if packing is None else on_devices(packing, mesh)
 
 
 def dispatch(sampler: Any, prompts: list, key: jax.Array, spec: RolloutSpec, env: ExperienceEnv) -> Generation:
@@ -388,7 +391,7 @@ def experience(
     env.notify("sampling")
     policy, reference = (source() if callable(source) else source for source in (policy, reference))
     env.notify("scoring")
-    packing = scoring_packing(sampled) if spec.scoring.packing else None
+    packing = scoring_packing(sampled, spec.scoring.packing_min_saving) if spec.scoring.packing else None
     rollout = score_rollout(
         policy, reference, env.model_config, sampled.generation, packing=packing, **spec.scoring.options()
     )

@@ -27,7 +27,7 @@ import numpy as np
 
 from comppo_jax import sharding
 from comppo_jax.credit import clip_advantages, decoupled_ppo_inputs, masked_mean, registry
-from comppo_jax.models.packing import Packing, efficiency, make_packing, on_devices
+from comppo_jax.models.packing import Packing, efficiency, on_devices, worth_packing
 from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.rollout.experience import GateSpec, Sampled
 from comppo_jax.train import controller
@@ -362,7 +362,7 @@ class Learner:
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))
         ]
 
-        packings = []
+        efficiencies = []
 
         def minibatch_of(picked) -> tuple[Minibatch, np.ndarray | None]:
             """(what a step reads, the rows it picks there): the whole batch and the minibatch's rows, selected inside
@@ -370,13 +370,13 @@ class Learner:
             train.packing, the minibatch's own packed rows ride along (`take_rows` leaves them)."""
             packing = None
             if spec.packing:
-                packing = make_packing(sampled.host_lengths[picked], batch.tokens.shape[1], multiple=self.row_multiple)
-                packings.append(efficiency(sampled.host_lengths[picked], packing))
-                packing = on_devices(packing, self.mesh)
+                lengths, length = sampled.host_lengths[picked], batch.tokens.shape[1]
+                packing = worth_packing(lengths, length, multiple=self.row_multiple, min_saving=spec.packing_min_saving)
+                efficiencies.append(efficiency(lengths, packing, length))
+                packing = None if packing is None else on_devices(packing, self.mesh)
             if offload.update_on_host:
-                return sharding.from_host(take_rows(batch, picked), self.batch_shardings)._replace(
-                    packing=packing
-                ), None
+                placed = sharding.from_host(take_rows(batch, picked), self.batch_shardings)
+                return placed._replace(packing=packing), None
             return batch._replace(packing=packing), picked
 
         critic_first = spec.critic_first
@@ -439,10 +439,11 @@ class Learner:
         metrics = (
             {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]} if update_metrics else {}
         )
-        if experience.packing is not None:  # real tokens / computed tokens
-            metrics["packing/scoring_efficiency"] = efficiency(sampled.host_lengths, experience.packing)
-        if packings:
-            metrics["packing/update_efficiency"] = float(np.mean(packings))
+        if spec.packing:  # real tokens / computed tokens, packed or (too little to save) not
+            length = sampled.generation.tokens.shape[1]
+            metrics["packing/scoring_efficiency"] = efficiency(sampled.host_lengths, experience.packing, length)
+            if efficiencies:
+                metrics["packing/update_efficiency"] = float(np.mean(efficiencies))
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
         return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
 

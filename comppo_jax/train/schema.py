@@ -313,6 +313,12 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             "token computed; equal to the padded path within float32 rounding (False: one response per row)",
         ),
         Field(
+            "packing_min_saving",
+            0.125,
+            "packing: a batch runs packed only when that saves at least this fraction of its rows (short "
+            "sequences that fill their rows save nothing, and packing's gathers cost; 0: always packed)",
+        ),
+        Field(
             "proximal",
             "behaviour",
             "the policy the PPO ratio is clipped against: behaviour (the generating policy, the paper's) | "

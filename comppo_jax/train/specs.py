@@ -94,6 +94,7 @@ class LearnerSpec:
     importance_weight_rule: str
     max_skipped_updates: int
     packing: bool = False  # minibatches on packed rows (comppo_jax.models.packing)
+    packing_min_saving: float = 0.0  # ... when that saves at least this fraction of a minibatch's rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +266,7 @@ def experience_spec(cfg, credit: CreditSpec) -> ExperienceSpec:
             credit.top_k,
             credit.gate,
             cfg.train.packing,
+            cfg.train.packing_min_saving,
         ),
     )
 
@@ -288,6 +290,7 @@ def learner_spec(cfg, credit: CreditSpec, steps: Steps) -> LearnerSpec:
         importance_weight_rule=train.importance_weight_rule,
         max_skipped_updates=train.max_skipped_updates,
         packing=train.packing,
+        packing_min_saving=train.packing_min_saving,
     )
 
 

@@ -291,6 +291,7 @@ NUMBER_FIELDS = {
     "rollout.max_refills": dict(low=-1, integer=True),
     "rollout.staleness": ZERO_OR_MORE,
     "train.importance_weight_cap": dict(low=1),
+    "train.packing_min_saving": dict(low=0, high=1, high_open=True),
     "mesh.rollout_devices": ZERO_OR_MORE,
     "model.lora.rank": ZERO_OR_MORE,
     "model.lora.alpha": POSITIVE,

@@ -57,7 +57,7 @@ def run(batch: int = 16, length: int = 1024, repeats: int = 3) -> None:
     generation = long_tailed_batch(config, batch, length, rng)
     host_lengths = np.asarray(generation.attention_mask).sum(axis=1)
     packing = on_devices(make_packing(host_lengths, generation.tokens.shape[1]), None)
-    computed = efficiency(host_lengths, packing)
+    computed = efficiency(host_lengths, packing, generation.tokens.shape[1])
     policy = init_params(config, jax.random.PRNGKey(0))
     reference = init_params(config, jax.random.PRNGKey(1))
     section = cfg.critic

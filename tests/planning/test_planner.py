@@ -41,6 +41,7 @@ def actor_minibatch_bytes(cfg, chips: int) -> int:
 def test_tiny_actor_step_compiles_for_tpu_and_its_arguments_are_the_analytic_count(topology):
     require_libtpu()
     cfg = tiny_config()
+    cfg.train.packing = False  # the padded minibatch's fields, counted by hand
     result = planner.plan(cfg, topology, prompt_length=PROMPT, steps=("actor",), log=lambda message: None)
     assert result.attention == "splash"  # what a TPU run picks, not this host's CPU fallback
     (actor,) = result.steps
@@ -147,3 +148,32 @@ def test_a_full_copy_critic_is_planned_as_a_second_model():
     assert values["full"].cost.flops >= 2 * trunk_matmuls * tokens  # a whole forward pass per value pass
     assert values["standard"].cost.flops < values["full"].cost.flops / 100
     assert all(planner.verdict(step, result.hbm) == "fits" for result in results.values() for step in result.steps)
+
+
+@pytest.mark.slow
+def test_the_packed_learner_compiles_for_tpu_and_computes_what_its_rows_hold():
+    """train.packing: the scoring pass and the actor step compiled on packed rows of the long-tailed
+    lengths a real run has, with the attention that skips other segments' key blocks; fewer rows,
+    fewer FLOPs, and closer to the real tokens' FLOPs than the padded programs."""
+    require_libtpu()
+    results = {}
+    for packing in (False, True):
+        cfg = tiny_config()
+        cfg.rollout.max_new_tokens = 488  # rows of 512 tokens: several key blocks of the kernels
+        cfg.train.packing = packing
+        results[packing] = planner.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("score", "actor"), log=print)
+    padded, packed = results[False], results[True]
+    assert all(step.error is None for result in results.values() for step in result.steps)
+    for name in ("score", "actor"):
+        (rows, efficiency, real) = packed.learner_rows[name]
+        (padded_rows, padded_efficiency, padded_real) = padded.learner_rows[name]
+        assert rows < padded_rows and efficiency > padded_efficiency and real > padded_real
+        padded_flops, packed_flops = (
+            next(s.cost.flops for s in result.steps if s.step == name) for result in (padded, packed)
+        )
+        assert packed_flops < 0.8 * padded_flops, name
+    learner, real = planner.learner_against_real_tokens(packed)
+    padded_learner, padded_real = planner.learner_against_real_tokens(padded)
+    assert real == pytest.approx(padded_real, rel=0.05)  # the same tokens, whichever layout computes them
+    assert learner < padded_learner and learner / real < padded_learner / padded_real
+    assert "real tokens alone" in planner.format_summary(packed)
