@@ -314,9 +314,9 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         ),
         Field(
             "packing_min_saving",
-            0.125,
-            "packing: a batch runs packed only when that saves at least this fraction of its rows (short "
-            "sequences that fill their rows save nothing, and packing's gathers cost; 0: always packed)",
+            0.0,
+            "packing: a batch runs packed only when that saves at least this fraction of its rows (0: always; "
+            "short sequences that fill their rows save nothing on a CPU, and packing's gathers cost)",
         ),
         Field(
             "proximal",

@@ -68,7 +68,7 @@ def oracle(mask, segment_ids):
     return lambda q, k, v: causal_attention(q, k, v, mask, segment_ids=segment_ids)
 
 
-@pytest.mark.parametrize("blocks", BLOCKS)
+@pytest.mark.parametrize("blocks", [BLOCKS[0], pytest.param(BLOCKS[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_forward_matches_the_oracle_at_every_real_query(case, blocks):
     mask, segment_ids = CASES[case]()
@@ -99,6 +99,7 @@ def test_gradients_match_the_oracle(case, blocks):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), f"d{name}"
 
 
+@pytest.mark.slow
 def test_bf16_forward_and_gradients_within_bf16_rounding():
     mask, segment_ids = packed_rows()
     q, k, v = random_qkv(3, mask.shape[1], jnp.bfloat16)
@@ -160,7 +161,9 @@ def random_layouts(seed, rows=4, length=200):
     return jnp.asarray(segments > 0), jnp.asarray(segments)
 
 
-@pytest.mark.parametrize("blocks", BLOCKS + [(16, 16), (24, 40)])
+@pytest.mark.parametrize(
+    "blocks", BLOCKS + [pytest.param(blocks, marks=pytest.mark.slow) for blocks in ((16, 16), (24, 40))]
+)
 @pytest.mark.parametrize("case", sorted(CASES) + ["random"])
 def test_visited_block_pairs_are_exactly_those_with_a_visible_pair(case, blocks):
     mask, segment_ids = random_layouts(4) if case == "random" else CASES[case]()

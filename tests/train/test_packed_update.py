@@ -99,7 +99,7 @@ def test_the_actor_loss_and_its_gradients_on_packed_rows_equal_the_sequence_layo
     assert_trees_close(packed_grads, grads)
 
 
-@pytest.mark.parametrize("kind", ["tac", "standard", "full"])
+@pytest.mark.parametrize("kind", ["tac", "standard", pytest.param("full", marks=pytest.mark.slow)])
 def test_critic_values_and_their_gradients_on_packed_rows_equal_the_sequence_layouts(kind):
     actor, batch, packing = scored_minibatch()
     module = TransportAlignedCritic(bottleneck=8, query_block=4) if kind == "tac" else None
@@ -124,7 +124,7 @@ def test_critic_values_and_their_gradients_on_packed_rows_equal_the_sequence_lay
     assert_trees_close(packed_grads, grads)
 
 
-@pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("with_lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_a_jitted_actor_step_on_a_packed_minibatch_moves_the_params_as_the_sequence_layouts(with_lora):
     actor, batch, _ = scored_minibatch()
     if with_lora:
