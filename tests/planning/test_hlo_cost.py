@@ -213,6 +213,7 @@ def tiny(**arch):
     cfg = load_config_file(PRESET_DIR / "tiny.py")
     cfg.mesh.update(data=1, fsdp=2, tensor=-1)
     cfg.model.arch.update(num_heads=8, num_kv_heads=4, head_dim=32, **arch)
+    cfg.train.packing = False  # rows of a fixed length: the tokens a program computes scale exactly
     return cfg
 
 

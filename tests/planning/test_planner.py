@@ -124,6 +124,7 @@ def test_a_full_copy_critic_is_planned_as_a_second_model():
     for kind in ("standard", "full"):
         cfg = tiny_config()
         cfg.method, cfg.critic.kind = "ppo", kind
+        cfg.train.packing = False  # every row's tokens computed: the FLOPs below count them
         results[kind] = planner.plan(
             cfg, "v5e:2x2", prompt_length=PROMPT, steps=("values", "critic"), log=lambda message: None
         )
