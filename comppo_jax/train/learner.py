@@ -362,7 +362,7 @@ class Learner:
             for epoch in range(0 if nonfinite else int(knobs["actor_epochs"]))
         ]
 
-        efficiencies = []
+        computed = []  # (real, computed) tokens of each minibatch read: integers, so their ratio is exact
 
         def minibatch_of(picked) -> tuple[Minibatch, np.ndarray | None]:
             """(what a step reads, the rows it picks there): the whole batch and the minibatch's rows, selected inside
@@ -372,7 +372,9 @@ class Learner:
             if spec.packing:
                 lengths, length = sampled.host_lengths[picked], batch.tokens.shape[1]
                 packing = worth_packing(lengths, length, multiple=self.row_multiple, min_saving=spec.packing_min_saving)
-                efficiencies.append(efficiency(lengths, packing, length))
+                computed.append(
+                    (int(lengths.sum()), len(lengths) * length if packing is None else packing.segment_ids.size)
+                )
                 packing = None if packing is None else on_devices(packing, self.mesh)
             if offload.update_on_host:
                 placed = sharding.from_host(take_rows(batch, picked), self.batch_shardings)
@@ -442,8 +444,8 @@ class Learner:
         if spec.packing:  # real tokens / computed tokens, packed or (too little to save) not
             length = sampled.generation.tokens.shape[1]
             metrics["packing/scoring_efficiency"] = efficiency(sampled.host_lengths, experience.packing, length)
-            if efficiencies:
-                metrics["packing/update_efficiency"] = float(np.mean(efficiencies))
+            if computed:
+                metrics["packing/update_efficiency"] = sum(r for r, _ in computed) / sum(c for _, c in computed)
         gate_change = float(np.mean(gate_changes)) if gate_changes else None
         return state, Learned(scored, batch, metrics, gate_change, nonfinite, update_actor, importance)
 

@@ -58,8 +58,10 @@ QWEN3_0_6B = dict(
 
 
 def step_config(model: str, length: int):
-    """(config, prompt length) of the benchmarked step."""
+    """(config, prompt length) of the benchmarked step: its programs one response per row (they run
+    on a sampled generation as it comes; `benchmark.py packing` measures packed rows)."""
     cfg = load_config_file(PRESET_DIR / "tiny.py")
+    cfg.train.packing = False
     if model == "tiny":
         return cfg, 64
     if model != "qwen3_0.6b":
