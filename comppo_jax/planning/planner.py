@@ -311,7 +311,7 @@ def train_step_programs(
     # run's reference is the policy's own base: the same arrays, not a second argument.
     frozen_reference = lambda policy, reference: lora.base(policy) if adapters.enabled else reference
     score = jax.jit(
-        lambda policy, reference, generation, packing: score_rollout(
+        lambda policy, reference, generation, packing=None: score_rollout(
             policy,
             frozen_reference(policy, reference) if spec.learner.actor_loss.kl_term else None,
             config,
