@@ -51,6 +51,13 @@ PARAM_RULES |= {
     if len(rule) == 3
     for part in "ab"
 }
+# An 8-bit weight's scales (comppo_jax.models.quantize.SCALE) split as its output channels: the vocabulary of
+# the embedding table and of the head, the last axis of a layer's matrix.
+PARAM_RULES |= {
+    f"{name}_scale": (rule[1 if name == "lm_head" else 0],) if len(rule) == 2 else (None, rule[2])
+    for name, rule in list(PARAM_RULES.items())
+    if "_lora_" not in name
+}
 
 
 def initialize_distributed(mesh_config) -> None:

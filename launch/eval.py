@@ -133,7 +133,7 @@ def main(argv):
 
     # Decoded in the run's decode layout (rollout.mesh), as its training rollouts were.
     decode = decode_layout.for_run(resolve(cfg, policy_config).rollout, mesh, policy_config, params, rollout_devices)
-    params = decode.reshard(params)
+    params = decode.evaluation_weights(params)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     rows = []
     with (

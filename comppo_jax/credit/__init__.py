@@ -6,7 +6,8 @@
 - `advantages`: Comp-GAE, GAE, the explicit transport kernel, GRPO and
   Dr.GRPO advantages, DAPO's group filter, whitening and clipping.
 - `losses`: PPO and GSPO clipped surrogates, loss aggregation modes, reference
-  KL, clipped value loss, entropy.
+  KL, clipped value loss, entropy, AReaL's decoupled objective, the sampler -> scorer
+  mismatch and its rollout correction weights.
 """
 
 from comppo_jax.credit.advantages import (
@@ -34,13 +35,19 @@ from comppo_jax.credit.gate import (
 from comppo_jax.credit.losses import (
     IMPORTANCE_WEIGHT_RULES,
     LOSS_AGGREGATIONS,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTIONS,
     aggregate_loss,
     decoupled_ppo_inputs,
     entropy_from_logits,
     gspo_loss,
+    importance_weight_stats,
     kl_penalty,
     masked_mean,
     ppo_clip_loss,
+    rollout_correction,
+    rollout_correction_weights,
+    sampler_mismatch,
     value_loss,
 )
 from comppo_jax.credit.schedule import (
@@ -60,6 +67,8 @@ __all__ = [
     "IMPORTANCE_WEIGHT_RULES",
     "LOSS_AGGREGATIONS",
     "PositionSchedule",
+    "ROLLOUT_CORRECTION_LEVELS",
+    "ROLLOUT_CORRECTIONS",
     "aggregate_loss",
     "decoupled_ppo_inputs",
     "apply_position_schedule",
@@ -74,6 +83,7 @@ __all__ = [
     "gate_range",
     "grpo_advantages",
     "gspo_loss",
+    "importance_weight_stats",
     "informative_groups",
     "kl_penalty",
     "load_position_schedule",
@@ -84,6 +94,9 @@ __all__ = [
     "position_bins",
     "ppo_clip_loss",
     "retention_gate",
+    "rollout_correction",
+    "rollout_correction_weights",
+    "sampler_mismatch",
     "save_position_schedule",
     "schedule_from_totals",
     "shuffle_gate",

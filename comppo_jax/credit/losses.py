@@ -37,11 +37,34 @@ LOSS_AGGREGATIONS = (
 )
 # `decoupled_ppo_inputs`' rules for a behaviour importance weight over the cap: AReaL's, then truncated IS.
 IMPORTANCE_WEIGHT_RULES = ("mask", "truncate")
+# `rollout_correction`'s rules (train.rollout_correction): no weights, truncated or masked importance sampling; and
+# the levels the ratio is taken at.
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 
 
 def _valid(x: Float[Array, "B T"], mask: Shaped[Array, "B T"]) -> Float[Array, "B T"]:
     """x as float32 with padding replaced by 0."""
     return jnp.where(mask.astype(bool), x.astype(jnp.float32), 0.0)
+
+
+def _row_mean(x: Float[Array, "B T"], mask: Shaped[Array, "B T"]) -> Float[Array, "B 1"]:
+    """Each row's mean of `x` over its valid tokens (0 for a row without any); `x` zero on padding."""
+    lengths = jnp.sum(mask.astype(bool), axis=1, keepdims=True, dtype=jnp.float32)
+    return jnp.sum(x, axis=1, keepdims=True) / jnp.maximum(lengths, 1.0)
+
+
+def _log_ratio(
+    log_numerator: Float[Array, "B T"], log_denominator: Float[Array, "B T"], mask: Shaped[Array, "B T"]
+) -> Float[Array, "B T"]:
+    """log(p_num / p_den) per token, clipped to +-_MAX_LOG_RATIO, 0 on padding; a NaN stays NaN."""
+    return jnp.clip(_valid(log_numerator, mask) - _valid(log_denominator, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _capped(weights: Float[Array, "B T"], cap: float, drop: bool) -> Float[Array, "B T"]:
+    """Importance weights over `cap` set to 0 (`drop`: the token leaves the loss) or to `cap` (truncated).
+    `weights > cap` rather than `<= cap`: a NaN weight stays NaN, for the learner's finiteness guard."""
+    return jnp.where(weights > cap, 0.0, weights) if drop else jnp.minimum(weights, cap)
 
 
 @jax.jit
@@ -230,13 +253,127 @@ def decoupled_ppo_inputs(
     )
     if rule not in IMPORTANCE_WEIGHT_RULES:
         raise ValueError(f"rule={rule!r}: expected one of {IMPORTANCE_WEIGHT_RULES}")
-    log_weight = jnp.clip(
-        _valid(proximal_log_probs, mask) - _valid(behaviour_log_probs, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO
-    )
-    weights = _valid(jnp.exp(log_weight), mask)
-    # `weights > cap` rather than `<= cap`: a NaN weight stays NaN, for the learner's finiteness guard.
-    capped = jnp.where(weights > cap, 0.0, weights) if rule == "mask" else jnp.minimum(weights, cap)
+    weights = _valid(jnp.exp(_log_ratio(proximal_log_probs, behaviour_log_probs, mask)), mask)
+    capped = _capped(weights, cap, drop=rule == "mask")
     return proximal_log_probs, advantages * capped, weights, capped
+
+
+@jax.jit
+def sampler_mismatch(
+    sampler_log_probs: Float[Array, "B T"], score_log_probs: Float[Array, "B T"], mask: Shaped[Array, "B T"]
+) -> dict[str, Float[Array, ""]]:
+    """How far the sampler's distribution pi_sample (which drew the tokens, e.g. with an 8-bit KV cache or
+    weights) lies from the scorer's pi_score (the same policy teacher-forced in the learner's precision),
+    on the sampled tokens (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"). With r_t = pi_score(y_t) / pi_sample(y_t) over the valid tokens, y_t ~ pi_sample:
+
+        kl                        = token-mean( r - 1 - log r )      k3 estimate of KL(pi_sample || pi_score)
+        abs_log_ratio_mean        = token-mean( |log r| )
+        abs_log_ratio_max         = max( |log r| )
+        ratio_outside_half_to_two = token-mean( r < 1/2 or r > 2 )
+
+    k3 is unbiased (E_sample[r] = 1) and non-negative per token; it is computed as expm1(log r) - log r,
+    which stays >= 0 in float32 (as `kl_penalty`). log r is clipped to +-20 first, as the PPO ratio's.
+
+    Args:
+      sampler_log_probs: [B, T] log pi_sample(y_t), as the sampler recorded them.
+      score_log_probs: [B, T] log pi_score(y_t), the scoring pass's.
+      mask: [B, T] valid tokens.
+
+    Returns:
+      The four scalars by name (float32; 0 when the mask is empty; NaN where a log-prob is).
+    """
+    _validation.check_bt(sampler_log_probs=sampler_log_probs, score_log_probs=score_log_probs, mask=mask)
+    log_ratio = _log_ratio(score_log_probs, sampler_log_probs, mask)
+    magnitude = jnp.abs(log_ratio)
+    return {
+        "kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, mask),
+        "abs_log_ratio_mean": masked_mean(magnitude, mask),
+        "abs_log_ratio_max": jnp.max(magnitude, initial=0.0),
+        "ratio_outside_half_to_two": masked_mean((magnitude > jnp.log(2.0)).astype(jnp.float32), mask),
+    }
+
+
+def rollout_correction_weights(
+    sampler_log_probs: Float[Array, "B T"],
+    score_log_probs: Float[Array, "B T"],
+    mask: Shaped[Array, "B T"],
+    rule: str = "tis",
+    cap: float = 2.0,
+    level: str = "token",
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """Importance weights from the sampler's distribution to the scorer's, which correct the policy
+    gradient for tokens drawn by pi_sample but scored (and the PPO ratio taken) under pi_score (Yao et
+    al. 2025, see `sampler_mismatch`). With r_t = pi_score(y_t) / pi_sample(y_t) and the cap C > 1:
+
+        level "token":     rho_t = r_t
+        level "sequence":  rho_t = rho_i = exp( mean_{t valid in response i} log r_t )   for each token of i
+        rule "tis":        c_t = min(rho_t, C)                      (truncated importance sampling)
+        rule "mis":        c_t = rho_t if rho_t <= C else 0          (masked importance sampling)
+        loss               = token-mean( -c_t min(u_t A_t, clip(u_t, 1 - eps, 1 + eps) A_t) )
+
+    so, as c_t >= 0 factors out of the min, the weights multiply the advantages of any clipped surrogate
+    (`ppo_clip_loss`, `gspo_loss`), as `decoupled_ppo_inputs`' do. Under "mis" a token (or under
+    "sequence" a whole response) over the cap leaves the loss while a token-mean still divides by every
+    valid token, as AReaL's mask. The sequence ratio is the geometric mean of its tokens' ratios, not
+    their product (the sequence-level importance weight): over thousands of tokens a product puts nearly
+    every response past any cap, while the geometric mean stays near 1 (GSPO's length normalization).
+    log r_t is clipped to +-20 before exp, as the PPO ratio's.
+
+    Args:
+      sampler_log_probs: [B, T] log pi_sample(y_t), as the sampler recorded them.
+      score_log_probs: [B, T] log pi_score(y_t), the scoring pass's (the PPO ratio's old log-probs).
+      mask: [B, T] valid tokens.
+      rule: "tis" | "mis"; cap: C (> 1); level: "token" | "sequence".
+
+    Returns:
+      (rho, c) [B, T] float32, 0 on padding; a non-finite rho stays non-finite in c (the learner's
+      finiteness guard sees it), under "sequence" for every token of its response.
+    """
+    _validation.check_bt(sampler_log_probs=sampler_log_probs, score_log_probs=score_log_probs, mask=mask)
+    if rule not in ROLLOUT_CORRECTIONS[1:]:
+        raise ValueError(f"rule={rule!r}: expected one of {ROLLOUT_CORRECTIONS[1:]}")
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(f"level={level!r}: expected one of {ROLLOUT_CORRECTION_LEVELS}")
+    if not cap > 1.0:
+        raise ValueError(f"cap={cap}: must be > 1 (every weight would be capped below the on-policy 1)")
+    log_ratio = _log_ratio(score_log_probs, sampler_log_probs, mask)
+    if level == "sequence":
+        log_ratio = jnp.broadcast_to(_row_mean(log_ratio, mask), log_ratio.shape)
+    ratios = _valid(jnp.exp(log_ratio), mask)
+    return ratios, _capped(ratios, cap, drop=rule == "mis")
+
+
+def importance_weight_stats(
+    weights: Float[Array, "B T"], mask: Shaped[Array, "B T"], cap: float
+) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    """Importance weights' token-mean, max and fraction over `cap`, over the valid tokens, before the cap
+    (weights >= 0, 0 on padding; 0, 0, 0 for an empty mask). Traced where the weights are computed: a
+    host read of a batch split across processes would see each process's own rows only."""
+    return masked_mean(weights, mask), jnp.max(weights, initial=0.0), masked_mean(jnp.float32(weights > cap), mask)
+
+
+def rollout_correction(
+    sampler_log_probs: Float[Array, "B T"],
+    score_log_probs: Float[Array, "B T"],
+    mask: Shaped[Array, "B T"],
+    rule: str = "none",
+    cap: float = 2.0,
+    level: str = "token",
+) -> tuple[Float[Array, "B T"] | None, dict[str, Float[Array, ""]]]:
+    """The learner's rollout correction (train.rollout_correction = `rule`): the weights c of
+    `rollout_correction_weights` (None for rule "none"), and the metrics: `sampler_mismatch`'s as
+    mismatch/kl, /abs_log_ratio_mean, /abs_log_ratio_max, /ratio_outside_half_to_two, whatever the rule,
+    and with weights rollout_correction/weight_mean, /weight_max (rho before the cap) and
+    /truncated_fraction (tis) or /masked_fraction (mis): the fraction of tokens with rho over the cap."""
+    metrics = {f"mismatch/{name}": x for name, x in sampler_mismatch(sampler_log_probs, score_log_probs, mask).items()}
+    if rule == "none":
+        return None, metrics
+    ratios, weights = rollout_correction_weights(sampler_log_probs, score_log_probs, mask, rule, cap, level)
+    mean, largest, over = importance_weight_stats(ratios, mask, cap)
+    dropped = "masked" if rule == "mis" else "truncated"
+    names = ("weight_mean", "weight_max", f"{dropped}_fraction")
+    return weights, {**metrics, **{f"rollout_correction/{name}": x for name, x in zip(names, (mean, largest, over))}}
 
 
 @functools.partial(jax.jit, static_argnames=("token_level", "aggregation"))
@@ -287,8 +424,7 @@ def gspo_loss(
       whose clipped branch is active, "approx_kl" is the per-token k1 estimate.
     """
     logp, old_logp, adv = _surrogate_inputs(log_probs, old_log_probs, advantages, mask)
-    lengths = jnp.sum(mask.astype(bool), axis=1, keepdims=True, dtype=jnp.float32)
-    seq_log_ratio = jnp.sum(logp - old_logp, axis=1, keepdims=True) / jnp.maximum(lengths, 1.0)
+    seq_log_ratio = _row_mean(logp - old_logp, mask)
     if token_level:
         seq_log_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)
     log_ratio = jnp.minimum(seq_log_ratio, _MAX_SEQ_LOG_RATIO)

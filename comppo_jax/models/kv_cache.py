@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from comppo_jax.models.config import ModelConfig
-from comppo_jax.models.transformer import _decoder_layer, lm_logits, rms_norm, rope_inv_freq, scan_layers
+from comppo_jax.models.transformer import _decoder_layer, embed_tokens, lm_logits, rms_norm, rope_inv_freq, scan_layers
 from pallas_kernels.common import causal_attention
 
 
@@ -45,7 +45,7 @@ def prefill(
         attention = lambda q, k, v: (causal_attention(q, k, v, attention_mask), (k, v))
         return _decoder_layer(scanned[0], x, positions, config, inv_freq, attention)
 
-    x, (keys, values) = scan_layers(step, params["embed"].astype(dtype)[tokens], params["layers"])
+    x, (keys, values) = scan_layers(step, embed_tokens(params, tokens, dtype), params["layers"])
     pad = ((0, 0), (0, 0), (0, max_length - length), (0, 0), (0, 0))
     cache = KVCache(
         jnp.pad(keys, pad),
@@ -85,6 +85,6 @@ def decode_step(
         x, (keys, values) = _decoder_layer(layer, x, positions, config, inv_freq, attention)
         return (x, keys, values), None
 
-    x = params["embed"].astype(dtype)[token][:, None]
+    x = embed_tokens(params, token, dtype)[:, None]
     (x, keys, values), _ = scan_layers(step, (x, cache.k, cache.v), params["layers"], jnp.arange(config.num_layers))
     return _final_logits(params, config, x), KVCache(keys, values, valid, cache.next_position + 1)

@@ -16,12 +16,27 @@ Pool layouts (`LAYOUTS`, per backend), K and V apart unless said otherwise:
   and values at odd kv-head slots, as `jax.experimental.pallas.ops.tpu.ragged_paged_attention`
   reads it.
 
+8-bit pages (`kv_dtype` int8 or float8_e4m3fn, comppo_jax.models.quantize): each token's key and
+value in each kv head are stored with a float32 scale, keys and values heads-first as above: half
+the bytes of bfloat16 pages (plus 4 bytes per token and kv head for each scale), written at
+prefill and at each decode step. Decode attention multiplies the key scale into the logits and
+the value scale into the probabilities. The scales' layout (`QUANTIZED_LAYOUTS`):
+- "scale_rows" (XLA path, TPU kernel): one row per page, `scales` = ([num_layers * pages,
+  Hkv * 2 * page_size],): each kv head's key scales, then its value scales. A token's write
+  rewrites its 4-token group's words (`PACKED_TOKENS`) and its page's whole scale row, one written
+  row after another: on TPU a scatter of single tokens' bytes or scales, or a gather of every
+  written row at once, makes XLA re-tile the whole array (every layer's) for the write and copy it
+  back for the kernel, at every layer of every step;
+- "heads_first" (GPU kernel): `scales` = (k, v) [Hkv, num_layers * pages, page_size], as
+  `jax.experimental.pallas.ops.gpu.paged_attention` reads them.
+
 Decode attention (one query per sequence) reads only the filled pages:
 - "xla": reads the first `num_pages` pages of every table (the engine passes, traced, what the
   longest live sequence needs, so a step costs what the lengths need, not what `max_new_tokens`
   allows) in chunks of `XLA_CHUNK_TOKENS`, with an online softmax across chunks, and masks past
   each length; any platform, CPU's path;
-- "tpu" / "tpu_interpret": the TPU ragged paged attention kernel, compiled or interpreted;
+- "tpu" / "tpu_interpret": the TPU ragged paged attention kernel, compiled or interpreted (8-bit
+  pages: `pallas_kernels.quantized_paged_attention`, which reads the per-token scales);
 - "gpu" / "gpu_interpret": the Pallas GPU paged attention kernel, compiled (Triton) or interpreted;
 - "auto": tpu on TPU (head_dim a multiple of 128, else xla), gpu on GPU, xla otherwise.
 """
@@ -37,12 +52,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
+from comppo_jax.models.quantize import LARGEST, quantize
 from comppo_jax.sharding import BATCH, context_platform, heads_axis, per_shard
 from pallas_kernels.common import MASK_VALUE
 
 PAGED_ATTENTION = ("auto", "xla", "tpu", "tpu_interpret", "gpu", "gpu_interpret")
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8", "float8_e4m3fn")  # "auto": the compute dtype
 LAYOUTS = {
     "xla": "heads_first",
     "tpu": "combined",
@@ -50,7 +67,9 @@ LAYOUTS = {
     "gpu": "heads_first",
     "gpu_interpret": "heads_first",
 }
-PAGE_AXIS = {"combined": 0, "heads_first": 1}  # the (layer, page) axis of each array
+QUANTIZED_LAYOUTS = {backend: "heads_first" if backend.startswith("gpu") else "scale_rows" for backend in LAYOUTS}
+PAGE_AXIS = {"combined": 0, "heads_first": 1, "scale_rows": 1}  # the (layer, page) axis of each page array
+SCALE_PAGE_AXIS = {"heads_first": 1, "scale_rows": 0}  # ... and of each scale array
 KV_BLOCK_BYTES = 4 << 20  # the TPU kernel's double-buffered key/value block in VMEM
 # Tokens per XLA-path chunk: a chunk's gathered keys and values (a few MiB at 16 rows) stay in
 # cache between the gather and the two matmuls; gathering every page at once writes a fresh
@@ -80,24 +99,46 @@ def resolve_paged_attention(backend: str, head_dim: int, platform: str | None = 
     return "gpu" if platform in ("gpu", "cuda") else "xla"
 
 
+def kv_dtype(name: str, compute_dtype: DTypeLike) -> str:
+    """The pages' dtype `rollout.kv_dtype` names ("auto": the compute dtype)."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv dtype {name!r} is not one of {KV_DTYPES}")
+    return jnp.dtype(compute_dtype).name if name == "auto" else name
+
+
+def pool_layout(backend: str, dtype: str) -> str:
+    """The pool layout `backend` reads pages of `dtype` in (module docstring)."""
+    return QUANTIZED_LAYOUTS[backend] if dtype in LARGEST else LAYOUTS[backend]
+
+
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["arrays"], meta_fields=["layout", "pages_per_layer", "page_size"]
+    jax.tree_util.register_dataclass,
+    data_fields=["arrays", "scales"],
+    meta_fields=["layout", "pages_per_layer", "page_size"],
 )
 @dataclasses.dataclass(frozen=True)
 class PagePool:
-    """The pool's arrays ((k, v), or (kv,) combined) in `layout`; the sizes are static."""
+    """The pool's arrays ((k, v), or (kv,) combined) in `layout`, and for 8-bit pages their float32
+    scales in `layout` (module docstring; empty otherwise); the sizes are static."""
 
     arrays: tuple[Array, ...]
     layout: str
     pages_per_layer: int
     page_size: int
+    scales: tuple[Array, ...] = ()
 
-    def with_arrays(self, *arrays: Array) -> PagePool:
-        return dataclasses.replace(self, arrays=arrays)
+    def with_arrays(self, *arrays: Array, scales: tuple[Array, ...] | None = None) -> PagePool:
+        return dataclasses.replace(self, arrays=arrays, scales=self.scales if scales is None else scales)
 
     @property
     def page_axis(self) -> int:
         return PAGE_AXIS[self.layout]
+
+    @property
+    def quantized(self) -> str | None:
+        """The 8-bit format of the pages, or None."""
+        name = self.arrays[0].dtype.name
+        return name if name in LARGEST else None
 
 
 def empty_pool(
@@ -109,16 +150,25 @@ def empty_pool(
     dtype: DTypeLike,
     backend: str,
 ) -> PagePool:
-    total, layout = num_layers * pages_per_layer, LAYOUTS[backend]
+    """A zeroed pool of pages in `dtype` (8-bit: with zero scales) in `backend`'s layout."""
+    total, name = num_layers * pages_per_layer, jnp.dtype(dtype).name
+    layout = pool_layout(backend, name)
     shape = {
         "heads_first": (num_kv_heads, total, page_size, head_dim),
+        "scale_rows": (num_kv_heads, total, page_size, head_dim),
         "combined": (total, page_size, 2 * num_kv_heads, head_dim),
     }[layout]
+    scales: tuple[Array, ...] = ()
+    if layout == "scale_rows":
+        scales = (jnp.zeros((total, num_kv_heads * 2 * page_size), jnp.float32),)
+    elif name in LARGEST:
+        scales = (jnp.zeros(shape[:-1], jnp.float32),) * 2
     return PagePool(
         tuple(jnp.zeros(shape, dtype) for _ in range(1 if layout == "combined" else 2)),
         layout,
         pages_per_layer,
         page_size,
+        scales,
     )
 
 
@@ -148,7 +198,8 @@ def write_tokens(
     k: Float[Array, "S Hkv hd"],
     v: Float[Array, "S Hkv hd"],
 ) -> PagePool:
-    """Writes one token per row: k, v [S, Hkv, hd] at logical `pages` [S], `offsets` [S] of `layer`."""
+    """Writes one token per row: k, v [S, Hkv, hd] at logical `pages` [S], `offsets` [S] of `layer`
+    (8-bit pages: quantized per token and kv head, with their scales)."""
     physical = layer * pool.pages_per_layer + pages
     values = _as_layout(pool.layout, fit_heads(pool, k), fit_heads(pool, v))
     if pool.layout == "combined":
@@ -156,16 +207,55 @@ def write_tokens(
     else:
         index = lambda a: a.at[:, physical, offsets]
         values = tuple(jnp.swapaxes(x, 0, 1) for x in values)  # [Hkv, S, hd]
-    return pool.with_arrays(*(index(a).set(x.astype(a.dtype)) for a, x in zip(pool.arrays, values)))
+    if pool.quantized is None:
+        return pool.with_arrays(*(index(a).set(x.astype(a.dtype)) for a, x in zip(pool.arrays, values)))
+    stored = [quantize(x, pool.quantized, axis=-1) for x in values]
+    arrays = tuple(_write_in_groups(a, physical, offsets, x) for a, (x, _) in zip(pool.arrays, stored))
+    if pool.layout == "heads_first":
+        return pool.with_arrays(*arrays, scales=tuple(index(a).set(s) for a, (_, s) in zip(pool.scales, stored)))
+    # Scale rows: each row's page row read, its token's key and value scales set, written back, one
+    # row after another (a gather of all rows at once makes XLA re-tile the whole array for it).
+    new = jnp.stack([s.T for _, s in stored], axis=-1)  # [S, Hkv, k/v]
+
+    def write_row(row: int, rows: Array) -> Array:
+        old = jax.lax.dynamic_slice_in_dim(rows, physical[row], 1, 0).reshape(new.shape[1:] + (pool.page_size,))
+        updated = jnp.where(jnp.arange(pool.page_size) == offsets[row], new[row][..., None], old)
+        return jax.lax.dynamic_update_slice_in_dim(rows, updated.reshape(1, -1), physical[row], 0)
+
+    return pool.with_arrays(*arrays, scales=(jax.lax.fori_loop(0, len(pages), write_row, pool.scales[0], unroll=True),))
+
+
+# 8-bit tokens a 32-bit word holds along a page (a TPU tile packs consecutive rows).
+PACKED_TOKENS = 4
+
+
+def _write_in_groups(
+    pages: Shaped[Array, "Hkv P page_size hd"], physical: Int[Array, " S"], offsets: Int[Array, " S"], x: Array
+) -> Shaped[Array, "Hkv P page_size hd"]:
+    """`pages` with x [Hkv, S, hd] at (physical, offsets), each token written with the rest of its
+    group of `PACKED_TOKENS` (read, the token set, written back: whole 32-bit words) where the page
+    size allows. On TPU a scatter of single tokens' bytes makes XLA re-tile the whole pool for the
+    write and copy it back for the kernel at every layer of every step."""
+    group = PACKED_TOKENS if pages.shape[2] % PACKED_TOKENS == 0 else 1
+    rows = (offsets // group * group)[:, None] + jnp.arange(group)  # [S, group]
+    heads = jnp.arange(pages.shape[0])[:, None, None]
+    at = pages.at[heads, physical[:, None], rows]
+    words = jnp.where((rows == offsets[:, None])[..., None], x[:, :, None], pages[heads, physical[:, None], rows])
+    return at.set(words)
 
 
 def write_pages(
     pool: PagePool, first_page: int, k: Float[Array, "N n page_size Hkv hd"], v: Float[Array, "N n page_size Hkv hd"]
 ) -> PagePool:
     """Writes whole pages for every layer: k, v [N, n, page_size, Hkv, hd] to logical pages
-    [first_page, first_page + n) (a static range: the prompts' pages). Token by token, with the
-    decode steps' own scatter, so the pool keeps one layout (the TPU kernel's) from the start."""
+    [first_page, first_page + n) (a static range: the prompts' pages). Float pages token by token,
+    with the decode steps' own scatter, so the pool keeps one layout (the TPU kernel's) from the
+    start; 8-bit pages (whole words and scale rows) as one slice per layer."""
     count, page_size = k.shape[1], k.shape[2]
+    if pool.quantized:
+        for layer in range(k.shape[0]):
+            pool = _write_8bit_pages(pool, layer * pool.pages_per_layer + first_page, k[layer], v[layer])
+        return pool
     pages = jnp.repeat(first_page + jnp.arange(count), page_size)
     offsets = jnp.tile(jnp.arange(page_size), count)
     tokens = lambda x: x.reshape((count * page_size,) + x.shape[2:])
@@ -174,33 +264,60 @@ def write_pages(
     return pool
 
 
+def _write_8bit_pages(
+    pool: PagePool, first: int, k: Float[Array, "n page_size Hkv hd"], v: Float[Array, "n page_size Hkv hd"]
+) -> PagePool:
+    """k, v quantized into physical pages [first, first + n) of an 8-bit pool, with their scales."""
+    heads_first = lambda x: jnp.moveaxis(fit_heads(pool, x), 2, 0)  # [Hkv, n, page_size, hd]
+    dtype = cast(str, pool.quantized)
+    (k_pages, k_scales), (v_pages, v_scales) = (quantize(heads_first(x), dtype, axis=-1) for x in (k, v))
+    put = lambda a, x, axis: jax.lax.dynamic_update_slice_in_dim(a, x, first, axis)
+    arrays = tuple(put(a, x, 1) for a, x in zip(pool.arrays, (k_pages, v_pages)))
+    if pool.layout == "heads_first":
+        return pool.with_arrays(*arrays, scales=tuple(put(a, x, 1) for a, x in zip(pool.scales, (k_scales, v_scales))))
+    rows = jnp.stack([k_scales, v_scales], axis=1)  # [Hkv, k/v, n, page_size]
+    rows = jnp.moveaxis(rows, 2, 0).reshape(k.shape[0], -1)  # [n, Hkv * 2 * page_size]
+    return pool.with_arrays(*arrays, scales=(put(pool.scales[0], rows, 0),))
+
+
 def copy_pages(pool: PagePool, source: Int[Array, " S"], destination: Int[Array, " S"]) -> PagePool:
     """Copies logical pages `source` [S] to `destination` [S] in every layer (copy-on-write), one
     page at a time in place (a gather of pages can make XLA re-lay out the whole pool)."""
     layers = pool.arrays[0].shape[pool.page_axis] // pool.pages_per_layer
     offsets = jnp.arange(layers)[:, None] * pool.pages_per_layer
     src, dst = (offsets + source[None]).reshape(-1), (offsets + destination[None]).reshape(-1)
+    arrays = pool.arrays + pool.scales
+    axes = (pool.page_axis,) * len(pool.arrays) + (SCALE_PAGE_AXIS.get(pool.layout, 0),) * len(pool.scales)
 
     def copy_one(i: Array, arrays: tuple[Array, ...]) -> tuple[Array, ...]:
-        page = lambda a: jax.lax.dynamic_slice_in_dim(a, src[i], 1, pool.page_axis)
-        return tuple(jax.lax.dynamic_update_slice_in_dim(a, page(a), dst[i], pool.page_axis) for a in arrays)
+        page = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, src[i], 1, axis)
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(a, page(a, axis), dst[i], axis) for a, axis in zip(arrays, axes)
+        )
 
-    return pool.with_arrays(*jax.lax.fori_loop(0, src.shape[0], copy_one, pool.arrays))
+    copied = jax.lax.fori_loop(0, src.shape[0], copy_one, arrays)
+    return pool.with_arrays(*copied[: len(pool.arrays)], scales=copied[len(pool.arrays) :])
 
 
 def pool_specs(pool: PagePool, num_heads: int) -> tuple[P, ...]:
     """PartitionSpecs of shard-stacked pool arrays [D, ...]: D over the batch axes, kv heads over
     `tensor` when it divides both head counts (as the query heads are split)."""
     heads = heads_axis(num_heads, num_kv_heads(pool))
-    spec = {"combined": P(BATCH, None, None, heads, None), "heads_first": P(BATCH, heads, None, None, None)}[
-        pool.layout
-    ]
+    spec = {"combined": P(BATCH, None, None, heads, None)}.get(pool.layout, P(BATCH, heads, None, None, None))
     return (spec,) * len(pool.arrays)
+
+
+def scale_specs(pool: PagePool, num_heads: int) -> tuple[P, ...]:
+    """PartitionSpecs of shard-stacked scales, split over kv heads as the pages: [D, Hkv, pages,
+    page_size], or [D, pages, Hkv * 2 * page_size] rows (each head's scales contiguous)."""
+    heads = heads_axis(num_heads, num_kv_heads(pool))
+    spec = P(BATCH, None, heads) if pool.layout == "scale_rows" else P(BATCH, heads, None, None)
+    return (spec,) * len(pool.scales)
 
 
 def num_kv_heads(pool: PagePool) -> int:
     shape = pool.arrays[0].shape
-    return {"heads_first": shape[-4], "combined": shape[-2] // 2}[pool.layout]
+    return shape[-2] // 2 if pool.layout == "combined" else shape[-4]
 
 
 def decode_attention(
@@ -225,7 +342,15 @@ def decode_attention(
     if backend == "xla":
         k_and_v = cast("tuple[Array, Array]", pool.arrays)  # the XLA path's layout: heads_first, (k, v)
         return _xla_decode_attention(
-            q, *k_and_v, physical, lengths, tables.shape[1] if num_pages is None else num_pages, scale
+            q, *k_and_v, pool.scales, physical, lengths, tables.shape[1] if num_pages is None else num_pages, scale
+        )
+    if backend in ("tpu", "tpu_interpret") and pool.quantized:
+        from pallas_kernels.quantized_paged_attention import quantized_paged_attention
+
+        (k_pages, v_pages), (scale_rows,) = pool.arrays, pool.scales
+        interpret = backend == "tpu_interpret"
+        return quantized_paged_attention(
+            q, k_pages, v_pages, scale_rows, lengths, physical, sm_scale=scale, interpret=interpret
         )
     if backend in ("tpu", "tpu_interpret"):
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
@@ -251,12 +376,15 @@ def decode_attention(
     # The kernel splits each table into k_splits partitions of whole compute blocks.
     k_splits = _largest_divisor(physical.shape[1], 16)
     k_pool, v_pool = pool.arrays
+    scales: tuple[Array | None, ...] = pool.scales or (None, None)
     return gpu_paged.paged_attention(
         q * jnp.asarray(scale, q.dtype),
         k_pool,
         v_pool,
         physical,
         lengths,
+        k_scales_pages=scales[0],
+        v_scales_pages=scales[1],
         k_splits=k_splits,
         pages_per_compute_block=_largest_divisor(physical.shape[1] // k_splits, 8),
         interpret=backend == "gpu_interpret",
@@ -283,23 +411,35 @@ def sharded_decode_attention(
     def local(
         q: Array,
         arrays: tuple[Array, ...],
+        scales: tuple[Array, ...],
         layer: int | Array,
         tables: Array,
         lengths: Array,
         num_pages: int | Array,
     ) -> Array:
-        def one(q: Array, arrays: tuple[Array, ...], tables: Array, lengths: Array) -> Array:
+        def one(q: Array, arrays: tuple[Array, ...], scales: tuple[Array, ...], tables: Array, lengths: Array) -> Array:
             return decode_attention(
-                q, pool.with_arrays(*arrays), layer, tables, lengths, backend=backend, num_pages=num_pages
+                q,
+                pool.with_arrays(*arrays, scales=scales),
+                layer,
+                tables,
+                lengths,
+                backend=backend,
+                num_pages=num_pages,
             )
 
         if backend == "xla":
-            return jax.vmap(one)(q, arrays, tables, lengths)
+            return jax.vmap(one)(q, arrays, scales, tables, lengths)
         # A Pallas kernel per local shard (usually one per device).
-        return jnp.stack([one(q[d], tuple(a[d] for a in arrays), tables[d], lengths[d]) for d in range(q.shape[0])])
+        shard = lambda arrays, d: tuple(a[d] for a in arrays)
+        return jnp.stack(
+            [one(q[d], shard(arrays, d), shard(scales, d), tables[d], lengths[d]) for d in range(q.shape[0])]
+        )
 
-    specs = (rows, pool_specs(pool, q.shape[2]), P(), P(BATCH), P(BATCH), P())
-    return per_shard(local, in_specs=specs, out_specs=rows)(q, pool.arrays, layer, tables, lengths, num_pages)
+    specs = (rows, pool_specs(pool, q.shape[2]), scale_specs(pool, q.shape[2]), P(), P(BATCH), P(BATCH), P())
+    return per_shard(local, in_specs=specs, out_specs=rows)(
+        q, pool.arrays, pool.scales, layer, tables, lengths, num_pages
+    )
 
 
 def _interpret(attend: Callable[..., Array]) -> Callable[..., Array]:
@@ -321,6 +461,7 @@ def _xla_decode_attention(
     q: Float[Array, "S Hq hd"],
     k_pool: Float[Array, "Hkv P page_size hd"],
     v_pool: Float[Array, "Hkv P page_size hd"],
+    scales: tuple[Array, ...],
     physical: Int[Array, "S W"],
     lengths: Int[Array, " S"],
     num_pages: int | Int[Array, ""],
@@ -328,7 +469,8 @@ def _xla_decode_attention(
 ) -> Float[Array, "S Hq hd"]:
     """Heads-first pages, `chunk` at a time: each chunk gathers to [Hkv, S, chunk * page_size, hd],
     so each (kv head, row) is one batch entry of both matmuls and nothing is transposed; an online
-    softmax (running peak, total and output) combines the ceil(num_pages / chunk) chunks."""
+    softmax (running peak, total and output) combines the ceil(num_pages / chunk) chunks. 8-bit
+    pages: their scale rows [P, Hkv * 2 * page_size] multiply the logits and the probabilities."""
     rows, num_heads, head_dim = q.shape
     num_kv, page_size = k_pool.shape[0], k_pool.shape[2]
     groups = num_heads // num_kv
@@ -341,14 +483,23 @@ def _xla_decode_attention(
     def attend_chunk(i: int | Array) -> tuple[Array, Array, Array]:
         """(peak [Hkv, S, G], total, unnormalized output [Hkv, S, G, hd]) of chunk i alone."""
         pages = jax.lax.dynamic_slice_in_dim(physical, i * chunk, chunk, axis=1)
-        k, v = (pool[:, pages].reshape(num_kv, rows, span, head_dim) for pool in (k_pool, v_pool))
+        k, v = (pool[:, pages].reshape(num_kv, rows, span, head_dim).astype(q.dtype) for pool in (k_pool, v_pool))
         logits = jnp.einsum("hstd,hsgd->hstg", k, query, preferred_element_type=jnp.float32) * scale
+        if scales:  # [Hkv, S, span, 1]: the key's scale on its logits
+            per_page = scales[0][pages].reshape(rows, chunk, num_kv, 2, page_size)
+            k_scale, v_scale = (
+                jnp.moveaxis(per_page[:, :, :, part], 2, 0).reshape(num_kv, rows, span, 1) for part in (0, 1)
+            )
+            logits = logits * k_scale
         visible = i * span + jnp.arange(span)[None] < lengths[:, None]  # [S, span]
         logits = jnp.where(visible[None, :, :, None], logits, MASK_VALUE)
         peak = logits.max(axis=2)
         weights = jnp.exp(logits - peak[:, :, None])
+        total = weights.sum(axis=2)
+        if scales:  # the value's scale on its probability
+            weights = weights * v_scale
         out = jnp.einsum("hstg,hstd->hsgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return peak, weights.sum(axis=2), out
+        return peak, total, out
 
     def add_chunk(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         # A chunk past a row's length has peak MASK_VALUE, so its weight below is 0.

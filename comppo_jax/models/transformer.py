@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jax.typing import DTypeLike
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
 import pallas_kernels
 from comppo_jax import sharding
 from comppo_jax.models.attention import training_attention
 from comppo_jax.models.config import ModelConfig
+from comppo_jax.models.quantize import SCALE
 
 # config.remat -> what a rematerialized layer keeps for the backward pass (None: no remat).
 REMAT_POLICIES = {
@@ -139,8 +141,20 @@ def apply_rope(
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _project(x: Float[Array, "B L D"], weight: Float[Array, "D E"]) -> Float[Array, "B L E"]:
-    return jnp.einsum("bld,de->ble", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+def _project(
+    x: Float[Array, "B L D"], weight: Shaped[Array, "D E"], scale: Float[Array, " E"] | None = None
+) -> Float[Array, "B L E"]:
+    """x @ W with float32 accumulation; an 8-bit W (comppo_jax.models.quantize) times its
+    per-output-channel `scale` on the accumulator."""
+    y = jnp.einsum("bld,de->ble", x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y if scale is None else y * scale).astype(x.dtype)
+
+
+def embed_tokens(params: dict, tokens: Int[Array, "*B"], dtype: DTypeLike) -> Float[Array, "*B D"]:
+    """The embedding rows of `tokens` in `dtype` (an 8-bit table's rows times their scales)."""
+    rows = params["embed"][tokens]
+    scale = params.get("embed" + SCALE)
+    return (rows if scale is None else rows.astype(jnp.float32) * scale[tokens][..., None]).astype(dtype)
 
 
 # A LoRA adapter of layer weight W sits beside it as W + LORA_A [in, r] and W + LORA_B [r, out]
@@ -164,7 +178,7 @@ def _adapted(
 
 
 def _linear(x: Float[Array, "B L D"], layer: dict[str, Array], name: str, config: ModelConfig) -> Float[Array, "B L E"]:
-    return _adapted(_project(x, layer[name]), x, layer, name, config)
+    return _adapted(_project(x, layer[name], layer.get(name + SCALE)), x, layer, name, config)
 
 
 def _qkv(
@@ -178,7 +192,9 @@ def _qkv(
     hd = config.head_dim
     if "qkv_proj" in layer:  # one matmul (`fuse_projections`)
         fused = jnp.split(
-            _project(x, layer["qkv_proj"]), np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]), axis=-1
+            _project(x, layer["qkv_proj"], layer.get("qkv_proj" + SCALE)),
+            np.cumsum([config.num_heads * hd, config.num_kv_heads * hd]),
+            axis=-1,
         )
         q, k, v = (_adapted(y, x, layer, name, config) for y, name in zip(fused, ("q_proj", "k_proj", "v_proj")))
     else:
@@ -196,7 +212,10 @@ def _mlp(layer: dict[str, Array], x: Float[Array, "B L D"], config: ModelConfig)
     if "gate_up_proj" in layer:  # one matmul (`fuse_projections`)
         gate, up = (
             _adapted(y, x, layer, name, config)
-            for y, name in zip(jnp.split(_project(x, layer["gate_up_proj"]), 2, axis=-1), ("gate_proj", "up_proj"))
+            for y, name in zip(
+                jnp.split(_project(x, layer["gate_up_proj"], layer.get("gate_up_proj" + SCALE)), 2, axis=-1),
+                ("gate_proj", "up_proj"),
+            )
         )
     else:
         gate, up = _linear(x, layer, "gate_proj", config), _linear(x, layer, "up_proj", config)
@@ -228,10 +247,14 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj":
 
 def fuse_projections(layers: dict) -> dict:
     """`layers` (stacked [N, D, E] or one layer's [D, E]) with q/k/v joined into `qkv_proj` and
-    gate/up into `gate_up_proj` along the output axis: one matmul each instead of three and two."""
-    parts = {name for names in FUSED_PROJECTIONS.values() for name in names}
+    gate/up into `gate_up_proj` along the output axis: one matmul each instead of three and two
+    (8-bit weights' per-output-channel scales joined the same way)."""
+    suffixes = ("", SCALE) if "q_proj" + SCALE in layers else ("",)
+    parts = {name + suffix for names in FUSED_PROJECTIONS.values() for name in names for suffix in suffixes}
     fused = {
-        fused: jnp.concatenate([layers[name] for name in names], axis=-1) for fused, names in FUSED_PROJECTIONS.items()
+        fused + suffix: jnp.concatenate([layers[name + suffix] for name in names], axis=-1)
+        for fused, names in FUSED_PROJECTIONS.items()
+        for suffix in suffixes
     }
     return {name: w for name, w in layers.items() if name not in parts} | fused
 
@@ -260,9 +283,15 @@ def scan_layers(
 
 
 def lm_logits(params: dict, config: ModelConfig, final_hidden: Float[Array, "B L D"]) -> Float[Array, "B L V"]:
-    """float32 logits [B, L, V] from the final-norm hidden states (tied or separate head)."""
+    """float32 logits [B, L, V] from the final-norm hidden states (tied or separate head; an 8-bit
+    head times its per-vocabulary-row scales)."""
+    name = "embed" if config.tie_word_embeddings else "lm_head"
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("bld,dv->blv", final_hidden, head.astype(final_hidden.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+        "bld,dv->blv", final_hidden, head.astype(final_hidden.dtype), preferred_element_type=jnp.float32
+    )
+    scale = params.get(name + SCALE)
+    return logits if scale is None else logits * scale
 
 
 def _hidden_slots(config: ModelConfig, hidden_layers: tuple[int, ...]) -> np.ndarray:
@@ -361,7 +390,7 @@ def forward(
     inv_freq = jnp.asarray(rope_inv_freq(config))
     if positions is None:  # Positions count real tokens, so left-padded rows get the same positions as unpadded ones.
         positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
-    embedded = params["embed"].astype(dtype)[tokens]
+    embedded = embed_tokens(params, tokens, dtype)
 
     def concentrated(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Any]]:
         # Per batch shard with all heads: H_t is a statistic of the head-averaged attention.

@@ -2,7 +2,8 @@
 picks by it (comppo_jax.train.decode_layout builds the layouts; `decode_candidates` is all it reads).
 
 `decode_floor`: a decode step must read its share of the weights and of the live KV cache (rows
-of mean context, prompt + half the response) from HBM, and a tensor-parallel group of G > 1
+of mean context, prompt + half the response) from HBM, in the dtypes the rollout stores them in
+(rollout.weight_dtype, rollout.kv_dtype), and a tensor-parallel group of G > 1
 chips pays the latency of its per-layer collectives (two all-reduces per layer). `auto` takes the
 G with the smallest floor among those whose decode weights and page pool fit beside the state
 already in HBM. `launch/plan.py` sets the floor beside the compiled sampler's own prediction.
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from comppo_jax import sharding
+from comppo_jax.models import paged_cache, quantize
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import param_shapes
 from comppo_jax.planning import hlo_cost
@@ -37,20 +39,37 @@ def pool_heads_per_chip(config: ModelConfig, tensor: int) -> int:
     return heads // tensor if heads % tensor == 0 and config.num_heads % tensor == 0 else heads
 
 
-def weight_bytes_per_chip(config: ModelConfig, tensor: int) -> tuple[int, int]:
-    """(bytes of the compute-dtype weights one chip of a group of `tensor` holds, of those a
-    decode step reads: all but an untied embedding table, of which it reads a row per token)."""
+def weight_bytes_per_chip(config: ModelConfig, tensor: int, weight_dtype: str = "auto") -> tuple[int, int]:
+    """(bytes of the sampler's weights (`rollout.weight_dtype`; "auto": the compute dtype) one chip
+    of a group of `tensor` holds, of those a decode step reads: all but an untied embedding table,
+    of which it reads a row per token). 8-bit matrices count a byte per weight and their float32
+    per-output-channel scales."""
     mesh = jax.sharding.AbstractMesh((1, 1, tensor), sharding.AXES)
-    itemsize = jnp.dtype(config.dtype).itemsize
+    compute = jnp.dtype(config.dtype).itemsize
     held = read = 0
     for path, shape in jax.tree_util.tree_flatten_with_path(
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
     )[0]:
-        size = math.prod(NamedSharding(mesh, sharding.leaf_spec(mesh, path, shape)).shard_shape(shape)) * itemsize
+        name = path[-1].key
+        local = NamedSharding(mesh, sharding.leaf_spec(mesh, path, shape)).shard_shape(shape)
+        if weight_dtype == "int8" and name in quantize.OUTPUT_AXIS:
+            channels = local[quantize.OUTPUT_AXIS[name]]
+            size = math.prod(local) + 4 * channels * (local[0] if len(local) == 3 else 1)
+        else:
+            itemsize = compute if weight_dtype in ("auto", "int8") else jnp.dtype(weight_dtype).itemsize
+            size = math.prod(local) * itemsize
         held += size
-        untied_embedding = path[-1].key == "embed" and not config.tie_word_embeddings
+        untied_embedding = name == "embed" and not config.tie_word_embeddings
         read += 0 if untied_embedding else size
     return held, read
+
+
+def kv_bytes_per_position(config: ModelConfig, tensor: int, kv_dtype: str = "auto") -> int:
+    """Bytes of one context position's keys and values, all layers, on one chip of a group of
+    `tensor` (`rollout.kv_dtype`: 8-bit pages with a float32 scale per token and kv head)."""
+    name = paged_cache.kv_dtype(kv_dtype, config.dtype)
+    per_head = config.head_dim * jnp.dtype(name).itemsize + (4 if name in quantize.LARGEST else 0)
+    return config.num_layers * 2 * pool_heads_per_chip(config, tensor) * per_head
 
 
 class DecodeFloor(NamedTuple):
@@ -82,8 +101,11 @@ def decode_floor(
     max_new_tokens: int,
     page_size: int,
     decode_slots: int | None,
+    kv_dtype: str = "auto",
+    weight_dtype: str = "auto",
 ) -> DecodeFloor:
-    """`DecodeFloor` of G = `tensor` on `devices` chips for one rollout of `num_prompts` x `samples` rows."""
+    """`DecodeFloor` of G = `tensor` on `devices` chips for one rollout of `num_prompts` x `samples`
+    rows, its pages and weights in `kv_dtype` and `weight_dtype` (rollout.kv_dtype, .weight_dtype)."""
     replicas = devices // tensor
     layout = engine.make_layout(
         num_prompts,
@@ -94,16 +116,16 @@ def decode_floor(
         decode_slots=decode_slots,
         shards=replicas,
     )
-    itemsize = jnp.dtype(config.dtype).itemsize
-    held, read = weight_bytes_per_chip(config, tensor)
-    kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
+    held, read = weight_bytes_per_chip(config, tensor, weight_dtype)
+    kv_per_position = kv_bytes_per_position(config, tensor, kv_dtype)
     kv = layout.slots * (prompt_length + max_new_tokens / 2) * kv_per_position
     pool = layout.pages_per_layer * page_size * kv_per_position
     # Two all-reduces per layer (the row-parallel attention output and MLP), the embedding lookup's, the logits' gather.
     hops = (2 * config.num_layers + 1) * hlo_cost.ring_steps("all-reduce", tensor) + hlo_cost.ring_steps(
         "all-gather", tensor
     )
-    flops = 2 * layout.slots * held / itemsize  # each live row passes through this chip's weights once
+    # Each live row passes through this chip's weights once (8-bit weights are multiplied in the compute dtype).
+    flops = 2 * layout.slots * weight_bytes_per_chip(config, tensor)[0] / jnp.dtype(config.dtype).itemsize
     step = max(flops / peak_flops(chip, config.dtype), (read + kv) / chip.hbm_bytes) + hops * chip.hop_latency
     return DecodeFloor(
         tensor, replicas, float(read), float(kv), float(hops), step, layout.decode_steps, float(held + pool)

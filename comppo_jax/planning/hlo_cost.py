@@ -386,36 +386,75 @@ def _attention_flops(
 
 
 def _paged_kv_bytes(instruction: _Instruction, shapes: dict, context: float, rows: int | None = None) -> float:
-    """Bytes a decode attention call reads: the keys and values of `context` positions per live row."""
-    pools = [shapes[o] for o in instruction.operands if o in shapes and len(shapes[o][1]) >= 4]
-    if not pools:
+    """Bytes a decode attention call reads: the keys and values of `context` positions per live row,
+    with their scales where the pages are 8-bit. Its pools are either one combined array [pages,
+    page, 2 Hkv, hd] (the ragged kernel) or heads-first keys and values [Hkv, pages, page, hd], with
+    8-bit pages' scales per head [Hkv, pages, page] or per page [pages, Hkv * 2 * page]."""
+    operands = [shapes[o] for o in instruction.operands if o in shapes]
+    arrays = [dims for _, dims in operands if len(dims) == 4]
+    if not arrays:
         return 0.0
-    dtype, pool = max(pools, key=lambda s: math.prod(s[1]))
-    kv_heads_x_dim = pool[-2] * pool[-1]  # [.., page, kv heads (x2 with values), head dim]
-    return _live_rows(instruction, rows) * context * kv_heads_x_dim * _BYTES[dtype]
+    pool = max(arrays, key=math.prod)  # the largest (a query may be 4-d too)
+    pools = [(dtype, dims) for dtype, dims in operands if dims == pool]
+    combined = len(pools) == 1
+    pages, page_size = pool[:2] if combined else pool[1:3]
+    scales = [
+        (dtype, dims)
+        for dtype, dims in operands
+        if not combined and (dims == pool[:-1] or (len(dims) == 2 and dims[0] == pages and dims[1] % page_size == 0))
+    ]
+    per_position = sum(math.prod(dims) * _BYTES[dtype] for dtype, dims in pools + scales) / (pages * page_size)
+    return _live_rows(instruction, rows) * context * per_position
 
 
 def _sliced_reads(computations: dict, computation: str, index: int) -> float | None:
     """The bytes a fused computation reads of its parameter `index` when every use of it takes a
-    slice, directly or inside nested fusions (a scanned layer's weights sliced from the stacked
-    [N, ...] array within the fusion of its matmul); None when some use reads it whole."""
+    slice, directly, inside nested fusions (a scanned layer's weights sliced from the stacked
+    [N, ...] array within the fusion of its matmul) or after a relayout of the whole operand (int8
+    weights re-tiled for the MXU, then sliced); None when some use reads it whole."""
     fused = computations.get(computation, [])
     name = next((i.name for i in fused if i.opcode == "parameter" and i.arguments == str(index)), None)
-    users = [i for i in fused if name is not None and name in i.operands]
-    if not users:
+    return None if name is None else _value_sliced_reads(computations, computation, name)
+
+
+# Same elements in another layout or dtype: a fusion reads their operand as it reads them.
+_RELAYOUTS = ("copy", "bitcast", "convert")
+
+
+def _value_sliced_reads(computations: dict, computation: str, name: str) -> float | None:
+    """`_sliced_reads` of the value `name` of `computation`."""
+    fused = computations.get(computation, [])
+    value = next((i for i in fused if i.name == name), None)
+    users = [i for i in fused if name in i.operands]
+    if value is None or not users:
         return None
+
+    def through(user: _Instruction) -> float | None:
+        """The reads of `value` through `user`, a relayout of all of it: as `user` is read."""
+        if _arrays(user.type)[:1] and _arrays(user.type)[0][1] != _arrays(value.type)[0][1]:
+            return None
+        read = _value_sliced_reads(computations, computation, user.name)
+        return None if read is None else read * _bytes(value.type) / max(_bytes(user.type), 1.0)
+
     total = 0.0
     for user in users:
         if user.opcode in _SLICES and user.operands[0] == name and name not in user.operands[1:]:
             total += _bytes(user.type)
+            continue
+        if user.opcode in _RELAYOUTS:
+            read = through(user)
         elif user.opcode == "fusion":
-            for position in (k for k, operand in enumerate(user.operands) if operand == name):
-                read = _sliced_reads(computations, _called(user.attributes, "calls")[0], position)
-                if read is None:
-                    return None
-                total += read
+            called = _called(user.attributes, "calls")[0]
+            positions = [k for k, operand in enumerate(user.operands) if operand == name]
+            reads = [_sliced_reads(computations, called, k) for k in positions]
+            root = next((i for i in computations.get(called, []) if i.is_root), None)
+            relayout = root is not None and root.opcode in _RELAYOUTS and len(positions) == 1 == len(user.operands)
+            read = through(user) if None in reads and relayout else (None if None in reads else sum(reads))
         else:
+            read = None
+        if read is None:
             return None
+        total += read
     return total
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.packing import worth_packing
 from comppo_jax.planning import chips, hlo_cost
-from comppo_jax.planning.decode_floor import decode_group_sizes, pool_heads_per_chip, weight_bytes_per_chip
+from comppo_jax.planning.decode_floor import decode_group_sizes, kv_bytes_per_position, weight_bytes_per_chip
 from pallas_kernels.common import round_up, segment_starts
 from pallas_kernels.packed_attention import block_bounds, visited_block_pairs
 
@@ -65,7 +65,7 @@ def rollout_seconds(
     for tensor in decode_group_sizes(config, devices):
         replicas = devices // tensor
         _, read = weight_bytes_per_chip(config, tensor)
-        kv_per_position = config.num_layers * 2 * pool_heads_per_chip(config, tensor) * config.head_dim * itemsize
+        kv_per_position = kv_bytes_per_position(config, tensor)
         hops = (2 * config.num_layers + 1) * hlo_cost.ring_steps("all-reduce", tensor) + hlo_cost.ring_steps(
             "all-gather", tensor
         )

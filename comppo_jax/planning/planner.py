@@ -142,6 +142,7 @@ class Plan(NamedTuple):
     # tokens, the real tokens' FLOPs split over the batch shards whole sequences at a time / computed FLOPs:
     # `LearnerBatch.balanced_real_flops`) of the long-tailed lengths a 16K run has, as train.packing lays them
     learner_rows: dict = {}
+    engine_layout: engine.Layout | None = None  # the rollout engine's static sizes (its slots, pages per slot)
 
 
 # The TPU compiler's out-of-memory reports, as (pattern, one-line summary of its groups).
@@ -226,6 +227,7 @@ class TrainStepPrograms(NamedTuple):
     model_flops: float  # one train step's, all chips (`model_flops`)
     host_bytes: int  # per chip, the most parked in host memory at once (train.offload_idle)
     transfer_bytes: int  # per chip and step, between host and device memory (train.offload_idle)
+    kv_dtype: str = "auto"  # the page pool's (rollout.kv_dtype)
 
 
 # train.offload_idle: the state each program leaves in host memory. The moments wait there outside
@@ -426,10 +428,14 @@ def train_step_programs(
     else:
         beside_policy = ("actor",) if jnp.dtype(cfg.train.master_dtype) != jnp.dtype(config.dtype) else ()
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(decode.mesh, P()))
-    weights = jax.eval_shape(
-        functools.partial(decode_layout.decode_weights, config=config), state["actor"]
-    )  # a LoRA actor's merged
-    if decode.resharded:  # the training-layout compute copy is made after sampling, for the scoring pass
+    weights = jax.eval_shape(  # a LoRA actor's merged, in rollout.weight_dtype
+        functools.partial(
+            decode_layout.decode_weights, config=config, weight_dtype=spec.rollout.experience.rollout.weight_dtype
+        ),
+        state["actor"],
+    )
+    # The training-layout compute copy is made after sampling, for the scoring pass.
+    if decode.resharded or decode.compute_reshard is not None:
         state["sampler"] = _with_shardings(weights, sharding.tree_shardings(decode.mesh, weights))
         bytes_of["sampler"] = tree_bytes_per_chip(state["sampler"])
         sampling = (sample, (state["sampler"], prompts, prompts.update(dtype=jnp.bool_), rng), beside_sampler)
@@ -551,6 +557,7 @@ def train_step_programs(
         flops,
         host,
         moved,
+        spec.rollout.experience.rollout.kv_dtype,
     )
 
 
@@ -577,7 +584,7 @@ def _pool_bytes(step: TrainStepPrograms) -> int:
         heads_split = (
             decode_mesh.shape["tensor"] if sharding.heads_axis(config.num_heads, engine.pool_kv_heads(config)) else 1
         )
-        return engine.pool_bytes(config, step.layout) // heads_split
+        return engine.pool_bytes(config, step.layout, step.kv_dtype) // heads_split
 
 
 def _programs_for(cfg, topology: str, *, prompt_length: int):
@@ -625,6 +632,7 @@ def plan(cfg, topology: str, *, prompt_length: int, steps=STEPS, log=print) -> P
             )
             for name, batch in step.batches.items()
         },
+        layout,
     )
 
 
@@ -925,6 +933,15 @@ def format_plan(result: Plan) -> str:
     return "\n".join(lines + [format_summary(result)])
 
 
+def rows_in_flight(result: Plan) -> int | None:
+    """The engine's capacity on the plan's chips: the decode slots per replica whose pages fit in
+    HBM beside what the compiled sampler holds besides its page pool (None: it did not compile)."""
+    sampler = next((s for s in result.steps if s.step == "sample" and s.peak is not None), None)
+    if sampler is None or result.engine_layout is None or sampler.peak is None:
+        return None
+    return engine.rows_in_flight(result.engine_layout, result.page_pool, result.hbm - (sampler.peak - result.page_pool))
+
+
 def format_decode(result: Plan) -> list[str]:
     """The decode layout, its floor and every group size auto compared (comppo_jax.train.decode_layout)."""
     decode = result.decode
@@ -950,6 +967,12 @@ def format_decode(result: Plan) -> list[str]:
                 f"{'/'.join(str(g) for g in sorted({c.group for c in found}))})"
                 for kind, found in sorted(kinds.items())
             )
+        )
+    capacity = rows_in_flight(result)
+    if capacity is not None:
+        lines.append(
+            f"  rows in flight per replica that fit in HBM: {capacity} (the engine's capacity; "
+            f"{result.engine_layout.slots} decode slots now, pages of {result.page_pool / GIB:.3g} GiB per chip)"
         )
     if decode.candidates:
         lines.append(

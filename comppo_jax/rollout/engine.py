@@ -36,6 +36,7 @@ from comppo_jax.models.attention import training_attention
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import (
     _decoder_layer,
+    embed_tokens,
     fuse_projections,
     layers_unrolled,
     lm_logits,
@@ -131,10 +132,27 @@ def pool_kv_heads(config: ModelConfig) -> int:
     return config.num_kv_heads * sharding.kv_head_repeat(config.num_heads, config.num_kv_heads)
 
 
-def pool_bytes(config: ModelConfig, layout: Layout) -> int:
-    """Bytes of one shard's page pool (all layers, keys and values) under the context mesh."""
-    per_page = layout.page_size * 2 * pool_kv_heads(config) * config.head_dim * jnp.dtype(config.dtype).itemsize
-    return config.num_layers * layout.pages_per_layer * per_page
+def pool_bytes(config: ModelConfig, layout: Layout, kv_dtype: str = "auto") -> int:
+    """Bytes of one shard's page pool (all layers, keys and values; 8-bit pages with their float32
+    scales) under the context mesh."""
+    return config.num_layers * layout.pages_per_layer * layout.page_size * token_bytes(config, kv_dtype)
+
+
+def token_bytes(config: ModelConfig, kv_dtype: str = "auto") -> int:
+    """Bytes one token's keys and values take in one layer of the page pool (`rollout.kv_dtype`)."""
+    name = paged_cache.kv_dtype(kv_dtype, config.dtype)
+    scales = 4 if name in paged_cache.LARGEST else 0
+    return 2 * pool_kv_heads(config) * (config.head_dim * jnp.dtype(name).itemsize + scales)
+
+
+def rows_in_flight(layout: Layout, pool_bytes: float, budget: float) -> int:
+    """The engine's capacity: the decode slots per shard whose pages fit in `budget` bytes, for a
+    pool of `pool_bytes` in `layout` (the prompts' pages fixed, `private_pages` more per slot);
+    more than the shard's rows where memory is not what bounds them. 8-bit pages
+    (`rollout.kv_dtype`) nearly halve a page, so about twice the rows fit."""
+    page = pool_bytes / layout.pages_per_layer
+    fixed = 1 + layout.prompts * layout.prompt_pages
+    return int(max(0, (budget / page - fixed) // layout.private_pages))
 
 
 class _State(NamedTuple):
@@ -210,7 +228,7 @@ def prefill_prompts(
         attention = lambda q, k, v: (training_attention(q, k, v, mask, implementation=config.attention), (k, v))
         return _decoder_layer(scanned[0], x, positions, config, inv_freq, attention)
 
-    x, (keys, values) = scan_layers(layer_step, params["embed"].astype(dtype)[tokens], params["layers"])
+    x, (keys, values) = scan_layers(layer_step, embed_tokens(params, tokens, dtype), params["layers"])
     padded = layout.prompt_pages * layout.page_size
 
     def as_pages(a: Array) -> Array:  # [N, D * B, P, Hkv, hd] -> [D, N, B * prompt_pages, page_size, Hkv, hd]
@@ -422,7 +440,7 @@ def decode_layers(
 
         return _decoder_layer(layer, x, length.reshape(-1, 1), config, inv_freq, attention), None
 
-    x = params["embed"].astype(dtype)[tokens.reshape(-1)][:, None]
+    x = embed_tokens(params, tokens.reshape(-1), dtype)[:, None]
     if isinstance(layers, tuple):
         for index, layer in enumerate(layers):
             (x, pool), _ = layer_step((x, pool), (layer, index))
@@ -448,9 +466,11 @@ def run_engine(
     eos: Int[Array, " E"],
     pad: int,
     backend: str,
+    kv_dtype: str = "auto",
 ) -> tuple[Int[Array, "B P"], Int[Array, " B"], Int[Array, "R T"], Float[Array, "R T"], Int[Array, " R"]]:
     """Generates every row. Returns (right-padded prompts [B, P], their lengths [B], response [R, T],
-    log-probs [R, T], response lengths [R]). Traced inside `generate`'s jit."""
+    log-probs [R, T], response lengths [R]). `kv_dtype`: the pages' (`paged_cache.KV_DTYPES`).
+    Traced inside `generate`'s jit."""
     num_prompts, prompt_width = prompt_tokens.shape
     layout = make_layout(
         num_prompts,
@@ -473,7 +493,7 @@ def run_engine(
             page_size,
             pool_kv_heads(config),
             config.head_dim,
-            jnp.dtype(config.dtype),
+            paged_cache.kv_dtype(kv_dtype, config.dtype),
             backend,
         )
         return _initial_state(paged_cache.write_pages(pool, 1, keys, values), layout, prompt_logits.shape[-1], pad)
@@ -481,7 +501,8 @@ def run_engine(
     state = jax.vmap(shard_init)(keys, values)
     place_pool = lambda state: state._replace(
         pool=state.pool.with_arrays(
-            *sharding.constrain(state.pool.arrays, paged_cache.pool_specs(state.pool, config.num_heads))
+            *sharding.constrain(state.pool.arrays, paged_cache.pool_specs(state.pool, config.num_heads)),
+            scales=sharding.constrain(state.pool.scales, paged_cache.scale_specs(state.pool, config.num_heads)),
         )
     )
     state = place_pool(state)

@@ -80,6 +80,8 @@ class RolloutSpec:
     page_size: int
     decode_slots: int | None  # None: one slot per row
     paged_attention: str
+    kv_dtype: str = "auto"
+    weight_dtype: str = "auto"
     dynamic_sampling: bool = False
     dynamic_sampling_filter: str = "accuracy"
     max_refills: int = 3
@@ -94,6 +96,7 @@ class RolloutSpec:
             page_size=self.page_size,
             decode_slots=self.decode_slots,
             paged_attention=self.paged_attention,
+            kv_dtype=self.kv_dtype,
         )
 
 

@@ -42,6 +42,7 @@ def engine_options(rollout: Mapping[str, Any]) -> dict[str, Any]:
         page_size=rollout.get("page_size", DEFAULT_PAGE_SIZE),
         decode_slots=rollout.get("decode_slots", 0) or None,
         paged_attention=rollout.get("paged_attention", "auto"),
+        kv_dtype=rollout.get("kv_dtype", "auto"),
     )
 
 
@@ -101,6 +102,7 @@ def assemble(
         "page_size",
         "decode_slots",
         "paged_attention",
+        "kv_dtype",
     ),
 )
 def generate(
@@ -119,6 +121,7 @@ def generate(
     page_size: int = DEFAULT_PAGE_SIZE,
     decode_slots: int | None = None,
     paged_attention: str = "auto",
+    kv_dtype: str = "auto",
 ) -> Generation:
     """Samples `num_samples` responses per prompt.
 
@@ -129,7 +132,10 @@ def generate(
     scoring pass at the same temperature recomputes (greedy decoding reports temperature-1
     log-probs). Row r's tokens depend only on rng and r: `decode_slots` (rows decoded at once,
     default all), `page_size` and `paged_attention` (see `comppo_jax.models.paged_cache`) change
-    speed and memory, not results.
+    speed and memory, not results. `kv_dtype` stores the KV cache's pages in another dtype ("auto":
+    the compute dtype; int8 / float8_e4m3fn: 8-bit with a scale per token and kv head), and
+    `params` may be the sampler's 8-bit weights (`comppo_jax.models.quantize.sampler_weights`):
+    both change the log-probs a little (the learner's scoring pass measures by how much).
     """
     eos, pad = check_and_default(config, prompt_tokens, prompt_mask, eos_token_ids, pad_token_id)
     if max_new_tokens < 1:
@@ -149,6 +155,7 @@ def generate(
         eos=eos,
         pad=pad,
         backend=resolve_paged_attention(paged_attention, config.head_dim),
+        kv_dtype=kv_dtype,
     )
 
     response_mask = jnp.arange(max_new_tokens)[None] < response_length[:, None]

@@ -7,8 +7,8 @@ Each weight is split G ways within a group of G chips (Megatron tensor paralleli
 all-reduces of one token's activations per layer) and the group is replicated over the rest; the
 rows split over the replicas, and each replica's KV page pool over kv heads within its group.
 Once per train step one program (`DecodeLayout.sampler_params`) casts the actor to the compute
-dtype and moves it into that layout; the generation moves back to the training mesh
-(`DecodeLayout.to_training`). Nothing is gathered per token.
+dtype (or quantizes it to 8 bits, rollout.weight_dtype=int8) and moves it into that layout; the
+generation moves back to the training mesh (`DecodeLayout.to_training`). Nothing is gathered per token.
 
 `rollout.mesh.tensor` picks G: a number, "train" (decode on the training mesh, no resharding) or
 "auto", the G whose decode floor is smallest on the chip among those whose decode weights and
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -31,9 +32,9 @@ from jax.sharding import PartitionSpec as P
 from comppo_jax import sharding
 from comppo_jax.models import ConfigError, lora, model_config
 from comppo_jax.models.config import ModelConfig
+from comppo_jax.models.quantize import sampler_weights
 from comppo_jax.planning.decode_floor import decode_candidates
 from comppo_jax.train.specs import RolloutStageSpec
-from comppo_jax.train.update import cast_params
 
 MODES = ("auto", "train")
 # The prompt length `auto` assumes when it chooses (the responses dominate the cache at 4-16K).
@@ -87,6 +88,8 @@ def rollout_shapes(spec: RolloutStageSpec, prompt_length: int = PLANNED_PROMPT_L
         max_new_tokens=rollout.max_new_tokens,
         page_size=rollout.page_size,
         decode_slots=rollout.decode_slots,
+        kv_dtype=rollout.kv_dtype,
+        weight_dtype=rollout.weight_dtype,
     )
 
 
@@ -96,10 +99,19 @@ class DecodeLayout(NamedTuple):
     mesh: Mesh  # the sampler's mesh (the training mesh itself when `resharded` is False)
     tensor: int  # G, the tensor-parallel group
     resharded: bool  # False: the sampler reads the training layout (rollout.mesh.tensor=train, or the same layout)
-    reshard: Callable  # actor -> the sampler's params, cast to the compute dtype, in the decode layout
+    reshard: Callable  # actor -> the sampler's params in rollout.weight_dtype, in the decode layout
     floor: Any  # G's comppo_jax.planning DecodeFloor on the run's chip (None: no published peaks)
     candidates: tuple = ()  # every G's floor, as auto compared them
     separate: bool = False  # the decode mesh is the rollout stage's own devices (mesh.rollout_devices)
+    # actor -> its compute-dtype copy in the decode layout, where the sampler's weights are in
+    # another dtype (rollout.weight_dtype); None: `reshard` makes that copy
+    compute_reshard: Callable | None = None
+
+    @property
+    def evaluation_weights(self) -> Callable:
+        """actor -> the weights evaluations decode with: the compute-dtype copy, whatever the
+        sampler's dtype (accuracy is the policy's, not its 8-bit sampler's)."""
+        return self.compute_reshard or self.reshard
 
     def replicated(self, tree):
         """Small inputs (the sampling key) on every device of the decode mesh."""
@@ -116,10 +128,11 @@ class DecodeLayout(NamedTuple):
         return sharding.move(tree, jax.tree.map(lambda _: rows, tree)) if self.separate else jax.device_put(tree, rows)
 
 
-def decode_weights(actor, config: ModelConfig):
-    """The weights the sampler decodes with: the actor in the compute dtype, LoRA adapters merged
-    into their base weights (one matmul per projection and token instead of three)."""
-    return cast_params(lora.merged(actor, config), config.dtype)
+def decode_weights(actor, config: ModelConfig, weight_dtype: str = "auto"):
+    """The weights the sampler decodes with: the actor in `weight_dtype` (rollout.weight_dtype;
+    "auto": the compute dtype, "int8": quantized per output channel, `quantize.sampler_weights`),
+    LoRA adapters merged into their base weights (one matmul per projection and token instead of three)."""
+    return sampler_weights(lora.merged(actor, config), weight_dtype, config.dtype)
 
 
 def _chosen_group(value, mesh: Mesh, config: ModelConfig, devices: int, *, target, rollout: dict, fallback: int):
@@ -158,17 +171,27 @@ def make_decode_layout(
     choice, tensor, floor, candidates = _chosen_group(
         value, mesh, config, devices, target=target, rollout=rollout, fallback=mesh.shape["tensor"]
     )
-    same = dict(mesh.shape) == {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
-    weights = functools.partial(decode_weights, config=config)
-    if (
-        choice == "train" or same
-    ):  # a LoRA actor's merge is one program; a cast to the same dtype returns the arrays themselves
-        return DecodeLayout(
-            mesh, tensor, False, jax.jit(weights) if lora.has_adapters(actor) else weights, floor, candidates
-        )
-    decode = sharding.decode_mesh(mesh, tensor)
-    reshard = jax.jit(weights, out_shardings=sharding.tree_shardings(decode, jax.eval_shape(weights, actor)))
-    return DecodeLayout(decode, tensor, True, reshard, floor, candidates)
+    in_place = choice == "train" or dict(mesh.shape) == {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
+    decode = mesh if in_place else sharding.decode_mesh(mesh, tensor)
+
+    def program(weight_dtype: str) -> Callable:
+        weights = functools.partial(decode_weights, config=config, weight_dtype=weight_dtype)
+        if not in_place:
+            return jax.jit(weights, out_shardings=sharding.tree_shardings(decode, jax.eval_shape(weights, actor)))
+        # A LoRA merge or a quantization is one program; a cast to the same dtype returns the arrays themselves.
+        return jax.jit(weights) if lora.has_adapters(actor) or weight_dtype == "int8" else weights
+
+    reshard, compute_reshard = _programs(program, config, rollout)
+    return DecodeLayout(decode, tensor, not in_place, reshard, floor, candidates, compute_reshard=compute_reshard)
+
+
+def _programs(
+    program: Callable[[str], Callable], config: ModelConfig, rollout: dict
+) -> tuple[Callable, Callable | None]:
+    """(the sampler's reshard, the compute-dtype one where rollout.weight_dtype is another dtype, else None)."""
+    weight_dtype = rollout.get("weight_dtype", "auto")
+    exact = weight_dtype in ("auto", jnp.dtype(config.dtype).name)
+    return program(weight_dtype), None if exact else program("auto")
 
 
 def _separate_layout(
@@ -189,16 +212,21 @@ def _separate_layout(
             f"{len(devices)} rollout devices (mesh.rollout_devices); pass a group size or auto"
         )
     decode = sharding.decode_mesh(Mesh(np.asarray(devices).reshape(len(devices), 1, 1), sharding.AXES), tensor)
-    weights = functools.partial(decode_weights, config=config)
-    compute = jax.eval_shape(weights, actor)
-    target = sharding.tree_shardings(decode, compute)
-    if jax.process_count() == 1:
-        cast = jax.jit(weights)
-    else:  # the decode layout on the training devices (the twins of the rollout devices, position by position)
-        twin = Mesh(mesh.devices.reshape(-1).reshape(decode.devices.shape), sharding.AXES)
-        cast = jax.jit(weights, out_shardings=sharding.tree_shardings(twin, compute))
+
+    def program(weight_dtype: str) -> Callable:
+        weights = functools.partial(decode_weights, config=config, weight_dtype=weight_dtype)
+        compute = jax.eval_shape(weights, actor)
+        target = sharding.tree_shardings(decode, compute)
+        if jax.process_count() == 1:
+            cast = jax.jit(weights)
+        else:  # the decode layout on the training devices (the twins of the rollout devices, position by position)
+            twin = Mesh(mesh.devices.reshape(-1).reshape(decode.devices.shape), sharding.AXES)
+            cast = jax.jit(weights, out_shardings=sharding.tree_shardings(twin, compute))
+        return lambda actor: sharding.move(cast(actor), target)
+
+    reshard, compute_reshard = _programs(program, config, rollout)
     return DecodeLayout(
-        decode, tensor, True, lambda actor: sharding.move(cast(actor), target), floor, candidates, separate=True
+        decode, tensor, True, reshard, floor, candidates, separate=True, compute_reshard=compute_reshard
     )
 
 

@@ -2,7 +2,8 @@
 
 `credit_fields` turns one scored `Experience` into a `Scored` batch: the method's gate control, the
 critic's values V_t on the behaviour features, the estimator's advantages (whitened) and returns.
-`Learner.update` runs it clipped and with the guard's finite flags (`guarded_credit`), then E epochs
+`Learner.update` runs it clipped, weighted by train.rollout_correction's sampler -> scorer weights, and
+with the guard's finite flags (`guarded_credit`), then E epochs
 of shuffled minibatches (the actor's clipped PPO + KL with the phase controller's knobs, the
 critic's clipped value regression: the critic's epochs first, then its features are freed, unless
 gate_refresh=epoch refreshes the gate between epochs), and records non-finite credit or updates
@@ -27,6 +28,7 @@ import numpy as np
 
 from comppo_jax import sharding
 from comppo_jax.credit import clip_advantages, decoupled_ppo_inputs, masked_mean, registry
+from comppo_jax.credit.losses import importance_weight_stats, rollout_correction
 from comppo_jax.models.packing import Packing, efficiency, on_devices, worth_packing
 from comppo_jax.rollout import policy_gate, policy_token_stats
 from comppo_jax.rollout.experience import GateSpec, Sampled
@@ -53,15 +55,16 @@ class Scored(NamedTuple):
 
 class Signals(NamedTuple):
     """What credit reads of a rollout besides its batch: the policy's own gate kappa [B, T] (before the
-    control), the terminal rewards [B] and the reward at each row's last token [B, T]."""
+    control), the terminal rewards [B], the reward at each row's last token [B, T], the sampler's log-probs [B, T]."""
 
     kappa: Any
     rewards: Any
     reward_tokens: Any
+    sampler_log_probs: Any
 
     @classmethod
     def of(cls, rollout, sampled: Sampled) -> Signals:
-        return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens)
+        return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens, sampled.generation.log_probs)
 
 
 def rollout_batch(sampled: Sampled, rollout, batch_shardings, packing: Packing | None = None) -> Minibatch:
@@ -132,15 +135,26 @@ def gate_key(step_rng):
     return jax.random.fold_in(step_rng, 1)
 
 
-def guarded_credit(credit: CreditSpec, values_fn, critic, batch: Minibatch, signals: Signals, step_rng, clip):
-    """The learner's credit program: `credit_fields`, the advantages clipped to `clip` too, and whether
-    values, clipped advantages and returns are finite (`guards.nonfinite_credit` reads the flags back).
-    One program: its parts dispatched one by one until that read were, on a pod, cross-process programs
-    back to back (XLA:CPU over gloo hangs on those: docs/reliability.md)."""
-    fields, kappa = credit_fields(credit, values_fn, critic, batch, signals, gate_key(step_rng))
-    clipped = clip_advantages(fields["advantages"], clip)
-    finite = all_finite(values=fields["old_values"], advantages=clipped, returns=fields["returns"])
-    return fields, kappa, clipped, finite
+def guarded_credit(spec: LearnerSpec, values_fn, critic, batch: Minibatch, signals: Signals, step_rng, clip):
+    """The learner's credit program: `credit_fields`, the advantages clipped to `clip` and, on a rescored
+    batch, times train.rollout_correction's weights (`rollout_correction`: None for none; its metrics, the
+    mismatch's whatever the rule), and whether the weights, values, advantages and returns are finite
+    (`guards.nonfinite_credit` reads the flags back). One program: its parts dispatched one by one until that
+    read were, on a pod, cross-process programs back to back (XLA:CPU over gloo hangs on those:
+    docs/reliability.md). Returns (fields, kappa, advantages, the weights, the metrics, the finite flags)."""
+    fields, kappa = credit_fields(spec.credit, values_fn, critic, batch, signals, gate_key(step_rng))
+    advantages = clip_advantages(fields["advantages"], clip)
+    correction = (spec.rollout_correction, spec.rollout_correction_cap, spec.rollout_correction_level)
+    # With the sampler's own log-probs as the old ones (rollout.old_log_probs=sampler) the ratio is 1.
+    weights, metrics = (
+        rollout_correction(signals.sampler_log_probs, batch.old_log_probs, batch.response_mask, *correction)
+        if spec.rescored
+        else (None, {})
+    )
+    finite = {} if weights is None else all_finite(**{"rollout correction weights": weights})  # first: its source
+    advantages = advantages if weights is None else advantages * weights
+    finite.update(all_finite(values=fields["old_values"], advantages=advantages, returns=fields["returns"]))
+    return fields, kappa, advantages, weights, metrics, finite
 
 
 def refreshed_gate(gate: GateSpec, model_config, actor, batch: Minibatch):
@@ -162,11 +176,11 @@ def refreshed_gate(gate: GateSpec, model_config, actor, batch: Minibatch):
 
 
 def refreshed_credit(
-    credit: CreditSpec, batch: Minibatch, signals: Signals, kappa_before, step_rng, clip, importance=None
+    credit: CreditSpec, batch: Minibatch, signals: Signals, kappa_before, step_rng, clip, weights=()
 ) -> tuple[dict, jax.Array]:
     """gate_refresh=epoch: the refreshed gate (`signals.kappa`) through the gate control, and Comp-GAE
     rerun with the stored values and rewards. Returns (the Minibatch fields that change: advantages (whitened,
-    clipped to `clip`, times the capped `importance` weights of train.proximal=recompute), returns
+    clipped to `clip`, times each of `weights`: the rollout correction's, train.proximal=recompute's), returns
     and kappa_sequence; the gate's mean |change| from `kappa_before`). The learner runs it as one program."""
     mask = batch.response_mask
     kappa = controlled_gate(credit, signals.kappa, mask, gate_key(step_rng))
@@ -174,8 +188,10 @@ def refreshed_credit(
         credit.estimator, signals.rewards, signals.reward_tokens, batch.old_values, kappa, mask
     )
     advantages = clip_advantages(advantages, clip)
+    for weight in weights:
+        advantages = advantages * weight
     fields = dict(
-        advantages=advantages if importance is None else advantages * importance,
+        advantages=advantages,
         returns=returns,
         kappa_sequence=spread_over_sequence(kappa, batch.prompt_lengths, batch.tokens.shape[1]),
     )
@@ -185,9 +201,9 @@ def refreshed_credit(
 def proximal_inputs(model_config, temperature: float, cap: float, rule: str, actor, batch: Minibatch):
     """train.proximal=recompute, AReaL's decoupled objective (`decoupled_ppo_inputs`). Returns (the
     Minibatch fields that change: old_log_probs, the ratio's reference, now the current (proximal)
-    policy's, and the advantages times the capped importance weights; the weights; the weights capped
-    at `cap` by `rule` (train.importance_weight_rule); whether the weights and those advantages are
-    finite). The learner runs it as one program."""
+    policy's, and the advantages times the capped importance weights; the weights capped at `cap` by
+    `rule` (train.importance_weight_rule); importance_weight/mean, /max, /masked_fraction or
+    /truncated_fraction; whether the weights and those advantages are finite). One program."""
     proximal = policy_token_stats(
         cast_params(actor, model_config.dtype),
         model_config,
@@ -201,8 +217,11 @@ def proximal_inputs(model_config, temperature: float, cap: float, rule: str, act
     old_log_probs, advantages, weights, capped = decoupled_ppo_inputs(
         batch.old_log_probs, proximal, batch.advantages, batch.response_mask, cap, rule
     )
+    names = ("mean", "max", f"{'masked' if rule == 'mask' else 'truncated'}_fraction")
+    stats = importance_weight_stats(weights, batch.response_mask, cap)
+    metrics = {f"importance_weight/{name}": x for name, x in zip(names, stats)}
     finite = all_finite(**{"importance weights": weights, "advantages": advantages})
-    return dict(old_log_probs=old_log_probs, advantages=advantages), weights, capped, finite
+    return dict(old_log_probs=old_log_probs, advantages=advantages), capped, metrics, finite
 
 
 def _emptied_features(hidden_states, routing):
@@ -226,20 +245,6 @@ def free_device_arrays(*arrays) -> None:
     are left to the garbage collector)."""
     for x in {id(x): x for x in arrays if isinstance(x, jax.Array)}.values():
         x.delete()
-
-
-def importance_metrics(weights, mask, cap: float, rule: str) -> dict:
-    """The behaviour -> proximal importance weights' token mean, max and the fraction over `cap`, named
-    by what `rule` does to those tokens: /masked_fraction or /truncated_fraction (host floats)."""
-    valid = jax.device_get(mask).astype(bool)
-    values = jax.device_get(weights)[valid]
-    if not values.size:
-        return {}
-    return {
-        "importance_weight/mean": float(values.mean()),
-        "importance_weight/max": float(values.max()),
-        f"importance_weight/{'masked' if rule == 'mask' else 'truncated'}_fraction": float((values > cap).mean()),
-    }
 
 
 class Offload(NamedTuple):
@@ -272,7 +277,7 @@ class Learned(NamedTuple):
     gate_change: float | None  # gate_refresh=epoch: the refreshed gate's mean |change| from the rollout's
     nonfinite: list[str]  # what was not finite (the update skipped), empty when it applied
     applied_actor: bool  # the actor updated (past the critic warm-up)
-    importance: dict  # train.proximal=recompute: importance_weight/mean, /max, /masked_fraction or /truncated_fraction
+    importance: dict  # mismatch/..., rollout_correction/... and (proximal=recompute) importance_weight/...
 
 
 class Learner:
@@ -301,7 +306,7 @@ class Learner:
         self.mesh = None if batch_shardings is None else batch_shardings.tokens.mesh
         self.row_multiple = 1 if self.mesh is None else sharding.batch_size_multiple(self.mesh)
         # The step's programs besides the update steps (module docstring), jitted once per run.
-        self.credit = jax.jit(functools.partial(guarded_credit, spec.credit, steps.values))
+        self.credit = jax.jit(functools.partial(guarded_credit, spec, steps.values))
         self.refreshed_gate = jax.jit(functools.partial(refreshed_gate, spec.credit.gate, model_config))
         self.refreshed_credit = jax.jit(functools.partial(refreshed_credit, spec.credit))
         self.proximal_inputs = jax.jit(
@@ -324,19 +329,21 @@ class Learner:
         rollout, sampled = experience.rollout, experience.sampled
         batch = rollout_batch(sampled, rollout, self.batch_shardings, experience.packing)
         signals = Signals.of(rollout, sampled)
-        fields, kappa, clipped, finite = self.credit(state["critic"], batch, signals, step_rng, knobs["advantage_clip"])
+        fields, kappa, advantages, correction, importance, finite = self.credit(
+            state["critic"], batch, signals, step_rng, knobs["advantage_clip"]
+        )
         scored = Scored.of(batch._replace(**fields), rollout, sampled, kappa)
-        batch = scored.batch._replace(advantages=clipped)
-        importance, capped = {}, None
+        batch = scored.batch._replace(advantages=advantages)
+        weights = () if correction is None else (correction,)  # what the refreshed credit's advantages carry
         if spec.proximal == "recompute":  # AReaL's decoupled objective: clip against the current (proximal) policy
             self.compiling("the proximal log-probs")
-            proximal, weights, capped, weighed = self.proximal_inputs(state["actor"], batch)
+            proximal, capped, proximal_metrics, weighed = self.proximal_inputs(state["actor"], batch)
             batch = batch._replace(**proximal)
-            importance = importance_metrics(
-                weights, batch.response_mask, spec.importance_weight_cap, spec.importance_weight_rule
-            )
+            importance = {**importance, **proximal_metrics}
+            weights += (capped,)
             # A stale batch's importance weights first: named where a non-finite value arose, then where it spread.
             finite = {"importance weights": weighed.pop("importance weights"), **finite, **weighed}
+        importance = {name: float(value) for name, value in importance.items()}  # read back before the next programs
         batch = offload.to_update(batch)
         state["actor_opt"] = offload.fetch(state["actor_opt"])
         actor_hyper = dict(
@@ -409,7 +416,7 @@ class Learner:
                     scored.kappa,
                     step_rng,
                     knobs["advantage_clip"],
-                    capped,
+                    weights,
                 )
                 gate_changes.append(float(change))
                 # A non-finite refreshed credit is caught by the steps' own guards (actor_finite, critic_finite).

@@ -153,7 +153,7 @@ class RolloutStage:
         """Dispatches batch `step`'s first generation round with `policy` (after `version` updates),
         on the next prompts of the stream (or `prompts`, a resumed batch's own)."""
         resharding = time.time()
-        sampler = jax.block_until_ready(self.context.decode.reshard(policy))  # the compute copy in the decode layout
+        sampler = jax.block_until_ready(self.context.decode.reshard(policy))  # the sampler's copy in the decode layout
         reshard_seconds = time.time() - resharding
         prompts = self.prompts.next() if prompts is None else prompts
         window = [time.time(), None]
@@ -177,7 +177,7 @@ class RolloutStage:
             on its own base), after the sampling: the decode copy is freed unless it is the same arrays."""
             policy, sampler = started.policy, started.sampler
             started.sampler = started.policy = None
-            unmerged = decode.resharded or lora.has_adapters(policy)
+            unmerged = decode.resharded or lora.has_adapters(policy) or decode.compute_reshard is not None
             return cast_params(policy, model_config.dtype) if unmerged else sampler
 
         chosen = [self.train_problems[i] for i in started.prompts]
@@ -207,7 +207,7 @@ class RolloutStage:
         one batch (RunStopped). An evaluation inside a step is not: its accuracy drives the
         controller, so the step is saved only with it (and a resumed run equals the straight one)."""
         decode = self.context.decode
-        sampler = decode.reshard(params)
+        sampler = decode.evaluation_weights(params)
         with jax.set_mesh(decode.mesh):
             return greedy_accuracy(
                 sampler,

@@ -203,6 +203,18 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             " gpu | gpu_interpret",
         ),
         Field(
+            "kv_dtype",
+            "auto",
+            "the KV cache's pages: auto (the model's compute dtype) | float32 | bfloat16 | int8 | float8_e4m3fn (8-bit "
+            "pages with a scale per token and kv head: half the bytes of bfloat16)",
+        ),
+        Field(
+            "weight_dtype",
+            "auto",
+            "the sampler's weights: auto (the model's compute dtype) | float32 | bfloat16 | int8 (a scale per output "
+            "channel, quantized once per step when the weights move to the sampler; the learner keeps its own)",
+        ),
+        Field(
             "old_log_probs",
             "rescore",
             "the behaviour log-probs of the PPO ratio: rescore (teacher-forced in the scoring pass) | sampler "
@@ -335,6 +347,18 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             "mask",
             "proximal=recompute: a weight over the cap: mask (its token dropped from the loss, AReaL's "
             "behav_imp_weight_cap) | truncate (min(w, cap), truncated importance sampling)",
+        ),
+        Field(
+            "rollout_correction",
+            "none",
+            "old_log_probs=rescore: the policy gradient times r = pi_score / pi_sample (e.g. 8-bit rollouts): none | "
+            "tis (min(r, cap)) | mis (r, or 0 over the cap: the token leaves the loss); mismatch/* is logged anyway",
+        ),
+        Field("rollout_correction_cap", 2.0, "rollout_correction: the cap C on r (> 1)"),
+        Field(
+            "rollout_correction_level",
+            "token",
+            "rollout_correction: token | sequence (r: its response's mean)",
         ),
     ),
     "critic": (

@@ -76,7 +76,8 @@ class CreditSpec:
 class LearnerSpec:
     """The learner's settings: credit, the actor's loss, learning rates and the reference KL
     coefficient (the controller's knobs multiply them), minibatches, the gate refresh, the proximal
-    policy of AReaL's decoupled objective, the skipped-update guard and the controller."""
+    policy of AReaL's decoupled objective, the sampler -> scorer mismatch and its rollout correction,
+    the skipped-update guard and the controller."""
 
     credit: CreditSpec
     actor_loss: ActorLoss
@@ -95,6 +96,10 @@ class LearnerSpec:
     max_skipped_updates: int
     packing: bool = False  # minibatches on packed rows (comppo_jax.models.packing)
     packing_min_saving: float = 0.0  # ... when that saves at least this fraction of a minibatch's rows
+    rescored: bool = False  # rollout.old_log_probs=rescore: the old log-probs are the scorer's, not the sampler's
+    rollout_correction: str = "none"  # none | tis | mis
+    rollout_correction_cap: float = 2.0
+    rollout_correction_level: str = "token"  # token | sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +259,7 @@ def experience_spec(cfg, credit: CreditSpec) -> ExperienceSpec:
             rollout.temperature,
             rollout.top_p,
             **engine_options(rollout),
+            weight_dtype=rollout.get("weight_dtype", "auto"),
             dynamic_sampling=rollout.dynamic_sampling,
             dynamic_sampling_filter=rollout.dynamic_sampling_filter,
             max_refills=rollout.max_refills,
@@ -291,6 +297,10 @@ def learner_spec(cfg, credit: CreditSpec, steps: Steps) -> LearnerSpec:
         max_skipped_updates=train.max_skipped_updates,
         packing=train.packing,
         packing_min_saving=train.packing_min_saving,
+        rescored=cfg.rollout.old_log_probs == "rescore",
+        rollout_correction=train.rollout_correction,
+        rollout_correction_cap=float(train.rollout_correction_cap),
+        rollout_correction_level=train.rollout_correction_level,
     )
 
 

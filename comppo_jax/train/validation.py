@@ -17,12 +17,14 @@ import os
 
 from comppo_jax import hub, storage
 from comppo_jax.credit import GATE_STATISTICS, IMPORTANCE_WEIGHT_RULES, LOSS_AGGREGATIONS
+from comppo_jax.credit.losses import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTIONS
 from comppo_jax.credit.schedule import load_position_schedule
 from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
 from comppo_jax.models.lora import TARGETS as LORA_TARGETS
 from comppo_jax.models.lora import parse_targets as parse_lora_targets
-from comppo_jax.models.paged_cache import PAGED_ATTENTION
+from comppo_jax.models.paged_cache import KV_DTYPES, PAGED_ATTENTION
+from comppo_jax.models.quantize import WEIGHT_DTYPES
 from comppo_jax.rollout.experience import DYNAMIC_SAMPLING_FILTERS
 from comppo_jax.rollout.scoring import OLD_LOG_PROBS, WINDOWS
 from comppo_jax.runs.outputs import parse_loggers
@@ -247,6 +249,13 @@ def _check_combinations(problems: _Problems, cfg) -> None:
             f"the decoupled objective weights per-token ratios; {cfg.train.policy_loss} clips a sequence "
             "ratio: pass --config.train.proximal=behaviour or --config.train.policy_loss=ppo",
         )
+    if cfg.train.rollout_correction != "none" and cfg.rollout.old_log_probs != "rescore":
+        problems.add(
+            "train.rollout_correction",
+            f"weighs the sampler -> scorer ratio, and with rollout.old_log_probs={cfg.rollout.old_log_probs!r} the "
+            "old log-probs are the sampler's: pass --config.rollout.old_log_probs=rescore or "
+            "--config.train.rollout_correction=none",
+        )
     if cfg.rollout.dynamic_sampling and cfg.rollout.samples_per_prompt < 2:
         problems.add(
             "rollout.dynamic_sampling",
@@ -268,6 +277,8 @@ ENUM_FIELDS = {
     "rollout.window": WINDOWS,
     "rollout.old_log_probs": OLD_LOG_PROBS,
     "rollout.paged_attention": PAGED_ATTENTION,
+    "rollout.kv_dtype": KV_DTYPES,
+    "rollout.weight_dtype": WEIGHT_DTYPES,
     "reward.length_penalty": LENGTH_PENALTIES,
     "reward.length_penalty_on": LENGTH_PENALTY_SCOPES,
     "gate_statistic": GATE_STATISTICS,
@@ -278,6 +289,8 @@ ENUM_FIELDS = {
     "rollout.dynamic_sampling_filter": DYNAMIC_SAMPLING_FILTERS,
     "train.proximal": PROXIMAL,
     "train.importance_weight_rule": IMPORTANCE_WEIGHT_RULES,
+    "train.rollout_correction": ROLLOUT_CORRECTIONS,
+    "train.rollout_correction_level": ROLLOUT_CORRECTION_LEVELS,
 }
 COUNT = dict(low=1, integer=True)  # a positive whole number
 ZERO_OR_MORE = dict(low=0, integer=True)
@@ -291,6 +304,7 @@ NUMBER_FIELDS = {
     "rollout.max_refills": dict(low=-1, integer=True),
     "rollout.staleness": ZERO_OR_MORE,
     "train.importance_weight_cap": dict(low=1),
+    "train.rollout_correction_cap": dict(low=1, low_open=True),
     "train.packing_min_saving": dict(low=0, high=1, high_open=True),
     "mesh.rollout_devices": ZERO_OR_MORE,
     "model.lora.rank": ZERO_OR_MORE,

@@ -64,6 +64,46 @@ def test_floor_is_the_weight_and_kv_share_read_per_token_step_plus_the_groups_la
     assert alone.collective_hops == 0 and alone.weight_bytes == pytest.approx(weights + norms)
 
 
+def test_8bit_pages_and_weights_lower_the_floor_by_the_bytes_they_save():
+    chip = chips.CHIPS["v5p"]
+    full = decode_floor.decode_floor(QWEN3_4B, chip, devices=8, tensor=4, **PRESET_ROLLOUT)
+    pages = decode_floor.decode_floor(QWEN3_4B, chip, devices=8, tensor=4, kv_dtype="int8", **PRESET_ROLLOUT)
+    both = decode_floor.decode_floor(
+        QWEN3_4B, chip, devices=8, tensor=4, kv_dtype="int8", weight_dtype="int8", **PRESET_ROLLOUT
+    )
+    hd = QWEN3_4B.head_dim
+    # A position's key or value in one kv head: hd bytes and a float32 scale, against 2 hd bytes.
+    assert pages.kv_bytes == pytest.approx(full.kv_bytes * (hd + 4) / (2 * hd))
+    assert pages.weight_bytes == full.weight_bytes
+    # A byte per weight (and a float32 scale per output channel, under 1% more) against two.
+    assert full.weight_bytes / 2 < both.weight_bytes < 1.01 * full.weight_bytes / 2
+    assert both.step_seconds < pages.step_seconds < full.step_seconds
+    assert both.memory_bytes < pages.memory_bytes < full.memory_bytes
+
+
+def test_the_sampler_gets_8bit_weights_and_evaluations_the_compute_copy(tmp_path):
+    """rollout.weight_dtype through the specs the loop resolves into the decode layout's programs:
+    the sampler decodes with int8 matrices, evaluations (and the scoring pass, from the actor)
+    read the compute dtype."""
+    from comppo_jax.models import init_params, model_config
+    from comppo_jax.train.specs import resolve
+
+    cfg = small_train_config(tmp_path, rollout__kv_dtype="int8", rollout__weight_dtype="int8")
+    config = model_config(cfg.model)
+    spec = resolve(cfg, config)
+    assert spec.rollout.experience.rollout.sampling_options()["kv_dtype"] == "int8"
+    actor = init_params(config, jax.random.PRNGKey(0))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    layout = decode_layout.for_run(spec.rollout, mesh, config, actor)
+    sampler, evaluation = layout.reshard(actor), layout.evaluation_weights(actor)
+    assert sampler["layers"]["q_proj"].dtype == np.int8 and "q_proj_scale" in sampler["layers"]
+    assert jax.tree.structure(evaluation) == jax.tree.structure(actor)
+    assert {leaf.dtype for leaf in jax.tree.leaves(evaluation)} == {np.dtype(config.dtype)}
+    # The default keeps one copy: the actor in the compute dtype.
+    plain = decode_layout.for_run(resolve(small_train_config(tmp_path), config).rollout, mesh, config, actor)
+    assert plain.compute_reshard is None and plain.evaluation_weights is plain.reshard
+
+
 def test_group_sizes_follow_the_heads_and_kv_heads_share_each_chips_pages():
     assert decode_floor.decode_group_sizes(QWEN3_4B, 8) == [1, 2, 4, 8]
     assert decode_floor.decode_group_sizes(QWEN3_4B, 64) == [

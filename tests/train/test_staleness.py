@@ -380,21 +380,21 @@ def test_the_learners_decoupled_step_clips_against_the_proximal_policy_and_caps_
 
     from comppo_jax.credit.registry import ActorLoss
     from comppo_jax.models import init_params
-    from comppo_jax.train.learner import importance_metrics
     from comppo_jax.train.update import actor_loss
 
     learner, actor, batch, proximal, weights, mask, stats = decoupled_learner_inputs(tmp_path, rule)
-    fields, got_weights, capped, finite = learner.proximal_inputs(actor, batch)
+    fields, capped, metrics, finite = learner.proximal_inputs(actor, batch)
     updated = batch._replace(**fields)
     np.testing.assert_allclose(np.asarray(updated.old_log_probs)[mask], proximal[mask], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got_weights)[mask], weights[mask], rtol=1e-4)
     kept = np.where(weights > 5.0, 0.0 if rule == "mask" else 5.0, weights)
     np.testing.assert_allclose(np.asarray(capped)[mask], kept[mask], rtol=1e-4)
     assert all(bool(ok) for ok in finite.values())
+    assert float(metrics["importance_weight/mean"]) == pytest.approx(weights[mask].mean(), rel=1e-4)
+    assert float(metrics["importance_weight/max"]) == pytest.approx(8.0, rel=1e-4)
     over = float((weights[mask] > 5.0).mean())
-    assert importance_metrics(got_weights, batch.response_mask, 5.0, rule)[
-        f"importance_weight/{'masked' if rule == 'mask' else 'truncated'}_fraction"
-    ] == pytest.approx(over)
+    assert float(metrics[f"importance_weight/{'masked' if rule == 'mask' else 'truncated'}_fraction"]) == pytest.approx(
+        over
+    )
     # A policy moved off the proximal one: some ratios leave [0.8, 1.2], so the clip's reference shows.
     other = init_params(CONFIG, jax.random.PRNGKey(1), init_std=0.2)
     current = jax.tree.map(lambda a, b: 0.8 * a + 0.2 * b, actor, other)

@@ -181,6 +181,24 @@ CASES = {
         assign(train__importance_weight_cap=0.5),
         r"config\.train\.importance_weight_cap=0\.5: must be >= 1",
     ),
+    "unknown rollout correction": (
+        assign(train__rollout_correction="is"),
+        r"config\.train\.rollout_correction='is': expected one of \('none', 'tis', 'mis'\)",
+    ),
+    "unknown rollout correction level": (
+        assign(train__rollout_correction_level="response"),
+        r"config\.train\.rollout_correction_level='response': expected one of \('token', 'sequence'\)",
+    ),
+    "rollout correction cap of one": (
+        assign(train__rollout_correction_cap=1.0),
+        r"config\.train\.rollout_correction_cap=1\.0: must be > 1",
+    ),
+    "rollout correction of the sampler's own log-probs": (
+        assign(train__rollout_correction="mis", rollout__old_log_probs="sampler"),
+        r"config\.train\.rollout_correction='mis': weighs the sampler -> scorer ratio, and with "
+        r"rollout\.old_log_probs='sampler' .* pass --config\.rollout\.old_log_probs=rescore or "
+        r"--config\.train\.rollout_correction=none",
+    ),
     "misspelt logger": (
         assign(loggers="jsonl,tensorbord"),
         r"config\.loggers='jsonl,tensorbord': unknown 'tensorbord': expected a comma-separated subset of "
