@@ -49,7 +49,8 @@ env_step() {
 pytest_step() {  # pytest_step NAME MARK: the kernel, attention and sampler tests, fp32 matmuls at full precision
   # (XLA on a GPU takes fp32 dots as TF32 by default), so the fp32 tolerances are the CPU ones
   JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -p no:cacheprovider -n 4 -m "$2" --junitxml="$out/$1.xml" \
-    tests/pallas_kernels tests/models/test_attention.py tests/rollout/test_engine.py tests/rollout/test_sampler.py
+    tests/pallas_kernels tests/models/test_attention.py tests/rollout/test_engine.py tests/rollout/test_sampler.py \
+    tests/rollout/test_quantized_rollout.py
 }
 
 gpu_tests_step() { pytest_step gpu_tests gpu; }

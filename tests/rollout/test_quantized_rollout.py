@@ -93,7 +93,9 @@ def test_a_token_is_stored_within_half_a_step_of_its_scale(dtype):
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT)
-@pytest.mark.parametrize("backend", ["xla", "gpu_interpret", "tpu_interpret"])
+@pytest.mark.parametrize(
+    "backend", ["xla", "gpu_interpret", "tpu_interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+)
 def test_8bit_decode_attention_equals_attention_over_the_stored_values(dtype, backend):
     """Every backend reads the 8-bit pages and their scales as the dequantized keys and values."""
     pool, k, v, tables, q = written_pool(dtype, backend)
@@ -142,7 +144,7 @@ def test_8bit_pages_take_half_the_bytes_and_the_engine_counts_them():
 GREEDY = dict(max_new_tokens=6, temperature=0.0, num_samples=2)
 
 
-@pytest.mark.parametrize("dtype", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)])
 def test_8bit_rows_depend_on_the_rng_only_not_on_pages_slots_or_backend(params, dtype):
     """Per-token scales make a token's stored key independent of its neighbours: page size 1
     (no page is ever shared part-filled) and page size 3 (prompt pages copied on write, with
@@ -151,6 +153,23 @@ def test_8bit_rows_depend_on_the_rng_only_not_on_pages_slots_or_backend(params, 
     reference = run(max_new_tokens=6, temperature=1.0, num_samples=2, page_size=1, paged_attention="xla")
     for kwargs in (dict(page_size=3, decode_slots=3), dict(page_size=3, paged_attention="gpu_interpret")):
         assert_same_generation(run(max_new_tokens=6, temperature=1.0, num_samples=2, **kwargs), reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", EIGHT_BIT)
+def test_8bit_rows_on_the_gpu_kernel_equal_the_xla_path(params, dtype):
+    run = lambda backend: generate(
+        params,
+        CONFIG,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(3),
+        kv_dtype=dtype,
+        paged_attention=backend,
+        page_size=4,
+        **GREEDY,
+    )
+    assert_same_generation(run("gpu"), run("xla"))
 
 
 def test_8bit_rollouts_move_the_log_probs_by_a_little(params):
