@@ -7,26 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rollout.test_engine import PROMPT_MASK, PROMPTS, assert_same_generation
+from rollout.test_engine import GPU_CONFIG, PROMPT_MASK, PROMPTS, assert_same_generation
 
-from comppo_jax.models import ModelConfig, init_params, paged_cache
+from comppo_jax.models import init_params, paged_cache
 from comppo_jax.models.quantize import LARGEST, quantize, sampler_weights
 from comppo_jax.rollout import engine, generate
 
 EIGHT_BIT = ("int8", "float8_e4m3fn")
-CONFIG = ModelConfig(
-    architecture="qwen3",
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,  # the GPU kernel's dots need 16 features
-    tie_word_embeddings=False,
-    eos_token_ids=(),
-    pad_token_id=0,
-)
+CONFIG = GPU_CONFIG  # the GPU kernel's dots need 16 features
 
 
 @pytest.fixture(scope="module")
