@@ -5,8 +5,9 @@
 
 Names: main | factorial | controls | stress | group, and beyond the paper: statistics (the gate's
 concentration statistic) | variants (CompPO beside GRPO, DAPO, GSPO and Dr.GRPO) | lora (LoRA beside full
-fine-tuning, for CompPO and GRPO). Semantics of the fields (arms, grids, screens,
-`{mean_gate:ARM}` / `{gate_profile:ARM}` references) are in comppo_jax.eval.experiment.
+fine-tuning, for CompPO and GRPO) | baselines (CompPO beside the token-credit methods published since the
+paper: VAPO, the 80/20 high-entropy selection, KTAE, attention-anchor credit). Semantics of the fields (arms,
+grids, screens, `{mean_gate:ARM}` / `{gate_profile:ARM}` references) are in comppo_jax.eval.experiment.
 configs/experiments_tiny.py scales these down to the CPU default (configs/tiny.py).
 
 Every arm makes the same number of actor updates (`steps`): a critic's warm-up comes on top
@@ -31,6 +32,16 @@ DAPO = (
     "reward.length_penalty_schedule=constant",
     "train.kl_coef=0",
     "train.kl_coef_grpo=0",
+)
+
+
+# VAPO (Yue et al. 2025): PPO with its length-adaptive, decoupled GAE, its clip-higher and its value
+# pretraining, which here is the critic's warm-up on the initial policy (50 steps, VAPO's).
+VAPO = (
+    "method=ppo",
+    "credit.estimator=vapo",
+    "train.clip_high_scale=1.4",
+    "train.critic_warmup_steps=50",
 )
 
 
@@ -153,6 +164,24 @@ def get_config(name: str):
                 ("dr_grpo", ("method=grpo", "train.group_std_normalization=False")),
             ],
         )
+    if name == "baselines":  # token credit without a learned gate, each from its one switch (docs/variants.md)
+        entropy_top = ("train.token_selection=entropy_top",)
+        return experiment(
+            "baselines",
+            "baselines",
+            [
+                ("comppo", FULL),
+                ("grpo", ("method=grpo",)),
+                ("ppo", ("method=ppo",)),
+                ("vapo", VAPO),
+                ("grpo_entropy_top", ("method=grpo",) + entropy_top),
+                ("dapo", ("method=grpo",) + DAPO),
+                ("dapo_entropy_top", ("method=grpo",) + DAPO + entropy_top),
+                ("comppo_entropy_top", FULL + entropy_top),
+                ("ktae", ("method=grpo", "credit.estimator=ktae")),
+                ("attention_anchor", ("method=grpo", "credit.estimator=attention_anchor")),
+            ],
+        )
     if name == "lora":  # LoRA adapters on the frozen base (which is also the reference) beside full fine-tuning,
         # at 10x the full fine-tuning learning rate (the usual LoRA rule; the main screen's centre is 1e-6)
         lora = ("model.lora.rank=64", "model.lora.alpha=128", "train.actor_lr=1e-5")
@@ -167,5 +196,6 @@ def get_config(name: str):
             ],
         )
     raise ValueError(
-        f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics, variants or lora"
+        f"unknown experiment {name!r}; expected main, factorial, controls, stress, group, statistics, variants, "
+        "lora or baselines"
     )

@@ -59,8 +59,9 @@ def test_train_holds_no_planning_and_reads_the_planner_through_one_function():
         for name in names or ["*"]
     }
     assert reads == {("decode_layout.py", "comppo_jax.planning.decode_floor", "decode_candidates")}
-    # A quarter of the package (19K lines): the loop's stages, their specs and the config's schema.
-    assert sum(len(path.read_text().splitlines()) for path in TRAIN.glob("*.py")) <= 4600
+    # At most a quarter of the package: the loop's stages, their specs and the config's schema.
+    lines = lambda paths: sum(len(path.read_text().splitlines()) for path in paths)
+    assert lines(TRAIN.glob("*.py")) <= lines(ROOT.rglob("*.py")) / 4
 
 
 def test_only_the_config_s_resolution_validation_record_and_the_run_s_entry_take_the_whole_config():

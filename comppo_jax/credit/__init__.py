@@ -5,6 +5,8 @@
 - `schedule`: the position-only gate control (fit, apply, save, load).
 - `advantages`: Comp-GAE, GAE, the explicit transport kernel, GRPO and
   Dr.GRPO advantages, DAPO's group filter, whitening and clipping.
+- `key_tokens`: KTAE's key-token values from a group's rollouts (Fisher's exact
+  test, information gain, a BM25 direction) added to GRPO's advantage.
 - `losses`: PPO and GSPO clipped surrogates, loss aggregation modes, reference
   KL, clipped value loss, entropy, AReaL's decoupled objective, the sampler -> scorer
   mismatch and its rollout correction weights.
@@ -17,6 +19,7 @@ from comppo_jax.credit.advantages import (
     grpo_advantages,
     informative_groups,
     transport_kernel,
+    vapo_lambda,
     whiten_advantages,
 )
 from comppo_jax.credit.gate import (
@@ -31,6 +34,17 @@ from comppo_jax.credit.gate import (
     retention_gate,
     shuffle_gate,
     statistic_concentration,
+)
+from comppo_jax.credit.key_tokens import (
+    TokenCounts,
+    bm25_term_frequency,
+    direction_score,
+    fisher_exact_pvalue,
+    fisher_score,
+    group_token_counts,
+    information_gain,
+    key_token_value,
+    ktae_advantages,
 )
 from comppo_jax.credit.losses import (
     IMPORTANCE_WEIGHT_RULES,
@@ -85,6 +99,15 @@ __all__ = [
     "gspo_loss",
     "importance_weight_stats",
     "informative_groups",
+    "TokenCounts",
+    "bm25_term_frequency",
+    "direction_score",
+    "fisher_exact_pvalue",
+    "fisher_score",
+    "group_token_counts",
+    "information_gain",
+    "key_token_value",
+    "ktae_advantages",
     "kl_penalty",
     "load_position_schedule",
     "masked_mean",
@@ -103,5 +126,6 @@ __all__ = [
     "statistic_concentration",
     "transport_kernel",
     "value_loss",
+    "vapo_lambda",
     "whiten_advantages",
 ]

@@ -168,7 +168,7 @@ def gae(
     values: Float[Array, "B T"],
     mask: Shaped[Array, "B T"],
     gamma: float | Float[Array, ""] = 1.0,
-    lam: float | Float[Array, ""] = 0.95,
+    lam: float | Float[Array, ""] | Float[Array, " B"] | Float[Array, "B 1"] = 0.95,
     method: str = "scan",
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Standard masked GAE, paper eq. (stdgae): `comp_gae` with kappa_t = gamma.
@@ -176,7 +176,9 @@ def gae(
     Args:
       rewards, values, mask: as in `comp_gae`, [B, T].
       gamma: discount, a Python or traced float.
-      lam: trace parameter lambda.
+      lam: trace parameter lambda: one float, or one per row ([B] or [B, 1], e.g. VAPO's
+        `vapo_lambda`), row b's A_t = delta_t + lam_b gamma A_{t+1}. An array's entries must lie
+        in [0, 1]; only a Python number is range-checked.
       method: as in `comp_gae`.
 
     Returns:
@@ -184,7 +186,44 @@ def gae(
     """
     _validation.check_rank("rewards", rewards, 2, "[B, T]")
     kappa = jnp.full(rewards.shape, gamma, jnp.float32)
+    lam = jnp.asarray(lam, jnp.float32)
+    if lam.ndim:
+        batch = rewards.shape[0]
+        if lam.shape not in ((batch,), (batch, 1)):
+            raise ValueError(f"lam must be a float, [B] or [B, 1] with B = {batch}, got shape {tuple(lam.shape)}")
+        # A [B, 1] column: comp_gae's retention lam * kappa_t then broadcasts it over each row's T.
+        lam = lam.reshape(batch, 1)
     return comp_gae(rewards, values, kappa, mask, lam, method=method)
+
+
+def vapo_lambda(lengths: Shaped[ArrayLike, " B"], alpha: float | Float[Array, ""] = 0.05) -> Float[Array, " B"]:
+    """The policy's length-adaptive GAE lambda of VAPO (Yue et al. 2025, "VAPO: Efficient and
+    Reliable Reinforcement Learning for Advanced Reasoning Tasks", arXiv 2504.05118, section
+    "Managing Heterogeneous Sequence Lengths during Training", Length-Adaptive GAE).
+
+    A response of l tokens gets the lambda whose GAE weights lambda^k sum to alpha l, so that the
+    number of TD errors an advantage effectively averages grows with the response:
+
+        sum_{k>=0} lambda^k = 1 / (1 - lambda) = alpha l   =>   lambda_policy = 1 - 1 / (alpha l)
+
+    For alpha l < 1 (VAPO's alpha = 0.05: responses under 20 tokens) no lambda in [0, 1] solves
+    it (the weights' sum is at least 1, reached at lambda = 0) and the formula turns negative; the
+    paper does not say what then. Clipped to [0, 1], lambda is 0 there: the advantage is the one-step
+    TD error (AReaL's `vapo_length_adaptive_gae` clamps at 0 too). An empty row (l = 0) gets 0.
+
+    Args:
+      lengths: [B] response lengths l (valid tokens per row), int or float.
+      alpha: the bias-variance knob, > 0 (a Python number <= 0 raises ValueError).
+
+    Returns:
+      [B] float32 lambda_policy in [0, 1], for `gae`'s per-row `lam`.
+    """
+    if isinstance(alpha, (int, float)) and not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    lengths = jnp.asarray(lengths)
+    _validation.check_rank("lengths", lengths, 1, "[B]")
+    # 1 / (alpha * 0) = inf: an empty row's -inf clips to 0 like any alpha l < 1.
+    return jnp.clip(1.0 - 1.0 / (alpha * lengths.astype(jnp.float32)), 0.0, 1.0)
 
 
 @_validation.unit_interval_arguments("lam")

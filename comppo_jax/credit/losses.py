@@ -12,10 +12,11 @@ in `stop_gradient`: they are data, never optimized through.
 """
 
 import functools
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Shaped
+from jaxtyping import Array, Bool, Float, Shaped
 
 from comppo_jax.credit import _validation
 
@@ -531,3 +532,50 @@ def entropy_from_logits(logits: Float[Array, "B T V"]) -> Float[Array, "B T"]:
     log_z = jax.nn.logsumexp(z, axis=-1)
     probs = jax.nn.softmax(z, axis=-1)
     return log_z - jnp.sum(probs * z, axis=-1)
+
+
+# Largest denominator of the kept fraction read as an exact ratio p / q (`entropy_top_mask`): ceil(n p / q) is then
+# computed in int32 without overflow for any token count n, and without float rounding adding or losing a token.
+_MAX_FRACTION_DENOMINATOR = 10_000
+
+
+@functools.partial(jax.jit, static_argnames=("fraction",))
+def entropy_top_mask(
+    entropy: Float[Array, "B T"], mask: Shaped[Array, "B T"], fraction: float = 0.2
+) -> tuple[Bool[Array, "B T"], Float[Array, ""]]:
+    """The high-entropy "forking" tokens, the only ones whose policy gradient counts in Wang et al. 2025 ("Beyond
+    the 80/20 Rule: High-Entropy Minority Tokens Drive Effective Reinforcement Learning for LLM Reasoning",
+    arXiv 2506.01939: the objective J_HighEnt, DAPO's with the indicator I[H_t >= tau_rho]). Of the n valid
+    tokens of the whole [B, T] set, with rho = `fraction`:
+
+        k    = max(1, ceil(rho n))
+        keep = I[rank(H_t) < k]     rank 0 the highest entropy; equal entropies ranked by position (row-major)
+        tau  = the k-th highest H_t (the top-rho threshold)
+
+    as the authors' code (their verl fork, core_algos.get_global_entropy_top_mask: torch.topk over the valid
+    tokens, k = int(rho n + 0.9999)): exactly k tokens, so of entropies tied at tau only the first ones are kept,
+    where the paper's indicator would keep them all. H_t is the entropy of the policy being updated (the
+    authors' code takes it from the update's forward pass); the mask carries no gradient. Aggregating the
+    policy loss over the kept tokens, as that code does, makes its token-mean divide by k (the paper writes the
+    sum over all tokens).
+
+    Args:
+      entropy: [B, T] float, per-token entropy H_t (not differentiated).
+      mask: [B, T] mask of valid tokens; padding is never kept.
+      fraction: rho in (0, 1] (static); 1 keeps every valid token.
+
+    Returns:
+      (keep [B, T] bool, tau: scalar float32; 0 when the mask is empty, and then nothing is kept).
+    """
+    _validation.check_bt(entropy=entropy, mask=mask)
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    p, q = Fraction(fraction).limit_denominator(_MAX_FRACTION_DENOMINATOR).as_integer_ratio()
+    valid = mask.astype(bool)
+    n = jnp.sum(valid, dtype=jnp.int32)
+    k = jnp.maximum(n // q * p + (n % q * p + q - 1) // q, 1)  # ceil(n p / q)
+    scores = jnp.where(valid, jax.lax.stop_gradient(entropy).astype(jnp.float32), -jnp.inf).ravel()
+    order = jnp.argsort(-scores, stable=True)  # highest first, ties and padding (last) in position order
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    keep = (rank < k).reshape(valid.shape) & valid
+    return keep, jnp.where(n > 0, scores[order[k - 1]], 0.0)

@@ -2,8 +2,8 @@
 advantage estimators the same way): a recipe's `estimator` and `train.policy_loss` are keys here,
 and a new one is one entry.
 
-An estimator takes the batch's rewards and the critic's view of it and returns (advantages,
-returns) [B, T]; a policy loss takes the log-probs, the ratio's reference, the advantages and the
+An estimator takes the batch's rewards, its response tokens and the critic's view of it and returns
+(advantages, returns) [B, T]; a policy loss takes the log-probs, the ratio's reference, the advantages and the
 clip and returns (loss, stats). Both read their settings from a small frozen spec.
 """
 
@@ -16,23 +16,45 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from comppo_jax.credit.advantages import comp_gae, gae, grpo_advantages, whiten_advantages
+from comppo_jax.credit.advantages import comp_gae, gae, grpo_advantages, vapo_lambda, whiten_advantages
+from comppo_jax.credit.attention_credit import attention_anchor_credit
+from comppo_jax.credit.key_tokens import ktae_advantages
 from comppo_jax.credit.losses import gspo_loss, ppo_clip_loss
 
 
 @dataclasses.dataclass(frozen=True)
 class EstimatorSpec:
     """What an estimator reads besides the batch: its name (a key of ESTIMATORS), lambda, the group
-    size and whether GRPO divides by the group's reward std."""
+    size, whether GRPO divides by the group's reward std, and the settings of the estimators beyond the
+    paper (config.credit)."""
 
     name: str = "comp_gae"
     lam: float = 0.95
     group: int = 4
     normalize_std: bool = True
+    vapo_alpha: float = 0.05
+    vapo_critic_lam: float = 1.0
+    # attention_anchor: TopQ's fraction q, gamma_amp, and the FAI horizon (H_lo, H_hi) the scoring pass reads
+    anchor_fraction: float = 0.4
+    anchor_amplification: float = 1.5
+    anchor_horizon: tuple[int, int] = (10, 100)
+    # ktae: the strength's weights h1 (Fisher), h2 (information gain), the direction's h3 (BM25 ratio), the
+    # values' range (-scale, scale), and the end-of-sequence ids (model.arch.eos_token_ids), which get none
+    ktae_fisher_weight: float = 1.0
+    ktae_ig_weight: float = 1.0
+    ktae_tf_weight: float = 1.0
+    ktae_scale: float = 1.0
+    ktae_end_tokens: tuple[int, ...] = ()
 
 
 def comp_gae_credit(
-    spec: EstimatorSpec, rewards: ArrayLike, reward_tokens: ArrayLike, values: Array, kappa: Array, mask: Array
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Comp-GAE, paper eq. (comp_gae), with the controlled gate `kappa`; advantages whitened."""
     advantages, returns = comp_gae(jnp.asarray(reward_tokens), values, kappa, mask, spec.lam)
@@ -40,7 +62,13 @@ def comp_gae_credit(
 
 
 def gae_credit(
-    spec: EstimatorSpec, rewards: ArrayLike, reward_tokens: ArrayLike, values: Array, kappa: Array, mask: Array
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """GAE, paper eq. (stdgae) with gamma = 1 (PPO); advantages whitened."""
     advantages, returns = gae(jnp.asarray(reward_tokens), values, mask, gamma=1.0, lam=spec.lam)
@@ -48,7 +76,13 @@ def gae_credit(
 
 
 def grpo_credit(
-    spec: EstimatorSpec, rewards: ArrayLike, reward_tokens: ArrayLike, values: Array, kappa: Array, mask: Array
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """GRPO's group-relative advantage broadcast over each response, paper eq. (group_broadcast)
     (Dr.GRPO without the std: normalize_std=False); no returns (no critic)."""
@@ -56,14 +90,78 @@ def grpo_credit(
     return advantages, jnp.zeros(mask.shape)
 
 
-ESTIMATORS: dict[str, Callable] = {"comp_gae": comp_gae_credit, "gae": gae_credit, "grpo": grpo_credit}
+def vapo_credit(
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """VAPO's decoupled, length-adaptive GAE (Yue et al. 2025, arXiv 2504.05118), gamma = 1 as PPO: the
+    advantages from GAE with each response's own lambda_policy = 1 - 1 / (alpha l) (`vapo_lambda`), whitened;
+    the critic's targets from GAE with lambda_critic (1: the Monte-Carlo return). train.lam is not read."""
+    reward_tokens = jnp.asarray(reward_tokens)
+    policy_lam = vapo_lambda(mask.astype(bool).sum(axis=1), spec.vapo_alpha)
+    advantages, _ = gae(reward_tokens, values, mask, gamma=1.0, lam=policy_lam)
+    _, returns = gae(reward_tokens, values, mask, gamma=1.0, lam=spec.vapo_critic_lam)
+    return whiten_advantages(advantages, mask), returns
+
+
+def ktae_credit(
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """KTAE (Sun et al. 2025, arXiv 2505.16826, method section): GRPO's group-relative advantage (the std as
+    train.group_std_normalization says) plus each token's key-token value from its group's rollouts
+    (`ktae_advantages`), not whitened, as GRPO's; no returns (no critic)."""
+    advantages = ktae_advantages(
+        jnp.asarray(rewards),
+        response_tokens,
+        mask,
+        spec.group,
+        normalize_std=spec.normalize_std,
+        fisher_weight=spec.ktae_fisher_weight,
+        ig_weight=spec.ktae_ig_weight,
+        tf_weight=spec.ktae_tf_weight,
+        scale=spec.ktae_scale,
+        end_tokens=spec.ktae_end_tokens,
+    )
+    return advantages, jnp.zeros(mask.shape)
+
+
+ESTIMATORS: dict[str, Callable] = {
+    "comp_gae": comp_gae_credit,
+    "gae": gae_credit,
+    "grpo": grpo_credit,
+    "vapo": vapo_credit,
+    "attention_anchor": attention_anchor_credit,
+    "ktae": ktae_credit,
+}
 
 
 def estimate(
-    spec: EstimatorSpec, rewards: ArrayLike, reward_tokens: ArrayLike, values: Array, kappa: Array, mask: Array
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
+    influence: Array | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
-    """(advantages, returns) [B, T] of the estimator `spec.name` (ESTIMATORS)."""
-    return ESTIMATORS[spec.name](spec, rewards, reward_tokens, values, kappa, mask)
+    """(advantages, returns) [B, T] of the estimator `spec.name` (ESTIMATORS): from the terminal rewards [B],
+    the reward at each row's last token [B, T], the response token ids [B, T], the critic's values [B, T], the
+    (controlled) gate [B, T] and the response mask [B, T]; `influence` [B, T], the scoring pass's future
+    attention influence (Rollout.influence), goes to the estimator that reads it (attention_anchor) when given."""
+    statistics = {} if influence is None else {"influence": influence}
+    return ESTIMATORS[spec.name](spec, rewards, reward_tokens, response_tokens, values, kappa, mask, **statistics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +169,9 @@ class ActorLoss:
     """The actor's loss as a config fixes it (static under jit): `policy_loss` (a key of
     POLICY_LOSSES), the resolved loss aggregation, the decoupled upper clip's scale, the token-sum
     normalizer (max_new_tokens), GSPO's sequence clip, whether the reference KL term is in the loss
-    at all and how it is aggregated, and the sampling temperature its log-probs are taken at."""
+    at all and how it is aggregated, the sampling temperature its log-probs are taken at, and which
+    tokens the surrogate counts: all, or the `token_selection_fraction` of highest entropy
+    ("entropy_top", `losses.entropy_top_mask`)."""
 
     policy_loss: str = "ppo"
     aggregation: str = "token-mean"
@@ -81,6 +181,8 @@ class ActorLoss:
     kl_term: bool = True
     kl_aggregation: str = "token-mean"
     temperature: float = 1.0
+    token_selection: str = "all"
+    token_selection_fraction: float = 0.2
 
 
 def ppo_surrogate(

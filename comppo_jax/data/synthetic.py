@@ -4,11 +4,24 @@ A problem is a start value and k operations applied left to right, e.g. the prom
 "7 +5 *3 -4 =?\n" with the worked solution "7+5=12\n12*3=36\n36-4=32\nAnswer: 32". Values stay
 in [0, 999] (results are taken mod 1000), so every step is short and the answer is verifiable
 by math-verify. Deterministic by seed; solutions are included for a supervised warm-start.
+
+The warm start may teach mistakes (`noisy_solution`; 0 disables each):
+- `answer_noise`: the probability that an odd answer's `Answer:` line reads answer + 1 (the
+  scratchpad stays right, even answers are never touched). Above 1/2 the warm-started greedy policy
+  is systematically wrong on odd answers while sampling still finds the right one: one mistake, at
+  the end of the response, where broadcast credit is as precise as token credit.
+- `step_noise`: the probability that a step whose operand is one of `noisy_operands` writes its
+  result + 1, the chain going on from the wrong value. A long chain then holds several such
+  decisions, anywhere in the response, and one wrong one decides the outcome: the credit testbed
+  (configs/tiny_credit.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+
+import numpy as np
 
 from comppo_jax.data.datasets import Problem
 
@@ -40,3 +53,43 @@ def chained_arithmetic(
             Problem(" ".join(prompt) + " =?\n", str(value), f"arith-{seed}-{index}", "chained_arithmetic", solution)
         )
     return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    """The warm start's taught mistakes (module docstring): `answer_noise`, and `step_noise` on the
+    steps whose operand is a digit of `noisy_operands`."""
+
+    answer_noise: float = 0.0
+    step_noise: float = 0.0
+    noisy_operands: str = ""
+
+
+NO_NOISE = Noise()
+
+
+def _noisy_steps(solution: str, rng: np.random.Generator, noise: Noise) -> tuple[list[str], int]:
+    """The solution's step lines with step noise, each step reading the previous one's (possibly
+    wrong) result, and the chain's final value."""
+    lines, value = [], None
+    for line in solution.split("\n")[:-1]:
+        left, _ = line.split("=")
+        op_at = max(left.rfind(op) for op in OPERATIONS if left.rfind(op) > 0)
+        start, op, operand = (int(left[:op_at]) if value is None else value), left[op_at], int(left[op_at + 1 :])
+        result = {"+": start + operand, "-": start - operand, "*": start * operand}[op] % 1000
+        if str(operand) in noise.noisy_operands and rng.random() < noise.step_noise:
+            result = (result + 1) % 1000
+        lines.append(f"{start}{op}{operand}={result}")
+        value = result
+    return lines, int(value)
+
+
+def noisy_solution(problem, rng: np.random.Generator, noise: Noise) -> str:
+    """The worked solution with the taught mistakes of `noise` (module docstring)."""
+    if not noise.step_noise:
+        lines, answer = problem.solution.split("\n")[:-1], int(problem.answer)
+    else:
+        lines, answer = _noisy_steps(problem.solution, rng, noise)
+    if answer % 2 == 1 and rng.random() < noise.answer_noise:
+        answer += 1
+    return "\n".join(lines + [f"Answer: {answer}"])

@@ -50,7 +50,7 @@ from comppo_jax import storage
 from comppo_jax.runs.checkpoint import committed_steps
 from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
 
-KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora")
+KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines")
 SUMMARY_FILE = "summary.json"
 HELD_OUT_FILE = "held_out.json"  # written by launch/eval.py --held_out_problems
 _REFERENCE = re.compile(r"\{(mean_gate|gate_profile):([A-Za-z0-9_]+)\}")

@@ -389,4 +389,5 @@ REPORTS = {
     "statistics": lambda exp, outcome: comparison_report(exp, outcome, "gate statistics and controls"),
     "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants"),
     "lora": lambda exp, outcome: comparison_report(exp, outcome, "LoRA and full fine-tuning"),
+    "baselines": lambda exp, outcome: comparison_report(exp, outcome, "token-credit baselines"),
 }

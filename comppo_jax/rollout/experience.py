@@ -103,7 +103,8 @@ class RolloutSpec:
 @dataclasses.dataclass(frozen=True)
 class ScoringSpec:
     """What the scoring pass computes: the behaviour forward (`behaviour_pass`; the old log-probs
-    rescored or the sampler's), the hidden layers and routing width the critic reads, the gate."""
+    rescored or the sampler's), the hidden layers and routing width the critic reads, the gate, the future
+    attention influence's horizon the attention_anchor estimator reads."""
 
     temperature: float
     old_log_probs: str
@@ -113,6 +114,7 @@ class ScoringSpec:
     gate: GateSpec = GateSpec()
     packing: bool = False  # the policies run on packed rows (comppo_jax.models.packing)
     packing_min_saving: float = 0.0  # ... when that saves at least this fraction of the batch's rows
+    influence_horizon: tuple[int, int] | None = None  # the future attention influence's (H_lo, H_hi), or None
 
     def options(self) -> dict:
         """`score_rollout`'s keywords (all but the kernel backend)."""
@@ -122,6 +124,7 @@ class ScoringSpec:
             top_k=self.top_k,
             old_log_probs=self.old_log_probs,
             behaviour_pass=self.behaviour_pass,
+            influence_horizon=self.influence_horizon,
             **self.gate.options(),
         )
 

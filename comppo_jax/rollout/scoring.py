@@ -5,8 +5,9 @@ p_t = P + t - 2 (0-based: P - 1 + (t - 1)), so per-token arrays are the slice [P
 the sequence (docs/conventions.md, "Index conventions"). The pass yields the behaviour log-probs,
 the final layer's concentration H_t -> c_t -> kappa_t (paper eqs. herfindahl, cnorm,
 kappa_attention; the concentration kernel), the hidden states and top-K routing the TAC critic
-reuses, and the reference policy's log-probs. Everything is detached and stored with the
-rollout: kappa is fixed for all update epochs of the batch (paper section 3).
+reuses, the reference policy's log-probs and, for credit.estimator=attention_anchor, the future attention
+influence of each response token (comppo_jax.credit.attention_credit). Everything is detached and stored
+with the rollout: kappa is fixed for all update epochs of the batch (paper section 3).
 
 `old_log_probs="sampler"` takes the behaviour log-probs the sampler recorded instead of
 recomputing them (equal on CPU in float32, `tests/rollout`; on an accelerator they differ by the
@@ -25,6 +26,7 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from comppo_jax import sharding
 from comppo_jax.credit import GATE_STATISTICS, entropy_from_logits, retention_gate, statistic_concentration
+from comppo_jax.credit.attention_credit import future_attention_influence
 from comppo_jax.critic import Routing, window_topk
 from comppo_jax.models import ModelConfig, forward
 from comppo_jax.models.packing import Packing, gather_tokens, pack, unpack
@@ -52,6 +54,8 @@ class Rollout(NamedTuple):
     kappa: Float[Array, "B T"] | None  # retention gate kappa_t (of the gate_statistic's c_t)
     hidden_states: Float[Array, "K B L D"]  # the critic's fused layers (sequence coordinates), K = len(hidden_layers)
     routing: Routing | None  # TAC's top-K native-attention routing [B, L, K], or None
+    # FAI of each response token y_t, at its own position P + t - 1 (credit.attention_credit), or None
+    influence: Float[Array, "B T"] | None = None
 
 
 def response_positions(prompt_lengths: Int[Array, " B"], length: int) -> Int[Array, "B T"]:
@@ -314,6 +318,7 @@ def policy_token_stats(
         "behaviour_pass",
         "gate_statistic",
         "sink_tokens",
+        "influence_horizon",
     ),
 )
 def score_rollout(
@@ -335,6 +340,7 @@ def score_rollout(
     gate_statistic: str = "herfindahl",
     sink_tokens: int = DEFAULT_SINK_TOKENS,
     packing: Packing | None = None,
+    influence_horizon: tuple[int, int] | None = None,
 ) -> Rollout:
     """Scores a generation with the behaviour policy `params` (and `ref_params`, if given).
 
@@ -349,6 +355,9 @@ def score_rollout(
     behaviour forward; herfindahl, window_size and kappa are None.
     packing: the generation's sequences packed (comppo_jax.models.packing): both policies run on the
     packed rows; the Rollout is in the sequence layout all the same (hidden states and routing unpacked).
+    influence_horizon: (H_lo, H_hi) for the future attention influence of each response token of the
+    behaviour policy's final layer (`future_attention_influence`; credit.estimator=attention_anchor reads it),
+    or None: influence is None.
     """
     window_start = window_start_of(window, generation.prompt_lengths, packing)
     if old_log_probs not in OLD_LOG_PROBS:
@@ -358,6 +367,8 @@ def score_rollout(
             "behaviour_pass=False needs old_log_probs='sampler' and no critic features (hidden_layers=(), top_k=None), "
             f"got old_log_probs={old_log_probs!r}, hidden_layers={hidden_layers}, top_k={top_k}"
         )
+    if not behaviour_pass and influence_horizon is not None:
+        raise ValueError("influence_horizon reads the behaviour policy's attention: it needs behaviour_pass=True")
     mask = generation.attention_mask
     response_mask = generation.response_mask
     zero = lambda x: jnp.where(response_mask, x, jnp.zeros((), x.dtype))
@@ -402,7 +413,7 @@ def score_rollout(
         window_start,
         hidden_layers=with_final,
         concentration_backend=backend,
-        return_final_attention=top_k is not None,
+        return_final_attention=top_k is not None or influence_horizon is not None,
         compute_logits=False,
         concentration_statistics=extra_statistics(gate_statistic),
         sink_tokens=sink_tokens,
@@ -431,6 +442,17 @@ def score_rollout(
     routing: Routing | None = None
     if top_k is not None:
         routing = window_topk(*out.final_attention, rows_mask, window_start, top_k=top_k)
+    influence: Array | None = None
+    if influence_horizon is not None:
+        rows_influence = future_attention_influence(
+            *out.final_attention,
+            rows_mask,
+            window_start_of("response", generation.prompt_lengths, packing),
+            horizon=influence_horizon,
+            segment_ids=None if packing is None else packing.segment_ids,
+        )
+        # Read at each token's own position P + t - 1: the key the later tokens attend to.
+        influence = zero(read_response(rows_influence, generation.prompt_lengths + 1, length, packing))
     hidden_states = out.hidden_states[: len(hidden_layers)]
     if packing is not None:  # back to the sequence layout, the routed keys as positions in their sequences
         sequence_layout = lambda x: unpack(x, packing, generation.tokens.shape[1])
@@ -451,5 +473,6 @@ def score_rollout(
             zero(kappa),
             sharding.constrain_features(hidden_states),
             routing,
+            influence,
         )
     )

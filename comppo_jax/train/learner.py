@@ -55,16 +55,25 @@ class Scored(NamedTuple):
 
 class Signals(NamedTuple):
     """What credit reads of a rollout besides its batch: the policy's own gate kappa [B, T] (before the
-    control), the terminal rewards [B], the reward at each row's last token [B, T], the sampler's log-probs [B, T]."""
+    control), the terminal rewards [B], the reward at each row's last token [B, T], the sampler's log-probs [B, T],
+    the future attention influence [B, T] (attention_anchor's; None without it)."""
 
     kappa: Any
     rewards: Any
     reward_tokens: Any
     sampler_log_probs: Any
+    influence: Any = None
 
     @classmethod
     def of(cls, rollout, sampled: Sampled) -> Signals:
-        return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens, sampled.generation.log_probs)
+        generation = sampled.generation
+        return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens, generation.log_probs, rollout.influence)
+
+    def estimate(self, spec: registry.EstimatorSpec, response_tokens, values, kappa, mask):
+        """(advantages, returns) [B, T] of the estimator `spec` on these signals (`registry.estimate`)."""
+        return registry.estimate(
+            spec, self.rewards, self.reward_tokens, response_tokens, values, kappa, mask, self.influence
+        )
 
 
 def rollout_batch(sampled: Sampled, rollout, batch_shardings, packing: Packing | None = None) -> Minibatch:
@@ -116,9 +125,7 @@ def credit_fields(credit: CreditSpec, values_fn, critic, batch: Minibatch, signa
         values = zeros
     else:
         values = values_fn(critic, batch._replace(advantages=zeros, returns=zeros, old_values=zeros, **fields))
-    advantages, returns = registry.estimate(
-        credit.estimator, signals.rewards, signals.reward_tokens, values, kappa, mask
-    )
+    advantages, returns = signals.estimate(credit.estimator, batch.response_tokens, values, kappa, mask)
     return dict(fields, old_values=values, advantages=advantages, returns=returns), kappa
 
 
@@ -184,9 +191,7 @@ def refreshed_credit(
     and kappa_sequence; the gate's mean |change| from `kappa_before`). The learner runs it as one program."""
     mask = batch.response_mask
     kappa = controlled_gate(credit, signals.kappa, mask, gate_key(step_rng))
-    advantages, returns = registry.estimate(
-        credit.estimator, signals.rewards, signals.reward_tokens, batch.old_values, kappa, mask
-    )
+    advantages, returns = signals.estimate(credit.estimator, batch.response_tokens, batch.old_values, kappa, mask)
     advantages = clip_advantages(advantages, clip)
     for weight in weights:
         advantages = advantages * weight

@@ -49,6 +49,10 @@ POLICY_LOSSES = tuple(registry.POLICY_LOSSES)
 GATE_REFRESH = ("rollout", "epoch")
 KL_AGGREGATIONS = ("token-mean", "policy")
 PROXIMAL = ("behaviour", "recompute")  # train.proximal: the policy the PPO ratio is clipped against
+# config.credit.estimator: beyond the paper, an estimator in place of the method's own, and the method it fits.
+ESTIMATOR_METHODS = {"vapo": "ppo", "ktae": "grpo", "attention_anchor": "grpo"}
+ESTIMATORS = ("auto",) + tuple(ESTIMATOR_METHODS)
+TOKEN_SELECTIONS = ("all", "entropy_top")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,18 +61,27 @@ class Recipe:
 
     gate: str  # one of GATES, or "gamma" for PPO
     critic: str  # one of CRITICS
-    estimator: str  # a key of comppo_jax.credit.registry.ESTIMATORS: "comp_gae" | "gae" | "grpo"
+    estimator: str  # a key of comppo_jax.credit.registry.ESTIMATORS: "comp_gae" | "gae" | "grpo" | ...
 
 
-def recipe(method: str, gate: str = "attention", critic: str = "tac") -> Recipe:
+def recipe(method: str, gate: str = "attention", critic: str = "tac", estimator: str = "auto") -> Recipe:
     """The recipe of `method`; `gate` and `critic` apply to CompPO (its factorial and controls); PPO's
-    critic is the standard head unless `critic` is "full"."""
+    critic is the standard head unless `critic` is "full". `estimator` (config.credit.estimator)
+    replaces the method's own: a critic's (vapo) for PPO, a group's (ktae, attention_anchor) for GRPO."""
     if method not in METHODS:
         raise ValueError(f"config.method={method!r}; expected one of {METHODS}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"config.credit.estimator={estimator!r}; expected one of {ESTIMATORS}")
+    if estimator != "auto" and method not in ESTIMATOR_METHODS[estimator]:
+        raise ValueError(
+            f"config.credit.estimator={estimator!r} needs config.method={ESTIMATOR_METHODS[estimator]!r}, "
+            f"not {method!r}"
+        )
+    own = lambda name: name if estimator == "auto" else estimator
     if method == "grpo":
-        return Recipe(gate="none", critic="none", estimator="grpo")
+        return Recipe(gate="none", critic="none", estimator=own("grpo"))
     if method == "ppo":
-        return Recipe(gate="gamma", critic="full" if critic == "full" else "standard", estimator="gae")
+        return Recipe(gate="gamma", critic="full" if critic == "full" else "standard", estimator=own("gae"))
     if gate not in GATES:
         raise ValueError(f"config.gate={gate!r}; expected one of {GATES}")
     if critic not in ("tac", "standard", "full"):
@@ -78,9 +91,10 @@ def recipe(method: str, gate: str = "attention", critic: str = "tac") -> Recipe:
 
 def behaviour_pass(recipe: Recipe, old_log_probs: str) -> bool:
     """Whether the scoring pass runs the behaviour policy's forward: for rescored old log-probs,
-    the attention gate or the actor features a critic reads. GRPO, and PPO with the full value
-    model, with the sampler's log-probs read none of them."""
-    return old_log_probs == "rescore" or recipe.gate not in ("none", "gamma") or recipe.critic in ("tac", "standard")
+    the attention gate, the actor features a critic reads or the attention the attention_anchor
+    estimator reads. GRPO, and PPO with the full value model, with the sampler's log-probs read none of them."""
+    reads_attention = recipe.gate not in ("none", "gamma") or recipe.estimator == "attention_anchor"
+    return old_log_probs == "rescore" or reads_attention or recipe.critic in ("tac", "standard")
 
 
 def control_gate(recipe: Recipe, kappa, mask, rng, position_schedule=None, fixed_value: float = FIXED_GATE):

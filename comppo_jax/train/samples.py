@@ -64,13 +64,13 @@ def per_token_credit(credit, scored, sampled, rows: np.ndarray) -> dict[str, np.
         arrays["c"] = np.asarray(gate_concentration(jnp.asarray(arrays["kappa"]), **envelope))
     if recipe.gate in CONTROLLED_GATES:
         arrays["credit_kappa"] = host(scored.kappa)[rows]
-    if recipe.estimator == "grpo":
-        arrays["grpo"] = host(scored.batch.advantages)[rows]
+    if recipe.critic == "none":  # GRPO's broadcast advantages, or a group estimator's (ktae, attention_anchor)
+        arrays[recipe.estimator] = host(scored.batch.advantages)[rows]
     else:
         values, rewards = host(scored.batch.old_values)[rows], sampled.reward_tokens[rows]
         arrays["value"] = values
         # PPO: the policy's own gate, what CompPO would have read; CompPO: the gate its Comp-GAE read.
-        gate = arrays.get("kappa") if recipe.estimator == "gae" else host(scored.kappa)[rows]
+        gate = arrays.get("kappa") if recipe.gate == "gamma" else host(scored.kappa)[rows]
         if gate is not None:
             arrays["comp_gae"] = np.asarray(comp_gae(rewards, values, gate, mask, lam)[0])
         arrays["gae"] = np.asarray(gae(rewards, values, mask, 1.0, lam)[0])

@@ -171,6 +171,13 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         Field("learning_rate", 0.0, "warm-start AdamW learning rate"),
         Field("answer_noise", 0.0, "probability that an odd answer's warm-start Answer line reads answer + 1"),
         Field(
+            "step_noise",
+            0.0,
+            "probability that a warm-start step whose operand is in noisy_operands writes its result + 1 (the chain "
+            "goes on from it)",
+        ),
+        Field("noisy_operands", "", 'step_noise: the operands (digits) whose steps it hits, e.g. "789"'),
+        Field(
             "cache_dir",
             "",
             'where a warm-started policy is kept, keyed by everything it depends on ("": output_dir, for this run'
@@ -356,10 +363,42 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         ),
         Field("rollout_correction_cap", 2.0, "rollout_correction: the cap C on r (> 1)"),
         Field(
+            "token_selection",
+            "all",
+            "which tokens the policy gradient flows through: all | entropy_top (the train.token_selection_fraction "
+            "of a minibatch's tokens with the highest entropy under the current policy, Wang et al. 2025's 80/20)",
+        ),
+        Field("token_selection_fraction", 0.2, "token_selection=entropy_top: the share of tokens kept"),
+        Field(
             "rollout_correction_level",
             "token",
             "rollout_correction: token | sequence (r: its response's mean)",
         ),
+    ),
+    # Beyond the paper: advantage estimators published since it (docs/variants.md#token-credit-baselines).
+    "credit": (
+        Field(
+            "estimator",
+            "auto",
+            "auto (the method's own: comp_gae for comppo, gae for ppo, grpo for grpo) | vapo (ppo: VAPO's "
+            "length-adaptive GAE) | ktae (grpo: key-token advantages from the group's rollouts) | "
+            "attention_anchor (grpo: the advantage amplified on the tokens later tokens attend to most)",
+        ),
+        Field("vapo_alpha", 0.05, "vapo: the policy's lambda per response of length l is 1 - 1 / (alpha * l)"),
+        Field("vapo_critic_lam", 1.0, "vapo: the critic's targets' lambda, decoupled from the policy's"),
+        Field("ktae_fisher_weight", 1.0, "ktae: h1, the weight of Fisher's exact test in the key-token strength"),
+        Field("ktae_ig_weight", 1.0, "ktae: h2, the weight of the information gain in the key-token strength"),
+        Field("ktae_tf_weight", 1.0, "ktae: h3, the weight of the BM25 frequency ratio in the key-token direction"),
+        Field("ktae_scale", 1.0, "ktae: the key-token values lie in (-scale, scale), added to GRPO's advantage"),
+        Field(
+            "attention_anchor_fraction",
+            0.4,
+            "attention_anchor: q, the share of each response's tokens of highest future attention influence whose "
+            "advantage is amplified (Li et al. 2025's TopQ)",
+        ),
+        Field("attention_anchor_amplification", 1.5, "attention_anchor: gamma_amp, their advantage's factor"),
+        Field("attention_anchor_horizon_lo", 10, "attention_anchor: H_lo, the nearest later token counted in FAI"),
+        Field("attention_anchor_horizon_hi", 100, "attention_anchor: H_hi, the farthest later token counted in FAI"),
     ),
     "critic": (
         Field(

@@ -196,6 +196,8 @@ def actor_loss_of(cfg) -> ActorLoss:
         kl_term=kl_coefficient(cfg) > 0,
         kl_aggregation=aggregation if train.kl_aggregation == "policy" else "token-mean",
         temperature=cfg.rollout.temperature,
+        token_selection=train.token_selection,
+        token_selection_fraction=float(train.token_selection_fraction),
     )
 
 
@@ -215,7 +217,7 @@ def critic_epochs_first(cfg, made: Recipe) -> bool:
 
 def run_recipe(cfg) -> Recipe:
     """The config's recipe: its method, and for CompPO its gate control and critic."""
-    return recipe(cfg.method, cfg.gate, cfg.critic.kind)
+    return recipe(cfg.method, cfg.gate, cfg.critic.kind, cfg.credit.estimator)
 
 
 def steps_of(cfg, made: Recipe) -> Steps:
@@ -231,6 +233,27 @@ def gate_spec(cfg) -> GateSpec:
     )
 
 
+def estimator_spec(cfg, made: Recipe) -> EstimatorSpec:
+    """The estimator's settings: lambda, the group, GRPO's std and config.credit's."""
+    credit = cfg.credit
+    return EstimatorSpec(
+        made.estimator,
+        cfg.train.lam,
+        cfg.rollout.samples_per_prompt,
+        cfg.train.group_std_normalization,
+        vapo_alpha=credit.vapo_alpha,
+        vapo_critic_lam=credit.vapo_critic_lam,
+        anchor_fraction=credit.attention_anchor_fraction,
+        anchor_amplification=credit.attention_anchor_amplification,
+        anchor_horizon=(credit.attention_anchor_horizon_lo, credit.attention_anchor_horizon_hi),
+        ktae_fisher_weight=credit.ktae_fisher_weight,
+        ktae_ig_weight=credit.ktae_ig_weight,
+        ktae_tf_weight=credit.ktae_tf_weight,
+        ktae_scale=credit.ktae_scale,
+        ktae_end_tokens=tuple(cfg.model.arch.get("eos_token_ids", ())),
+    )
+
+
 def credit_spec(cfg, model_config) -> CreditSpec:
     """The config's credit: its recipe, the critic's features (only TAC's fused layers are checked
     against the model: no other critic reads them) and module, the estimator's settings."""
@@ -240,7 +263,7 @@ def credit_spec(cfg, model_config) -> CreditSpec:
     hidden_layers = fused_hidden_layers(n, cfg.critic.fused_layers) if tac else {"standard": (n,)}.get(made.critic, ())
     return CreditSpec(
         made,
-        EstimatorSpec(made.estimator, cfg.train.lam, cfg.rollout.samples_per_prompt, cfg.train.group_std_normalization),
+        estimator_spec(cfg, made),
         cfg.fixed_gate,
         gate_spec(cfg),
         position_schedule=load_position_schedule(cfg.position_schedule) if made.gate == "position" else None,
@@ -273,6 +296,7 @@ def experience_spec(cfg, credit: CreditSpec) -> ExperienceSpec:
             credit.gate,
             cfg.train.packing,
             cfg.train.packing_min_saving,
+            credit.estimator.anchor_horizon if credit.recipe.estimator == "attention_anchor" else None,
         ),
     )
 

@@ -22,7 +22,7 @@ from absl import logging
 
 from comppo_jax import sharding, storage
 from comppo_jax.data.datasets import encodable_problems, load_dapo_math
-from comppo_jax.data.synthetic import chained_arithmetic
+from comppo_jax.data.synthetic import Noise, chained_arithmetic
 from comppo_jax.data.tokenizers import load_tokenizer
 from comppo_jax.models import CheckpointError, ConfigError, load_policy, lora
 from comppo_jax.models.lora import LoraConfig
@@ -69,6 +69,8 @@ def warm_start_key(cfg) -> dict:
     """Everything the warm-started policy depends on (its cache key): not LoRA, whose adapters
     train on top of it, so runs of any rank share one warm start."""
     settings = {k: v for k, v in cfg.warm_start.to_dict().items() if k != "cache_dir"}
+    if not settings["step_noise"]:  # added later: off, the key (and so every kept warm start) is as before
+        del settings["step_noise"], settings["noisy_operands"]
     settings["length_bucket"] = LENGTH_BUCKET  # the padding changes the float sums
     model = {k: v for k, v in cfg.model.to_dict().items() if k != "lora"}
     return {"model": model, "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
@@ -92,7 +94,7 @@ def kept_warm_start(
             batch_size=cfg.warm_start.batch_size,
             learning_rate=cfg.warm_start.learning_rate,
             seed=cfg.seed,
-            answer_noise=cfg.warm_start.answer_noise,
+            noise=Noise(cfg.warm_start.answer_noise, cfg.warm_start.step_noise, cfg.warm_start.noisy_operands),
             progress=progress,
             check_stop=check_stop,
         ),

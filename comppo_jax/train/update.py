@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from comppo_jax.credit import kl_penalty, masked_mean, value_loss
+from comppo_jax.credit.losses import entropy_top_mask
 from comppo_jax.credit.registry import ActorLoss, surrogate
 from comppo_jax.critic import Routing, standard_value_head, value_model_values
 from comppo_jax.models import ModelConfig, lora
@@ -131,7 +132,8 @@ def _clip_and_apply(tx, params, opt_state, grads, learning_rate, max_norm, losse
 def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, loss: ActorLoss = ActorLoss()):
     """Clipped surrogate (`surrogate`) + kl_coef * low-variance KL to the reference policy, the KL
     aggregated as `loss.kl_aggregation`; without a KL term (`loss.kl_term=False`, DAPO) the
-    surrogate alone, and no kl_loss metric."""
+    surrogate alone, and no kl_loss metric. With `loss.token_selection="entropy_top"` the surrogate
+    counts only the minibatch's highest-entropy tokens under these params (`entropy_top_mask`)."""
     log_probs, entropy = policy_token_stats(
         cast_params(params, config.dtype),
         config,
@@ -143,7 +145,18 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, los
         batch.packing,
     )
     mask = batch.response_mask
-    policy_loss, stats = surrogate(loss, log_probs, batch.old_log_probs, batch.advantages, mask, clip)
+    on_tokens = functools.partial(surrogate, loss, log_probs, batch.old_log_probs, batch.advantages)
+    policy_loss, stats = on_tokens(mask, clip)
+    selection = {}
+    if loss.token_selection == "entropy_top":
+        # As Wang et al.'s code (2025): the surrogate aggregated over the kept tokens alone (a token-mean divides
+        # by their count); its clip fraction and ppo_kl, like the KL term below, still over every valid token.
+        kept, threshold = entropy_top_mask(entropy, mask, loss.token_selection_fraction)
+        policy_loss = on_tokens(kept, clip)[0]
+        selection = {
+            "token_selection/kept_fraction": masked_mean(kept.astype(jnp.float32), mask),
+            "token_selection/entropy_threshold": threshold,
+        }
     entropy = masked_mean(entropy, mask)
     metrics = {
         "policy_loss": policy_loss,
@@ -151,6 +164,7 @@ def actor_loss(params, config: ModelConfig, batch: Minibatch, clip, kl_coef, los
         "clip_fraction": stats["clip_fraction"],
         "clip_fraction_high": stats["clip_fraction_high"],
         "entropy": jax.lax.stop_gradient(entropy),
+        **selection,
     }
     if not loss.kl_term:
         return policy_loss, metrics

@@ -31,7 +31,17 @@ from comppo_jax.runs.outputs import parse_loggers
 from comppo_jax.sharding import AXES
 from comppo_jax.train import controller
 from comppo_jax.train.decode_layout import parse_tensor
-from comppo_jax.train.methods import GATE_REFRESH, GATES, KL_AGGREGATIONS, METHODS, POLICY_LOSSES, PROXIMAL
+from comppo_jax.train.methods import (
+    ESTIMATOR_METHODS,
+    ESTIMATORS,
+    GATE_REFRESH,
+    GATES,
+    KL_AGGREGATIONS,
+    METHODS,
+    POLICY_LOSSES,
+    PROXIMAL,
+    TOKEN_SELECTIONS,
+)
 from comppo_jax.train.schema import paper_config
 
 CRITIC_KINDS = ("tac", "standard", "full")
@@ -249,12 +259,34 @@ def _check_combinations(problems: _Problems, cfg) -> None:
             f"the decoupled objective weights per-token ratios; {cfg.train.policy_loss} clips a sequence "
             "ratio: pass --config.train.proximal=behaviour or --config.train.policy_loss=ppo",
         )
+    if cfg.train.token_selection != "all" and cfg.train.policy_loss != "ppo":
+        problems.add(
+            "train.token_selection",
+            "selects the tokens of the per-token PPO ratio (as its authors' code, for that loss only); "
+            f"{cfg.train.policy_loss}'s ratio is the mean over all of a response's tokens, which a selection would "
+            "either still move through the dropped tokens or redefine: pass --config.train.policy_loss=ppo or "
+            "--config.train.token_selection=all",
+        )
     if cfg.train.rollout_correction != "none" and cfg.rollout.old_log_probs != "rescore":
         problems.add(
             "train.rollout_correction",
             f"weighs the sampler -> scorer ratio, and with rollout.old_log_probs={cfg.rollout.old_log_probs!r} the "
             "old log-probs are the sampler's: pass --config.rollout.old_log_probs=rescore or "
             "--config.train.rollout_correction=none",
+        )
+    estimator = cfg.credit.estimator
+    if estimator != "auto" and cfg.method != ESTIMATOR_METHODS[estimator]:
+        problems.add(
+            "credit.estimator",
+            f"{estimator} replaces {ESTIMATOR_METHODS[estimator]}'s own advantages (method={cfg.method!r}): pass "
+            f"--config.method={ESTIMATOR_METHODS[estimator]} or --config.credit.estimator=auto",
+        )
+    if cfg.credit.attention_anchor_horizon_lo > cfg.credit.attention_anchor_horizon_hi:
+        problems.add(
+            "credit.attention_anchor_horizon_lo",
+            f"the future attention influence averages the attention of the tokens H_lo to H_hi after each one, and "
+            f"H_hi={cfg.credit.attention_anchor_horizon_hi}: pass --config.credit.attention_anchor_horizon_lo=<at most "
+            f"{cfg.credit.attention_anchor_horizon_hi}> or raise --config.credit.attention_anchor_horizon_hi",
         )
     if cfg.rollout.dynamic_sampling and cfg.rollout.samples_per_prompt < 2:
         problems.add(
@@ -291,6 +323,8 @@ ENUM_FIELDS = {
     "train.importance_weight_rule": IMPORTANCE_WEIGHT_RULES,
     "train.rollout_correction": ROLLOUT_CORRECTIONS,
     "train.rollout_correction_level": ROLLOUT_CORRECTION_LEVELS,
+    "credit.estimator": ESTIMATORS,
+    "train.token_selection": TOKEN_SELECTIONS,
 }
 COUNT = dict(low=1, integer=True)  # a positive whole number
 ZERO_OR_MORE = dict(low=0, integer=True)
@@ -306,6 +340,17 @@ NUMBER_FIELDS = {
     "train.importance_weight_cap": dict(low=1),
     "train.rollout_correction_cap": dict(low=1, low_open=True),
     "train.packing_min_saving": dict(low=0, high=1, high_open=True),
+    "credit.vapo_alpha": POSITIVE,
+    "credit.vapo_critic_lam": dict(low=0, high=1),
+    "credit.ktae_fisher_weight": dict(low=0),
+    "credit.ktae_ig_weight": dict(low=0),
+    "credit.ktae_tf_weight": dict(low=0),
+    "credit.ktae_scale": dict(low=0),
+    "credit.attention_anchor_fraction": dict(low=0, high=1, low_open=True),
+    "credit.attention_anchor_amplification": POSITIVE,
+    "credit.attention_anchor_horizon_lo": COUNT,
+    "credit.attention_anchor_horizon_hi": COUNT,
+    "train.token_selection_fraction": dict(low=0, high=1, low_open=True),
     "mesh.rollout_devices": ZERO_OR_MORE,
     "model.lora.rank": ZERO_OR_MORE,
     "model.lora.alpha": POSITIVE,

@@ -1,11 +1,9 @@
 """Supervised warm start on worked solutions (the tiny default's "imperfect but non-zero" policy).
 
 Cross-entropy of the solution tokens (and the EOS) given the prompt, token-mean over the batch,
-AdamW; the prompt tokens carry no loss. `answer_noise` is the probability that an odd answer's
-`Answer:` line reads answer + 1 (the scratchpad stays right, even answers are never touched).
-Above 1/2 the warm-started greedy policy is systematically wrong on odd answers while sampling
-still finds the right one, so RL has a verifiable mistake at the end of the response to fix in
-minutes on a CPU; 0 disables it.
+AdamW; the prompt tokens carry no loss. The solutions may carry taught mistakes
+(comppo_jax.data.synthetic.noisy_solution), which give RL something verifiable to fix in minutes on
+a CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import optax
 from absl import logging
 
 from comppo_jax import storage
+from comppo_jax.data.synthetic import NO_NOISE, Noise, noisy_solution
 from comppo_jax.data.tokenizers import pad_batch
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout import policy_token_stats
@@ -34,20 +33,12 @@ from pallas_kernels.common import round_up
 LENGTH_BUCKET = 16
 
 
-def noisy_solution(problem, rng: np.random.Generator, answer_noise: float) -> str:
-    """The worked solution; an odd answer's Answer line reads answer + 1 with probability answer_noise."""
-    if int(problem.answer) % 2 == 0 or rng.random() >= answer_noise:
-        return problem.solution
-    steps, _ = problem.solution.rsplit("\n", 1)
-    return f"{steps}\nAnswer: {int(problem.answer) + 1}"
-
-
-def supervised_batch(tokenizer, problems, rng: np.random.Generator, batch_size: int, answer_noise: float = 0.0):
+def supervised_batch(tokenizer, problems, rng: np.random.Generator, batch_size: int, noise: Noise = NO_NOISE):
     """(tokens, mask, prompt_lengths, response_tokens, response_mask) for random problems, right-padded
     to a multiple of `LENGTH_BUCKET` tokens."""
     chosen = [problems[i] for i in rng.integers(0, len(problems), batch_size)]
     prompts = [tokenizer.encode_prompt(p.prompt) for p in chosen]
-    responses = [tokenizer.encode(noisy_solution(p, rng, answer_noise)) + [tokenizer.eos_token_id] for p in chosen]
+    responses = [tokenizer.encode(noisy_solution(p, rng, noise)) + [tokenizer.eos_token_id] for p in chosen]
     rows = [p + r for p, r in zip(prompts, responses)]
     bucketed = lambda lists: round_up(max(map(len, lists)), LENGTH_BUCKET)
     tokens, mask = pad_batch(rows, tokenizer.pad_token_id, side="right", length=bucketed(rows))
@@ -81,7 +72,7 @@ def warm_start(
     batch_size: int,
     learning_rate: float,
     seed: int,
-    answer_noise: float = 0.0,
+    noise: Noise = NO_NOISE,
     progress: bool = False,
     check_stop=None,
 ):
@@ -99,7 +90,7 @@ def warm_start(
         params, opt_state, loss = supervised_step(
             params,
             opt_state,
-            supervised_batch(tokenizer, problems, rng, batch_size, answer_noise),
+            supervised_batch(tokenizer, problems, rng, batch_size, noise),
             config=config,
             tx=tx,
         )

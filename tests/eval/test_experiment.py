@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -14,7 +15,8 @@ import pytest
 from comppo_jax.eval import experiment as ex
 from comppo_jax.eval.report import factorial_report, main_report, stress_report
 from comppo_jax.eval.statistics import factorial_interaction
-from configs import experiments, experiments_tiny
+from comppo_jax.train.validation import validate_config
+from configs import experiments, experiments_credit, experiments_tiny
 
 
 def test_grid_cells_and_stress_expansion():
@@ -48,6 +50,49 @@ def test_every_arm_has_a_matched_actor_update_budget(name):
             "train.critic_warmup_counts_toward_steps=False" in overrides
             for _, overrides in ex.arms_of(definitions.get_config(name))
         )
+
+
+def _overridden(base_config: str, overrides) -> object:
+    """`base_config` with "key=value" overrides typed as the fields they replace (launch/train.py's flags)."""
+    spec = importlib.util.spec_from_file_location("base_config", base_config)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    for override in overrides:
+        key, value = override.split("=", 1)
+        *parents, name = key.split(".")
+        node = cfg
+        for parent in parents:
+            node = node[parent]
+        current = node[name]
+        typed = {bool: lambda v: v == "True", int: int, float: float}.get(type(current), str)
+        node[name] = typed(value)
+    return cfg
+
+
+EXPERIMENT_NAMES = {
+    experiments: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines"),
+    experiments_tiny: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora"),
+    experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora"),
+}
+
+
+@pytest.mark.parametrize(
+    "definitions, name",
+    [(definitions, name) for definitions, names in EXPERIMENT_NAMES.items() for name in names],
+    ids=lambda x: x if isinstance(x, str) else x.__name__.split(".")[-1],
+)
+def test_every_arm_of_every_experiment_is_a_valid_config(definitions, name):
+    exp = definitions.get_config(name)
+    for _, overrides in ex.arms_of(exp):
+        if any("{gate_profile:" in o for o in overrides):  # a file another run writes
+            continue
+        overrides = tuple(re.sub(r"\{mean_gate:\w+\}", "0.6", o) for o in overrides)
+        cfg = _overridden(exp.base_config, tuple(exp.overrides) + overrides)
+        if cfg.model.path_required:  # the paper-scale presets need the user's model.path and data.path
+            cfg.model.path_required = False
+            cfg.data.update(kind="synthetic", train_size=8, dev_size=4, min_steps=1, max_steps=2, operations="+")
+        validate_config(cfg)
 
 
 def test_identical_runs_share_a_directory_whatever_the_arm_or_order():

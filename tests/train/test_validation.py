@@ -177,6 +177,11 @@ CASES = {
         r"config\.train\.proximal='recompute': the decoupled objective weights per-token "
         r"ratios; gspo_token clips a sequence ratio",
     ),
+    "entropy token selection on a sequence ratio": (
+        assign(method="grpo", train__token_selection="entropy_top", train__policy_loss="gspo"),
+        r"config\.train\.token_selection='entropy_top': selects the tokens of the per-token PPO ratio .* gspo's "
+        r"ratio is the mean .* pass --config\.train\.policy_loss=ppo or --config\.train\.token_selection=all",
+    ),
     "importance weight cap below one": (
         assign(train__importance_weight_cap=0.5),
         r"config\.train\.importance_weight_cap=0\.5: must be >= 1",
@@ -188,6 +193,15 @@ CASES = {
     "unknown rollout correction level": (
         assign(train__rollout_correction_level="response"),
         r"config\.train\.rollout_correction_level='response': expected one of \('token', 'sequence'\)",
+    ),
+    "inverted attention-anchor horizon": (
+        assign(method="grpo", credit__estimator="attention_anchor", credit__attention_anchor_horizon_lo=200),
+        r"config\.credit\.attention_anchor_horizon_lo=200: the future attention influence averages .* H_hi=100: "
+        r"pass --config\.credit\.attention_anchor_horizon_lo=<at most 100>",
+    ),
+    "negative ktae weight": (
+        assign(method="grpo", credit__estimator="ktae", credit__ktae_ig_weight=-1.0),
+        r"config\.credit\.ktae_ig_weight=-1\.0: must be >= 0; pass --config\.credit\.ktae_ig_weight=<a value >= 0>",
     ),
     "rollout correction cap of one": (
         assign(train__rollout_correction_cap=1.0),

@@ -1,0 +1,51 @@
+"""The credit testbed's experiments (configs/tiny_credit.py): where token credit decides the outcome.
+
+    python launch/experiment.py --experiment=configs/experiments_credit.py:discrimination --root=runs/credit --jobs=2
+
+Names:
+- discrimination: PPO (GAE: token credit from a critic) beside GRPO (one advantage broadcast over the
+  response). The testbed is only evidence if these two separate beyond seed noise; run it first.
+- baselines, factorial, controls: configs/experiments.py's, on the testbed; lora: its CompPO arms.
+Five seeds (0-4) per arm; 40 actor updates; a dev evaluation every 5. docs/results_credit.md reports the runs.
+"""
+
+import importlib.util
+import os
+
+_spec = importlib.util.spec_from_file_location(
+    "comppo_experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments.py")
+)
+experiments = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(experiments)
+
+SEEDS = (0, 1, 2, 3, 4)
+TESTBED = ("steps=40", "train.eval_every=5", "checkpoint.every=20")
+# The testbed's sizes for what configs/experiments.py sets at paper scale: VAPO's value pretraining (50 steps
+# there), LoRA at rank 8 of width 128 and 10x the full fine-tuning learning rate (as configs/experiments_tiny.py).
+SCALED = {"train.critic_warmup_steps": "6", "model.lora.rank": "8", "model.lora.alpha": "16", "train.actor_lr": "1e-4"}
+
+
+def scaled(overrides):
+    return tuple(f"{o.split('=')[0]}={SCALED[o.split('=')[0]]}" if o.split("=")[0] in SCALED else o for o in overrides)
+
+
+def get_config(name: str):
+    if name == "discrimination":
+        exp = experiments.experiment(
+            "discrimination", "baselines", [("ppo", ("method=ppo",)), ("grpo", ("method=grpo",))]
+        )
+    else:
+        exp = experiments.get_config(name)
+        exp.arms = tuple((arm, scaled(overrides)) for arm, overrides in exp.arms)
+    exp.base_config = "configs/tiny_credit.py"
+    exp.overrides = TESTBED + tuple(exp.overrides)
+    exp.seeds = SEEDS
+    exp.last = 4
+    exp.held_out_problems = min(exp.held_out_problems, 16)
+    if name == "factorial":
+        exp.target = 0.5
+    if name == "baselines":  # DAPO's overlong buffer inside the testbed's responses (176 tokens)
+        exp.overrides += ("reward.overlong_buffer=16",)
+    if name == "lora":  # CompPO's intrinsic signal under LoRA; GRPO reads none
+        exp.arms = tuple((arm, overrides) for arm, overrides in exp.arms if arm.startswith("comppo"))
+    return exp
