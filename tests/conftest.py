@@ -602,7 +602,8 @@ def stand_in_batch(cfg, recipe, *, lengths=(10, 7, 10, 3), seed=0):
         host_lengths=lengths.astype(np.int32),
     )
     credit_kappa = np.asarray(control_gate(recipe, kappa, mask, jax.random.key(seed), fixed_value=cfg.fixed_gate))
-    advantages = np.asarray(grpo_advantages(rewards, group, mask)) if recipe.estimator == "grpo" else None
+    # The actor's advantages, which the kept responses read where no paper estimator of theirs recomputes them.
+    advantages = np.asarray(grpo_advantages(rewards, group, mask)) + rng.normal(0, 0.1, (batch, length)) * mask
     scored = SimpleNamespace(
         rollout=SimpleNamespace(kappa=kappa, herfindahl=rng.uniform(0, 1, (batch, length)) * mask, window_size=window),
         kappa=credit_kappa,

@@ -48,12 +48,22 @@ PAGE_TEMPLATE = "run_report.html"  # the page's markup, style and script, beside
 LUT_SIZE = 256
 KAPPA_COLORMAP, ADVANTAGE_COLORMAP = "viridis", "RdBu"
 PHASE_COLORS = {"stable": "#4c9a2a", "warning": "#e3b505", "strong": "#e07b00", "hard_stop": "#c0392b"}
-# The estimator whose advantage a run updated with -> the one shown beside it (None: GRPO has no values).
-COMPARED = {"comp_gae": "gae", "gae": "comp_gae", "grpo": None}
+# The estimator whose advantage a run updated with -> the one shown beside it (None: no critic, no values).
+COMPARED = {
+    "comp_gae": "gae",
+    "gae": "comp_gae",
+    "vapo": "gae",
+    "grpo": None,
+    "ktae": None,
+    "attention_anchor": None,
+}
 ESTIMATOR_NAMES = {
     "comp_gae": "Comp-GAE (eq. comp_gae)",
     "gae": "GAE, kappa = gamma = 1 (eq. stdgae)",
+    "vapo": "VAPO (length-adaptive GAE, whitened)",
     "grpo": "GRPO (group-relative)",
+    "ktae": "KTAE (group-relative + key-token values)",
+    "attention_anchor": "attention-anchor credit (group-relative, amplified)",
 }
 
 

@@ -74,6 +74,8 @@ def per_token_credit(credit, scored, sampled, rows: np.ndarray) -> dict[str, np.
         if gate is not None:
             arrays["comp_gae"] = np.asarray(comp_gae(rewards, values, gate, mask, lam)[0])
         arrays["gae"] = np.asarray(gae(rewards, values, mask, 1.0, lam)[0])
+        if recipe.estimator not in arrays:  # an estimator beyond the paper's (vapo): the advantages it gave the actor
+            arrays[recipe.estimator] = host(scored.batch.advantages)[rows]
     return {name: np.where(mask, array, 0) for name, array in arrays.items()}
 
 

@@ -95,3 +95,21 @@ def test_a_long_response_keeps_its_first_and_last_tokens_and_a_file_round_trips_
     records, unreadable = load_samples(str(tmp_path))
     assert records == [json.loads(open(path).read())]
     assert len(unreadable) == 1 and "step_000003.json" in unreadable[0]
+
+
+@pytest.mark.parametrize(
+    "method, estimator, shown_beside",
+    [("ppo", "vapo", "gae"), ("grpo", "ktae", None), ("grpo", "attention_anchor", None)],
+)
+def test_an_estimator_beyond_the_paper_keeps_the_advantages_it_gave_the_actor_and_the_run_page_reads_them(
+    tmp_path, method, estimator, shown_beside
+):
+    from comppo_jax.eval.run_report import COMPARED, sample_problem
+
+    _, _, scored, record = kept(tmp_path, method=method, credit__estimator=estimator)
+    assert record["estimator"] == estimator and sample_problem(record) is None
+    assert COMPARED[estimator] == shown_beside
+    for response in record["responses"]:
+        tokens, length = response["tokens"], response["length"]
+        np.testing.assert_allclose(tokens[estimator], scored.batch.advantages[response["row"], :length], atol=1e-5)
+        assert shown_beside is None or shown_beside in tokens
