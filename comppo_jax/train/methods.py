@@ -72,7 +72,7 @@ def recipe(method: str, gate: str = "attention", critic: str = "tac", estimator:
         raise ValueError(f"config.method={method!r}; expected one of {METHODS}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"config.credit.estimator={estimator!r}; expected one of {ESTIMATORS}")
-    if estimator != "auto" and method not in ESTIMATOR_METHODS[estimator]:
+    if estimator != "auto" and method != ESTIMATOR_METHODS[estimator]:
         raise ValueError(
             f"config.credit.estimator={estimator!r} needs config.method={ESTIMATOR_METHODS[estimator]!r}, "
             f"not {method!r}"

@@ -53,6 +53,16 @@ def test_bad_switches_are_named():
         recipe("comppo", "random")
     with pytest.raises(ValueError, match=r"config.critic.kind='none'"):
         recipe("comppo", "attention", "none")
+    with pytest.raises(ValueError, match=r"config.credit.estimator='vapo' needs config.method='ppo', not 'grpo'"):
+        recipe("grpo", estimator="vapo")
+    with pytest.raises(ValueError, match=r"config.credit.estimator='ktae' needs config.method='grpo', not 'ppo'"):
+        recipe("ppo", estimator="ktae")
+
+
+def test_an_estimator_beyond_the_paper_replaces_its_method_s_own_and_keeps_its_gate_and_critic():
+    assert recipe("ppo", estimator="vapo") == Recipe(gate="gamma", critic="standard", estimator="vapo")
+    assert recipe("grpo", estimator="ktae") == Recipe(gate="none", critic="none", estimator="ktae")
+    assert recipe("grpo", estimator="attention_anchor").estimator == "attention_anchor"
 
 
 def test_control_gates():
