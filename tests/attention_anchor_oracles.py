@@ -57,3 +57,22 @@ def grpo(rewards, group, eps=1e-6) -> np.ndarray:
     std = r.std(1, ddof=1, keepdims=True)
     tied = (r == r[:, :1]).all(1, keepdims=True)
     return np.where(tied, 0.0, centred / (std + eps)).ravel()
+
+
+def materialized_influence(params, config, generation, response_lengths, horizon, width) -> np.ndarray:
+    """`token_influence` [B, width] of a generation, from the final layer's attention materialized by a forward
+    pass of `params` (the model under test's own queries and keys)."""
+    from comppo_jax.models import forward
+
+    out = forward(
+        params,
+        config,
+        generation.tokens,
+        generation.attention_mask,
+        generation.prompt_lengths,
+        hidden_layers=(),
+        return_final_attention=True,
+        compute_logits=False,
+    )
+    attention = head_mean_attention(out.final_attention.q, out.final_attention.k, generation.attention_mask)
+    return token_influence(attention, np.asarray(generation.prompt_lengths), response_lengths, horizon, width)

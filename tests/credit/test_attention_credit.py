@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import packed_batches
 import pytest
-from attention_anchor_oracles import anchors, grpo, head_mean_attention, token_influence
+from attention_anchor_oracles import anchors, grpo, materialized_influence
 from conftest import small_train_config
 
 from comppo_jax.credit.attention_credit import anchor_tokens, attention_anchor_credit
 from comppo_jax.credit.registry import EstimatorSpec, estimate
 from comppo_jax.data.rewards import terminal_reward_tokens
-from comppo_jax.models import ModelConfig, forward, init_params
+from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout import score_rollout
 from comppo_jax.rollout.experience import Sampled
 from comppo_jax.train.learner import Learner, Offload, Signals, rollout_batch
@@ -124,20 +124,8 @@ def test_the_train_loop_s_credit_is_the_hand_computation(tmp_path):
     clip = 100.0
     advantages = learner.credit(None, batch, Signals.of(rollout, sampled), jax.random.PRNGKey(1), clip)[2]
 
-    out = forward(
-        params,
-        CONFIG,
-        generation.tokens,
-        generation.attention_mask,
-        generation.prompt_lengths,
-        hidden_layers=(),
-        return_final_attention=True,
-        compute_logits=False,
-    )
-    attention = head_mean_attention(out.final_attention.q, out.final_attention.k, generation.attention_mask)
     lengths = host_mask.sum(1)
-    prompts = np.asarray(generation.prompt_lengths)
-    influence = token_influence(attention, prompts, lengths, (10, 100), host_mask.shape[1])
+    influence = materialized_influence(params, CONFIG, generation, lengths, (10, 100), host_mask.shape[1])
     np.testing.assert_allclose(rollout.influence, influence, rtol=1e-4, atol=1e-7)
     gamma = 1.0 + 0.5 * anchors(influence, lengths, 0.4, 10)
     expected = np.where(host_mask, grpo(rewards, 4)[:, None] * gamma, 0.0)

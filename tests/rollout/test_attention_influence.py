@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import packed_batches
 import pytest
-from attention_anchor_oracles import fai, head_mean_attention, token_influence
+from attention_anchor_oracles import fai, head_mean_attention, materialized_influence
 
 from comppo_jax.credit.attention_credit import future_attention_influence
-from comppo_jax.models import ModelConfig, forward, init_params
+from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout import score_rollout
 from pallas_kernels import attention_with_concentration
 
@@ -70,20 +70,8 @@ def test_the_scoring_pass_reads_each_response_token_s_influence(packed):
     rollout = score_rollout(
         params, None, CONFIG, generation, top_k=None, backend="reference", influence_horizon=horizon, packing=packing
     )
-    prompts = np.asarray(generation.prompt_lengths)
-    out = forward(
-        params,
-        CONFIG,
-        generation.tokens,
-        generation.attention_mask,
-        generation.prompt_lengths,
-        hidden_layers=(),
-        return_final_attention=True,
-        compute_logits=False,
-    )
-    attention = head_mean_attention(out.final_attention.q, out.final_attention.k, generation.attention_mask)
     lengths = np.asarray(generation.response_mask).sum(1)
-    expected = token_influence(attention, prompts, lengths, horizon, generation.response_mask.shape[1])
+    expected = materialized_influence(params, CONFIG, generation, lengths, horizon, generation.response_mask.shape[1])
     np.testing.assert_allclose(rollout.influence, expected, rtol=1e-4, atol=1e-7)
     # The long row's early tokens see their whole horizon, its last two none: they are 0, as is padding.
     assert np.all(expected[0, : lengths[0] - 2] > 0) and np.all(expected[0, lengths[0] - 2 :] == 0)
