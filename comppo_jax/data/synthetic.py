@@ -64,6 +64,11 @@ class Noise:
     step_noise: float = 0.0
     noisy_operands: str = ""
 
+    @classmethod
+    def of(cls, warm_start) -> Noise:
+        """The noise a config's `warm_start` section asks for."""
+        return cls(warm_start.answer_noise, warm_start.step_noise, warm_start.noisy_operands)
+
 
 NO_NOISE = Noise()
 

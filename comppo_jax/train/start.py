@@ -94,7 +94,7 @@ def kept_warm_start(
             batch_size=cfg.warm_start.batch_size,
             learning_rate=cfg.warm_start.learning_rate,
             seed=cfg.seed,
-            noise=Noise(cfg.warm_start.answer_noise, cfg.warm_start.step_noise, cfg.warm_start.noisy_operands),
+            noise=Noise.of(cfg.warm_start),
             progress=progress,
             check_stop=check_stop,
         ),

@@ -54,7 +54,7 @@ def test_step_noise_writes_noisy_operands_steps_wrong_at_its_rate_and_the_chain_
     cfg = preset("tiny_credit")
     train, _ = load_problems(cfg.data, seed=0)
     ws = cfg.warm_start
-    noise = Noise(ws.answer_noise, ws.step_noise, ws.noisy_operands)
+    noise = Noise.of(ws)
     rng = np.random.default_rng(0)
     noisy_steps = wrong_steps = 0
     for problem in train[:600]:
