@@ -44,8 +44,10 @@ def get_config(name: str):
     exp.held_out_problems = min(exp.held_out_problems, 16)
     if name == "factorial":
         exp.target = 0.5
-    if name == "baselines":  # DAPO's overlong buffer inside the testbed's responses (176 tokens)
-        exp.overrides += ("reward.overlong_buffer=16",)
+    if name == "baselines":  # DAPO's overlong buffer inside the testbed's responses (176 tokens), on its arms
+        # only, so the arms without it are the same runs as discrimination's and factorial's (same config)
+        dapo = lambda overrides: "reward.length_penalty=overlong" in overrides
+        exp.arms = tuple((arm, o + ("reward.overlong_buffer=16",) if dapo(o) else o) for arm, o in exp.arms)
     if name == "lora":  # CompPO's intrinsic signal under LoRA; GRPO reads none
         exp.arms = tuple((arm, overrides) for arm, overrides in exp.arms if arm.startswith("comppo"))
     return exp
