@@ -53,11 +53,19 @@ KEY_BLOCKS_SCOPE = "window_key_blocks"
 BLOCK_Q, BLOCK_K = 128, 512
 
 
+def row_blocks(length: int, block_q: int, block_k: int) -> tuple[int, int, int]:
+    """(block_q, block_k, padded length) of `window_topk` on rows of `length` tokens: blocks no longer
+    than the row needs, the key block a multiple of the query block where it is cut to the row, so the
+    row pads to at most one key block (lcm(128, 232) would pad a 230-token row to 3712)."""
+    block_q = min(block_q, round_up(length, 8))
+    block_k = min(block_k, round_up(length, block_q))
+    return block_q, block_k, round_up(length, math.lcm(block_q, block_k))
+
+
 def mean_key_blocks(length: int, window_start: int, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> float:
     """Key blocks `window_topk` visits per query block, averaged over the query blocks of a row of
     `length` tokens whose window starts at `window_start` (its loop bound is data-dependent)."""
-    block_q, block_k = min(block_q, round_up(length, 8)), min(block_k, round_up(length, 8))
-    padded = round_up(length, math.lcm(block_q, block_k))
+    block_q, block_k, padded = row_blocks(length, block_q, block_k)
     first = min(window_start // block_k, padded // block_k)
     visits = [max(0, (q * block_q + block_q - 1) // block_k + 1 - first) for q in range(padded // block_q)]
     return sum(visits) / len(visits)
@@ -76,8 +84,7 @@ def window_topk(q, k, lse, attention_mask, window_start, *, top_k=64, block_q=BL
     batch, length, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    block_q, block_k = min(block_q, round_up(length, 8)), min(block_k, round_up(length, 8))
-    padded = round_up(length, math.lcm(block_q, block_k))
+    block_q, block_k, padded = row_blocks(length, block_q, block_k)
     pad = padded - length
     q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))

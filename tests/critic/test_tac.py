@@ -20,6 +20,7 @@ from comppo_jax.critic import (
     standard_value_head,
     window_topk,
 )
+from comppo_jax.critic.routing import BLOCK_K, BLOCK_Q, row_blocks
 from comppo_jax.models import ModelConfig, forward, init_params, load_config_file, preset_model_config
 from comppo_jax.models.loading import PRESET_DIR
 from pallas_kernels import attention_with_concentration
@@ -85,6 +86,25 @@ def test_blockwise_top_k_equals_dense_top_k(top_k, blocks):
     np.testing.assert_array_equal(
         jnp.where(routing.valid[..., :width], routing.indices[..., :width], -1),
         jnp.where(routing.valid[..., :width], expected_index, -1),
+    )
+
+
+@pytest.mark.parametrize("length", [30, 200, 230, 511, 513, 1000, 4097])
+def test_a_row_pads_to_less_than_one_key_block(length):
+    # The blocks' least common multiple once padded a 230-token row to 3712 (16x the work).
+    block_q, block_k, padded = row_blocks(length, BLOCK_Q, BLOCK_K)
+    assert padded % block_q == padded % block_k == 0 and padded - length < block_k
+
+
+def test_blockwise_top_k_at_a_length_no_block_divides_equals_dense_top_k():
+    q, k, mask = random_attention_inputs(1, lengths=(230, 141))
+    window_start = jnp.asarray([48, 20], jnp.int32)
+    routing = window_topk(q, k, lse_of(q, k, mask, window_start), mask, window_start, top_k=16)
+    dense, in_window = dense_window_attention(q, k, mask, window_start)
+    expected, expected_index = jax.lax.top_k(jnp.where(in_window, dense, -1.0), 16)
+    np.testing.assert_allclose(routing.weights, jnp.where(routing.valid, expected, 0.0), atol=1e-6)
+    np.testing.assert_array_equal(
+        jnp.where(routing.valid, routing.indices, -1), jnp.where(routing.valid, expected_index, -1)
     )
 
 
