@@ -9,6 +9,7 @@ agrees to a few bf16 ulps (rtol 2^-5, atol 2^-6; measured up to 2 ulps).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,9 @@ from hypothesis import strategies as st
 from comppo_jax import normalized_concentration
 from comppo_jax.credit import statistic_concentration
 from pallas_kernels import STATISTICS, attention_with_concentration, default_backend, window_sizes
+from pallas_kernels.common import round_up
 from pallas_kernels.gpu import attention_with_concentration_gpu
-from pallas_kernels.tpu import attention_with_concentration_tpu
+from pallas_kernels.tpu import attention_with_concentration_tpu, default_block_sizes
 
 BLOCKWISE = {
     "interpret": functools.partial(attention_with_concentration_tpu, interpret=True),
@@ -87,6 +89,18 @@ def test_default_blocks_and_left_padding_match_reference():
     np.testing.assert_allclose(out, expected_out, atol=1e-5)
     np.testing.assert_allclose(herfindahl, expected_h, atol=1e-5)
     np.testing.assert_array_equal(window_size, expected_n)
+
+
+@pytest.mark.parametrize("length", [230, 300, 600, 1100, 16384])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,itemsize", [(4, 2, 32, 4), (16, 8, 128, 4), (32, 8, 128, 2)])
+@pytest.mark.parametrize("lane_multiple", [8, 128])  # interpret, tpu
+def test_default_blocks_pad_a_row_to_less_than_one_key_block(
+    length, heads, kv_heads, head_dim, itemsize, lane_multiple
+):
+    # Blocks clamped to the row apart once padded a 230-token row to lcm(128, 232) = 3712.
+    block_q, block_k = default_block_sizes(length, heads, kv_heads, head_dim, itemsize, lane_multiple=lane_multiple)
+    padded = round_up(length, math.lcm(block_q, block_k))
+    assert block_k % block_q == 0 and padded - length < block_k
 
 
 def property_lengths(length: int) -> tuple[int, ...]:
