@@ -91,6 +91,15 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def cut_blocks(length: int, block_q: int, block_k: int, multiple: int) -> tuple[int, int]:
+    """(block_q, block_k) cut to a row of `length` tokens rounded up to `multiple`, the key block (where
+    cut) to a multiple of the query block, so the row pads to their lcm by less than one key block (cut
+    to the row apart, lcm(128, 232) would pad a 230-token row to 3712)."""
+    whole = round_up(length, multiple)
+    block_q = min(block_q, whole)
+    return block_q, min(block_k, round_up(whole, block_q))
+
+
 def window_sizes(
     attention_mask: Bool[Array, "B L"], window_start: Int[Array, " B"] | Int[Array, "B L"]
 ) -> Int[Array, "B L"]:

@@ -51,6 +51,7 @@ from pallas_kernels.common import (
     block_minimum,
     check_attention_inputs,
     check_statistics,
+    cut_blocks,
     finish_statistics,
     merge_partials,
     partial_names,
@@ -89,14 +90,11 @@ def default_block_sizes(
     lane_multiple: int = LANES,
     partials: int = 2,
 ) -> tuple[int, int]:
-    """Largest (block_q, block_k) whose program fits VMEM_BUDGET_BYTES; small L gets one block. A key
-    block cut to the row stays a multiple of the query block, so a row pads to less than one key block
-    (lcm(128, 232) would pad a 230-token row to 3712)."""
-    whole = round_up(length, lane_multiple)
+    """Largest (block_q, block_k) whose program fits VMEM_BUDGET_BYTES, cut to the row (`cut_blocks`):
+    small L gets one block."""
     candidates = ((256, 512), (128, 512), (128, 256), (128, 128), (64, 256), (64, 128), (32, 128), (16, 128), (8, 128))
     for block_q, block_k in candidates:
-        block_q = min(block_q, whole)
-        block_k = min(block_k, round_up(whole, block_q))
+        block_q, block_k = cut_blocks(length, block_q, block_k, lane_multiple)
         if vmem_bytes(num_heads, num_kv_heads, head_dim, itemsize, block_q, block_k, partials) <= VMEM_BUDGET_BYTES:
             return block_q, block_k
     raise ValueError(

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import query_window_start, round_up
+from pallas_kernels.common import cut_blocks, query_window_start, round_up
 
 
 class Routing(NamedTuple):
@@ -54,11 +54,9 @@ BLOCK_Q, BLOCK_K = 128, 512
 
 
 def row_blocks(length: int, block_q: int, block_k: int) -> tuple[int, int, int]:
-    """(block_q, block_k, padded length) of `window_topk` on rows of `length` tokens: blocks no longer
-    than the row needs, the key block a multiple of the query block where it is cut to the row, so the
-    row pads to at most one key block (lcm(128, 232) would pad a 230-token row to 3712)."""
-    block_q = min(block_q, round_up(length, 8))
-    block_k = min(block_k, round_up(length, block_q))
+    """(block_q, block_k, padded length) of `window_topk` on rows of `length` tokens: the blocks cut
+    to the row (`cut_blocks`), the row padded to their lcm."""
+    block_q, block_k = cut_blocks(length, block_q, block_k, 8)
     return block_q, block_k, round_up(length, math.lcm(block_q, block_k))
 
 
