@@ -95,6 +95,24 @@ def test_every_arm_of_every_experiment_is_a_valid_config(definitions, name):
         validate_config(cfg)
 
 
+def test_the_credit_testbed_runs_each_shared_arm_once():
+    """The baselines' GRPO and PPO are the discrimination runs, and full CompPO one set of runs for the
+    baselines, factorial, controls and lora: DAPO's overlong buffer rides on the DAPO arms alone."""
+    runs = lambda name, arm: {
+        ex.Run(arm, seed, exp.base_config, overrides + (f"seed={seed}",)).key
+        for exp in [experiments_credit.get_config(name)]
+        for label, overrides in ex.arms_of(exp)
+        if label == arm
+        for seed in exp.seeds
+    }
+    for arm in ("grpo", "ppo"):
+        assert runs("baselines", arm) == runs("discrimination", arm) and len(runs("baselines", arm)) == 5
+    full = runs("factorial", "full")
+    assert runs("baselines", "comppo") == runs("controls", "full") == runs("lora", "comppo") == full
+    dapo = experiments_credit.get_config("baselines")
+    assert all(("reward.overlong_buffer=16" in o) == ("dapo" in arm) for arm, o in ex.arms_of(dapo))
+
+
 def test_identical_runs_share_a_directory_whatever_the_arm_or_order():
     a = ex.Run("full", 0, "configs/tiny.py", ("method=comppo", "seed=0"))
     b = ex.Run("comppo", 0, "configs/tiny.py", ("seed=0", "method=comppo"))
