@@ -1,13 +1,12 @@
 """The credit testbed: the tiny model on long chains whose outcome one wrong step decides.
 
-Each problem chains 8-12 additions and subtractions, so a worked solution is 80-150 tokens. The
-warm start teaches a mistake inside the chain: a step with operand 7, 8 or 9 writes its result + 1
-with probability 0.3, the chain going on from the wrong value (`warm_start.step_noise`). A
-response then makes about 4 such decisions, anywhere in it, and any wrong one makes the answer
-wrong: the warm-started policy is right about a quarter of the time, and only some tokens of a
-wrong response are to blame. Broadcast credit (GRPO) gives every token of a response its outcome;
-token credit (GAE, Comp-GAE) can find the step that lost it. docs/results_credit.md reports the
-methods on it.
+Each problem chains 10-16 additions and subtractions, so a worked solution is 60-162 tokens. The
+warm start teaches a mistake inside the chain: a step whose operand is 9 writes its result + 1 with
+probability 0.6, the chain going on from the wrong value (`warm_start.step_noise`). A problem holds
+about 1.6 such steps, anywhere in it, and any wrong one makes the answer wrong: the warm-started
+policy is right about a quarter of the time, and only some tokens of a wrong response are to
+blame. Broadcast credit (GRPO) gives every token of a response its outcome; token credit (GAE,
+Comp-GAE) can find the step that lost it. docs/results_credit.md reports the methods on it.
 """
 
 import importlib.util

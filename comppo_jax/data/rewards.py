@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
-import multiprocessing.connection
 import re
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from comppo_jax import workers
 from comppo_jax.sharding import split_over_processes
+from comppo_jax.workers import WorkerPool
 
-STARTUP_TIMEOUT_S = 120.0
 ANSWER_LINE = re.compile(r"^\s*Answer\s*:\s*(.+?)\s*$", re.MULTILINE)
 
 
@@ -76,7 +73,7 @@ def reasoning_format_ok(text: str) -> bool:
 
 
 class VerifierPool:
-    """math-verify in `num_workers` processes with a hard per-item timeout (killed on expiry).
+    """math-verify in `num_workers` killable processes (comppo_jax.workers) with a hard per-item timeout.
 
     Use as a context manager or call `close()`. `check(pairs)` returns a Verdict per
     (gold, answer) pair, in order. In a multi-process JAX run every process calls `check` with
@@ -86,38 +83,8 @@ class VerifierPool:
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, across_processes: bool = False):
-        if num_workers < 1 or timeout_s <= 0:
-            raise ValueError(f"num_workers must be >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
-        self.timeout_s, self.across_processes = timeout_s, across_processes
-        self._workers = [self._start() for _ in range(num_workers)]
-
-    @staticmethod
-    def _start() -> subprocess.Popen:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "comppo_jax.data.verifier_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        if (
-            not multiprocessing.connection.wait([process.stdout], STARTUP_TIMEOUT_S)
-            or process.stdout.readline().strip() != '["ready"]'
-        ):
-            process.kill()
-            raise RuntimeError(
-                f"the math-verify worker (python -m comppo_jax.data.verifier_worker) did not start within "
-                f"{STARTUP_TIMEOUT_S} s; is math-verify installed in {sys.executable}?"
-            )
-        return process
-
-    def _replace(self, index: int) -> None:
-        process = self._workers[index]
-        process.kill()
-        process.wait()
-        for stream in (process.stdin, process.stdout):
-            stream.close()
-        self._workers[index] = self._start()
+        self.across_processes = across_processes
+        self._pool = WorkerPool([sys.executable, "-m", "comppo_jax.data.verifier_worker"], num_workers, timeout_s)
 
     def check(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
         if not self.across_processes:
@@ -126,46 +93,16 @@ class VerifierPool:
         return [VERDICTS[code] for code in codes]
 
     def _check_here(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
-        verdicts: list[Verdict | None] = [None] * len(pairs)
-        pending = list(range(len(pairs)))[::-1]
-        busy: dict[int, tuple[int, float]] = {}  # worker -> (item, start time)
-        while pending or busy:
-            for worker in range(len(self._workers)):
-                if worker not in busy and pending:
-                    item = pending.pop()
-                    self._workers[worker].stdin.write(json.dumps(list(pairs[item])) + "\n")
-                    self._workers[worker].stdin.flush()
-                    busy[worker] = (item, time.monotonic())
-            streams = {self._workers[w].stdout: w for w in busy}
-            deadline = min(start for _, start in busy.values()) + self.timeout_s
-            for stream in multiprocessing.connection.wait(list(streams), max(0.0, deadline - time.monotonic())):
-                worker = streams[stream]
-                item, _ = busy.pop(worker)
-                line = stream.readline()
-                if line:
-                    status, value = json.loads(line)
-                else:  # the worker died (e.g. out of memory)
-                    status, value = "error", "worker died"
-                    self._replace(worker)
-                verdicts[item] = (Verdict.CORRECT if value else Verdict.INCORRECT) if status == "ok" else Verdict.ERROR
-            now = time.monotonic()
-            for worker, (item, start) in list(busy.items()):
-                if now - start >= self.timeout_s:
-                    verdicts[item] = Verdict.TIMEOUT
-                    del busy[worker]
-                    self._replace(worker)
+        verdicts = []
+        for result in self._pool.run([list(pair) for pair in pairs]):
+            if result.status == workers.OK:
+                verdicts.append(Verdict.CORRECT if result.value else Verdict.INCORRECT)
+            else:
+                verdicts.append(Verdict.TIMEOUT if result.status == workers.TIMEOUT else Verdict.ERROR)
         return verdicts
 
     def close(self) -> None:
-        for process in self._workers:
-            process.stdin.close()  # the worker's loop ends at EOF
-            try:
-                process.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            process.stdout.close()
-        self._workers = []
+        self._pool.close()
 
     def __enter__(self):
         return self

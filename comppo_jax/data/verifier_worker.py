@@ -1,6 +1,5 @@
-"""A math-verify worker process: JSON lines [gold, answer] on stdin -> ["ok", bool] | ["error", msg].
-
-It first answers ["ready"] once math-verify is imported.
+"""A math-verify worker process (comppo_jax.workers' protocol): JSON lines [gold, answer] on stdin ->
+["ok", bool] | ["error", msg], after ["ready"] once math-verify is imported.
 
 Started by `rewards.VerifierPool` as `python -m comppo_jax.data.verifier_worker` (a fresh
 interpreter: no fork of a process running JAX threads, no re-import of the caller's __main__).
@@ -8,9 +7,9 @@ interpreter: no fork of a process running JAX threads, no re-import of the calle
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
+
+from comppo_jax.workers import serve
 
 
 def verify_answer(gold: str, answer: str) -> bool:
@@ -28,16 +27,7 @@ def main() -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     import math_verify  # noqa: F401  (imported before "ready", so start-up is not timed per item)
 
-    sys.stdout.write(json.dumps(["ready"]) + "\n")
-    sys.stdout.flush()
-    for line in sys.stdin:
-        gold, answer = json.loads(line)
-        try:
-            reply = ["ok", verify_answer(gold, answer)]
-        except Exception as error:  # reported to the parent, which counts it
-            reply = ["error", f"{type(error).__name__}: {error}"]
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+    serve(lambda pair: verify_answer(*pair))
 
 
 if __name__ == "__main__":

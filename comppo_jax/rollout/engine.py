@@ -173,6 +173,17 @@ class _State(NamedTuple):
     response: jax.Array  # [R_shard, T] int32
     log_probs: jax.Array  # [R_shard, T] float32
     response_length: jax.Array  # [R_shard] int32
+    turn: Turns | None = None  # multi-turn conversations only (comppo_jax.rollout.turns)
+
+
+class Turns(NamedTuple):
+    """One shard's conversation state: a row pauses after its tool call (a `calls` token) until the
+    host appends the environment's reply (`resume`), whose tokens the row then feeds, not samples."""
+
+    paused: jax.Array  # [S] the slot's row waits for the environment
+    forced_until: jax.Array  # [S] the row's steps before this are the environment's tokens
+    calls: jax.Array  # [S] tool calls the row has made
+    env_mask: jax.Array  # [R_shard, T] bool: the environment's tokens
 
 
 def top_p_filter(logits: Float[Array, "*B V"], top_p: float) -> Float[Array, "*B V"]:
@@ -265,9 +276,12 @@ def _return_pages(state: _State, ending: Bool[Array, " S"]) -> _State:
     )
 
 
-def _initial_state(pool: paged_cache.PagePool, layout: Layout, vocab_size: int, pad: int) -> _State:
+def _initial_state(
+    pool: paged_cache.PagePool, layout: Layout, vocab_size: int, pad: int, multi_turn: bool = False
+) -> _State:
     slots, first_private = layout.slots, 1 + layout.prompts * layout.prompt_pages
     zeros = jnp.zeros((slots,), jnp.int32)
+    turn = Turns(zeros.astype(bool), zeros, zeros, jnp.zeros((layout.shard_rows, layout.max_new_tokens), bool))
     return _State(
         row=zeros - 1,
         step=zeros,
@@ -284,6 +298,7 @@ def _initial_state(pool: paged_cache.PagePool, layout: Layout, vocab_size: int, 
         response=jnp.full((layout.shard_rows, layout.max_new_tokens), pad, jnp.int32),
         log_probs=jnp.zeros((layout.shard_rows, layout.max_new_tokens), jnp.float32),
         response_length=jnp.zeros((layout.shard_rows,), jnp.int32),
+        turn=turn if multi_turn else None,
     )
 
 
@@ -311,6 +326,13 @@ def _admit(
     pool = paged_cache.copy_pages(state.pool, jnp.where(copied, first_prompt_page + shared, TRASH_PAGE), page)
     prompt_table = jnp.where(copied[:, None] & (entry == shared[:, None]), page[:, None], prompt_table)
     pick = lambda new, old: jnp.where(admit.reshape(admit.shape + (1,) * (old.ndim - 1)), new, old)
+    if state.turn is not None:
+        turn = state.turn
+        state = state._replace(
+            turn=turn._replace(
+                paused=pick(False, turn.paused), forced_until=pick(0, turn.forced_until), calls=pick(0, turn.calls)
+            )
+        )
     return state._replace(
         row=pick(row, state.row),
         step=pick(0, state.step),
@@ -332,34 +354,54 @@ def _sample_and_allocate(
     eos: Int[Array, " E"],
     temperature: float,
     top_p: float,
-) -> tuple[_State, Int[Array, " S"], Int[Array, " S"], Bool[Array, " S"], Bool[Array, " S"]]:
-    """Samples each live slot's token, records it, and gives a fresh page to rows starting one.
-    Returns (state, tokens [S], the page each token's keys and values go to [S], feeds [S], ends [S])."""
+    calls: Int[Array, " C"] | None = None,
+    max_turns: int = 1,
+) -> tuple[_State, Int[Array, " S"], Int[Array, " S"], Bool[Array, " S"], Bool[Array, " S"], Bool[Array, " S"]]:
+    """Samples each running slot's token (or takes the environment's, in a conversation), records
+    it, and gives a fresh page to rows starting one. A sampled `calls` token pauses its row after
+    it is fed, or ends it when the row has made `max_turns - 1` calls. Returns (state, tokens [S],
+    the page each token's keys and values go to [S], feeds [S], ends [S], pauses [S])."""
     live = state.row >= 0
+    turn = state.turn
+    running = live if turn is None else live & ~turn.paused
     global_row = shard * layout.shard_rows + jnp.maximum(state.row, 0)
     keys = jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(global_row, state.step)
     tokens = jax.vmap(lambda key, logits: sample_token(key, logits[None], temperature, top_p)[0])(keys, state.logits)
+    forced = jnp.zeros_like(live)
+    if turn is not None:
+        forced = running & (state.step < turn.forced_until)
+        written = state.response[jnp.maximum(state.row, 0), jnp.minimum(state.step, layout.max_new_tokens - 1)]
+        tokens = jnp.where(forced, written, tokens)
     log_prob_temperature = temperature if temperature > 0 else 1.0  # greedy reports the policy's own log-probs
     scaled = state.logits / log_prob_temperature
     log_probs = jnp.take_along_axis(scaled, tokens[:, None], 1)[:, 0] - jax.nn.logsumexp(scaled, axis=-1)
-    ends = live & (jnp.isin(tokens, eos) | (state.step + 1 >= layout.max_new_tokens))
-    feeds = live & ~ends
+    sampled = running & ~forced
+    ends = (sampled & jnp.isin(tokens, eos)) | (running & (state.step + 1 >= layout.max_new_tokens))
+    pauses = jnp.zeros_like(live)
+    if turn is not None and calls is not None:
+        calling = sampled & jnp.isin(tokens, calls) & ~ends
+        ends = ends | (calling & (turn.calls + 1 >= max_turns))
+        pauses = calling & ~ends
+    feeds = running & ~ends
     record, ended = (
-        jnp.where(live, state.row, layout.shard_rows),
+        jnp.where(running, state.row, layout.shard_rows),
         jnp.where(ends, state.row, layout.shard_rows),
     )  # off the end: dropped
     state = state._replace(
         response=state.response.at[record, state.step].set(tokens, mode="drop"),
-        log_probs=state.log_probs.at[record, state.step].set(log_probs, mode="drop"),
+        log_probs=state.log_probs.at[record, state.step].set(jnp.where(forced, 0.0, log_probs), mode="drop"),
         response_length=state.response_length.at[ended].set(state.step + 1, mode="drop"),
     )
+    if turn is not None:
+        env_mask = turn.env_mask.at[record, state.step].set(forced, mode="drop")
+        state = state._replace(turn=turn._replace(env_mask=env_mask))
     needs_page = feeds & (state.length == state.pages * layout.page_size)
     page, state = _take_pages(state, needs_page)
     slot = jnp.arange(layout.slots)
     tables = state.tables.at[slot, jnp.where(needs_page, state.pages, layout.table_width)].set(page, mode="drop")
     entry = jnp.minimum(state.length // layout.page_size, layout.table_width - 1)
     write_page = jnp.where(feeds, tables[slot, entry], TRASH_PAGE)
-    return state._replace(tables=tables, pages=state.pages + needs_page), tokens, write_page, feeds, ends
+    return state._replace(tables=tables, pages=state.pages + needs_page), tokens, write_page, feeds, ends, pauses
 
 
 def _finish_step(
@@ -368,14 +410,54 @@ def _finish_step(
     logits: Float[Array, "S V"],
     feeds: Bool[Array, " S"],
     ends: Bool[Array, " S"],
+    pauses: Bool[Array, " S"],
 ) -> _State:
+    running = state.row >= 0
+    turn = state.turn
+    if turn is not None:  # a waiting row keeps the logits after its call: an empty reply samples from them
+        logits = jnp.where(turn.paused[:, None], state.logits, logits)
+        running = running & ~turn.paused
+        state = state._replace(turn=turn._replace(paused=turn.paused | pauses, calls=turn.calls + pauses))
     state = _return_pages(state._replace(pool=pool), ends)
     return state._replace(
         row=jnp.where(ends, -1, state.row),
-        step=state.step + (state.row >= 0),
+        step=state.step + running,
         length=state.length + feeds,
         logits=logits,
         rows_done=state.rows_done + ends.sum(),  # a slot that did not feed is idle: admission sets its logits
+    )
+
+
+def _resume(
+    state: _State,
+    layout: Layout,
+    replies: Int[Array, "S Q"],
+    reply_lengths: Int[Array, " S"],
+    end: Bool[Array, " S"],
+) -> _State:
+    """The host's answer to one shard's waiting rows: each either ends (`end`: its response stops
+    after the call) or gets `replies[:reply_lengths]` written as its next tokens (cut at
+    `max_new_tokens`), which it feeds before it samples again."""
+    turn = state.turn
+    assert turn is not None, "resume needs a multi-turn engine state"
+    ending = turn.paused & end
+    answering = turn.paused & ~end
+    count = jnp.minimum(reply_lengths, layout.max_new_tokens - state.step)
+    column = state.step[:, None] + jnp.arange(replies.shape[1])[None]
+    written = answering[:, None] & (jnp.arange(replies.shape[1])[None] < count[:, None])
+    target = jnp.where(written, state.row[:, None], layout.shard_rows)  # off the end: dropped
+    state = _return_pages(state, ending)
+    return state._replace(
+        row=jnp.where(ending, -1, state.row),
+        response=state.response.at[target, column].set(replies, mode="drop"),
+        response_length=state.response_length.at[jnp.where(ending, state.row, layout.shard_rows)].set(
+            state.step, mode="drop"
+        ),
+        rows_done=state.rows_done + ending.sum(),
+        turn=turn._replace(
+            paused=jnp.zeros_like(turn.paused),
+            forced_until=jnp.where(answering, state.step + count, turn.forced_until),
+        ),
     )
 
 
@@ -450,6 +532,140 @@ def decode_layers(
     return per_shard(logits)[:, : slots - padding], pool
 
 
+class Prefilled(NamedTuple):
+    """The prompts as the engine keeps them between decode calls."""
+
+    tokens: Int[Array, "B P"]  # right-padded prompts
+    lengths: Int[Array, " B"]
+    shard_lengths: Int[Array, "D prompts"]  # each shard's prompts' lengths
+    logits: Float[Array, "D prompts V"]  # at each one's last token
+
+
+def _place_pool(state: _State, config: ModelConfig) -> _State:
+    pool = state.pool
+    return state._replace(
+        pool=pool.with_arrays(
+            *sharding.constrain(pool.arrays, paged_cache.pool_specs(pool, config.num_heads)),
+            scales=sharding.constrain(pool.scales, paged_cache.scale_specs(pool, config.num_heads)),
+        )
+    )
+
+
+def start_engine(
+    params: dict,
+    config: ModelConfig,
+    prompt_tokens: Int[Array, "B P"],
+    prompt_mask: Bool[Array, "B P"],
+    layout: Layout,
+    *,
+    pad: int,
+    backend: str,
+    kv_dtype: str = "auto",
+    multi_turn: bool = False,
+) -> tuple[Prefilled, _State]:
+    """Prefills every prompt into its shard's page pool; returns (the prompts, the engine state
+    with no row admitted yet)."""
+    tokens, mask = right_align_prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), pad)
+    shard_prompts = layout.shard_prompts().reshape(-1)
+    prompt_logits, keys, values = prefill_prompts(params, config, tokens[shard_prompts], mask[shard_prompts], layout)
+    lengths = mask.sum(axis=1).astype(jnp.int32)
+
+    def shard_init(keys: Array, values: Array) -> _State:
+        pool = paged_cache.empty_pool(
+            config.num_layers,
+            layout.pages_per_layer,
+            layout.page_size,
+            pool_kv_heads(config),
+            config.head_dim,
+            paged_cache.kv_dtype(kv_dtype, config.dtype),
+            backend,
+        )
+        pool = paged_cache.write_pages(pool, 1, keys, values)
+        return _initial_state(pool, layout, prompt_logits.shape[-1], pad, multi_turn)
+
+    state = _place_pool(jax.vmap(shard_init)(keys, values), config)
+    prefilled = Prefilled(tokens, lengths, lengths[shard_prompts].reshape(layout.shards, layout.prompts), prompt_logits)
+    return prefilled, state
+
+
+def decode(
+    params: dict,
+    config: ModelConfig,
+    prefilled: Prefilled,
+    state: _State,
+    layout: Layout,
+    rng: PRNGKeyArray,
+    *,
+    temperature: float,
+    top_p: float,
+    eos: Int[Array, " E"],
+    backend: str,
+    calls: Int[Array, " C"] | None = None,
+    max_turns: int = 1,
+) -> _State:
+    """Runs the decode loop until every row has ended, or (a conversation) until every row still
+    running waits for its environment and no slot can take another row."""
+    layers = layer_weights(params, unrolled=layers_unrolled())
+    shard_ids, first_prompts = jnp.arange(layout.shards), jnp.asarray(layout.first_prompts())
+
+    def body(state: _State) -> _State:
+        waiting = jnp.any((state.row < 0) & (state.next_row < layout.shard_rows)[:, None])
+        # (mypy cannot match a *tuple of unknown length followed by more positional arguments)
+        admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))  # type: ignore[call-arg]
+        with jax.named_scope(ADMIT_SCOPE):
+            state = jax.lax.cond(
+                waiting,
+                lambda s: admit(s, shard_ids, first_prompts, prefilled.shard_lengths, prefilled.logits),
+                lambda s: s,
+                state,
+            )
+        state, tokens, write_page, feeds, ends, pauses = jax.vmap(
+            lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p, calls, max_turns)
+        )(state, shard_ids)
+        # The XLA path reads only the pages the longest live row needs.
+        needed = jnp.max(jnp.where(feeds, state.length // layout.page_size + 1, 1))
+        logits, pool = decode_layers(
+            params, layers, config, tokens, state.pool, state.tables, state.length, write_page, backend, needed
+        )
+        return _place_pool(jax.vmap(_finish_step)(state, pool, logits, feeds, ends, pauses), config)
+
+    def more(state: _State) -> Bool[Array, ""]:
+        if state.turn is None:
+            return jnp.sum(state.rows_done) < layout.shards * layout.shard_rows
+        running = (state.row >= 0) & ~state.turn.paused
+        admissible = (state.row < 0) & (state.next_row < layout.shard_rows)[:, None]
+        return jnp.any(running | admissible)
+
+    with jax.named_scope(DECODE_SCOPE):
+        return jax.lax.while_loop(more, body, state)
+
+
+def resume(
+    state: _State,
+    layout: Layout,
+    replies: Int[Array, "D S Q"],
+    reply_lengths: Int[Array, "D S"],
+    end: Bool[Array, "D S"],
+) -> _State:
+    """`_resume` on every shard: the host's answers to the rows waiting for their environment."""
+    return jax.vmap(lambda s, *answer: _resume(s, layout, *answer))(state, replies, reply_lengths, end)
+
+
+def engine_outputs(
+    prefilled: Prefilled, state: _State, layout: Layout
+) -> tuple[Int[Array, "B P"], Int[Array, " B"], Int[Array, "R T"], Float[Array, "R T"], Int[Array, " R"]]:
+    """(right-padded prompts [B, P], their lengths [B], response [R, T], log-probs [R, T], response
+    lengths [R])."""
+    flat = lambda a: a.reshape((-1,) + a.shape[2:])[: layout.rows]
+    return (
+        prefilled.tokens,
+        prefilled.lengths,
+        flat(state.response),
+        flat(state.log_probs),
+        flat(state.response_length),
+    )
+
+
 def run_engine(
     params: dict,
     config: ModelConfig,
@@ -471,70 +687,19 @@ def run_engine(
     """Generates every row. Returns (right-padded prompts [B, P], their lengths [B], response [R, T],
     log-probs [R, T], response lengths [R]). `kv_dtype`: the pages' (`paged_cache.KV_DTYPES`).
     Traced inside `generate`'s jit."""
-    num_prompts, prompt_width = prompt_tokens.shape
     layout = make_layout(
-        num_prompts,
-        prompt_width,
+        prompt_tokens.shape[0],
+        prompt_tokens.shape[1],
         num_samples=num_samples,
         max_new_tokens=max_new_tokens,
         page_size=page_size,
         decode_slots=decode_slots,
         shards=sharding.context_batch_shards(),
     )
-    tokens, mask = right_align_prompts(prompt_tokens.astype(jnp.int32), prompt_mask.astype(bool), pad)
-    shard_prompts = layout.shard_prompts().reshape(-1)
-    prompt_logits, keys, values = prefill_prompts(params, config, tokens[shard_prompts], mask[shard_prompts], layout)
-    prompt_lengths = mask.sum(axis=1).astype(jnp.int32)[shard_prompts].reshape(layout.shards, layout.prompts)
-
-    def shard_init(keys: Array, values: Array) -> _State:
-        pool = paged_cache.empty_pool(
-            config.num_layers,
-            layout.pages_per_layer,
-            page_size,
-            pool_kv_heads(config),
-            config.head_dim,
-            paged_cache.kv_dtype(kv_dtype, config.dtype),
-            backend,
-        )
-        return _initial_state(paged_cache.write_pages(pool, 1, keys, values), layout, prompt_logits.shape[-1], pad)
-
-    state = jax.vmap(shard_init)(keys, values)
-    place_pool = lambda state: state._replace(
-        pool=state.pool.with_arrays(
-            *sharding.constrain(state.pool.arrays, paged_cache.pool_specs(state.pool, config.num_heads)),
-            scales=sharding.constrain(state.pool.scales, paged_cache.scale_specs(state.pool, config.num_heads)),
-        )
+    prefilled, state = start_engine(
+        params, config, prompt_tokens, prompt_mask, layout, pad=pad, backend=backend, kv_dtype=kv_dtype
     )
-    state = place_pool(state)
-    layers = layer_weights(params, unrolled=layers_unrolled())
-    shard_ids, first_prompts = jnp.arange(layout.shards), jnp.asarray(layout.first_prompts())
-
-    def body(state: _State) -> _State:
-        waiting = jnp.any((state.row < 0) & (state.next_row < layout.shard_rows)[:, None])
-        # (mypy cannot match a *tuple of unknown length followed by more positional arguments)
-        admit = jax.vmap(lambda s, *shard: _admit(s, *shard[:2], layout, *shard[2:]))  # type: ignore[call-arg]
-        with jax.named_scope(ADMIT_SCOPE):
-            state = jax.lax.cond(
-                waiting, lambda s: admit(s, shard_ids, first_prompts, prompt_lengths, prompt_logits), lambda s: s, state
-            )
-        state, tokens, write_page, feeds, ends = jax.vmap(
-            lambda s, shard: _sample_and_allocate(s, shard, layout, rng, eos, temperature, top_p)
-        )(state, shard_ids)
-        # The XLA path reads only the pages the longest live row needs.
-        needed = jnp.max(jnp.where(feeds, state.length // page_size + 1, 1))
-        logits, pool = decode_layers(
-            params, layers, config, tokens, state.pool, state.tables, state.length, write_page, backend, needed
-        )
-        return place_pool(jax.vmap(_finish_step)(state, pool, logits, feeds, ends))
-
-    with jax.named_scope(DECODE_SCOPE):
-        state = jax.lax.while_loop(lambda s: jnp.sum(s.rows_done) < layout.shards * layout.shard_rows, body, state)
-    rows = layout.rows
-    flat = lambda a: a.reshape((-1,) + a.shape[2:])[:rows]
-    return (
-        tokens,
-        mask.sum(axis=1).astype(jnp.int32),
-        flat(state.response),
-        flat(state.log_probs),
-        flat(state.response_length),
+    state = decode(
+        params, config, prefilled, state, layout, rng, temperature=temperature, top_p=top_p, eos=eos, backend=backend
     )
+    return engine_outputs(prefilled, state, layout)
