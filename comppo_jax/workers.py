@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 STARTUP_TIMEOUT_S = 120.0
 OK, ERROR, TIMEOUT, DIED = "ok", "error", "timeout", "died"
@@ -50,7 +50,7 @@ class WorkerPool:
         )
         assert process.stdout is not None
         if (
-            not multiprocessing.connection.wait([process.stdout], STARTUP_TIMEOUT_S)
+            not multiprocessing.connection.wait([process.stdout.fileno()], STARTUP_TIMEOUT_S)
             or process.stdout.readline().strip() != '["ready"]'
         ):
             process.kill()
@@ -71,6 +71,11 @@ class WorkerPool:
                 stream.close()
         self._workers[index] = self._start()
 
+    def _output(self, worker: int) -> IO[str]:
+        stream = self._workers[worker].stdout
+        assert stream is not None
+        return stream
+
     def run(self, items: Sequence[Any]) -> list[Result]:
         results: list[Result | None] = [None] * len(items)
         pending = list(range(len(items)))[::-1]
@@ -90,12 +95,12 @@ class WorkerPool:
                     busy[worker] = (item, time.monotonic())
             if not busy:
                 continue
-            streams = {self._workers[w].stdout: w for w in busy}
+            streams = {self._output(w).fileno(): w for w in busy}
             deadline = min(start for _, start in busy.values()) + self.timeout_s
-            for stream in multiprocessing.connection.wait(list(streams), max(0.0, deadline - time.monotonic())):
-                worker = streams[stream]  # type: ignore[index]
+            for ready in multiprocessing.connection.wait(list(streams), max(0.0, deadline - time.monotonic())):
+                worker = streams[ready]  # type: ignore[index]  # a file descriptor, as given
                 item, _ = busy.pop(worker)
-                line = stream.readline()  # type: ignore[union-attr]
+                line = self._output(worker).readline()
                 if line:
                     results[item] = Result(*json.loads(line))
                 else:  # the worker died (out of memory, killed)
@@ -122,10 +127,10 @@ class WorkerPool:
                 process.stdout.close()
         self._workers = []
 
-    def __enter__(self):
+    def __enter__(self) -> WorkerPool:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -46,7 +46,7 @@ class Reply:
     done: bool = False
     outcome: str = OK
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
             raise ValueError(f"Reply.outcome must be one of {OUTCOMES}, got {self.outcome!r}")
 
@@ -67,8 +67,8 @@ class Environment(abc.ABC):
     def close(self) -> None:  # noqa: B027  (optional: most environments start nothing)
         """Stops what the environment started."""
 
-    def __enter__(self):
+    def __enter__(self) -> Environment:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -39,6 +39,7 @@ def parse_expression(text: str) -> ast.expr:
 
 def _value(node: ast.expr) -> int:
     if isinstance(node, ast.Constant):
+        assert type(node.value) is int  # parse_expression admits no other constant
         return node.value
     if isinstance(node, ast.UnaryOp):
         return -_value(node.operand) if isinstance(node.op, ast.USub) else _value(node.operand)

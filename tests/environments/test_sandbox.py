@@ -1,0 +1,168 @@
+"""The Python sandbox against hostile programs: each is stopped or refused, and the caller, its files
+and its network are untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Turn
+from comppo_jax.environments.sandbox import Sandbox, protections
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox confines with Linux features")
+MARK = "comppo_sandbox_test_marker"  # in every hostile program's text, to find processes it left
+
+
+def call(program: str, row: int = 0) -> Turn:
+    text = f"<tool_call>{program}\n# {MARK}</tool_call>"
+    return Turn(row, text, ())
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(limits=dict(wall_s=3.0, cpu_s=2, memory_bytes=256 << 20, processes=8), num_workers=2) as box:
+        yield box
+
+
+def left_running() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", MARK], capture_output=True, text=True, check=False).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def digest(directory) -> str:
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+
+
+def test_this_machine_grants_every_confinement():
+    granted = protections()
+    assert granted["landlock_abi"] >= 6, granted  # files, TCP and signals
+    assert granted["network_namespace"] and granted["process_limit"] != "none (root)", granted
+
+
+def test_a_program_runs_and_its_output_is_the_reply(sandbox):
+    reply = sandbox.step([call("import math\nprint(math.comb(10, 3))")])[0]
+    assert (reply.text, reply.outcome) == ("<tool_response>\n120\n</tool_response>\n", OK)
+    assert sandbox.step([Turn(0, "no tags</tool_call>", ())])[0].outcome == MALFORMED
+    assert (
+        sandbox.step([call("1/0")])[0].text
+        == "<tool_response>\nZeroDivisionError: division by zero\n</tool_response>\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,program,outcome",
+    [
+        ("infinite loop", "while True:\n    pass", (TIMEOUT, ERROR)),  # the wall clock or the CPU limit
+        ("memory hog", "hog = [bytearray(1 << 26) for _ in range(16)]\nprint('allocated 1 GiB')", (ERROR,)),
+        (
+            "fork bomb",
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            (TIMEOUT, ERROR),
+        ),
+    ],
+)
+def test_runaway_programs_are_stopped_and_leave_nothing_running(sandbox, name, program, outcome):
+    start = time.monotonic()
+    reply = sandbox.step([call(program)])[0]
+    assert reply.outcome in outcome, (name, reply)
+    assert time.monotonic() - start < 8, name
+    assert left_running() == [], name
+    assert sandbox.step([call("print(6 * 7)")])[0].text.splitlines()[1] == "42"  # the sandbox still answers
+
+
+def test_a_program_starts_at_most_its_process_limit(sandbox):
+    program = (
+        "import os, time\nstarted = 0\nfor _ in range(50):\n    try:\n        if os.fork() == 0:\n"
+        "            time.sleep(2)\n            os._exit(0)\n        started += 1\n    except OSError:\n        break\n"
+        "print(started)"
+    )
+    reply = sandbox.step([call(program)])[0]
+    assert reply.outcome == OK and int(reply.text.splitlines()[1]) < 8, reply
+    assert left_running() == []
+
+
+@pytest.mark.parametrize(
+    "limit,program,message",
+    [
+        ("cpu_s", "while True:\n    pass", "exit status"),  # killed by SIGXCPU long before its wall clock
+        ("open_files", "files = [open(f'{i}.txt', 'w') for i in range(200)]", "Too many open files"),
+        ("file_bytes", "open('big', 'wb').write(bytes(4 << 20))", "File too large"),
+    ],
+)
+def test_each_resource_limit_binds(limit, program, message):
+    with Sandbox(limits=dict(wall_s=20.0, cpu_s=1), num_workers=1) as box:
+        start = time.monotonic()
+        reply = box.step([call(program)])[0]
+    assert reply.outcome == ERROR and message in reply.text, (limit, reply)
+    assert time.monotonic() - start < 10, limit
+
+
+def test_it_has_no_capabilities(sandbox):
+    reply = sandbox.step([call("import os\nos.nice(-1)")])[0]  # raising its priority needs CAP_SYS_NICE
+    assert reply.outcome == ERROR and "not permitted" in reply.text, reply
+
+
+def test_files_outside_its_directory_cannot_be_read_or_deleted(sandbox, tmp_path):
+    run_directory = tmp_path / "run"
+    run_directory.mkdir()
+    (run_directory / "config.json").write_text('{"secret": "run"}')
+    before = digest(run_directory)
+    for program in [
+        f"print(open({str(run_directory / 'config.json')!r}).read())",
+        f"import os\nos.remove({str(run_directory / 'config.json')!r})",
+        f"import shutil\nshutil.rmtree({str(run_directory)!r})",
+        f"open({str(run_directory / 'new.txt')!r}, 'w').write('x')",
+        f"import os\nprint(os.listdir({os.path.expanduser('~')!r}))",
+        "print(open('/etc/passwd').read())",
+    ]:
+        reply = sandbox.step([call(program)])[0]
+        assert reply.outcome == ERROR and "Permission" in reply.text, (program, reply)
+    assert digest(run_directory) == before
+
+
+def test_its_own_directory_is_writable_empty_and_fresh(sandbox):
+    first = sandbox.step([call("import os\nprint(os.listdir('.'))\nopen('kept.txt', 'w').write('x')")])[0]
+    second = sandbox.step([call("import os\nprint(os.listdir('.'))")])[0]
+    assert first.outcome == second.outcome == OK and "[]" in first.text and "[]" in second.text
+
+
+def test_no_credentials_reach_a_program(sandbox, monkeypatch):
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/secret/key.json")
+    with Sandbox(num_workers=1) as fresh:  # workers started with the secret in their environment
+        reply = fresh.step([call("import os\nprint(sorted(os.environ))")])[0]
+    assert reply.outcome == OK and "GOOGLE" not in reply.text
+
+
+def test_sockets_reach_nothing(sandbox):
+    with socket.socket() as server, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as datagrams:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        datagrams.bind(("127.0.0.1", 0))
+        datagrams.settimeout(0.5)
+        tcp, udp = server.getsockname()[1], datagrams.getsockname()[1]
+        udp_socket = "socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+        replies = sandbox.step(
+            [
+                call(f"import socket\nsocket.create_connection(('127.0.0.1', {tcp}), timeout=1)"),
+                call(f"import socket\n{udp_socket}.sendto(b'x', ('127.0.0.1', {udp}))"),
+                call("import socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)"),
+            ]
+        )
+        assert [r.outcome for r in replies] == [ERROR] * 3, replies
+        with pytest.raises(TimeoutError):
+            server.accept()
+        with pytest.raises(TimeoutError):
+            datagrams.recv(1)
+
+
+def test_it_cannot_signal_the_process_that_runs_it(sandbox):
+    reply = sandbox.step([call(f"import os, signal\nos.kill({os.getpid()}, signal.SIGCONT)")])[0]
+    assert reply.outcome == ERROR and "not permitted" in reply.text
