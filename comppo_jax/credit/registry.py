@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
+from comppo_jax.credit import turns
 from comppo_jax.credit.advantages import comp_gae, gae, grpo_advantages, vapo_lambda, whiten_advantages
 from comppo_jax.credit.attention_credit import attention_anchor_credit
 from comppo_jax.credit.key_tokens import ktae_advantages
@@ -45,6 +46,8 @@ class EstimatorSpec:
     ktae_tf_weight: float = 1.0
     ktae_scale: float = 1.0
     ktae_end_tokens: tuple[int, ...] = ()
+    # multi-turn responses: the gate's crossing of an environment span (comppo_jax.credit.turns.CROSSINGS)
+    env_crossing: str = "transition"
 
 
 def comp_gae_credit(
@@ -155,13 +158,25 @@ def estimate(
     kappa: Array,
     mask: Array,
     influence: Array | None = None,
+    env_mask: Array | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(advantages, returns) [B, T] of the estimator `spec.name` (ESTIMATORS): from the terminal rewards [B],
     the reward at each row's last token [B, T], the response token ids [B, T], the critic's values [B, T], the
-    (controlled) gate [B, T] and the response mask [B, T]; `influence` [B, T], the scoring pass's future
-    attention influence (Rollout.influence), goes to the estimator that reads it (attention_anchor) when given."""
-    statistics = {} if influence is None else {"influence": influence}
-    return ESTIMATORS[spec.name](spec, rewards, reward_tokens, response_tokens, values, kappa, mask, **statistics)
+    (controlled) gate [B, T] and the mask of the policy's response tokens [B, T]; `influence` [B, T], the scoring
+    pass's future attention influence (Rollout.influence), goes to the estimator that reads it (attention_anchor)
+    when given. `env_mask` [B, T], a multi-turn response's environment tokens: the estimator runs on the policy's
+    tokens alone, the crossings gated as `spec.env_crossing` says (comppo_jax.credit.turns), and the
+    environment's tokens get 0."""
+    estimator = ESTIMATORS[spec.name]
+    if env_mask is None:
+        statistics = {} if influence is None else {"influence": influence}
+        return estimator(spec, rewards, reward_tokens, response_tokens, values, kappa, mask, **statistics)
+    kappa = turns.crossing_gate(kappa, env_mask, mask, spec.env_crossing)
+    order = turns.policy_order(env_mask)
+    per_token = [jnp.asarray(reward_tokens), response_tokens, values, kappa, mask.astype(bool) & ~env_mask]
+    statistics = {} if influence is None else {"influence": turns.compact(influence, order)}
+    advantages, returns = estimator(spec, rewards, *(turns.compact(x, order) for x in per_token), **statistics)
+    return turns.expand(advantages, order), turns.expand(returns, order)
 
 
 @dataclasses.dataclass(frozen=True)
