@@ -14,6 +14,10 @@ The warm start may teach mistakes (`noisy_solution`; 0 disables each):
   result + 1, the chain going on from the wrong value. A long chain then holds several such
   decisions, anywhere in the response, and one wrong one decides the outcome: the credit testbed
   (configs/tiny_credit.py).
+
+It may also teach a tool (`tool_calls`): the probability that a step is written as a call of the
+calculator (comppo_jax.environments.calculator), `[36*7]=252`, whose result, the calculator's, is
+always right; the tool runs (configs/tiny_tools.py) learn when to call it.
 """
 
 from __future__ import annotations
@@ -57,31 +61,42 @@ def chained_arithmetic(
 
 @dataclasses.dataclass(frozen=True)
 class Noise:
-    """The warm start's taught mistakes (module docstring): `answer_noise`, and `step_noise` on the
-    steps whose operand is a digit of `noisy_operands`."""
+    """What the warm start's solutions teach besides the task (module docstring): the mistakes
+    `answer_noise`, and `step_noise` on the steps whose operand is a digit of `noisy_operands`; and
+    calculator calls on a `tool_calls` fraction of the steps."""
 
     answer_noise: float = 0.0
     step_noise: float = 0.0
     noisy_operands: str = ""
+    tool_calls: float = 0.0
 
     @classmethod
     def of(cls, warm_start) -> Noise:
         """The noise a config's `warm_start` section asks for."""
-        return cls(warm_start.answer_noise, warm_start.step_noise, warm_start.noisy_operands)
+        return cls(
+            warm_start.answer_noise,
+            warm_start.step_noise,
+            warm_start.noisy_operands,
+            warm_start.get("tool_calls", 0.0),
+        )
 
 
 NO_NOISE = Noise()
 
 
 def _noisy_steps(solution: str, rng: np.random.Generator, noise: Noise) -> tuple[list[str], int]:
-    """The solution's step lines with step noise, each step reading the previous one's (possibly
-    wrong) result, and the chain's final value."""
+    """The solution's step lines with step noise and calculator calls, each step reading the previous
+    one's (possibly wrong) result, and the chain's final value."""
     lines, value = [], None
     for line in solution.split("\n")[:-1]:
         left, _ = line.split("=")
         op_at = max(left.rfind(op) for op in OPERATIONS if left.rfind(op) > 0)
         start, op, operand = (int(left[:op_at]) if value is None else value), left[op_at], int(left[op_at + 1 :])
         result = {"+": start + operand, "-": start - operand, "*": start * operand}[op] % 1000
+        if noise.tool_calls and rng.random() < noise.tool_calls:
+            lines.append(f"[{start}{op}{operand}]={result}")
+            value = result
+            continue
         if str(operand) in noise.noisy_operands and rng.random() < noise.step_noise:
             result = (result + 1) % 1000
         lines.append(f"{start}{op}{operand}={result}")
@@ -91,7 +106,7 @@ def _noisy_steps(solution: str, rng: np.random.Generator, noise: Noise) -> tuple
 
 def noisy_solution(problem, rng: np.random.Generator, noise: Noise) -> str:
     """The worked solution with the taught mistakes of `noise` (module docstring)."""
-    if not noise.step_noise:
+    if not (noise.step_noise or noise.tool_calls):
         lines, answer = problem.solution.split("\n")[:-1], int(problem.answer)
     else:
         lines, answer = _noisy_steps(problem.solution, rng, noise)

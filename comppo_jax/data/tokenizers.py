@@ -64,6 +64,9 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+Tokenizer = CharTokenizer | HFTokenizer  # what load_tokenizer returns
+
+
 def load_tokenizer(path: str | None, field: str = "model.tokenizer"):
     """`HFTokenizer` of a local directory, a gs:// one or a hub id (a tokenizer's or a model's), `CharTokenizer()`
     for None or ""; `field` is the config field an error names."""

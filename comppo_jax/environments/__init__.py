@@ -15,14 +15,16 @@ nothing stops the run. Environments: `calculator` (the synthetic arithmetic task
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from comppo_jax.data.datasets import Problem
 
 # How a tool call ended; each is counted in a rollout's metrics (env/<outcome>).
 OK, MALFORMED, ERROR, TIMEOUT = "ok", "malformed", "error", "timeout"
 OUTCOMES = (OK, MALFORMED, ERROR, TIMEOUT)
+ENVIRONMENTS = ("", "calculator", "sandbox")  # rollout.environment ("": none, one turn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +74,26 @@ class Environment(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def make_environment(name: str, workers: int = 2) -> Environment:
+    """The environment `name` (ENVIRONMENTS, not ""), its tools in `workers` processes."""
+    if name == "calculator":
+        from comppo_jax.environments.calculator import Calculator
+
+        return Calculator(num_workers=workers)
+    if name == "sandbox":
+        from comppo_jax.environments.sandbox import Sandbox
+
+        return Sandbox(num_workers=workers)
+    raise ValueError(f"rollout.environment must be one of {ENVIRONMENTS[1:]}, got {name!r}")
+
+
+@contextlib.contextmanager
+def opened(name: str, workers: int = 2) -> Iterator[Environment | None]:
+    """`make_environment(name, workers)` for the length of a `with` block (None for "": one turn)."""
+    if not name:
+        yield None
+        return
+    with make_environment(name, workers) as environment:
+        yield environment

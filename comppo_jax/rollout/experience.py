@@ -39,6 +39,7 @@ from comppo_jax.models.packing import Packing, on_devices, worth_packing
 from comppo_jax.rollout.sampler import Generation, generate
 from comppo_jax.rollout.scoring import Rollout, score_rollout
 from comppo_jax.rollout.text import decode_responses, encode_prompts
+from comppo_jax.rollout.turns import Conversations, converse
 
 DYNAMIC_SAMPLING_FILTERS = ("accuracy", "reward")
 
@@ -85,6 +86,9 @@ class RolloutSpec:
     dynamic_sampling: bool = False
     dynamic_sampling_filter: str = "accuracy"
     max_refills: int = 3
+    environment: str = ""  # multi-turn rollouts with this environment (comppo_jax.environments); "": one turn
+    max_turns: int = 4
+    max_reply_tokens: int = 32
 
     def sampling_options(self) -> dict:
         """`generate`'s keywords besides the prompts, key and token ids."""
@@ -149,30 +153,48 @@ class Sampled(NamedTuple):
     verdicts: list
     reward_metrics: dict
     host_mask: np.ndarray  # [B, T] response mask on the host
-    reward_tokens: np.ndarray  # [B, T] the reward at each row's last token
+    reward_tokens: np.ndarray  # [B, T] the reward at each row's last token (of the policy's), and each reply's
     host_lengths: np.ndarray  # [B] real tokens (prompt + response) of each row, on the host
+    env_mask: np.ndarray | None = None  # [B, T] a conversation's environment tokens (None: one turn)
 
 
 def reward_generation(
-    tokenizer: Any, pool: Any, generation: Generation, problems: list, group: int, coefficients: RewardCoefficients
+    tokenizer: Any,
+    pool: Any,
+    generation: Generation | Conversations,
+    problems: list,
+    group: int,
+    coefficients: RewardCoefficients,
 ) -> Sampled:
-    """Decodes and verifies a generation's responses to `problems` (`group` rows each)."""
+    """Decodes and verifies a generation's responses to `problems` (`group` rows each). A conversation's
+    answer is read from the policy's tokens alone, its terminal reward goes to the policy's last token and
+    each reply's reward to the call it answers; its tool calls and their outcomes are counted."""
+    conversations = generation if isinstance(generation, Conversations) else None
+    if conversations is not None:
+        generation = conversations.generation
+    assert isinstance(generation, Generation)
     host_mask = sharding.to_host(generation.response_mask)
     host_lengths = sharding.to_host(generation.attention_mask).sum(axis=1).astype(np.int32)
     texts = decode_responses(tokenizer, generation)
+    env_mask = None if conversations is None else sharding.to_host(conversations.env_mask)
+    policy_mask = host_mask if env_mask is None else host_mask & ~env_mask
+    answers = texts if env_mask is None else decode_responses(tokenizer, generation, policy_mask)
     golds = [p.answer for p in problems for _ in range(group)]
-    rewards, verdicts, metrics = score_responses(texts, golds, host_mask.sum(axis=1), pool, coefficients)
+    rewards, verdicts, metrics = score_responses(answers, golds, policy_mask.sum(axis=1), pool, coefficients)
+    reward_tokens = terminal_reward_tokens(rewards, policy_mask)
+    if conversations is not None:
+        reward_tokens = reward_tokens + sharding.to_host(conversations.turn_rewards)
+        metrics.update(tool_metrics(conversations, len(texts)))
     return Sampled(
-        generation,
-        list(problems),
-        texts,
-        rewards,
-        verdicts,
-        metrics,
-        host_mask,
-        terminal_reward_tokens(rewards, host_mask),
-        host_lengths,
+        generation, list(problems), texts, rewards, verdicts, metrics, host_mask, reward_tokens, host_lengths, env_mask
     )
+
+
+def tool_metrics(conversations: Conversations, rows: int) -> dict[str, float]:
+    """env/calls (per response), env/<outcome> (replies by outcome, comppo_jax.environments.OUTCOMES)."""
+    metrics = {"env/calls": float(np.sum(conversations.calls)) / rows}
+    metrics.update({f"env/{outcome}": float(count) for outcome, count in conversations.outcomes.items()})
+    return metrics
 
 
 @functools.partial(jax.jit, static_argnames=("width", "layout"))
@@ -203,6 +225,7 @@ def take_groups(pieces: list[tuple[Sampled, list[int]]], group: int) -> Sampled:
         texts += [sampled.texts[r] for r in picked]
         verdicts += [sampled.verdicts[r] for r in picked]
     host = lambda name: np.concatenate([getattr(s, name)[r] for (s, _), r in zip(pieces, rows)])
+    env_mask = None if pieces[0][0].env_mask is None else host("env_mask")
     # Replicated over the pieces' mesh, the layout earlier runs scored (the scoring pass's float sums depend on it).
     laid_out = getattr(pieces[0][0].generation.tokens, "sharding", None)
     layout = NamedSharding(laid_out.mesh, PartitionSpec()) if isinstance(laid_out, NamedSharding) else None
@@ -216,15 +239,20 @@ def take_groups(pieces: list[tuple[Sampled, list[int]]], group: int) -> Sampled:
         host("host_mask"),
         host("reward_tokens"),
         host("host_lengths"),
+        env_mask,
     )
 
 
 def _combined_metrics(rounds: list[Sampled]) -> dict:
     """Reward counts summed over every sampled response; the mean reward over all of them."""
     total = {
-        name: sum(s.reward_metrics[name] for s in rounds) for name in rounds[0].reward_metrics if name != "reward/mean"
+        name: sum(s.reward_metrics[name] for s in rounds)
+        for name in rounds[0].reward_metrics
+        if name not in ("reward/mean", "env/calls")
     }
     total["reward/mean"] = float(np.mean(np.concatenate([s.rewards for s in rounds])))
+    if "env/calls" in rounds[0].reward_metrics:  # a mean per response, as reward/mean
+        total["env/calls"] = float(np.mean([s.reward_metrics["env/calls"] for s in rounds]))
     return total
 
 
@@ -307,6 +335,7 @@ class ExperienceEnv(NamedTuple):
     # Called with what is about to run the first time ("sampler", "scoring") and what just ended
     # ("sampling", "scoring"): the loop's compile notices and stop checks.
     notify: Callable[[str], None] = lambda event: None
+    environment: Any = None  # the comppo_jax.environments.Environment conversations talk to (rollout.environment)
 
 
 class ScoredBatch(NamedTuple):
@@ -328,15 +357,36 @@ def scoring_packing(sampled: Sampled, min_saving: float) -> Packing | None:
     return None if packing is None else on_devices(packing, mesh)
 
 
-def dispatch(sampler: Any, prompts: list, key: jax.Array, spec: RolloutSpec, env: ExperienceEnv) -> Generation:
+def dispatch(
+    sampler: Any, prompts: list, key: jax.Array, spec: RolloutSpec, env: ExperienceEnv
+) -> Generation | Conversations:
     """Dispatches the generation of `spec.samples_per_prompt` responses to each of `prompts` with the
-    `sampler` weights (in env.layout's decode layout) and returns at once: the arrays fill in."""
+    `sampler` weights (in env.layout's decode layout) and returns at once: the arrays fill in. With
+    `spec.environment`, conversations with `env.environment`, which return once they have ended."""
     env.notify("sampler")
     layout = env.layout
     if layout is not None:
         key = layout.replicated(key)  # outside the decode mesh's context: it may come from the training devices
     with jax.set_mesh(layout.mesh) if layout is not None else contextlib.nullcontext():
         prompt_tokens, prompt_mask = encode_prompts(env.tokenizer, prompts)
+        if spec.environment:
+            if env.environment is None:
+                raise ValueError(f"rollout.environment={spec.environment!r}: ExperienceEnv.environment must be given")
+            return converse(
+                sampler,
+                env.model_config,
+                prompt_tokens,
+                prompt_mask,
+                key,
+                env.environment,
+                prompts,
+                env.tokenizer,
+                max_turns=spec.max_turns,
+                max_reply_tokens=spec.max_reply_tokens,
+                eos_token_ids=(env.tokenizer.eos_token_id,),
+                pad_token_id=env.tokenizer.pad_token_id,
+                **spec.sampling_options(),
+            )
         return generate(
             sampler,
             env.model_config,
@@ -358,7 +408,7 @@ def experience(
     env: ExperienceEnv,
     *,
     sampler: Any = None,
-    dispatched: Generation | None = None,
+    dispatched: Generation | Conversations | None = None,
 ) -> ScoredBatch:
     """Batch `prompts` generated by `sampler` (default: `policy`), rewarded (with dynamic sampling's
     refill rounds, keys fold_in(key, 1 + round)) and scored by `policy` and `reference` (None: no
@@ -379,7 +429,12 @@ def experience(
                 raise ValueError("rollout.dynamic_sampling draws refill rounds: ExperienceEnv.refill must give prompts")
             chosen = env.refill()
             generation = dispatch(sampler, chosen, jax.random.fold_in(key, 1 + round_index), spec.rollout, env)
-        if env.layout is not None:
+        if env.layout is not None and isinstance(generation, Conversations):
+            moved = env.layout.to_training(
+                (generation.generation, generation.env_mask, generation.turn_rewards), env.mesh
+            )
+            generation = dataclasses.replace(generation, generation=moved[0], env_mask=moved[1], turn_rewards=moved[2])
+        elif env.layout is not None:
             generation = env.layout.to_training(generation, env.mesh)
         return reward_generation(env.tokenizer, env.pool, generation, chosen, group, env.coefficients)
 

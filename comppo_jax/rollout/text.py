@@ -8,17 +8,17 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import tqdm
 from jaxtyping import Array, PRNGKeyArray
 
 from comppo_jax.data.datasets import Problem
 from comppo_jax.data.rewards import Verdict, VerifierPool, extract_answer
-from comppo_jax.data.tokenizers import CharTokenizer, HFTokenizer, pad_batch
+from comppo_jax.data.tokenizers import Tokenizer, pad_batch
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout.sampler import Generation, generate
+from comppo_jax.rollout.turns import ToolUse, converse
 from comppo_jax.sharding import to_host
-
-Tokenizer = CharTokenizer | HFTokenizer  # what comppo_jax.data.tokenizers.load_tokenizer returns
 
 
 def encode_prompts(tokenizer: Tokenizer, problems: Sequence[Problem]) -> tuple[Array, ...]:
@@ -28,9 +28,10 @@ def encode_prompts(tokenizer: Tokenizer, problems: Sequence[Problem]) -> tuple[A
     )
 
 
-def decode_responses(tokenizer: Tokenizer, generation: Generation) -> list[str]:
-    """The text of each generated response (its valid tokens, EOS dropped), one per row."""
-    tokens, mask = to_host(generation.response_tokens), to_host(generation.response_mask)
+def decode_responses(tokenizer: Tokenizer, generation: Generation, mask: np.ndarray | None = None) -> list[str]:
+    """The text of each generated response (its valid tokens, or those of `mask` [R, T]; EOS dropped), one per row."""
+    tokens = to_host(generation.response_tokens)
+    mask = to_host(generation.response_mask) if mask is None else mask
     return [tokenizer.decode(row[m & (row != tokenizer.eos_token_id)]) for row, m in zip(tokens, mask)]
 
 
@@ -60,10 +61,33 @@ def generated_answers(
     temperature: float = 0.0,
     top_p: float = 1.0,
     num_samples: int = 1,
+    tools: ToolUse | None = None,
 ) -> list[str | None]:
     """The extracted answer (None: none) of each generated response, `num_samples` per problem in
-    problem order; temperature 0 is greedy."""
+    problem order; temperature 0 is greedy. With `tools`, each response is a conversation with its
+    environment, answered in the policy's own tokens."""
     tokens, mask = encode_prompts(tokenizer, problems)
+    if tools is not None:
+        conversations = converse(
+            params,
+            config,
+            tokens,
+            mask,
+            jax.random.PRNGKey(0) if rng is None else rng,
+            tools.environment,
+            problems,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            max_turns=tools.max_turns,
+            max_reply_tokens=tools.max_reply_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            num_samples=num_samples,
+            eos_token_ids=(tokenizer.eos_token_id,),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        policy = to_host(conversations.generation.response_mask) & ~to_host(conversations.env_mask)
+        return [extract_answer(text) for text in decode_responses(tokenizer, conversations.generation, policy)]
     generation = generate(
         params,
         config,
@@ -91,15 +115,16 @@ def greedy_accuracy(
     batch_size: int = 64,
     progress: str = "",
     after_batch: Callable[[], object] | None = None,
+    tools: ToolUse | None = None,
 ) -> float:
     """Fraction of `problems` whose greedy response's answer verifies against the gold; `progress`:
     the description of a transient bar over the batches ("" for none); `after_batch()` runs after
-    each batch (the train loop's stop check, which may raise)."""
+    each batch (the train loop's stop check, which may raise); `tools`: responses are conversations."""
     correct = 0
     for start in tqdm.trange(0, len(problems), batch_size, desc=progress, leave=False, disable=not progress):
         chunk = problems[start : start + batch_size]
         correct += count_correct(
-            chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens), pool
+            chunk, generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens, tools=tools), pool
         )
         if after_batch is not None:
             after_batch()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +33,20 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from comppo_jax import sharding
 from comppo_jax.data.datasets import Problem
+from comppo_jax.data.tokenizers import Tokenizer
 from comppo_jax.environments import OUTCOMES, Environment, Turn
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine
 from comppo_jax.rollout.sampler import DEFAULT_PAGE_SIZE, Generation, assemble, check_and_default
-from comppo_jax.rollout.text import Tokenizer
+
+
+class ToolUse(NamedTuple):
+    """A conversation's environment and limits (rollout.environment, max_turns, max_reply_tokens)."""
+
+    environment: Environment
+    max_turns: int
+    max_reply_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)

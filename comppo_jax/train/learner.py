@@ -63,16 +63,24 @@ class Signals(NamedTuple):
     reward_tokens: Any
     sampler_log_probs: Any
     influence: Any = None
+    env_mask: Any = None  # [B, T] a conversation's environment tokens (None: one turn)
 
     @classmethod
     def of(cls, rollout, sampled: Sampled) -> Signals:
         generation = sampled.generation
-        return cls(rollout.kappa, sampled.rewards, sampled.reward_tokens, generation.log_probs, rollout.influence)
+        return cls(
+            rollout.kappa,
+            sampled.rewards,
+            sampled.reward_tokens,
+            generation.log_probs,
+            rollout.influence,
+            sampled.env_mask,
+        )
 
     def estimate(self, spec: registry.EstimatorSpec, response_tokens, values, kappa, mask):
         """(advantages, returns) [B, T] of the estimator `spec` on these signals (`registry.estimate`)."""
         return registry.estimate(
-            spec, self.rewards, self.reward_tokens, response_tokens, values, kappa, mask, self.influence
+            spec, self.rewards, self.reward_tokens, response_tokens, values, kappa, mask, self.influence, self.env_mask
         )
 
 
@@ -81,12 +89,14 @@ def rollout_batch(sampled: Sampled, rollout, batch_shardings, packing: Packing |
     returns, old_values, kappa_sequence None; ref_log_probs None without a reference): `credit_fields`
     computes those. `packing`: the whole batch's packed rows (the scoring pass's), placed already."""
     generation = sampled.generation
+    # The learner's response tokens are the policy's: a conversation's environment tokens get no loss.
+    policy_mask = rollout.response_mask if sampled.env_mask is None else sampled.host_mask & ~sampled.env_mask
     batch = Minibatch(
         generation.tokens,
         generation.attention_mask,
         generation.prompt_lengths,
         generation.response_tokens,
-        rollout.response_mask,
+        policy_mask,
         rollout.log_probs,
         rollout.ref_log_probs,
         None,

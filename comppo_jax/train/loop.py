@@ -44,7 +44,7 @@ import jax
 import tqdm
 from absl import logging
 
-from comppo_jax import hub, sharding, storage
+from comppo_jax import environments, hub, sharding, storage
 from comppo_jax.data.rewards import VerifierPool
 from comppo_jax.models import ConfigError
 from comppo_jax.models import model_config as architecture
@@ -171,11 +171,12 @@ def run_training(cfg, mesh, rollout_devices, stop: StopSignals) -> dict:
     with (
         jax.set_mesh(mesh),
         VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
+        environments.opened(cfg.rollout.get("environment", ""), cfg.reward.workers) as environment,
         checkpoints.completed_on_error(),
     ):
         rollout = RolloutStage(
             spec.rollout,
-            RolloutContext(mesh, model_config, start.tokenizer, start.problems, decode, reference, pool),
+            RolloutContext(mesh, model_config, start.tokenizer, start.problems, decode, reference, pool, environment),
             prompt_position=start.meta["prompts"],
             stop=stop,
             compiling=compiling,

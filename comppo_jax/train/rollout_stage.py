@@ -23,6 +23,7 @@ import numpy as np
 from comppo_jax.models import lora
 from comppo_jax.rollout import greedy_accuracy
 from comppo_jax.rollout.experience import ExperienceEnv, Sampled, dispatch, experience
+from comppo_jax.rollout.turns import Conversations, ToolUse
 from comppo_jax.train.decode_layout import DecodeLayout
 from comppo_jax.train.specs import RolloutStageSpec
 from comppo_jax.train.update import cast_params
@@ -98,6 +99,7 @@ class RolloutContext(NamedTuple):
     decode: DecodeLayout
     reference: Callable  # () -> the frozen reference policy (None without a KL term)
     pool: Any  # the VerifierPool
+    environment: Any = None  # the comppo_jax.environments.Environment of multi-turn rollouts (rollout.environment)
 
 
 class RolloutStage:
@@ -147,7 +149,15 @@ class RolloutStage:
             refill=lambda: [self.train_problems[i] for i in self.prompts.next()],
             train_prompts=len(self.train_problems),
             notify=lambda event: checks[event](),
+            environment=context.environment,
         )
+
+    def tools(self) -> ToolUse | None:
+        """The conversations' environment and limits (None: one turn)."""
+        rollout = self.spec.experience.rollout
+        if not rollout.environment:
+            return None
+        return ToolUse(self.context.environment, rollout.max_turns, rollout.max_reply_tokens)
 
     def start(self, step: int, policy, version: int, step_rng, prompts: list[int] | None = None) -> Started:
         """Dispatches batch `step`'s first generation round with `policy` (after `version` updates),
@@ -159,11 +169,12 @@ class RolloutStage:
         window = [time.time(), None]
         chosen = [self.train_problems[i] for i in prompts]
         generation = dispatch(sampler, chosen, step_rng, self.spec.experience.rollout, self._env(step))
+        arrays = generation.generation if isinstance(generation, Conversations) else generation
         if not self.context.decode.separate:
             # Shared devices: it runs before the programs dispatched after it. XLA:CPU may run independent
             # programs in any order, and two processes ordering their collectives differently would deadlock.
-            jax.block_until_ready(generation)
-        watch(generation, window)
+            jax.block_until_ready(arrays)
+        watch(arrays, window)
         return Started(step, version, policy, sampler, prompts, generation, reshard_seconds, window)
 
     def finish(self, started: Started, step_rng, *, first: bool) -> Experience:
@@ -218,4 +229,5 @@ class RolloutStage:
                 max_new_tokens=self.spec.experience.rollout.max_new_tokens,
                 progress="dev eval" * self.show_progress,
                 after_batch=(lambda: self.stop.check("the dev evaluation")) if stoppable else None,
+                tools=self.tools(),
             )

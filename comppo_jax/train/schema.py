@@ -178,6 +178,12 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         ),
         Field("noisy_operands", "", 'step_noise: the operands (digits) whose steps it hits, e.g. "789"'),
         Field(
+            "tool_calls",
+            0.0,
+            "probability that a warm-start step is written as a calculator call, [36*7]=252 (rollout.environment="
+            "calculator: the policy learns the call's form; the result is the calculator's, always right)",
+        ),
+        Field(
             "cache_dir",
             "",
             'where a warm-started policy is kept, keyed by everything it depends on ("": output_dir, for this run'
@@ -246,6 +252,15 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             "dropped ones (-1: draw until the batch is full, stopping the run if a whole pass over the training "
             "prompts cannot fill it, as DAPO)",
         ),
+        Field(
+            "environment",
+            "",
+            'multi-turn rollouts with a tool: "" (none: one turn) | calculator (the synthetic task\'s: [36*7] -> '
+            "=252) | sandbox (Python programs between <tool_call> and </tool_call>, run confined); the "
+            "environment's reply tokens are read, never trained (comppo_jax.rollout.turns)",
+        ),
+        Field("max_turns", 4, "environment: policy turns per response at most (a call at the last one ends it)"),
+        Field("max_reply_tokens", 32, "environment: a reply's tokens at most (cut beyond)"),
         Field(
             "staleness",
             0,
@@ -386,6 +401,12 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         ),
         Field("vapo_alpha", 0.05, "vapo: the policy's lambda per response of length l is 1 - 1 / (alpha * l)"),
         Field("vapo_critic_lam", 1.0, "vapo: the critic's targets' lambda, decoupled from the policy's"),
+        Field(
+            "env_crossing",
+            "transition",
+            "rollout.environment: the gate at a tool call, where the trace crosses the environment's reply: "
+            "transition (the call's own kappa) | pass (kappa 1); docs/conventions.md",
+        ),
         Field("ktae_fisher_weight", 1.0, "ktae: h1, the weight of Fisher's exact test in the key-token strength"),
         Field("ktae_ig_weight", 1.0, "ktae: h2, the weight of the information gain in the key-token strength"),
         Field("ktae_tf_weight", 1.0, "ktae: h3, the weight of the BM25 frequency ratio in the key-token direction"),

@@ -251,6 +251,7 @@ def estimator_spec(cfg, made: Recipe) -> EstimatorSpec:
         ktae_tf_weight=credit.ktae_tf_weight,
         ktae_scale=credit.ktae_scale,
         ktae_end_tokens=tuple(cfg.model.arch.get("eos_token_ids", ())),
+        env_crossing=credit.get("env_crossing", "transition"),
     )
 
 
@@ -286,6 +287,9 @@ def experience_spec(cfg, credit: CreditSpec) -> ExperienceSpec:
             dynamic_sampling=rollout.dynamic_sampling,
             dynamic_sampling_filter=rollout.dynamic_sampling_filter,
             max_refills=rollout.max_refills,
+            environment=rollout.get("environment", ""),
+            max_turns=rollout.get("max_turns", 4),
+            max_reply_tokens=rollout.get("max_reply_tokens", 32),
         ),
         ScoringSpec(
             rollout.temperature,

@@ -19,7 +19,9 @@ from comppo_jax import hub, storage
 from comppo_jax.credit import GATE_STATISTICS, IMPORTANCE_WEIGHT_RULES, LOSS_AGGREGATIONS
 from comppo_jax.credit.losses import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTIONS
 from comppo_jax.credit.schedule import load_position_schedule
+from comppo_jax.credit.turns import CROSSINGS
 from comppo_jax.data.rewards import LENGTH_PENALTIES, LENGTH_PENALTY_SCOPES
+from comppo_jax.environments import ENVIRONMENTS
 from comppo_jax.models.config import ATTENTION, DTYPES, REMAT, ConfigError
 from comppo_jax.models.lora import TARGETS as LORA_TARGETS
 from comppo_jax.models.lora import parse_targets as parse_lora_targets
@@ -319,6 +321,8 @@ ENUM_FIELDS = {
     "train.loss_aggregation": ("auto",) + LOSS_AGGREGATIONS,
     "train.kl_aggregation": KL_AGGREGATIONS,
     "rollout.dynamic_sampling_filter": DYNAMIC_SAMPLING_FILTERS,
+    "rollout.environment": ENVIRONMENTS,
+    "credit.env_crossing": CROSSINGS,
     "train.proximal": PROXIMAL,
     "train.importance_weight_rule": IMPORTANCE_WEIGHT_RULES,
     "train.rollout_correction": ROLLOUT_CORRECTIONS,
@@ -337,6 +341,11 @@ NUMBER_FIELDS = {
     "train.gspo_clip_high": POSITIVE,
     "rollout.max_refills": dict(low=-1, integer=True),
     "rollout.staleness": ZERO_OR_MORE,
+    "rollout.max_turns": COUNT,
+    "warm_start.answer_noise": dict(low=0, high=1),
+    "warm_start.step_noise": dict(low=0, high=1),
+    "warm_start.tool_calls": dict(low=0, high=1),
+    "rollout.max_reply_tokens": COUNT,
     "train.importance_weight_cap": dict(low=1),
     "train.rollout_correction_cap": dict(low=1, low_open=True),
     "train.packing_min_saving": dict(low=0, high=1, high_open=True),
