@@ -38,9 +38,10 @@ _TOPOLOGY = flags.DEFINE_list("topology", ["v5p:2x2x2"], "TPU topologies, e.g. v
 _PROMPT = flags.DEFINE_integer("prompt_length", 512, "Prompt tokens per row (the response is rollout.max_new_tokens).")
 _STEPS = flags.DEFINE_list(
     "steps",
-    ["reshard", "sample", "score", "values", "actor", "critic"],
-    "Programs to compile: reshard (the weights into the decode layout), sample, score, values (the "
-    "critic's V_t for the credit), actor, critic.",
+    ["reshard", "sample", "resume", "score", "values", "actor", "critic"],
+    "Programs to compile: reshard (the weights into the decode layout), sample, resume (with "
+    "rollout.environment: the host's replies written into the engine state, once per extra turn), score, "
+    "values (the critic's V_t for the credit), actor, critic.",
 )
 _MARKDOWN = flags.DEFINE_string("markdown", "", "Append the memory table's rows as markdown to this file.")
 _TIME_MARKDOWN = flags.DEFINE_string(

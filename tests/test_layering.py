@@ -23,7 +23,8 @@ DATA_PATH = [
     *(TRAIN / f"{name}.py" for name in ("rollout_stage", "staleness", "learner", "update", "recorder", "samples")),
 ]
 # Lower packages first: a module may import from its own package and those before it.
-LAYERS = ["errors", "storage", "sharding", "hub", "models", "credit", "critic", "data", "rollout", "runs", "train"]
+LAYERS = ["errors", "storage", "sharding", "hub", "workers", "models", "credit", "critic", "data", "environments"]
+LAYERS += ["rollout", "runs", "train"]
 LAYERS += ["planning", "eval"]
 # The one climb: the decode layout's auto choice reads the planner's decode floor (`decode_candidates`).
 CLIMBS = {"train/decode_layout.py imports comppo_jax.planning.decode_floor"}

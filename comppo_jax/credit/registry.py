@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
@@ -149,6 +149,17 @@ ESTIMATORS: dict[str, Callable] = {
 }
 
 
+class Statistics(NamedTuple):
+    """What some estimators read besides the batch: the scoring pass's future attention influence [B, T]
+    (Rollout.influence: attention_anchor's), and a conversation's environment tokens [B, T]."""
+
+    influence: Array | None = None
+    env_mask: Array | None = None
+
+
+NO_STATISTICS = Statistics()
+
+
 def estimate(
     spec: EstimatorSpec,
     rewards: ArrayLike,
@@ -157,26 +168,25 @@ def estimate(
     values: Array,
     kappa: Array,
     mask: Array,
-    influence: Array | None = None,
-    env_mask: Array | None = None,
+    statistics: Statistics = NO_STATISTICS,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """(advantages, returns) [B, T] of the estimator `spec.name` (ESTIMATORS): from the terminal rewards [B],
     the reward at each row's last token [B, T], the response token ids [B, T], the critic's values [B, T], the
-    (controlled) gate [B, T] and the mask of the policy's response tokens [B, T]; `influence` [B, T], the scoring
-    pass's future attention influence (Rollout.influence), goes to the estimator that reads it (attention_anchor)
-    when given. `env_mask` [B, T], a multi-turn response's environment tokens: the estimator runs on the policy's
-    tokens alone, the crossings gated as `spec.env_crossing` says (comppo_jax.credit.turns), and the
-    environment's tokens get 0."""
+    (controlled) gate [B, T] and the mask of the policy's response tokens [B, T]. `statistics.influence` goes to
+    the estimator that reads it (attention_anchor); with `statistics.env_mask` [B, T], a multi-turn response's
+    environment tokens, the estimator runs on the policy's tokens alone, the crossings gated as
+    `spec.env_crossing` says (comppo_jax.credit.turns), and the environment's tokens get 0."""
+    influence, env_mask = statistics
+    named = {} if influence is None else {"influence": influence}
     estimator = ESTIMATORS[spec.name]
     if env_mask is None:
-        statistics = {} if influence is None else {"influence": influence}
-        return estimator(spec, rewards, reward_tokens, response_tokens, values, kappa, mask, **statistics)
+        return estimator(spec, rewards, reward_tokens, response_tokens, values, kappa, mask, **named)
     kappa = turns.crossing_gate(kappa, env_mask, mask, spec.env_crossing)
-    order = turns.policy_order(env_mask)
-    per_token = [jnp.asarray(reward_tokens), response_tokens, values, kappa, mask.astype(bool) & ~env_mask]
-    statistics = {} if influence is None else {"influence": turns.compact(influence, order)}
-    advantages, returns = estimator(spec, rewards, *(turns.compact(x, order) for x in per_token), **statistics)
-    return turns.expand(advantages, order), turns.expand(returns, order)
+    on_turns = lambda *per_token, **compacted: estimator(spec, rewards, *per_token, **compacted)
+    advantages, returns = turns.on_policy_tokens(
+        on_turns, env_mask, mask, jnp.asarray(reward_tokens), response_tokens, values, kappa, **named
+    )
+    return advantages, returns
 
 
 @dataclasses.dataclass(frozen=True)

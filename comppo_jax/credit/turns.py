@@ -17,6 +17,8 @@ GAE (kappa = gamma = 1 in PPO) is the same under both; GRPO broadcasts over the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
@@ -53,3 +55,19 @@ def compact(x: Shaped[Array, "B T"], order: Int[Array, "B T"]) -> Shaped[Array, 
 def expand(x: Shaped[Array, "B T"], order: Int[Array, "B T"]) -> Shaped[Array, "B T"]:
     """The inverse of `compact`: each compacted column back at its position."""
     return jnp.take_along_axis(x, jnp.argsort(order, axis=1), axis=1)
+
+
+def on_policy_tokens(
+    estimator: Callable[..., tuple[Array, ...]],
+    env_mask: Bool[Array, "B T"],
+    mask: Shaped[Array, "B T"],
+    *per_token: Shaped[Array, "B T"],
+    **statistics: Shaped[Array, "B T"],
+) -> tuple[Array, ...]:
+    """`estimator(*per_token, policy_mask, **statistics)` on the policy's tokens alone (`compact`), each [B, T]
+    output expanded back: 0 on the environment's tokens (and wherever the estimator gives padding 0)."""
+    order = policy_order(env_mask)
+    policy = mask.astype(bool) & ~env_mask
+    compacted = [compact(x, order) for x in per_token] + [compact(policy, order)]
+    outputs = estimator(*compacted, **{name: compact(x, order) for name, x in statistics.items()})
+    return tuple(expand(x, order) for x in outputs)

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
 from comppo_jax.critic import routing
-from comppo_jax.models import init_params, lora, model_config
+from comppo_jax.models import init_params, lora, model_config, paged_cache
 from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.lora import LoraConfig
 from comppo_jax.models.packing import Packing
@@ -69,7 +69,7 @@ GIB = 2**30
 # Per-chip HBM (GiB) and the chip configuration `get_topology_desc` needs, per TPU family.
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
-STEPS = ("reshard", "sample", "score", "values", "actor", "critic")
+STEPS = ("reshard", "sample", "resume", "score", "values", "actor", "critic")
 
 
 def topology_devices(topology: str) -> list:
@@ -404,6 +404,15 @@ def train_step_programs(
     )
     options = engine_options(cfg.rollout)
     options["paged_attention"] = resolve_paged_attention(options["paged_attention"], config.head_dim, platform=platform)
+    layout = engine.make_layout(
+        cfg.rollout.prompts_per_step,
+        prompt_length,
+        num_samples=cfg.rollout.samples_per_prompt,
+        max_new_tokens=response,
+        page_size=options["page_size"],
+        decode_slots=options["decode_slots"],
+        shards=sharding.batch_size_multiple(decode.mesh),
+    )
     sample = jax.jit(
         lambda policy, prompts, prompt_mask, rng: generate(
             policy,
@@ -419,6 +428,11 @@ def train_step_programs(
             **options,
         )
     )
+    tools = spec.rollout.experience.rollout
+    if tools.environment:  # multi-turn rollouts: the sampler's first round, then the host's answers
+        sample, resume, state_shardings = conversation_programs(
+            config, layout, options, cfg.rollout.temperature, cfg.rollout.top_p, tools.max_turns, decode.mesh
+        )
     # The actor and its optimizer, the reference and the critic stay on device all step; during
     # the update so does the whole rollout batch (train() frees the compute copy `policy` first).
     # With equal master and compute dtypes `policy` is the actor itself (the cast is a no-op); a
@@ -465,6 +479,13 @@ def train_step_programs(
         if decode.resharded
         else None,
         "sample": sampling,
+        "resume": None
+        if not tools.environment
+        else (
+            resume,
+            conversation_state(sampling[0], sampling[1], state_shardings, tools.max_reply_tokens, decode.mesh),
+            sampling[2],
+        ),
         "score": (
             score,
             (state["policy"], state["reference"], generation(rows), packing(rows)),
@@ -501,15 +522,6 @@ def train_step_programs(
             held("critic", "actor", "actor_opt", "reference", "rollout_batch"),
         ),
     }
-    layout = engine.make_layout(
-        cfg.rollout.prompts_per_step,
-        prompt_length,
-        num_samples=cfg.rollout.samples_per_prompt,
-        max_new_tokens=response,
-        page_size=options["page_size"],
-        decode_slots=options["decode_slots"],
-        shards=sharding.batch_size_multiple(decode.mesh),
-    )
     epochs = int(controller.KNOBS["actor_epochs"][0])
     updates = epochs * rows // cfg.train.minibatch_size
     flops = model_flops(
@@ -540,11 +552,19 @@ def train_step_programs(
         state,
         bytes_of,
         programs,
-        {"sample": decode.mesh},
+        {"sample": decode.mesh, "resume": decode.mesh},
         decode,
         layout,
         rows,
-        {"reshard": 1, "sample": 1, "score": 1, "values": 1, "actor": updates, "critic": updates},
+        {
+            "reshard": 1,
+            "sample": 1,
+            "resume": tools.max_turns - 1,
+            "score": 1,
+            "values": 1,
+            "actor": updates,
+            "critic": updates,
+        },
         {
             name: learner_batch(batch)
             for name, batch in (
@@ -559,6 +579,63 @@ def train_step_programs(
         moved,
         spec.rollout.experience.rollout.kv_dtype,
     )
+
+
+def conversation_programs(config, layout: engine.Layout, options: dict, temperature, top_p, max_turns: int, mesh):
+    """The sampler of multi-turn rollouts (rollout.environment) as a train step runs it on device: the
+    prefill and the decode loop up to the rows' calls (`sample`; its output, the engine state with the page
+    pool, stays on device between turns), and the host's answer (`resume`), run max_turns - 1 times a step;
+    with the state's shardings. The decode loop's iterations over all turns are the one-turn sampler's:
+    a reply's tokens are fed one per iteration like sampled ones."""
+    backend, kv_dtype = options["paged_attention"], options["kv_dtype"]
+    calls = jnp.zeros((1,), jnp.int32)  # a call token: which one changes no shape
+
+    def first_round(policy, prompts, prompt_mask, rng):
+        prefilled, state = engine.start_engine(
+            policy, config, prompts, prompt_mask, layout, pad=0, backend=backend, kv_dtype=kv_dtype, multi_turn=True
+        )
+        eos = jnp.asarray(config.eos_token_ids or (0,), jnp.int32)
+        return engine.decode(
+            policy,
+            config,
+            prefilled,
+            state,
+            layout,
+            rng,
+            temperature=temperature,
+            top_p=top_p,
+            eos=eos,
+            backend=backend,
+            calls=calls,
+            max_turns=max_turns,
+        )
+
+    def state_shardings(state):
+        rows = NamedSharding(mesh, P(sharding.BATCH))
+        placed = jax.tree.map(lambda _: rows, state)
+        pool = state.pool
+        pool_shardings = pool.with_arrays(
+            *(NamedSharding(mesh, spec) for spec in paged_cache.pool_specs(pool, config.num_heads)),
+            scales=tuple(NamedSharding(mesh, spec) for spec in paged_cache.scale_specs(pool, config.num_heads)),
+        )
+        return placed._replace(pool=pool_shardings)
+
+    resume = jax.jit(
+        lambda state, replies, lengths, end: engine.resume(state, layout, replies, lengths, end), donate_argnums=0
+    )
+    return jax.jit(first_round), resume, state_shardings
+
+
+def conversation_state(first_round, arguments, shardings, max_reply_tokens: int, mesh) -> tuple:
+    """`resume`'s arguments as sharded shapes: the engine state `first_round` leaves, the replies."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        state = jax.eval_shape(first_round, *arguments)
+    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings(state))
+    slots = state.row.shape
+    rows = NamedSharding(mesh, P(sharding.BATCH))
+    replies = jax.ShapeDtypeStruct(slots + (max_reply_tokens,), jnp.int32, sharding=rows)
+    lengths = jax.ShapeDtypeStruct(slots, jnp.int32, sharding=rows)
+    return placed, replies, lengths, jax.ShapeDtypeStruct(slots, jnp.bool_, sharding=rows)
 
 
 def _compile_steps(cfg, step: TrainStepPrograms, mesh, names, *, prompt_length: int, log) -> list[StepPlan]:

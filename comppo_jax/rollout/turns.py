@@ -76,8 +76,13 @@ def call_token_ids(tokenizer: Tokenizer, environment: Environment) -> tuple[int,
 
 # The engine's three steps, each compiled once per shape: the host loop runs between them.
 _start = jax.jit(engine.start_engine, static_argnames=("config", "layout", "pad", "backend", "kv_dtype", "multi_turn"))
-_decode = jax.jit(engine.decode, static_argnames=("config", "layout", "temperature", "top_p", "backend", "max_turns"))
-_resume = jax.jit(engine.resume, static_argnames=("layout",))
+# The engine state (its page pool above all) is donated to the next step, not copied.
+_decode = jax.jit(
+    engine.decode,
+    static_argnames=("config", "layout", "temperature", "top_p", "backend", "max_turns"),
+    donate_argnames=("state",),
+)
+_resume = jax.jit(engine.resume, static_argnames=("layout",), donate_argnames=("state",))
 
 
 def _replies(

@@ -6,9 +6,11 @@ Every `outputs.sample_every` steps (0: at each dev evaluation; -1: never) the re
 `<output_dir>/samples/step_<N>.json` (N zero-padded to 6 digits), written by process 0:
 
     {"step", "method", "gate", "estimator", "lam", "kappa_range": [g(0), g(1)],
-     "responses": [{"row", "prompt", "response", "reward", "verdict", "length",
+     "responses": [{"row", "prompt", "response", "reward", "verdict", "length", ("replies",)
                     "t": [t of each kept token, 1-based], "pieces": [its text],
                     "tokens": {name: [value per kept token]}}]}
+
+(`replies`: a conversation's environment replies, with rollout.environment.)
 
 The per-token arrays (`tokens`) are aligned with y_1..y_T (docs/conventions.md) and are whatever
 the run has of:
@@ -24,7 +26,9 @@ the run has of:
   (comp_gae) with the gate the run's credit read (CompPO; PPO: the policy's own gate, what CompPO
   would have assigned) and of eq. (stdgae) with kappa_t = gamma = 1. The estimator the run updated
   with is named by `estimator`;
-- `grpo`: GRPO's group-relative advantage.
+- `grpo`: GRPO's group-relative advantage;
+- `env`: 1 on a conversation's environment tokens (rollout.environment), which get no credit: the
+  advantages above are the policy's tokens' (comppo_jax.credit.turns).
 
 A response longer than `outputs.sample_tokens` keeps its first and last halves of that many
 tokens (`t` shows the gap), so a step's file stays under about samples_per_step x sample_tokens x

@@ -79,8 +79,9 @@ class Signals(NamedTuple):
 
     def estimate(self, spec: registry.EstimatorSpec, response_tokens, values, kappa, mask):
         """(advantages, returns) [B, T] of the estimator `spec` on these signals (`registry.estimate`)."""
+        statistics = registry.Statistics(self.influence, self.env_mask)
         return registry.estimate(
-            spec, self.rewards, self.reward_tokens, response_tokens, values, kappa, mask, self.influence, self.env_mask
+            spec, self.rewards, self.reward_tokens, response_tokens, values, kappa, mask, statistics
         )
 
 

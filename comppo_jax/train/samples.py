@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from comppo_jax import sharding
-from comppo_jax.credit import comp_gae, gae, gate_concentration, gate_range
+from comppo_jax.credit import comp_gae, gae, gate_concentration, gate_range, turns
 from comppo_jax.data.tokenizers import token_pieces
 
 CONTROLLED_GATES = ("fixed", "shuffle", "position")  # the recipe gates that replace the policy's own
@@ -72,11 +72,33 @@ def per_token_credit(credit, scored, sampled, rows: np.ndarray) -> dict[str, np.
         # PPO: the policy's own gate, what CompPO would have read; CompPO: the gate its Comp-GAE read.
         gate = arrays.get("kappa") if recipe.gate == "gamma" else host(scored.kappa)[rows]
         if gate is not None:
-            arrays["comp_gae"] = np.asarray(comp_gae(rewards, values, gate, mask, lam)[0])
-        arrays["gae"] = np.asarray(gae(rewards, values, mask, 1.0, lam)[0])
+            comp = lambda r, v, k, m: comp_gae(r, v, k, m, lam)
+            arrays["comp_gae"] = advantages_of(comp, sampled, rows, credit, rewards, values, gate)
+        arrays["gae"] = advantages_of(lambda r, v, m: gae(r, v, m, 1.0, lam), sampled, rows, credit, rewards, values)
         if recipe.estimator not in arrays:  # an estimator beyond the paper's (vapo): the advantages it gave the actor
             arrays[recipe.estimator] = host(scored.batch.advantages)[rows]
+    if sampled.env_mask is not None:  # a conversation's environment tokens: marked, no credit
+        arrays["env"] = sampled.env_mask[rows].astype(np.int32)
     return {name: np.where(mask, array, 0) for name, array in arrays.items()}
+
+
+def advantages_of(estimator, sampled, rows: np.ndarray, credit, rewards, values, gate=None) -> np.ndarray:
+    """`estimator`'s advantages on `rows`, on the policy's tokens of a conversation (comppo_jax.credit.turns, the
+    gate's crossings as `credit.estimator.env_crossing` says); `gate`: its kappa, if it reads one."""
+    mask = jnp.asarray(sampled.host_mask[rows])
+    per_token = [jnp.asarray(rewards), jnp.asarray(values)] + ([] if gate is None else [jnp.asarray(gate)])
+    if sampled.env_mask is None:
+        return np.asarray(estimator(*per_token, mask)[0])
+    env = jnp.asarray(sampled.env_mask[rows])
+    if gate is not None:
+        per_token[2] = turns.crossing_gate(per_token[2], env, mask, credit.estimator.env_crossing)
+    return np.asarray(turns.on_policy_tokens(estimator, env, mask, *per_token)[0])
+
+
+def replies_of(sampled, row: int) -> int:
+    """A conversation's environment replies: its spans of environment tokens."""
+    env = sampled.env_mask[row].astype(np.int8)
+    return int(np.sum(np.diff(env, prepend=0) == 1))
 
 
 def kept_responses(spec, tokenizer, step: int, sampled, scored) -> dict:
@@ -100,6 +122,7 @@ def kept_responses(spec, tokenizer, step: int, sampled, scored) -> dict:
                 "reward": _numbers([sampled.rewards[row]])[0],
                 "verdict": sampled.verdicts[row].value,
                 "length": length,
+                **({} if sampled.env_mask is None else {"replies": replies_of(sampled, row)}),
                 "t": [int(t) + 1 for t in kept],
                 "pieces": token_pieces(tokenizer, tokens[i][kept]),
                 "tokens": {name: _numbers(values[i][kept], integer=name == "n") for name, values in arrays.items()},

@@ -455,7 +455,9 @@ def credit_call(cfg, ours: OnDevice, rng: np.random.Generator):
     def call():
         kappa = controlled_gate(credit, ours.rollout.kappa, mask, key)
         tokens, influence = ours.batch.response_tokens, ours.rollout.influence
-        advantages = registry.estimate(credit.estimator, rewards, reward_tokens, tokens, values, kappa, mask, influence)
+        advantages = registry.estimate(
+            credit.estimator, rewards, reward_tokens, tokens, values, kappa, mask, registry.Statistics(influence)
+        )
         jax.block_until_ready(advantages)
 
     return call

@@ -15,7 +15,7 @@ from attention_anchor_oracles import anchors, grpo, materialized_influence
 from conftest import small_train_config
 
 from comppo_jax.credit.attention_credit import anchor_tokens, attention_anchor_credit
-from comppo_jax.credit.registry import EstimatorSpec, estimate
+from comppo_jax.credit.registry import EstimatorSpec, Statistics, estimate
 from comppo_jax.data.rewards import terminal_reward_tokens
 from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout import score_rollout
@@ -83,7 +83,7 @@ def test_the_estimator_amplifies_grpo_s_signed_advantage_on_the_anchors(normaliz
     )
     zeros = jnp.zeros(mask.shape)
     args = (spec, rewards, zeros, jnp.zeros(mask.shape, jnp.int32), zeros, zeros, jnp.asarray(mask))
-    advantages, returns = estimate(*args, jnp.asarray(influence))
+    advantages, returns = estimate(*args, Statistics(jnp.asarray(influence)))
     if normalize_std:
         group = grpo(rewards, 3)
     else:

@@ -192,6 +192,36 @@ def hand_written_run(path, *records):
     return path
 
 
+def test_a_conversations_environment_spans_are_marked_and_the_credit_crosses_them(tmp_path, browser):
+    """A tool run's kept response (rollout.environment): its environment tokens are drawn dashed grey with no
+    credit, and the policy's tokens on both sides of a reply keep theirs, as the learner assigns it."""
+    from selenium.webdriver.common.by import By
+
+    cfg = small_train_config(tmp_path, rollout__environment="calculator")
+    save_run_config(cfg, str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "phase": "stable"}) + "\n")
+    spec = resolve(cfg, model_config(cfg.model)).recorder
+    sampled, scored = stand_in_batch(cfg, spec.credit.recipe, lengths=(10, 10, 10, 10), seed=1)
+    env_mask = np.zeros(sampled.host_mask.shape, bool)
+    env_mask[:, 4:7] = True  # a reply after a call at t=4
+    sampled = sampled._replace(env_mask=env_mask)
+    record = kept_responses(spec, CharTokenizer(), 1, sampled, scored)
+    save_samples(str(tmp_path), record)
+    response = record["responses"][0]
+    assert response["replies"] == 1 and response["tokens"]["env"] == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+    credit = np.asarray(response["tokens"]["comp_gae"])
+    assert (credit[4:7] == 0).all() and (credit[[3, 7, 9]] != 0).all()
+    assert report(tmp_path).returncode == 0
+    browser.get((tmp_path / "report.html").as_uri())
+    assert browser.get_log("browser") == []
+    shown = spans(browser, "primary")
+    marked = [i for i, span in enumerate(shown) if "env" in span.get_attribute("class").split()]
+    assert marked == [4, 5, 6]
+    assert shown[4].value_of_css_property("background-color") == rgba("#e8e8e8")
+    assert "environment token" in shown[4].get_attribute("title")
+    assert "1 environment replies" in browser.find_element(By.ID, "response-meta").text
+
+
 def test_prompts_and_responses_holding_markup_show_as_text_and_leave_the_browser_working(tmp_path, browser):
     from selenium.webdriver.common.by import By
 

@@ -178,3 +178,21 @@ def test_the_packed_learner_compiles_for_tpu_and_computes_what_its_rows_hold():
     assert real == pytest.approx(padded_real, rel=0.05)  # the same tokens, whichever layout computes them
     assert learner < padded_learner and learner / real < padded_learner / padded_real
     assert "real tokens alone" in planner.format_summary(packed)
+
+
+@pytest.mark.slow
+def test_a_multi_turn_sampler_keeps_its_engine_state_between_turns_and_answers_each_extra_turn():
+    """rollout.environment: the sampler's first round leaves the engine state (the page pool with it) on device,
+    and the host's answer (`resume`), compiled with that state donated, runs max_turns - 1 times a step."""
+    require_libtpu()
+    cfg = tiny_config()
+    cfg.rollout.update(environment="calculator", max_turns=4)
+    result = planner.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("sample", "resume"), log=lambda message: None)
+    sample, resume = result.steps
+    assert (sample.step, resume.step, sample.error, resume.error) == ("sample", "resume", None, None)
+    assert result.runs["resume"] == 3
+    assert sample.outputs >= result.page_pool  # the state stays: its pool is an output, not a temporary
+    assert resume.arguments == pytest.approx(sample.outputs, rel=0.01)
+    assert resume.outputs < 0.01 * resume.arguments  # donated: written in place
+    times = {t.program: t for t in planner.step_times(result)}
+    assert times["resume"].runs == 3 and times["sample decode"].runs == 1

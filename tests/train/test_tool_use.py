@@ -55,6 +55,7 @@ class FaultyTools(Environment):
         self.pool.close()
 
 
+@pytest.mark.slow  # a whole run, about a minute
 def test_the_loop_goes_on_through_hanging_raising_and_malformed_calls_and_counts_them(tmp_path, monkeypatch):
     monkeypatch.setattr(environments, "make_environment", lambda name, workers=2: FaultyTools())
     cfg = small_train_config(tmp_path, rollout__environment="calculator", rollout__max_turns=3, steps=2)
@@ -115,7 +116,9 @@ def test_environment_tokens_carry_no_loss_and_no_advantage(tmp_path, method):
     assert np.abs(np.asarray(fields["advantages"])[policy]).sum() > 0
     if method != "grpo":  # the trace crosses the reply (credit.turns), not cut at the call
         arguments = (credit.estimator, sampled.rewards, sampled.reward_tokens, batch.response_tokens, values)
-        crossed = registry.estimate(*arguments, jnp.full(policy.shape, 0.5), jnp.asarray(policy), None, env)[1]
+        crossed = registry.estimate(
+            *arguments, jnp.full(policy.shape, 0.5), jnp.asarray(policy), registry.Statistics(None, env)
+        )[1]
         cut = registry.estimate(*arguments, jnp.full(policy.shape, 0.5), jnp.asarray(policy))[1]
         np.testing.assert_allclose(fields["returns"], crossed, atol=1e-6)
         assert np.abs(np.asarray(crossed) - np.asarray(cut)).max() > 1e-3

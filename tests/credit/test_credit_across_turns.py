@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from comppo_jax.credit import turns
-from comppo_jax.credit.registry import EstimatorSpec, estimate
+from comppo_jax.credit.registry import EstimatorSpec, Statistics, estimate
 
 # p1 p2(call) e1 e2 p3 p4 pad: reward 1 at p4
 ENV = jnp.asarray([[0, 0, 1, 1, 0, 0, 0]], bool)
@@ -35,7 +35,7 @@ def by_hand(call_kappa: float) -> np.ndarray:
 
 def credit(name: str, crossing: str, values=VALUES, kappa=KAPPA, reward_tokens=REWARD_TOKENS):
     spec = EstimatorSpec(name, lam=LAM, group=1, env_crossing=crossing)
-    return estimate(spec, jnp.asarray([1.0]), reward_tokens, TOKENS, values, kappa, MASK, env_mask=ENV)
+    return estimate(spec, jnp.asarray([1.0]), reward_tokens, TOKENS, values, kappa, MASK, Statistics(env_mask=ENV))
 
 
 @pytest.mark.parametrize("crossing,call_kappa", [("transition", 0.6), ("pass", 1.0)])
