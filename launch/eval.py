@@ -75,13 +75,14 @@ def main(argv):
     del argv
     import jax
 
-    from comppo_jax import sharding
+    from comppo_jax import environments, sharding
     from comppo_jax.data.datasets import load_benchmark
     from comppo_jax.data.rewards import VerifierPool
     from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
     from comppo_jax.eval.frozen import eval_sampling, metric_names
     from comppo_jax.eval.restore import eval_meshes, policy_digest, restore_actor
+    from comppo_jax.rollout.turns import ToolUse
     from comppo_jax.runs.checkpoint import RunCheckpoints
     from comppo_jax.train import decode_layout
     from comppo_jax.train.specs import resolve
@@ -122,6 +123,8 @@ def main(argv):
         "batch_size": cfg.eval.batch_size,  # the sampling keys follow the batches
         "tokenizer": cfg.model.tokenizer or cfg.model.path,
     }
+    if cfg.rollout.get("environment", ""):  # a tool run's answers are conversations (kept results say so)
+        settings.update({name: cfg.rollout[name] for name in ("environment", "max_turns", "max_reply_tokens")})
     policy_config, params = restore_actor(cfg, checkpoints, step, mesh)
     checkpoint_digest = policy_digest(params)
     keys = {
@@ -139,7 +142,12 @@ def main(argv):
     with (
         jax.set_mesh(decode.mesh),
         VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, across_processes=True) as pool,
+        environments.opened(cfg.rollout.get("environment", ""), cfg.reward.workers) as environment,
     ):
+        # A tool run's checkpoint talks to its environment, as in its training rollouts.
+        tools = (
+            None if environment is None else ToolUse(environment, cfg.rollout.max_turns, cfg.rollout.max_reply_tokens)
+        )
         for name, problems in sets.items():
             result = cached[name]
             if result is None:
@@ -157,6 +165,7 @@ def main(argv):
                     seed=cfg.seed,
                     batch_size=cfg.eval.batch_size,
                     desc=name,
+                    tools=tools,
                 )
                 if main_process:
                     storage.write_text(output / f"{name}.json", json.dumps({**keys[name], "metrics": result}, indent=2))

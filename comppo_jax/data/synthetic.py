@@ -15,9 +15,11 @@ The warm start may teach mistakes (`noisy_solution`; 0 disables each):
   decisions, anywhere in the response, and one wrong one decides the outcome: the credit testbed
   (configs/tiny_credit.py).
 
-It may also teach a tool (`tool_calls`): the probability that a step is written as a call of the
-calculator (comppo_jax.environments.calculator), `[36*7]=252`, whose result, the calculator's, is
-always right; the tool runs (configs/tiny_tools.py) learn when to call it.
+It may also teach a tool's form (`tool_calls`): the probability that a step is written as a call of
+the calculator (comppo_jax.environments.calculator), `[36*7]=252`. The written result carries the
+same step noise as any other (the data's writer has no calculator), so only a run whose calls the
+calculator answers (rollout.environment) gets them right every time; the tool runs
+(configs/tiny_tools.py) learn when to call it, and their tool-free twin gains nothing from the form.
 """
 
 from __future__ import annotations
@@ -93,13 +95,10 @@ def _noisy_steps(solution: str, rng: np.random.Generator, noise: Noise) -> tuple
         op_at = max(left.rfind(op) for op in OPERATIONS if left.rfind(op) > 0)
         start, op, operand = (int(left[:op_at]) if value is None else value), left[op_at], int(left[op_at + 1 :])
         result = {"+": start + operand, "-": start - operand, "*": start * operand}[op] % 1000
-        if noise.tool_calls and rng.random() < noise.tool_calls:
-            lines.append(f"[{start}{op}{operand}]={result}")
-            value = result
-            continue
+        call = noise.tool_calls and rng.random() < noise.tool_calls
         if str(operand) in noise.noisy_operands and rng.random() < noise.step_noise:
             result = (result + 1) % 1000
-        lines.append(f"{start}{op}{operand}={result}")
+        lines.append(f"[{start}{op}{operand}]={result}" if call else f"{start}{op}{operand}={result}")
         value = result
     return lines, int(value)
 

@@ -32,6 +32,7 @@ import tqdm
 from comppo_jax.data.rewards import VerifierPool
 from comppo_jax.models import ModelConfig
 from comppo_jax.rollout.text import answers_correct, generated_answers
+from comppo_jax.rollout.turns import ToolUse
 
 
 def majority_answer(answers) -> str | None:
@@ -122,13 +123,15 @@ def evaluate_problems(
     seed: int = 0,
     batch_size: int = 32,
     desc: str = "",
+    tools: ToolUse | None = None,
 ) -> dict:
     """`set_metrics` over `problems`: greedy pass@1, avg@samples, pass@k for k in `pass_k` (default 1
-    and samples) and majority@samples, each a fraction in [0, 1] with its standard error."""
+    and samples) and majority@samples, each a fraction in [0, 1] with its standard error. `tools`: each
+    response is a conversation with its environment (a tool run's, rollout.environment)."""
     greedy_correct, sample_correct, majority_correct = [], [], []
     for start in tqdm.trange(0, len(problems), batch_size, desc=desc, leave=False):
         chunk = problems[start : start + batch_size]
-        greedy = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens)
+        greedy = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens, tools=tools)
         sampled = generated_answers(
             params,
             config,
@@ -139,6 +142,7 @@ def evaluate_problems(
             top_p=top_p,
             num_samples=samples,
             rng=jax.random.fold_in(jax.random.PRNGKey(seed), start),
+            tools=tools,
         )
         voted = [majority_answer(sampled[i * samples : (i + 1) * samples]) for i in range(len(chunk))]
         greedy_correct += answers_correct(chunk, greedy, pool)

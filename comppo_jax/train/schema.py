@@ -180,8 +180,8 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         Field(
             "tool_calls",
             0.0,
-            "probability that a warm-start step is written as a calculator call, [36*7]=252 (rollout.environment="
-            "calculator: the policy learns the call's form; the result is the calculator's, always right)",
+            "probability that a warm-start step is written as a calculator call, [36*7]=252, its result as noisy as "
+            "any step's (with rollout.environment=calculator the calculator writes it, always right)",
         ),
         Field(
             "cache_dir",

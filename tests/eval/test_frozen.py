@@ -125,3 +125,43 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
 
     missing = launch_script(*command[:2], "--step=7", *command[3:])
     assert missing.returncode != 0 and "no checkpoint '7'" in missing.stderr
+
+
+def test_a_tool_runs_evaluation_talks_to_its_environment(tmp_path):
+    """evaluate_problems with `tools` (launch/eval.py passes a tool run's rollout.environment): greedy and sampled
+    answers are conversations, each call answered by the environment."""
+    import jax
+
+    from comppo_jax.data.rewards import VerifierPool
+    from comppo_jax.data.synthetic import chained_arithmetic
+    from comppo_jax.data.tokenizers import CharTokenizer
+    from comppo_jax.environments import Environment, Reply
+    from comppo_jax.eval.frozen import evaluate_problems
+    from comppo_jax.models import ModelConfig, init_params
+    from comppo_jax.rollout.turns import ToolUse
+
+    class Digits(Environment):
+        call_tokens = tuple("0123456789")
+
+        def __init__(self):
+            self.asked = 0
+
+        def reset(self, problems):
+            pass
+
+        def step(self, turns):
+            self.asked += len(turns)
+            return [Reply("=7") for _ in turns]
+
+    config = ModelConfig(
+        architecture="qwen3", vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, eos_token_ids=(2,), pad_token_id=0,
+    )  # fmt: skip
+    params = init_params(config, jax.random.PRNGKey(0), init_std=0.02)  # near-uniform: digits come often
+    environment = Digits()
+    with VerifierPool(num_workers=1) as pool:
+        metrics = evaluate_problems(
+            params, config, CharTokenizer(), chained_arithmetic(3, seed=0), pool, max_new_tokens=24, samples=2,
+            temperature=1.0, top_p=1.0, tools=ToolUse(environment, max_turns=3, max_reply_tokens=4),
+        )  # fmt: skip
+    assert environment.asked > 3 and 0 <= metrics["avg@2"] <= 1

@@ -1,0 +1,34 @@
+"""The tool runs (configs/tiny_tools.py): CompPO with the calculator under both conventions for the gate
+where the trace crosses a reply (credit.env_crossing, docs/conventions.md), beside its tool-free twin
+(the same warm start and problems, every result written by the policy).
+
+    python launch/experiment.py --experiment=configs/experiments_tools.py:tools --root=runs/tools --jobs=2
+
+Three seeds (0-2); docs/tools.md reports the runs.
+"""
+
+from ml_collections import config_dict
+
+
+def get_config(name: str = "tools"):
+    if name != "tools":
+        raise ValueError(f"unknown experiment {name!r}; expected tools")
+    exp = config_dict.ConfigDict()
+    exp.name = "tools"
+    exp.kind = "baselines"
+    exp.base_config = "configs/tiny_tools.py"
+    exp.overrides = ("train.eval_every=5",)
+    exp.seeds = (0, 1, 2)
+    exp.arms = (
+        ("tools_transition", ("credit.env_crossing=transition",)),
+        ("tools_pass", ("credit.env_crossing=pass",)),
+        ("tool_free", ("rollout.environment=",)),
+    )
+    exp.grids = ()
+    exp.screen_seed = config_dict.placeholder(int)
+    exp.last = 4
+    exp.target = config_dict.placeholder(float)
+    exp.max_drop = 0.15
+    exp.run_below = 5
+    exp.held_out_problems = 0
+    return exp
