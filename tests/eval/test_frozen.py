@@ -127,6 +127,7 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     assert missing.returncode != 0 and "no checkpoint '7'" in missing.stderr
 
 
+@pytest.mark.slow  # two conversation programs compiled, half a minute
 def test_a_tool_runs_evaluation_talks_to_its_environment(tmp_path):
     """evaluate_problems with `tools` (launch/eval.py passes a tool run's rollout.environment): greedy and sampled
     answers are conversations, each call answered by the environment."""
