@@ -140,16 +140,18 @@ def function_pool(function: str, num_workers: int = 2, timeout_s: float = 5.0, e
 
 
 def serve(function: Callable[[Any], Any]) -> None:
-    """The worker's side: answers ["ready"], then `function(item)` per JSON line on stdin."""
-    sys.stdout.write(json.dumps(["ready"]) + "\n")
-    sys.stdout.flush()
+    """The worker's side: answers ["ready"], then `function(item)` per JSON line on stdin. What the
+    function prints goes to stderr: stdout carries the protocol alone."""
+    protocol, sys.stdout = sys.stdout, sys.stderr
+    protocol.write(json.dumps(["ready"]) + "\n")
+    protocol.flush()
     for line in sys.stdin:
         try:
             reply = [OK, function(json.loads(line))]
         except Exception as error:  # reported to the parent, which counts it
             reply = [ERROR, f"{type(error).__name__}: {error}"]
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        protocol.write(json.dumps(reply) + "\n")
+        protocol.flush()
 
 
 def load_function(spec: str) -> Callable[[Any], Any]:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Turn
+from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Turn, confine
 from comppo_jax.environments.sandbox import Sandbox, protections
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox confines with Linux features")
@@ -43,7 +43,14 @@ def digest(directory) -> str:
 def test_this_machine_grants_every_confinement():
     granted = protections()
     assert granted["landlock_abi"] >= 6, granted  # files, TCP and signals
-    assert granted["network_namespace"] and granted["process_limit"] != "none (root)", granted
+    assert granted["network_namespace"] and granted["seccomp"], granted
+    assert granted["process_limit"] != "none (root)", granted
+
+
+def test_a_sandbox_refuses_to_start_on_a_machine_lacking_a_confinement(monkeypatch):
+    monkeypatch.setattr(confine, "landlock_abi", lambda: 5)  # Linux 6.10: no scoped signals
+    with pytest.raises(RuntimeError, match="Landlock ABI 6"):
+        Sandbox(num_workers=1)
 
 
 def test_a_program_runs_and_its_output_is_the_reply(sandbox):
@@ -94,6 +101,7 @@ def test_a_program_starts_at_most_its_process_limit(sandbox):
         ("cpu_s", "while True:\n    pass", "exit status"),  # killed by SIGXCPU long before its wall clock
         ("open_files", "files = [open(f'{i}.txt', 'w') for i in range(200)]", "Too many open files"),
         ("file_bytes", "open('big', 'wb').write(bytes(4 << 20))", "File too large"),
+        ("disk_bytes", "for i in range(100):\n    open(f'{i}', 'wb').write(bytes(1 << 19))", "No space left"),
     ],
 )
 def test_each_resource_limit_binds(limit, program, message):
@@ -161,6 +169,37 @@ def test_sockets_reach_nothing(sandbox):
             server.accept()
         with pytest.raises(TimeoutError):
             datagrams.recv(1)
+
+
+def test_unix_sockets_mode_owner_and_time_changes_and_kernel_calls_are_refused(sandbox, tmp_path):
+    with socket.socket(socket.AF_UNIX) as daemon:  # a host daemon's socket, by path
+        path = str(tmp_path / "daemon.sock")
+        daemon.bind(path)
+        daemon.listen()
+        daemon.settimeout(0.5)
+        victim = tmp_path / "victim.txt"
+        victim.write_text("kept")
+        before = victim.stat()
+        for program in [
+            f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})",
+            f"import os\nos.chmod({str(victim)!r}, 0)",
+            f"import os\nos.utime({str(victim)!r}, (0, 0))",
+            f"import os\nos.chown({str(victim)!r}, 1, 1)",
+            "import os\nos.unshare(os.CLONE_NEWUSER)"
+            if hasattr(os, "unshare")
+            else "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0",
+        ]:
+            reply = sandbox.step([call(program)])[0]
+            assert reply.outcome == ERROR, (program, reply)
+        with pytest.raises(TimeoutError):
+            daemon.accept()
+        after = victim.stat()
+        assert (after.st_mode, after.st_mtime, after.st_uid) == (before.st_mode, before.st_mtime, before.st_uid)
+
+
+def test_its_output_is_bounded_and_a_reply_keeps_its_closing_tag(sandbox):
+    reply = sandbox.step([call("while True:\n    print('x' * 1000)")])[0]  # would print gigabytes in its CPU time
+    assert reply.outcome == ERROR and reply.text.endswith("</tool_response>\n") and len(reply.text) < 1000
 
 
 def test_it_cannot_signal_the_process_that_runs_it(sandbox):
