@@ -559,7 +559,7 @@ def train_step_programs(
         {
             "reshard": 1,
             "sample": 1,
-            "resume": tools.max_turns - 1,
+            "resume": tools.max_turns - 1 if tools.environment else 0,
             "score": 1,
             "values": 1,
             "actor": updates,
@@ -585,8 +585,9 @@ def conversation_programs(config, layout: engine.Layout, options: dict, temperat
     """The sampler of multi-turn rollouts (rollout.environment) as a train step runs it on device: the
     prefill and the decode loop up to the rows' calls (`sample`; its output, the engine state with the page
     pool, stays on device between turns), and the host's answer (`resume`), run max_turns - 1 times a step;
-    with the state's shardings. The decode loop's iterations over all turns are the one-turn sampler's:
-    a reply's tokens are fed one per iteration like sampled ones."""
+    with the state's shardings. A reply's tokens are fed one per decode iteration like sampled ones; a
+    round runs until every running row waits, so the decode loop runs between one turn's iterations (rows
+    that call together) and max_turns times as many (the cost model's, `cost_options_for`)."""
     backend, kv_dtype = options["paged_attention"], options["kv_dtype"]
     calls = jnp.zeros((1,), jnp.int32)  # a call token: which one changes no shape
 
@@ -641,7 +642,10 @@ def conversation_state(first_round, arguments, shardings, max_reply_tokens: int,
 def _compile_steps(cfg, step: TrainStepPrograms, mesh, names, *, prompt_length: int, log) -> list[StepPlan]:
     """Compiles the programs `names` of `step`, each under its mesh."""
     cost_options = cost_options_for(
-        step.layout, window_start=prompt_length if cfg.rollout.window == "response" else 0, devices=mesh.devices.size
+        step.layout,
+        window_start=prompt_length if cfg.rollout.window == "response" else 0,
+        devices=mesh.devices.size,
+        rounds=step.runs["resume"] + 1,
     )
     compiled = []
     for name in names:
@@ -730,10 +734,12 @@ def with_decode_layout(cfg, result: Plan, tensor: str, *, prompt_length: int, lo
     )
 
 
-def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int) -> dict:
+def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int, rounds: int = 1) -> dict:
     """`hlo_cost.program_cost`'s keywords for a train step's programs: every row runs to
-    `max_new_tokens`, so decoding attends to the prompt and half the response on average."""
-    steps = layout.decode_steps
+    `max_new_tokens`, so decoding attends to the prompt and half the response on average. `rounds`: a
+    conversation's decode rounds (rollout.max_turns), each of which, at worst, runs as long as one turn's
+    whole loop (a row that waits for its environment idles while another runs to the end)."""
+    steps = layout.decode_steps * rounds
     length = layout.prompt_width + layout.max_new_tokens
     return dict(
         devices=devices,

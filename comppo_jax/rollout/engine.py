@@ -10,7 +10,10 @@
    Unless the row just ended, the token's keys and values go to the row's pages (a fresh page at
    each page boundary) and its next logits are computed. An ended row hands its private pages
    back to the free stack and its slot to the next waiting row.
-Rows end at their first EOS (kept) or at `max_new_tokens`; the loop ends when every row has.
+Rows end at their first EOS (kept) or at `max_new_tokens`; the loop ends when every row has. In a
+conversation (`Turns`, comppo_jax.rollout.turns) a row that samples a call token pauses, holding its
+slot and pages, and the loop also ends when every row still running waits and no slot can take
+another row; `resume` writes the environment's replies as those rows' next tokens.
 
 Shards: under a mesh, the prompts are split into `shards` = data x fsdp contiguous blocks, each
 with its own slots, page pool and free stack (every engine array has a leading shard axis, split
@@ -181,7 +184,7 @@ class Turns(NamedTuple):
     host appends the environment's reply (`resume`), whose tokens the row then feeds, not samples."""
 
     paused: jax.Array  # [S] the slot's row waits for the environment
-    forced_until: jax.Array  # [S] the row's steps before this are the environment's tokens
+    forced_until: jax.Array  # [S] the row's steps from its last pause up to this are the environment's tokens
     calls: jax.Array  # [S] tool calls the row has made
     env_mask: jax.Array  # [R_shard, T] bool: the environment's tokens
 

@@ -201,13 +201,19 @@ def converse(
             if r < rows  # rows past R pad the last shard: ended, not asked
         ]
         asked = [(d, s) for r, (d, s) in zip(global_rows, waiting) if r < rows]
-        arrays = (
-            _replies(environment, tokenizer, turns, asked, paused.shape, max_reply_tokens)
-            if host
-            else _no_replies(paused.shape, max_reply_tokens)
-        )
+        arrays, failure = _no_replies(paused.shape, max_reply_tokens), None
+        if host:
+            try:
+                arrays = _replies(environment, tokenizer, turns, asked, paused.shape, max_reply_tokens)
+            except Exception as error:  # raised below on every process, after they all know
+                failure = error
         if jax.process_count() > 1:
-            arrays = tuple(np.asarray(a) for a in multihost_utils.broadcast_one_to_all(arrays))
+            shared = multihost_utils.broadcast_one_to_all(arrays + (np.asarray(failure is not None),))
+            arrays, failed = tuple(np.asarray(a) for a in shared[:-1]), bool(shared[-1])
+            if failed and failure is None:
+                raise RuntimeError("process 0's environment failed to reply (its log says why)")
+        if failure is not None:
+            raise failure
         tokens, lengths, end, rewards, codes = arrays
         for r, (d, s) in zip(global_rows, waiting):
             if r >= rows:

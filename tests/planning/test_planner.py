@@ -196,3 +196,8 @@ def test_a_multi_turn_sampler_keeps_its_engine_state_between_turns_and_answers_e
     assert resume.outputs < 0.01 * resume.arguments  # donated: written in place
     times = {t.program: t for t in planner.step_times(result)}
     assert times["resume"].runs == 3 and times["sample decode"].runs == 1
+    # Each of the four rounds may run as long as a one-turn loop: the cost model takes that worst case.
+    cfg.rollout.environment = ""
+    single = planner.plan(cfg, "v5e:2x2", prompt_length=PROMPT, steps=("sample",), log=lambda message: None)
+    one_turn = {t.program: t for t in planner.step_times(single)}["sample decode"]
+    assert times["sample decode"].seconds == pytest.approx(4 * one_turn.seconds, rel=0.05)
