@@ -16,7 +16,7 @@ from comppo_jax.eval import experiment as ex
 from comppo_jax.eval.report import factorial_report, main_report, stress_report
 from comppo_jax.eval.statistics import factorial_interaction
 from comppo_jax.train.validation import validate_config
-from configs import experiments, experiments_credit, experiments_tiny
+from configs import experiments, experiments_credit, experiments_tiny, experiments_tools
 
 
 def test_grid_cells_and_stress_expansion():
@@ -74,6 +74,7 @@ EXPERIMENT_NAMES = {
     experiments: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines"),
     experiments_tiny: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora"),
     experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora"),
+    experiments_tools: ("tools",),
 }
 
 
@@ -111,6 +112,14 @@ def test_the_credit_testbed_runs_each_shared_arm_once():
     assert runs("baselines", "comppo") == runs("controls", "full") == runs("lora", "comppo") == full
     dapo = experiments_credit.get_config("baselines")
     assert all(("reward.overlong_buffer=16" in o) == ("dapo" in arm) for arm, o in ex.arms_of(dapo))
+
+
+def test_the_tool_runs_twin_is_the_same_warm_start_without_its_environment():
+    exp = experiments_tools.get_config("tools")
+    configs = {arm: _overridden(exp.base_config, tuple(exp.overrides) + o) for arm, o in ex.arms_of(exp)}
+    assert configs["tool_free"].rollout.environment == "" and configs["tools_pass"].rollout.environment == "calculator"
+    assert {c.credit.env_crossing for arm, c in configs.items() if arm != "tool_free"} == {"pass", "transition"}
+    assert len({json.dumps(c.warm_start.to_dict(), sort_keys=True) for c in configs.values()}) == 1
 
 
 def test_identical_runs_share_a_directory_whatever_the_arm_or_order():
