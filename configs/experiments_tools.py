@@ -4,7 +4,7 @@ where the trace crosses a reply (credit.env_crossing, docs/conventions.md), besi
 
     python launch/experiment.py --experiment=configs/experiments_tools.py:tools --root=runs/tools --jobs=2
 
-Three seeds (0-2); docs/tools.md reports the runs.
+Three seeds (0-2).
 """
 
 from ml_collections import config_dict

@@ -2,11 +2,11 @@
 
 The embedded default's task (2-3 additions and subtractions), taught with a mistake inside the
 chain instead of in the answer: a step whose operand is 7, 8 or 9 writes its result + 1 with
-probability 0.6 (`warm_start.step_noise`). The warm start also writes a fifth of the steps as
+probability 0.6 (`warm_start.step_noise`). The warm start also writes half of the steps as
 calculator calls, `[36+7]=43`, their results as noisy as the others'. In RL the policy's calls go to
 the calculator (`rollout.environment=calculator`), whose reply `=43` is always right; the policy
 reads it and is never trained on it. The tool-free twin (`--config.rollout.environment=`) runs the
-same warm start and problems, writing every result itself. docs/tools.md reports both.
+same warm start and problems, writing every result itself; configs/experiments_tools.py runs both.
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ _spec.loader.exec_module(tiny)
 def get_config():
     config = tiny.get_config()
     config.output_dir = "runs/tiny_tools"
-    config.warm_start.update(answer_noise=0.0, step_noise=0.6, noisy_operands="789", tool_calls=0.2)
+    config.warm_start.update(answer_noise=0.0, step_noise=0.6, noisy_operands="789", tool_calls=0.5)
     # A call and its reply add 3 tokens to a step: at most 3 calls, then the answer.
     config.rollout.update(environment="calculator", max_turns=4, max_reply_tokens=6, max_new_tokens=48)
     return config
