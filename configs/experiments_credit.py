@@ -1,6 +1,6 @@
 """The credit testbed's experiments (configs/tiny_credit.py): where token credit decides the outcome.
 
-    python launch/experiment.py --experiment=configs/experiments_credit.py:discrimination --root=runs/credit --jobs=2
+    python launch/experiment.py --experiment=configs/experiments_credit.py:discrimination --root=results/credit --jobs=2
 
 Names:
 - discrimination: PPO (GAE: token credit from a critic) beside GRPO (one advantage broadcast over the
