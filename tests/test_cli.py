@@ -126,7 +126,7 @@ CONFIG_CASES = {
     "unknown nested field": (
         ["--config=configs/tiny.py", "--config.rollout.max_new_token=8"],
         "ConfigFileError: --config.rollout.max_new_token=8: configs/tiny.py has no field rollout.max_new_token; "
-        "did you mean rollout.max_new_tokens?",
+        "did you mean rollout.max_new_tokens or rollout.max_reply_tokens?",
     ),
     "value of the wrong type": (
         ["--config.steps=abc"],
