@@ -89,6 +89,27 @@ def assemble(
     )
 
 
+def engine_generation(
+    prompts: Int[Array, "B P"],
+    prompt_lengths: Int[Array, " B"],
+    response: Int[Array, "R T"],
+    log_probs: Float[Array, "R T"],
+    response_length: Int[Array, " R"],
+    num_samples: int,
+    pad: int,
+) -> Generation:
+    """The engine's outputs (`engine.engine_outputs`) as a Generation, each prompt repeated for its group."""
+    response_mask = jnp.arange(response.shape[1])[None] < response_length[:, None]
+    return assemble(
+        jnp.repeat(prompts, num_samples, axis=0),
+        jnp.repeat(prompt_lengths, num_samples),
+        response,
+        response_mask,
+        log_probs,
+        pad,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -158,12 +179,4 @@ def generate(
         kv_dtype=kv_dtype,
     )
 
-    response_mask = jnp.arange(max_new_tokens)[None] < response_length[:, None]
-    return assemble(
-        jnp.repeat(prompts, num_samples, axis=0),
-        jnp.repeat(prompt_lengths, num_samples),
-        response,
-        response_mask,
-        log_probs,
-        pad,
-    )
+    return engine_generation(prompts, prompt_lengths, response, log_probs, response_length, num_samples, pad)

@@ -38,7 +38,7 @@ from comppo_jax.environments import OUTCOMES, Environment, Turn
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.paged_cache import resolve_paged_attention
 from comppo_jax.rollout import engine
-from comppo_jax.rollout.sampler import DEFAULT_PAGE_SIZE, Generation, assemble, check_and_default
+from comppo_jax.rollout.sampler import DEFAULT_PAGE_SIZE, Generation, check_and_default, engine_generation
 
 
 class ToolUse(NamedTuple):
@@ -224,15 +224,8 @@ def converse(
             turn_start[r] = step[d, s] + lengths[d, s]
         state = _resume(state, layout, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(end))
     prompts, prompt_lengths, response, log_probs, response_length = engine.engine_outputs(prefilled, state, layout)
-    response_mask = jnp.arange(max_new_tokens)[None] < response_length[:, None]
-    generation = assemble(
-        jnp.repeat(prompts, num_samples, axis=0),
-        jnp.repeat(prompt_lengths, num_samples),
-        response,
-        response_mask,
-        log_probs,
-        pad,
-    )
+    generation = engine_generation(prompts, prompt_lengths, response, log_probs, response_length, num_samples, pad)
+    response_mask = generation.response_mask
     env_mask = state.turn.env_mask.reshape(-1, max_new_tokens)[:rows] & response_mask
     called = jnp.isin(response, calls) & response_mask & ~env_mask
     return Conversations(
