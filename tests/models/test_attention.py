@@ -158,7 +158,8 @@ def test_one_segment_per_row_is_the_same_as_no_segment_ids(path):
     expected_value, expected_grads = value_and_grads(attend(jnp.full(mask.shape, 3, jnp.int32)), q, k, v, weights)
     np.testing.assert_allclose(value, expected_value, rtol=1e-6)
     for grad, expected in zip(grads, expected_grads):
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-6)
+        # Rounding level: CPUs of other vector widths sum in other orders.
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -80,6 +80,8 @@ def test_packed_token_stats_and_gate_equal_and_their_gradients_too():
     np.testing.assert_allclose(packed_value, value, rtol=1e-5)
     for path, got in jax.tree_util.tree_leaves_with_path(packed_grads):
         want = dict(jax.tree_util.tree_leaves_with_path(grads))[path]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        # Within 1e-5 of the leaf's largest gradient: a sum reordered rounds at that scale, not the element's.
+        atol = 1e-5 * float(np.max(np.abs(want)))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=atol, err_msg=jax.tree_util.keystr(path))
     gate = lambda p: policy_gate(params, CONFIG, *args[:3], mask, length=mask.shape[1], backend="reference", packing=p)
     np.testing.assert_allclose(gate(packing), gate(None), rtol=1e-5, atol=1e-6)

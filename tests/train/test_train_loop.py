@@ -334,7 +334,7 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, method, overrides):
     every response running to the limit, and its gradient rounding noise).
     AdamW scales a gradient at rounding level to a whole step of its learning rate, so weights whose
     gradients start there show their rounding at that size: TAC's relevance and routing weights (the
-    critic within 1e-3) and LoRA's B, zero at the start (the adapters within 1e-4). Later steps
+    critic within 1e-3) and LoRA's B, zero at the start (the adapters within 1e-3 too). Later steps
     compound it, as any change of summation order would."""
     rows = {}
     for packing in (True, False):
@@ -358,7 +358,7 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, method, overrides):
     assert not any(name.startswith("packing/") for row in rows[False] for name in row)
     last = rows[True][-1]["step"]
     packed, padded = (restored_on_one_device(tmp_path / str(p), last) for p in (True, False))
-    for part, tolerance in (("actor", 1e-4 if "model__lora__rank" in overrides else 1e-5), ("critic", 1e-3)):
+    for part, tolerance in (("actor", 1e-3 if "model__lora__rank" in overrides else 1e-5), ("critic", 1e-3)):
         if packed.get(part) is None:
             continue
         for (path, x), y in zip(
