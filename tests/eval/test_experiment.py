@@ -119,6 +119,7 @@ def test_the_tool_runs_twin_is_the_same_warm_start_without_its_environment():
     configs = {arm: _overridden(exp.base_config, tuple(exp.overrides) + o) for arm, o in ex.arms_of(exp)}
     assert configs["tool_free"].rollout.environment == "" and configs["tools_pass"].rollout.environment == "calculator"
     assert {c.credit.env_crossing for arm, c in configs.items() if arm != "tool_free"} == {"pass", "transition"}
+    assert configs["grpo_tools"].method == "grpo" and configs["grpo_tools"].rollout.environment == "calculator"
     assert len({json.dumps(c.warm_start.to_dict(), sort_keys=True) for c in configs.values()}) == 1
 
 
