@@ -1,7 +1,7 @@
 """The tool runs (configs/tiny_tools.py): CompPO with the calculator under both conventions for the gate
 where the trace crosses a reply (credit.env_crossing, docs/conventions.md), beside its tool-free twin
 (the same warm start and problems, every result written by the policy), and GRPO with the calculator
-(its advantages kept off the replies as CompPO's are).
+(its advantages kept off the replies as CompPO's are) beside its own tool-free twin.
 
     python launch/experiment.py --experiment=configs/experiments_tools.py:tools --root=results/tools --jobs=2
 
@@ -25,6 +25,7 @@ def get_config(name: str = "tools"):
         ("tools_pass", ("credit.env_crossing=pass",)),
         ("tool_free", ("rollout.environment=",)),
         ("grpo_tools", ("method=grpo",)),
+        ("grpo_tool_free", ("method=grpo", "rollout.environment=")),
     )
     exp.grids = ()
     exp.screen_seed = config_dict.placeholder(int)

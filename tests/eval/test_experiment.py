@@ -120,6 +120,7 @@ def test_the_tool_runs_twin_is_the_same_warm_start_without_its_environment():
     assert configs["tool_free"].rollout.environment == "" and configs["tools_pass"].rollout.environment == "calculator"
     assert {c.credit.env_crossing for arm, c in configs.items() if arm != "tool_free"} == {"pass", "transition"}
     assert configs["grpo_tools"].method == "grpo" and configs["grpo_tools"].rollout.environment == "calculator"
+    assert configs["grpo_tool_free"].method == "grpo" and configs["grpo_tool_free"].rollout.environment == ""
     assert len({json.dumps(c.warm_start.to_dict(), sort_keys=True) for c in configs.values()}) == 1
 
 
