@@ -272,14 +272,21 @@ def mean_gate(outcome: Outcome, arm: str, seeds) -> str:
 
 
 def comparison_report(exp, outcome: Outcome, title: str):
-    """Every arm's endpoints and mean gate, and its seed-matched difference from the first arm."""
+    """Every arm's endpoints and mean gate, and its seed-matched difference from the first arm. While
+    some arm has not finished a seed, the arms that finished every seed of the first arm's."""
     arms = [name for name, _ in exp.arms]
     seeds = seeds_of(outcome, arms)
-    if not seeds:
-        return "No seed finished every arm.", {}
+    partial = ""
+    if not seeds:  # under way: a table of what has finished, the rest named
+        seeds = sorted(outcome.arms.get(arms[0], {}))
+        waiting = [arm for arm in arms if not set(seeds) <= set(outcome.arms.get(arm, {}))]
+        if not seeds or len(waiting) == len(arms):
+            return "No seed finished every arm.", {}
+        arms = [arm for arm in arms if arm not in waiting]
+        partial = f" Not finished at these seeds, so not in the tables: {', '.join(waiting)}."
     rows = [row + [mean_gate(outcome, arm, seeds)] for row, arm in zip(summary_rows(outcome, exp, arms, seeds), arms)]
     parts = [
-        f"Seeds {seeds}.",
+        f"Seeds {seeds}.{partial}",
         table(["Variant", "Best", "Final", f"Last-{exp.last}", "AULC", "Peak-final", "Mean gate"], rows),
     ]
     reference = arms[0]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from comppo_jax.eval import experiment as ex
-from comppo_jax.eval.report import factorial_report, main_report, stress_report
+from comppo_jax.eval.report import comparison_report, factorial_report, main_report, stress_report
 from comppo_jax.eval.statistics import factorial_interaction
 from comppo_jax.train.validation import validate_config
 from configs import experiments, experiments_credit, experiments_tiny, experiments_tools
@@ -251,6 +251,22 @@ def test_main_and_stress_reports(tmp_path):
     }
     text, _ = stress_report(stress, ex.Outcome(cells, {}, {}, {}, []))
     assert "| ppo | 0/1 |" in text and "| comppo | 1/1 |" in text
+
+
+def test_an_experiment_under_way_reports_the_arms_that_finished_the_first_arms_seeds(tmp_path):
+    exp = experiments_tools.get_config("tools")
+    arms = {
+        "tools_transition": {s: _result(tmp_path, "t", s, [0.6, 0.7 + 0.01 * s]) for s in range(3)},
+        "tool_free": {s: _result(tmp_path, "f", s, [0.5, 0.4]) for s in range(3)},
+        "tools_pass": {s: _result(tmp_path, "p", s, [0.6, 0.6]) for s in range(2)},  # seed 2 running
+    }
+    text, plots = comparison_report(exp, ex.Outcome(arms, {}, {}, {}, []), "tools")
+    missing = [arm for arm, _ in exp.arms if arm not in ("tools_transition", "tool_free")]
+    assert f"Seeds [0, 1, 2]. Not finished at these seeds, so not in the tables: {', '.join(missing)}." in text
+    assert "| tools_transition - tool_free | +21.0 [+18.5, +23.5] | +31.0 [" in text and "tools_pass |" not in text
+    assert comparison_report(exp, ex.Outcome({"tool_free": arms["tool_free"]}, {}, {}, {}, []), "tools")[0] == (
+        "No seed finished every arm."
+    )  # nothing to compare with until the first arm has finished a seed
 
 
 @pytest.mark.slow
