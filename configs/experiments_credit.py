@@ -6,6 +6,9 @@ Names:
 - discrimination: PPO (GAE: token credit from a critic) beside GRPO (one advantage broadcast over the
   response). The testbed is only evidence if these two separate beyond seed noise; run it first.
 - baselines, factorial, controls: configs/experiments.py's, on the testbed; lora: its CompPO arms.
+- transport: full CompPO beside its machinery without transport (the gate fixed at 1, lambda 1:
+  A_t = R - V_t on the same TAC critic, losses and controller), which tells the gate's and trace's
+  part in CompPO's outcome here from the rest of it.
 Five seeds (0-4) per arm; 40 actor updates; a dev evaluation every 5. docs/results_credit.md reports the runs.
 """
 
@@ -33,6 +36,11 @@ def get_config(name: str):
     if name == "discrimination":
         exp = experiments.experiment(
             "discrimination", "baselines", [("ppo", ("method=ppo",)), ("grpo", ("method=grpo",))]
+        )
+    elif name == "transport":
+        untransported = ("method=comppo", "gate=fixed", "fixed_gate=1.0", "critic.kind=tac", "train.lam=1.0")
+        exp = experiments.experiment(
+            "transport", "baselines", [("comppo", experiments.FULL), ("kappa_1_lam_1", untransported)]
         )
     else:
         exp = experiments.get_config(name)

@@ -73,7 +73,7 @@ def _overridden(base_config: str, overrides) -> object:
 EXPERIMENT_NAMES = {
     experiments: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines"),
     experiments_tiny: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora"),
-    experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora"),
+    experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora", "transport"),
     experiments_tools: ("tools",),
 }
 
@@ -98,7 +98,7 @@ def test_every_arm_of_every_experiment_is_a_valid_config(definitions, name):
 
 def test_the_credit_testbed_runs_each_shared_arm_once():
     """The baselines' GRPO and PPO are the discrimination runs, and full CompPO one set of runs for the
-    baselines, factorial, controls and lora: DAPO's overlong buffer rides on the DAPO arms alone."""
+    baselines, factorial, controls, lora and transport: DAPO's overlong buffer rides on the DAPO arms alone."""
     runs = lambda name, arm: {
         ex.Run(arm, seed, exp.base_config, overrides + (f"seed={seed}",)).key
         for exp in [experiments_credit.get_config(name)]
@@ -110,6 +110,7 @@ def test_the_credit_testbed_runs_each_shared_arm_once():
         assert runs("baselines", arm) == runs("discrimination", arm) and len(runs("baselines", arm)) == 5
     full = runs("factorial", "full")
     assert runs("baselines", "comppo") == runs("controls", "full") == runs("lora", "comppo") == full
+    assert runs("transport", "comppo") == full and not runs("transport", "kappa_1_lam_1") & full
     dapo = experiments_credit.get_config("baselines")
     assert all(("reward.overlong_buffer=16" in o) == ("dapo" in arm) for arm, o in ex.arms_of(dapo))
 
