@@ -3,9 +3,12 @@ token in and token out."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
+from conftest import cluster_tail, fake_devices_env, launch_script, on_local_cluster
 
 from comppo_jax.data.datasets import Problem
 from comppo_jax.environments import Environment, Reply
@@ -143,3 +146,31 @@ def test_the_prompts_are_prefilled_once_for_all_turns(params, call, monkeypatch)
     environment = Scripted(call)
     talk(params, environment, max_new_tokens=23)
     assert len(environment.turns) > 4 and prefilled == [PROMPTS.shape]
+
+
+def _records(stdout: str) -> dict[int, dict]:
+    # local_cluster.py prefixes each process's lines with "[p<i>] "
+    lines = [line.split("conversations ", 1)[1] for line in stdout.splitlines() if "conversations {" in line]
+    records = [json.loads(line) for line in lines]
+    return {record.pop("process"): record for record in records}
+
+
+@pytest.mark.slow
+def test_two_processes_converse_as_one_and_only_process_0_steps_the_environment():
+    """A conversation on a mesh of 8 devices, in one process and in two (launch/local_cluster.py): the
+    same tokens, masks, rewards and calls on every process, log-probs within 1e-5; process 1's
+    environment never sees a turn, yet its rows hold process 0's replies."""
+    payload = "tests/rollout/conversations_on_processes.py"
+    one = launch_script(payload, env=fake_devices_env(8))
+    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
+    (reference,) = _records(one.stdout).values()
+    cluster = on_local_cluster([], script=payload)
+    assert cluster.returncode == 0, cluster_tail(cluster)
+    processes = _records(cluster.stdout)
+    assert sorted(processes) == [0, 1]
+    assert reference["turns"] and reference["outcomes"]["ok"] > 4 and max(reference["calls"]) == 3
+    assert processes[0]["turns"] == reference["turns"] and processes[1]["turns"] == []
+    for record in processes.values():
+        for field in ("response_tokens", "response_mask", "env_mask", "turn_rewards", "calls", "outcomes"):
+            assert record[field] == reference[field], field
+        np.testing.assert_allclose(record["log_probs"], reference["log_probs"], atol=1e-5, rtol=0)
