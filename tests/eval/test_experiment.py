@@ -122,6 +122,7 @@ def test_the_tool_runs_twin_is_the_same_warm_start_without_its_environment():
     assert {c.credit.env_crossing for arm, c in configs.items() if arm != "tool_free"} == {"pass", "transition"}
     assert configs["grpo_tools"].method == "grpo" and configs["grpo_tools"].rollout.environment == "calculator"
     assert configs["grpo_tool_free"].method == "grpo" and configs["grpo_tool_free"].rollout.environment == ""
+    assert configs["ppo_tools"].method == "ppo" and configs["ppo_tools"].rollout.environment == "calculator"
     untransported = configs["kappa_1_lam_1"]
     assert (untransported.gate, untransported.fixed_gate, untransported.train.lam) == ("fixed", 1.0, 1.0)
     assert len({json.dumps(c.warm_start.to_dict(), sort_keys=True) for c in configs.values()}) == 1
