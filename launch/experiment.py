@@ -9,7 +9,8 @@ run), then writes <root>/<name>/:
 report.md (tables shaped like the paper's, and a link to each run's own report.html,
 launch/report.py's page), *.png (bar plots), runs.csv (every run's endpoints) and commands.sh
 (the exact training commands). `--report_only` skips training and reports what
-exists (under way, the arms that finished). Failed runs are listed and make the exit status non-zero; nothing finished is lost.
+exists (under way, the arms that finished). Failed runs are listed and make the exit status
+non-zero; nothing finished is lost.
 
 Ctrl-C (SIGINT) or SIGTERM stops the running runs at a checkpoint and starts no other; report.md
 then lists every unfinished run, and the same command resumes them. The exit status is 128 + the
