@@ -6,33 +6,14 @@ process index, the turns its environment saw, and the rows' tokens, masks and lo
 import json
 
 import jax
-import ml_collections
 import numpy as np
-from ml_collections import config_flags
+from mesh_policy import sharded_policy  # this folder's sibling module (its docstring says why)
 
 from comppo_jax import cli, sharding
 from comppo_jax.data.datasets import Problem
 from comppo_jax.environments import Environment, Reply
-from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout.turns import converse
 
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config",
-    ml_collections.ConfigDict(
-        {
-            "mesh": {
-                "data": 1,
-                "fsdp": 4,
-                "tensor": 2,
-                "distributed": False,
-                "coordinator_address": "",
-                "num_processes": 1,
-                "process_id": 0,
-                "collective_timeout_s": 300,
-            }
-        }
-    ),
-)
 CALLS = tuple(range(10, 22))  # 12 of the 54 ids a random policy samples: most rows call within a few tokens
 
 
@@ -45,7 +26,7 @@ class IdTokenizer:
 
 
 class Echo(Environment):
-    """Replies with the row's number, its turn count and the call's last id; a row's third call ends it."""
+    """Replies with the row's number and how many calls it has made; a row's third call ends it."""
 
     call_tokens = tuple(str(c) for c in CALLS)
 
@@ -66,25 +47,7 @@ class Echo(Environment):
 
 def main(argv):
     del argv
-    sharding.initialize_distributed(_CONFIG.value.mesh)
-    assert jax.device_count() == 8, jax.device_count()
-    config = ModelConfig(
-        architecture="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-        eos_token_ids=(6, 7),
-        pad_token_id=0,
-        dtype="float32",
-    )
-    mesh = sharding.make_mesh(_CONFIG.value.mesh)
-    params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
-    params = sharding.put(params, sharding.tree_shardings(mesh, params))
+    config, mesh, params = sharded_policy()
     rng = np.random.default_rng(0)  # the same prompts on every process
     prompts = rng.integers(22, 64, (4, 7)).astype(np.int32)
     mask = np.ones((4, 7), bool)

@@ -3,32 +3,13 @@ launch/local_cluster.py payload (2 processes x 4). Prints "decode layouts ok" wh
 greedy and sampled rows equal the training mesh's: tokens identical, log-probs within 1e-5 (fp32)."""
 
 import jax
-import ml_collections
 import numpy as np
-from ml_collections import config_flags
+from mesh_policy import sharded_policy  # this folder's sibling module (its docstring says why)
 
 from comppo_jax import cli, sharding
-from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout import generate
 from comppo_jax.train import decode_layout
 
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config",
-    ml_collections.ConfigDict(
-        {
-            "mesh": {
-                "data": 1,
-                "fsdp": 4,
-                "tensor": 2,
-                "distributed": False,
-                "coordinator_address": "",
-                "num_processes": 1,
-                "process_id": 0,
-                "collective_timeout_s": 300,
-            }
-        }
-    ),
-)
 LAYOUTS = (
     "auto",
     "1",
@@ -38,25 +19,7 @@ LAYOUTS = (
 
 def main(argv):
     del argv
-    sharding.initialize_distributed(_CONFIG.value.mesh)
-    assert jax.device_count() == 8, jax.device_count()
-    config = ModelConfig(
-        architecture="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-        eos_token_ids=(6, 7),
-        pad_token_id=0,
-        dtype="float32",
-    )
-    mesh = sharding.make_mesh(_CONFIG.value.mesh)
-    params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
-    params = sharding.put(params, sharding.tree_shardings(mesh, params))
+    config, mesh, params = sharded_policy()
     rng = np.random.default_rng(0)  # the same prompts on every process
     prompts = rng.integers(10, 64, (4, 7)).astype(np.int32)
     mask = rng.random((4, 7)) > 0.3
