@@ -3,7 +3,11 @@
 math-verify's own timeout is a SIGALRM, which only works on a process's main thread and has
 hung trainers; here every comparison runs in a worker process that is killed and replaced when
 it exceeds `timeout_s`, so a pathological answer (say 9^{9^{9^{9}}}) costs one timeout, never a
-hang. A timeout or a verifier crash counts as incorrect and is counted in the metrics.
+hang. A timeout, a verifier crash or a worker that died on the answer (killed, out of memory)
+counts as incorrect (reward 0) and is counted in the metrics (`reward/timeout`, `reward/error`,
+`reward/died`); the dead worker is replaced and the next call verifies normally. The workers run
+in a session of their own: a signal to the trainer's process group (Ctrl-C, a scheduler's stop)
+does not reach them, so a step the trainer finishes after it holds no verdict damaged by the stop.
 
 Reward of a response (terminal, at its last valid token):
   correct 1, incorrect 0; a response with malformed reasoning tags (unbalanced or misordered
@@ -35,9 +39,11 @@ class Verdict(enum.Enum):
     NO_ANSWER = "no_answer"
     TIMEOUT = "timeout"
     ERROR = "error"
+    DIED = "died"  # the worker verifying it died (an error verdict of its own, counted as reward/died)
 
 
 VERDICTS = tuple(Verdict)  # their integer codes, for gathering across processes
+FAILED = {workers.TIMEOUT: Verdict.TIMEOUT, workers.ERROR: Verdict.ERROR, workers.DIED: Verdict.DIED}  # by status
 
 
 def last_boxed(text: str) -> str | None:
@@ -98,7 +104,7 @@ class VerifierPool:
             if result.status == workers.OK:
                 verdicts.append(Verdict.CORRECT if result.value else Verdict.INCORRECT)
             else:
-                verdicts.append(Verdict.TIMEOUT if result.status == workers.TIMEOUT else Verdict.ERROR)
+                verdicts.append(FAILED[result.status])
         return verdicts
 
     def close(self) -> None:

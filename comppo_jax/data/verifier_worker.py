@@ -2,7 +2,9 @@
 ["ok", bool] | ["error", msg], after ["ready"] once math-verify is imported.
 
 Started by `rewards.VerifierPool` as `python -m comppo_jax.data.verifier_worker` (a fresh
-interpreter: no fork of a process running JAX threads, no re-import of the caller's __main__).
+interpreter: no fork of a process running JAX threads, no re-import of the caller's __main__), in
+a session of its own (a signal to the trainer's process group does not reach it); it exits when
+the trainer dies (`serve` sets its parent-death signal) or closes its stdin.
 """
 
 from __future__ import annotations

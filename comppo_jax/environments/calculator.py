@@ -3,8 +3,9 @@
 The policy calls it by writing an expression in brackets, `[36*7]`; the call ends at `]` and the
 calculator replies `=252` (results mod `modulus`, as the task's steps are), so a worked step reads
 `[36*7]=252`. Expressions are integers, + - * and parentheses, at most 64 characters; anything
-else is malformed (`=malformed`, never evaluated). The evaluation runs in killable workers: one
-that raises replies `=error`, one that outlives `timeout_s` `=timeout`.
+else is malformed (`=malformed`, never evaluated). The evaluation runs in killable workers
+(comppo_jax.workers): one that raises replies `=error`, one that outlives `timeout_s` `=timeout`,
+and a call whose worker dies (killed, out of memory) `=error`, the worker being replaced.
 """
 
 from __future__ import annotations

@@ -2,16 +2,19 @@
 
 Run as a script in a fresh interpreter (`python -I -S confine.py SPEC`, started by
 comppo_jax.environments.sandbox), so it is single-threaded and imports only the standard
-library. SPEC (JSON) names the program's code, its directory, its limits and its pids cgroup. In
-order it joins the cgroup, unshares a network namespace, sets the resource limits, moves into the
-directory, restricts itself with Landlock, drops every capability, installs a seccomp filter, and
-execs `python -I -S -c CODE` (the restrictions pass to it and its children). A step that fails
-ends it with EXIT_UNCONFINED before the program runs, its reason on stdout.
+library. SPEC (JSON) names the program's code, its directory, its limits, its pids cgroup and its
+worker. In order it asks for SIGKILL when its worker dies (PR_SET_PDEATHSIG: the program never
+outlives it, even unsupervised), joins the cgroup, unshares a network namespace, sets the resource
+limits, moves into the directory, restricts itself with Landlock, drops every capability, installs
+a seccomp filter, and execs `python -I -S -c CODE` (the restrictions pass to it and its
+children). A step that fails ends it with EXIT_UNCONFINED before the program runs, its reason on
+stdout.
 
 The seccomp filter refuses what Landlock does not cover: changing a file's mode, owner, times or
-extended attributes, truncating by path, making device nodes, UNIX-domain sockets (a path socket
-reaches the host's daemons whatever the network namespace), and the calls that change namespaces,
-mounts, keys or the kernel (ptrace, mount, unshare, bpf, reboot, module loading, ...).
+extended attributes, truncating by path, making device nodes, UNIX-domain, vsock and netlink
+sockets (a path socket reaches the host's daemons and a vsock one the hypervisor's, whatever the
+network namespace; netlink speaks to the kernel), and the calls that change namespaces, mounts,
+keys or the kernel (ptrace, mount, unshare, bpf, reboot, module loading, ...).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import sys
 
 EXIT_UNCONFINED = 125
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 22, 24, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 22, 24, 38
+SIGKILL = 9
 SECCOMP_MODE_FILTER = 2
 CAPABILITY_VERSION_3 = 0x20080522
 _LANDLOCK = {"create_ruleset": 444, "add_rule": 445, "restrict_self": 446}  # the same on x86_64 and aarch64
@@ -32,7 +36,8 @@ _FS_READ = 1 | 4 | 8  # EXECUTE | READ_FILE | READ_DIR
 _FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}  # 5+: (1 << 16) - 1
 _FILE_RIGHTS = 1 | 2 | 4 | (1 << 14) | (1 << 15)  # what a rule on a file (not a directory) may grant
 _NET_ALL, _SCOPE_ALL = 1 | 2, 1 | 2  # BIND_TCP | CONNECT_TCP; ABSTRACT_UNIX_SOCKET | SIGNAL
-EPERM, EACCES, AF_UNIX = 1, 13, 1
+EPERM, EACCES = 1, 13
+REFUSED_FAMILIES = (1, 16, 40)  # AF_UNIX, AF_NETLINK, AF_VSOCK
 # Per architecture: (audit arch, capset, socket, the refused calls).
 _REFUSED = (
     "fchmod fchmodat fchmodat2 fchown fchownat utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr "
@@ -152,8 +157,10 @@ def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
         program += [(jump_at_least, 0, 1, 0x40000000), refuse(EPERM)]
     for name in _REFUSED + list(legacy):
         program += [(jump_equal, 0, 1, numbers[name]), refuse(EPERM)]
-    # socket(AF_UNIX, ...): args[0]'s low word is at offset 16 (little-endian seccomp_data)
-    program += [(jump_equal, 0, 3, numbers["socket"]), (load, 0, 0, 16), (jump_equal, 0, 1, AF_UNIX), refuse(EACCES)]
+    # socket(family, ...) of a refused family: args[0]'s low word is at offset 16 (little-endian seccomp_data)
+    program += [(jump_equal, 0, 1 + 2 * len(REFUSED_FAMILIES), numbers["socket"]), (load, 0, 0, 16)]
+    for family in REFUSED_FAMILIES:
+        program += [(jump_equal, 0, 1, family), refuse(EACCES)]
     return program + [(ret, 0, 0, allow)]
 
 
@@ -169,8 +176,17 @@ def seccomp() -> None:
         raise _fail("seccomp")
 
 
-def confine(directory: str, limits: dict, cgroup: str | None) -> None:
+def die_with(worker: int) -> None:
+    """SIGKILL to this process (and the program it execs) when `worker`, its parent, dies."""
+    if _libc().prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0:
+        raise _fail("prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != worker:
+        raise OSError(f"its worker {worker} exited before the program started")
+
+
+def confine(directory: str, limits: dict, cgroup: str | None, worker: int) -> None:
     """Every step of the module docstring but the exec, on this process."""
+    die_with(worker)
     root = os.geteuid() == 0
     if cgroup:
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
@@ -195,7 +211,7 @@ def confine(directory: str, limits: dict, cgroup: str | None) -> None:
 
 def main(spec: dict) -> None:
     try:
-        confine(spec["directory"], spec["limits"], spec["cgroup"])
+        confine(spec["directory"], spec["limits"], spec["cgroup"], spec["worker"])
     except OSError as error:
         print(f"sandbox: {error}", flush=True)
         os._exit(EXIT_UNCONFINED)

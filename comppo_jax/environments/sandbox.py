@@ -9,8 +9,8 @@ ERROR), one that outlives `wall_s` with `timeout` (TIMEOUT), an empty one `malfo
 Each program runs in a fresh interpreter (`python -I -S`: no site-packages, no environment
 variables but PATH) started by a killable worker (comppo_jax.workers) through a launcher that
 confines itself first (comppo_jax.environments.confine, a single-threaded interpreter):
-- its own session and its own empty working directory (as root a size-limited tmpfs), deleted
-  afterwards; its output goes to a file, so it is bounded by the written-file limit;
+- its own session and its own empty working directory (as root a tmpfs bounded in bytes and in
+  files), deleted afterwards; its output goes to a file, so it is bounded by the written-file limit;
 - resource limits: CPU seconds, address space, open files, written file size, no core dumps, and
   processes: RLIMIT_NPROC, which does not bind root, so as root a pids cgroup of its own (v1 or
   v2), which also finds every process it started, to kill them at the end;
@@ -19,15 +19,23 @@ confines itself first (comppo_jax.environments.confine, a single-threaded interp
 - Landlock: reading only the Python installation and system libraries, writing only its
   directory, no TCP connect or bind, no signals to or abstract sockets of processes outside it;
 - a seccomp filter for what Landlock does not cover: no change of a file's mode, owner, times or
-  attributes, no UNIX-domain sockets (a path socket reaches the host's daemons), no namespace,
-  mount, key, ptrace, BPF or kernel calls.
+  attributes, no UNIX-domain, vsock or netlink sockets (a path socket reaches the host's daemons, a
+  vsock one the hypervisor's), no namespace, mount, key, ptrace, BPF or kernel calls.
 A `Sandbox` refuses to start where the machine lacks any of these (`missing_protections`).
+
+A program never outlives its worker: it gets SIGKILL when the worker dies (the launcher's
+PR_SET_PDEATHSIG); a worker stopped by SIGTERM kills the program's cgroup and removes its mount
+itself; and after a worker is killed or found dead (the pool's timeout, the OOM killer), the pool
+calls `reap(pid)`, which finds what it left by name (`comppo-sandbox-<worker pid>-...`, the
+program's cgroup and directory), kills every process in the cgroup, unmounts the directory and
+removes both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import os
 import shutil
@@ -45,16 +53,23 @@ from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Environment, 
 LAUNCHER = os.path.abspath(confine.__file__)
 MIN_LANDLOCK_ABI = 6  # files, TCP and signals
 MNT_DETACH = 2
+CGROUP_PARENTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1's pids hierarchy, or v2's root
+
+
+def _prefix(worker: int) -> str:
+    """What the names of a worker's program cgroup and directory start with."""
+    return f"comppo-sandbox-{worker}-"
 
 
 def pids_cgroup() -> str | None:
     """A new pids cgroup for one program (root only), or None where there is none to make."""
     if os.geteuid() != 0:
         return None
-    for parent in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):  # cgroup v1's pids hierarchy, or v2's root
+    for parent in CGROUP_PARENTS:
         if not os.path.exists(os.path.join(parent, "cgroup.procs")):
             continue
-        directory = tempfile.mkdtemp(prefix="comppo-sandbox-", dir=parent) if os.access(parent, os.W_OK) else None
+        writable = os.access(parent, os.W_OK)
+        directory = tempfile.mkdtemp(prefix=_prefix(os.getpid()), dir=parent) if writable else None
         if directory and os.path.exists(os.path.join(directory, "pids.max")):
             return directory
         if directory:
@@ -70,34 +85,66 @@ DEFAULT_LIMITS = dict(
     open_files=64,
     file_bytes=1 << 20,
     disk_bytes=16 << 20,
+    disk_files=1024,
     output_chars=400,
 )
 
 
-def _tmpfs(directory: str, size: int) -> bool:
-    """Mounts a tmpfs of `size` bytes on `directory` (root only); whether it did."""
+def _tmpfs(directory: str, size: int, files: int) -> None:
+    """Mounts a tmpfs of `size` bytes and `files` inodes on `directory` (root only: elsewhere it stays
+    a plain directory)."""
     if os.geteuid() != 0:
-        return False
+        return
     libc = ctypes.CDLL(None, use_errno=True)
-    options = f"size={size},mode=0700".encode()
+    options = f"size={size},nr_inodes={files},mode=0700".encode()
     if libc.mount(b"tmpfs", directory.encode(), b"tmpfs", 0, options) != 0:
         raise OSError(ctypes.get_errno(), f"mount tmpfs on {directory}: {os.strerror(ctypes.get_errno())}")
-    return True
 
 
-def _kill_all(pid: int, cgroup: str | None) -> None:
-    """Kills the program's session and, with a cgroup, every process in it (until it is empty)."""
-    with contextlib.suppress(ProcessLookupError):  # the session has already ended
-        os.killpg(pid, signal.SIGKILL)
-    while cgroup:
+def _kill_cgroup(cgroup: str) -> None:
+    """SIGKILLs every process in `cgroup` until it is empty (cgroup.kill where the kernel has it)."""
+    kill = os.path.join(cgroup, "cgroup.kill")  # cgroup v2, Linux 5.14+: atomic against forks
+    while True:
         with open(os.path.join(cgroup, "cgroup.procs")) as procs:
             left = [int(line) for line in procs.read().split()]
         if not left:
             return
-        for other in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(other, signal.SIGKILL)
+        if os.path.exists(kill):
+            with open(kill, "w") as everyone:
+                everyone.write("1")
+        else:
+            for other in left:
+                with contextlib.suppress(ProcessLookupError):  # it has just exited
+                    os.kill(other, signal.SIGKILL)
         time.sleep(0.01)
+
+
+def _kill_all(pid: int, cgroup: str | None) -> None:
+    """Kills the program's session and, with a cgroup, every process in it."""
+    with contextlib.suppress(ProcessLookupError):  # the session has already ended
+        os.killpg(pid, signal.SIGKILL)
+    if cgroup:
+        _kill_cgroup(cgroup)
+
+
+def _remove_directory(directory: str) -> None:
+    """Unmounts the program's tmpfs (if mounted) and deletes its directory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.path.ismount(directory) and libc.umount2(directory.encode(), MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), f"umount {directory}: {os.strerror(ctypes.get_errno())}")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def reap(worker: int) -> None:
+    """Kills and removes what a dead worker left of its program: every process in its cgroup, the
+    cgroup, its directory's mount and the directory (the pool's cleanup, after the worker exits)."""
+    pattern = _prefix(worker) + "*"
+    for parent in CGROUP_PARENTS:
+        for cgroup in glob.glob(os.path.join(parent, pattern)):
+            _kill_cgroup(cgroup)
+            os.rmdir(cgroup)
+    for directory in glob.glob(os.path.join(tempfile.gettempdir(), pattern)):
+        _remove_directory(directory)
 
 
 def run_program(item: list) -> dict:
@@ -105,15 +152,15 @@ def run_program(item: list) -> dict:
     The sandbox's tool, run in a worker process."""
     code, limits = item
     limits = {**DEFAULT_LIMITS, **limits}
-    directory, cgroup = tempfile.mkdtemp(prefix="comppo-sandbox-"), pids_cgroup()
-    mounted, process = False, None
+    directory, cgroup = tempfile.mkdtemp(prefix=_prefix(os.getpid())), pids_cgroup()
+    process = None
     output = tempfile.TemporaryFile()  # outside the program's directory; written through its stdout
     try:
-        mounted = _tmpfs(directory, limits["disk_bytes"])
+        _tmpfs(directory, limits["disk_bytes"], limits["disk_files"])
         if cgroup:
             with open(os.path.join(cgroup, "pids.max"), "w") as limit:
                 limit.write(str(limits["processes"]))
-        spec = {"code": code, "directory": directory, "limits": limits, "cgroup": cgroup}
+        spec = {"code": code, "directory": directory, "limits": limits, "cgroup": cgroup, "worker": os.getpid()}
         process = subprocess.Popen(
             [os.path.realpath(sys.executable), "-I", "-S", LAUNCHER, json.dumps(spec)],
             stdin=subprocess.DEVNULL,
@@ -132,9 +179,7 @@ def run_program(item: list) -> dict:
         if process is not None:
             _kill_all(process.pid, cgroup)  # what it left running, too
             process.wait()
-        if mounted:
-            ctypes.CDLL(None).umount2(directory.encode(), MNT_DETACH)
-        shutil.rmtree(directory, ignore_errors=True)
+        _remove_directory(directory)
         if cgroup:
             os.rmdir(cgroup)
     output.seek(0)
@@ -202,7 +247,7 @@ class Sandbox(Environment):
             raise RuntimeError(
                 f"the Python sandbox cannot confine programs on this machine: it lacks {'; '.join(missing)}"
             )
-        self._pool = workers.function_pool(tool, num_workers, timeout_s=self.limits["wall_s"] + 5.0)
+        self._pool = workers.function_pool(tool, num_workers, timeout_s=self.limits["wall_s"] + 5.0, cleanup=reap)
 
     def reset(self, problems: Sequence[Problem]) -> None:
         del problems  # every conversation gets a fresh directory per program

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import numpy as np
 import pytest
 
@@ -72,6 +76,18 @@ def test_rewards_on_a_table_of_real_cases(pool):
     assert metrics["reward/timeout"] == 1 and metrics["reward/malformed"] == 1 and metrics["reward/correct"] == 5
     # The pool survives the killed worker.
     assert pool.check([("2", "2")]) == [Verdict.CORRECT]
+
+
+def test_a_verifier_worker_dying_on_an_answer_costs_that_reward_alone_and_is_counted():
+    with VerifierPool(num_workers=1, timeout_s=60.0) as dying:
+        threading.Timer(1.0, os.kill, (dying._pool._workers[0].pid, signal.SIGKILL)).start()  # the OOM killer
+        rewards, verdicts, metrics = score_responses(
+            ["Answer: 9^{9^{9^{9}}}", "Answer: 2"], ["1", "2"], [10, 10], dying
+        )
+        assert verdicts == [Verdict.DIED, Verdict.CORRECT]
+        np.testing.assert_allclose(rewards, [0.0, 1.0])
+        assert metrics["reward/died"] == 1 and metrics["reward/error"] == 0
+        assert dying.check([("3", "3")]) == [Verdict.CORRECT]  # its replacement verifies
 
 
 def test_length_penalty_only_for_correct_well_formed_and_clipped(pool):

@@ -3,17 +3,29 @@ and its network are untouched."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
 
 from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Turn, confine
-from comppo_jax.environments.sandbox import Sandbox, missing_protections, protections
+from comppo_jax.environments.sandbox import (
+    CGROUP_PARENTS,
+    LAUNCHER,
+    Sandbox,
+    missing_protections,
+    protections,
+    reap,
+)
 
 MISSING = missing_protections() if sys.platform.startswith("linux") else ["Linux"]
 # Where the kernel grants less, a Sandbox refuses to start (test_a_sandbox_refuses_...): nothing here can run.
@@ -35,6 +47,24 @@ def sandbox():
 def left_running() -> list[str]:
     out = subprocess.run(["pgrep", "-af", MARK], capture_output=True, text=True, check=False).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def leftovers(worker: int) -> list[str]:
+    """The cgroups, directories and mounts a worker's programs left (named after the worker)."""
+    name = f"comppo-sandbox-{worker}-"
+    found = [path for parent in CGROUP_PARENTS for path in glob.glob(os.path.join(parent, name + "*"))]
+    found += glob.glob(os.path.join(tempfile.gettempdir(), name + "*"))
+    with open("/proc/mounts") as mounts:
+        return found + [line for line in mounts if name in line]
 
 
 def digest(directory) -> str:
@@ -104,6 +134,7 @@ def test_a_program_starts_at_most_its_process_limit(sandbox):
         ("open_files", "files = [open(f'{i}.txt', 'w') for i in range(200)]", "Too many open files"),
         ("file_bytes", "open('big', 'wb').write(bytes(4 << 20))", "File too large"),
         ("disk_bytes", "for i in range(100):\n    open(f'{i}', 'wb').write(bytes(1 << 19))", "No space left"),
+        ("disk_files", "for i in range(100_000):\n    open(f'{i}', 'w').close()", "No space left"),
     ],
 )
 def test_each_resource_limit_binds(limit, program, message):
@@ -207,3 +238,67 @@ def test_its_output_is_bounded_and_a_reply_keeps_its_closing_tag(sandbox):
 def test_it_cannot_signal_the_process_that_runs_it(sandbox):
     reply = sandbox.step([call(f"import os, signal\nos.kill({os.getpid()}, signal.SIGCONT)")])[0]
     assert reply.outcome == ERROR and "not permitted" in reply.text
+
+
+def test_vsock_and_netlink_sockets_are_refused(sandbox):
+    replies = sandbox.step(
+        [
+            call("import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)"),  # the hypervisor's ports
+            call("import socket\nsocket.socket(socket.AF_NETLINK, socket.SOCK_RAW)", row=1),  # the kernel's
+        ]
+    )
+    assert [(r.outcome, "Permission denied" in r.text) for r in replies] == [(ERROR, True)] * 2, replies
+
+
+def test_a_worker_killed_mid_program_leaves_no_program_cgroup_or_mount():
+    with Sandbox(limits=dict(wall_s=20.0), num_workers=1) as box:
+        worker = box._pool._workers[0].pid
+
+        def kill_when_running():
+            wait_until(lambda: left_running() != [], 10)
+            os.kill(worker, signal.SIGKILL)  # the OOM killer, or the pool's own timeout
+
+        threading.Thread(target=kill_when_running).start()
+        reply = box.step([call("import time\ntime.sleep(60)")])[0]
+        assert (reply.outcome, reply.text) == (ERROR, "<tool_response>\ndied\n</tool_response>\n")
+        assert wait_until(lambda: left_running() == [], 2), left_running()
+        assert leftovers(worker) == []
+        assert box.step([call("print(6 * 7)")])[0].outcome == OK
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_program_never_outlives_its_worker_even_unsupervised(stop):
+    """SIGTERM (the trainer died: the worker's parent-death signal): the worker kills its program and
+    removes its cgroup and mount itself. SIGKILL: the program dies with it; `reap`, which the pool
+    calls after a worker exits, removes the rest."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "comppo_jax.workers", "comppo_jax.environments.sandbox:run_program"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert worker.stdin is not None and worker.stdout is not None
+    try:
+        assert worker.stdout.readline() == '["ready"]\n'
+        worker.stdin.write(json.dumps([f"import time\ntime.sleep(60)\n# {MARK}", {"wall_s": 60.0}]) + "\n")
+        worker.stdin.flush()
+        assert wait_until(lambda: left_running() != [], 10)
+        worker.send_signal(stop)
+        worker.wait()
+        assert wait_until(lambda: left_running() == [], 2), left_running()
+        if stop == signal.SIGKILL:
+            assert leftovers(worker.pid) != []  # the cgroup and mount of a program that died with its worker
+            reap(worker.pid)
+        assert leftovers(worker.pid) == []
+    finally:  # a failure leaves no process, cgroup or mount behind
+        worker.kill()
+        worker.wait()
+        reap(worker.pid)
+
+
+def test_a_program_whose_worker_is_already_gone_never_starts():
+    spec = {"code": f"print('ran')  # {MARK}", "directory": "/", "limits": {}, "cgroup": None, "worker": 1}
+    run = subprocess.run(
+        [sys.executable, "-I", "-S", LAUNCHER, json.dumps(spec)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == confine.EXIT_UNCONFINED and "its worker 1 exited before" in run.stdout, run
