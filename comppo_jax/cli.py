@@ -24,6 +24,7 @@ only stops the others once one has exited.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.machinery
 import importlib.util
 import logging as std_logging
@@ -34,6 +35,8 @@ import traceback
 
 from absl import app, flags, logging
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+from comppo_jax import storage
 
 
 class ConfigFileError(Exception):
@@ -197,6 +200,22 @@ def select_cpu_without_accelerator() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def check_location_flags(*names: str) -> None:
+    """Refuses, where absl parses the flags (before `main`), a flag of `names` that is neither a local path nor
+    gs://BUCKET/... (`storage.check_location`): s3:// or a mistyped gs:/ would be a relative local folder."""
+    for name in names:
+        flags.register_validator(name, functools.partial(_checked_location, f"--{name}"))
+
+
+def _checked_location(flag: str, value: str | None) -> bool:
+    if value:
+        try:
+            storage.check_location(value, flag)
+        except ValueError as error:  # absl's message names the flag and its value itself
+            raise flags.ValidationError(str(error).removeprefix(f"{flag}={value!r}: ")) from error
+    return True
+
+
 def with_run_config(argv: list[str], run_flag: str) -> list[str]:
     """`argv` with `--config=configs/run.py:<run dir>` (the run's own config.json) first, when it
     names no --config but names the run in `--<run_flag>`: `--config.<field>=` overrides then apply
@@ -205,6 +224,10 @@ def with_run_config(argv: list[str], run_flag: str) -> list[str]:
 
     run_dir = _named(argv, run_flag)
     if _named(argv, "config") is not None or run_dir is None:
+        return argv
+    try:
+        storage.check_location(run_dir, f"--{run_flag}")
+    except ValueError:  # not read as a run: the flag's validator (check_location_flags) refuses it, named
         return argv
     return [argv[0], f"--config={PRESET_DIR / 'run.py'}:{run_dir}", *argv[1:]]
 

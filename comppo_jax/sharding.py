@@ -349,8 +349,19 @@ def to_memory(tree: Any, kind: str) -> Any:
 
 
 def put(tree: Any, shardings: Any) -> Any:
-    """Places a pytree with matching shardings (None leaves stay None)."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+    """Places a pytree with matching shardings (None leaves stay None). A leaf that every process holds
+    whole (a host array, or an array on this process's devices) and that goes onto several processes'
+    devices is placed as `from_host` places it."""
+    return jax.tree.map(_put, tree, shardings)
+
+
+def _put(x, target: jax.sharding.Sharding):
+    if target.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, target)
+    # Not jax.device_put: from a one-device array onto processes with one device each (one process per
+    # GPU) it builds an array whose shards cannot be listed, so Orbax's save fails ("An argument array
+    # had 2 shard(s)").
+    return from_host(x, target)
 
 
 def from_host(tree: Any, shardings: Any) -> Any:

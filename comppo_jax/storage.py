@@ -22,16 +22,89 @@ what other processes wrote, which a cached listing would hide.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import tempfile
+import urllib.parse
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import fsspec
+import fsspec.asyn
 from etils import epath
 
 # Another process's writes must be visible to the next listing / existence check.
 fsspec.config.conf.setdefault("gcs", {})["use_listings_cache"] = False
+
+TIMEOUT_VARIABLE = "COMPPO_STORAGE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class StorageTimeout(Exception):
+    """A bucket request that got no answer in time; the message names the endpoint and the request. Not an
+    OSError: gcsfs answers an OSError of a bucket lookup with another request (twice the wait), and our readers
+    take an OSError for a missing or damaged file, which a silent endpoint is not. Not a TimeoutError: fsspec
+    re-raises that as an FSTimeoutError without its message."""
+
+
+def timeout_s() -> float:
+    """COMPPO_STORAGE_TIMEOUT_S (default 60): how long one request to a bucket or the hub may wait for its answer.
+    Without it, an endpoint that accepts a connection and never answers holds a run forever."""
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    try:
+        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{TIMEOUT_VARIABLE}={text!r}: expected a positive number of seconds")
+    return seconds
+
+
+def _request_target(method: str, url) -> str:
+    """`method gs://bucket/object` for a Cloud Storage JSON API request (yarl `url`), else `method path`."""
+    match = re.fullmatch(r"(?:/upload)?/storage/v1/b/([^/]+)(?:/o/?(.*))?", url.path)
+    if match is None:
+        return f"{method} {url.path}"
+    name = match[2] or url.query.get("name") or url.query.get("prefix", "")
+    return f"{method} gs://{match[1]}{'/' + name if name else ''}"
+
+
+async def _name_timeout(session, context, params) -> None:
+    """aiohttp's on_request_exception hook: a request past gcsfs's `requests_timeout` becomes one StorageTimeout
+    naming the endpoint and the object (aiohttp's TimeoutError says neither)."""
+    del session, context
+    if isinstance(params.exception, TimeoutError):
+        via = " (STORAGE_EMULATOR_HOST)" if os.environ.get("STORAGE_EMULATOR_HOST") else ""
+        raise StorageTimeout(
+            f"{params.url.origin()}{via} did not answer {_request_target(params.method, params.url)} within "
+            f"{timeout_s():g} s ({TIMEOUT_VARIABLE} sets the limit)"
+        ) from params.exception
+
+
+def _bound_requests(seconds: float) -> None:
+    """Every bucket request fails after `seconds` without its answer, through each client's own settings.
+    gcsfs: aiohttp's total time per request (a timeout is not retried, so a call fails within `seconds` of
+    its stalled request), and the storage-layout probe's retry deadline. tensorstore (Orbax's checkpoints)
+    reads its variables at its first request: a transfer moving no byte for `seconds`, or a connection not
+    made in `seconds`, fails. (Set, not defaulted: a subprocess inherits its parent's, which would outrank its
+    own COMPPO_STORAGE_TIMEOUT_S.)"""
+    import aiohttp  # gcsfs's HTTP client
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_exception.append(_name_timeout)
+    gcs = fsspec.config.conf["gcs"]
+    gcs.update(requests_timeout=seconds, retry_timeout=seconds)
+    gcs.setdefault("session_kwargs", {})["trace_configs"] = [trace]
+    whole = str(max(1, round(seconds)))
+    os.environ.update(
+        TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS=whole,
+        TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES="1",
+        TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS=whole,
+    )
+
+
+_bound_requests(timeout_s())
 
 REMOTE_PREFIXES = ("gs://",)
 
@@ -39,6 +112,53 @@ REMOTE_PREFIXES = ("gs://",)
 def is_remote(location: str | os.PathLike) -> bool:
     """Whether `location` names an object store (`gs://...`) rather than a local path."""
     return os.fspath(location).startswith(REMOTE_PREFIXES)
+
+
+# A scheme-like prefix: s3://, gcs://, http://, hf://, a mistyped gs:/ (each would be a relative local folder).
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/")
+# Cloud Storage's bucket naming rules (cloud.google.com/storage/docs/buckets#naming): lower case letters, digits,
+# - _ and ., starting and ending with a letter or digit; 3-63 characters, or up to 222 in dot-separated parts of
+# at most 63; no dotted IP address, no goog prefix, no google in it.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]*[a-z0-9]")
+_IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
+
+
+def check_location(value: str | os.PathLike, field: str, hub: bool = False) -> None:
+    """Raises ValueError naming `field` and what to write instead unless `value` is a local path or a well-formed
+    `gs://BUCKET/...` (with `hub`, the field also takes a Hugging Face id owner/name, which has no scheme). No
+    network call: whether the bucket exists is `make_dirs`'s check."""
+    text = os.fspath(value)
+    if is_remote(text):
+        problem = _bucket_problem(text.removeprefix("gs://").split("/", 1)[0])
+        if problem:
+            raise ValueError(f"{field}={text!r}: {problem}; write gs://BUCKET/... with a valid bucket, or a local path")
+        return
+    scheme = _SCHEME.match(text)
+    if scheme:
+        rest = text[scheme.end() :].lstrip("/")
+        example = rest if hub and scheme.group().lower() == "hf:/" else f"gs://{rest}"
+        instead = "a local path or gs://BUCKET/..." + (", or a Hugging Face id owner/name" if hub else "")
+        raise ValueError(
+            f"{field}={text!r}: neither a local path nor gs:// (it would be taken as the local folder "
+            f"./{scheme.group()[:-1]}); write {instead}, e.g. {example}"
+        )
+
+
+def _bucket_problem(bucket: str) -> str:
+    """What breaks Cloud Storage's naming rules in `bucket` ("" when nothing does)."""
+    if not bucket:
+        return "names no bucket"
+    parts = bucket.split(".")
+    if not _BUCKET.fullmatch(bucket) or len(bucket) < 3 or len(bucket) > (222 if len(parts) > 1 else 63):
+        return (
+            f"{bucket!r} is not a bucket name: 3-63 characters of lower case letters, digits, - _ and ., starting "
+            "and ending with a letter or digit"
+        )
+    if any(not part or len(part) > 63 for part in parts) or _IP_ADDRESS.fullmatch(bucket):
+        return f"{bucket!r} is not a bucket name: each dot-separated part has 1-63 characters, and no IP address"
+    if bucket.startswith("goog") or "google" in bucket:
+        return f"{bucket!r} is not a bucket name: Cloud Storage reserves names starting with goog or holding google"
+    return ""
 
 
 def path(location: str | os.PathLike) -> epath.Path:
@@ -86,6 +206,7 @@ def read_text(location: str | os.PathLike) -> str:
 def write_bytes(location: str | os.PathLike, data: bytes) -> None:
     """Replaces the file whole: a reader (or a crash) sees the old or the new contents, never a part."""
     target = path(location)
+    check_fence(target)
     _make_parent(target)
     if is_remote(target):
         target.write_bytes(data)  # one upload: the object appears when it is complete
@@ -107,6 +228,7 @@ def create_new(location: str | os.PathLike, text: str) -> bool:
     """Creates the file with `text` only if it does not exist; False when it does. Two processes (on
     any hosts) racing for it: exactly one gets True (O_EXCL; GCS's ifGenerationMatch=0)."""
     target = path(location)
+    check_fence(target)
     _make_parent(target)
     if is_remote(target):
         fs = _filesystem(target)
@@ -126,9 +248,55 @@ def create_new(location: str | os.PathLike, text: str) -> bool:
     return True
 
 
+def generation(location: str | os.PathLike) -> str | None:
+    """A bucket object's generation, which every write of it changes; None on a disk or when it is absent."""
+    target = path(location)
+    if not is_remote(target):
+        return None
+    try:
+        return str(_filesystem(target).info(os.fspath(target))["generation"])
+    except FileNotFoundError:
+        return None
+
+
+def replace_if_generation(location: str | os.PathLike, data: bytes, expected: str) -> str | None:
+    """Replaces a bucket object only while its generation is still `expected` (GCS's ifGenerationMatch, checked by
+    the server, so no other writer can slip in between): its new generation, or None when another writer changed
+    or deleted it first. One multipart upload, as gcsfs's own (the precondition is not among gcsfs's options)."""
+    target = path(location)
+    check_fence(target)
+    bucket, _, name = os.fspath(target).removeprefix("gs://").partition("/")
+    fs = _filesystem(target)
+    header = json.dumps({"name": name})
+    body = (
+        (
+            f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{header}\n--==0==\n"
+            "Content-Type: application/octet-stream\n\n"
+        ).encode()
+        + data
+        + b"\n--==0==--"
+    )
+    try:
+        reply = fsspec.asyn.sync(
+            fs.loop,
+            fs._call,
+            "POST",
+            f"{fs._location}/upload/storage/v1/b/{urllib.parse.quote(bucket)}/o",
+            uploadType="multipart",
+            headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+            ifGenerationMatch=expected,
+            data=body,
+            json_out=True,
+        )
+    except (FileExistsError, FileNotFoundError):  # gcsfs's words for 412 Precondition Failed, and 404
+        return None
+    return str(reply["generation"])
+
+
 def remove(location: str | os.PathLike) -> None:
     """Removes a file or a whole tree; nothing if it is already gone."""
     target = path(location)
+    check_fence(target)
     if target.is_dir():
         target.rmtree(missing_ok=True)
     else:
@@ -138,6 +306,8 @@ def remove(location: str | os.PathLike) -> None:
 def move(source: str | os.PathLike, destination: str | os.PathLike) -> None:
     """Moves a file or a tree (on a bucket a copy then a delete, object by object: not atomic)."""
     source_path, destination_path = path(source), path(destination)
+    check_fence(source_path)
+    check_fence(destination_path)
     _make_parent(destination_path)
     if not is_remote(source_path):
         source_path.rename(destination_path)
@@ -155,6 +325,8 @@ def rename_folder(source: str | os.PathLike, destination: str | os.PathLike) -> 
     checks first, then renames: not one step.) A bucket has no such rename."""
     if is_remote(source) or is_remote(destination):
         raise ValueError(f"rename_folder({source}, {destination}): a bucket has no atomic rename")
+    check_fence(path(source))
+    check_fence(path(destination))
     os.rename(path(source), path(destination))
 
 
@@ -209,6 +381,7 @@ class AppendLog:
 
     def append(self, line: str) -> None:
         if self.file is not None:
+            check_fence(self.path)
             self.file.write(line.rstrip("\n") + "\n")
             self.file.flush()
         else:
@@ -226,6 +399,7 @@ class AppendLog:
             return
         if not self.pending:
             return
+        check_fence(self.path)
         data = "".join(self.pending).encode()
         fs, target = _filesystem(self.path), os.fspath(self.path)
         if not fs.exists(target):
@@ -262,3 +436,29 @@ def read_lines(location: str | os.PathLike) -> list[str]:
     if not source.exists():
         return []
     return [line for line in source.read_bytes().decode(errors="surrogateescape").splitlines() if line.strip()]
+
+
+# Fenced folders: {folder: check}. Every write above to a path inside `folder` calls `check(path)` first, which
+# raises to refuse it (a run directory whose lock another process took over; comppo_jax.runs.run_dir).
+_FENCES: dict[str, Callable[[epath.Path], None]] = {}
+
+
+@contextlib.contextmanager
+def fenced(folder: str | os.PathLike, check: Callable[[epath.Path], None]) -> Iterator[None]:
+    """While the block runs, every write through this module into `folder` first calls `check(target)`;
+    writers of their own (Orbax) call `check_fence` before they write."""
+    key = os.fspath(path(folder))
+    _FENCES[key] = check
+    try:
+        yield
+    finally:
+        _FENCES.pop(key, None)
+
+
+def check_fence(location: str | os.PathLike) -> None:
+    """Calls the check of each fenced folder holding `location` (raises when that write is refused)."""
+    target = path(location)
+    text = os.fspath(target)
+    for folder, check in list(_FENCES.items()):
+        if text == folder or text.startswith(folder.rstrip("/") + "/"):
+            check(target)

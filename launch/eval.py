@@ -58,6 +58,7 @@ _ACCURACY = flags.DEFINE_bool(
 _HELD_OUT = flags.DEFINE_integer(
     "held_out_problems", 0, "Gate and critic diagnostics on this many dev prompts (0: none)."
 )
+cli.check_location_flags("checkpoint", "output")
 
 
 def parse_benchmarks(spec: str) -> dict[str, str]:
@@ -67,6 +68,7 @@ def parse_benchmarks(spec: str) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"config.eval.benchmarks item {item!r}: expected name=path")
+        storage.check_location(path.strip(), f"config.eval.benchmarks {name.strip()}")
         out[name.strip()] = path.strip()
     return out
 
@@ -81,7 +83,7 @@ def main(argv):
     from comppo_jax.data.tokenizers import load_tokenizer
     from comppo_jax.eval import evaluate_problems
     from comppo_jax.eval.frozen import eval_sampling, metric_names
-    from comppo_jax.eval.restore import eval_meshes, policy_digest, restore_actor
+    from comppo_jax.eval.restore import eval_meshes, policy_digest, resolve_step, restore_actor
     from comppo_jax.rollout.turns import ToolUse
     from comppo_jax.runs.checkpoint import RunCheckpoints
     from comppo_jax.train import decode_layout
@@ -94,7 +96,7 @@ def main(argv):
     sharding.initialize_distributed(cfg.mesh)  # before anything touches a JAX backend (Orbax does)
     mesh, rollout_devices = eval_meshes(cfg.mesh)  # a mesh this machine cannot hold fails before any restore
     checkpoints = RunCheckpoints(_CHECKPOINT.value, read_only=True)
-    step = checkpoints.resolve_step(_STEP.value)
+    step = resolve_step(checkpoints, _STEP.value, cfg)
     output = storage.path(_OUTPUT.value or storage.join(_CHECKPOINT.value, "eval", f"step_{step}"))
     main_process = jax.process_index() == 0  # a multi-process run: every process evaluates, process 0 writes
     if main_process:  # the restore and the first compile take a while before any set's progress bar

@@ -35,6 +35,7 @@ _EXPERIMENT = cli.define_config_file("experiment", None, "configs/experiments.py
 _ROOT = flags.DEFINE_string("root", "runs/experiments", "Where runs (runs/) and reports (<name>/) go.")
 _JOBS = flags.DEFINE_integer("jobs", 1, "Training runs at a time.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Do not train; report the finished runs.")
+cli.check_location_flags("root")
 
 
 def main(argv):

@@ -29,6 +29,7 @@ _OUT = flags.DEFINE_string("out", None, "The directory to write (new or empty)."
 _FORMAT = flags.DEFINE_enum(
     "format", "hf", ["hf", "peft"], "hf: merged weights for transformers / vLLM; peft: LoRA adapters."
 )
+cli.check_location_flags("run", "out")
 
 
 def main(argv):

@@ -69,6 +69,7 @@ _SUMMARY_MARKDOWN = flags.DEFINE_string(
     "Append one row per topology as markdown to this file: the decode "
     "layout, each program's seconds per step, decode beside its floor, the step and its MFU.",
 )
+cli.check_location_flags("markdown", "time_markdown", "summary_markdown")
 
 
 def main(argv):

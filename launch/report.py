@@ -17,6 +17,7 @@ from comppo_jax import cli
 
 _RUN = flags.DEFINE_string("run", None, "The training run's output_dir.", required=True)
 _OUT = flags.DEFINE_string("out", None, "The page to write (default: <run>/report.html).")
+cli.check_location_flags("run", "out")
 
 
 def main(argv):

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import fsspec
 import numpy as np
 import pytest
 from conftest import CPU_ONLY_ENV, REPO, save_word_tokenizer, small_train_config
@@ -214,12 +215,28 @@ def test_validation_takes_ids_without_a_request_and_names_what_is_none_of_them(h
     assert hub.requests[start:] == []
 
 
-def test_gcs_sources_are_copied_once_into_the_local_cache(hub, bucket, checkpoint_dir, dataset_dir):
+def upload(bucket, checkpoint_dir, dataset_dir):
+    """The checkpoint under <bucket>/ckpt, the DAPO parquet file under <bucket>/dapo."""
     for folder, name in ((checkpoint_dir, "ckpt"), (dataset_dir / "data", "dapo")):
         for file in os.listdir(folder):
             storage.write_bytes(storage.join(bucket, name, file), (folder / file).read_bytes())
+
+
+def generation(location):
+    return str(fsspec.filesystem("gcs").info(location.removeprefix("gs://"))["generation"])
+
+
+def uploaded_again(location) -> tuple[str, str]:
+    """(generation before, after) of `location` overwritten with other bytes of the same size."""
+    before, data = generation(location), storage.path(location).read_bytes()
+    storage.write_bytes(location, bytes(255 - byte for byte in data))
+    return before, generation(location)
+
+
+def test_gcs_sources_are_copied_once_into_the_local_cache(hub, bucket, checkpoint_dir, dataset_dir):
+    upload(bucket, checkpoint_dir, dataset_dir)
     local = sources.resolve_model(f"{bucket}/ckpt")
-    assert local == os.path.join(sources.gcs_cache_dir(), bucket.removeprefix("gs://"), "ckpt")
+    assert os.path.dirname(local) == os.path.join(sources.gcs_cache_dir(), bucket.removeprefix("gs://"), "ckpt")
     assert "model.safetensors" in os.listdir(local) and not {"README.md", "pytorch_model.bin"} & set(os.listdir(local))
     assert from_hf(local)[0] == from_hf(str(checkpoint_dir))[0]
     copied = os.stat(os.path.join(local, "model.safetensors")).st_mtime_ns
@@ -248,3 +265,42 @@ def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path
     assert [process.returncode for process in processes] == [0, 0] and outputs[0] == outputs[1]
     asked = [request for request in hub.requests[start:] if request.endswith("/model.safetensors")]
     assert sorted(request.split()[0] for request in asked) == ["GET", "HEAD", "HEAD"]  # both asked; one fetched
+
+
+def test_a_gcs_file_uploaded_again_with_the_same_size_is_copied_again(hub, bucket, checkpoint_dir, dataset_dir):
+    """The local copy is kept per generation: a fine-tune of the same shape uploaded over the model is read."""
+    upload(bucket, checkpoint_dir, dataset_dir)
+    weights = f"{bucket}/ckpt/model.safetensors"
+    sources.resolve_model(f"{bucket}/ckpt")
+    uploaded_again(weights)
+    local = os.path.join(sources.resolve_model(f"{bucket}/ckpt"), "model.safetensors")
+    assert storage.path(local).read_bytes() == storage.path(weights).read_bytes()
+
+
+def test_a_run_pins_gcs_sources_to_their_generations_and_refuses_one_uploaded_again(
+    hub, bucket, checkpoint_dir, dataset_dir
+):
+    upload(bucket, checkpoint_dir, dataset_dir)
+    data = f"{bucket}/dapo/dapo-math-17k.parquet"
+    config = run_config(model=f"{bucket}/ckpt", data=data)
+    pinned = sources.pin_sources(config)
+    assert pinned.data.path == f"{data}#dapo-math-17k.parquet={generation(data)}"
+    path, pins = sources.split_gcs_pins(pinned.model.path)
+    assert path == f"{bucket}/ckpt" and pins["model.safetensors"] == generation(f"{path}/model.safetensors")
+    assert "README.md" not in pins and "tokenizer.json" in pins
+    assert sources.pin_sources(config, previous=pinned) == pinned  # a resume keeps the run's generations
+    assert len(load_dapo(pinned.data.path)[0]) == 10
+
+    before, after = uploaded_again(f"{path}/model.safetensors")
+    for refused in (
+        lambda: sources.pin_sources(config, previous=pinned),  # the resume's unpinned path, against config.json
+        lambda: sources.resolve_model(pinned.model.path),  # an eval or export of the run
+    ):
+        with pytest.raises(ConfigError) as error:
+            refused()
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"config.model.path='{path}': {path}/model.safetensors ")
+        assert f"is generation {after} now, not the generation {before} this run pinned" in message
+    assert load_tokenizer(pinned.model.path).use_chat_template  # its tokenizer files did not change
+    # A run recorded before gs:// sources were pinned resumes as it was, unpinned.
+    assert sources.pin_sources(config, previous=config) == config

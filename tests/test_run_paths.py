@@ -6,9 +6,13 @@ handles such paths and names each call that is not on the short list below, with
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
-from conftest import REPO
+import pytest
+from conftest import CPU_ONLY_ENV, HANG_S, REPO
 
 ROOT = pathlib.Path(REPO)
 MODULES = sorted(
@@ -68,3 +72,65 @@ def test_every_run_path_goes_through_the_storage_layer():
             if (relative, function, call) not in ALLOWED:
                 found.append(f"{relative}:{line} {call}() in {function}")
     assert not found, "local-disk file calls on run paths (use comppo_jax.storage): " + "; ".join(found)
+
+
+# (launcher, its arguments, the refused flag): each path flag given something neither local nor gs://BUCKET/...
+REFUSED_FLAGS = [
+    ("launch/export.py", ["--run=s3://bucket/run", "--out=exported"], "--run=s3://bucket/run"),
+    ("launch/export.py", ["--run=runs/tiny", "--out=gs:/bucket/exported"], "--out=gs:/bucket/exported"),
+    ("launch/report.py", ["--run=gcs://bucket/run"], "--run=gcs://bucket/run"),
+    ("launch/report.py", ["--run=runs/tiny", "--out=gs://Bucket/report.html"], "--out=gs://Bucket/report.html"),
+    ("launch/eval.py", ["--checkpoint=s3://bucket/run"], "--checkpoint=s3://bucket/run"),
+    ("launch/eval.py", ["--checkpoint=runs/tiny", "--output=http://host/eval"], "--output=http://host/eval"),
+    (
+        "launch/experiment.py",
+        [f"--experiment={REPO}/configs/experiments_tiny.py:main", "--root=gs://"],
+        "--root=gs://",
+    ),
+    *(
+        (
+            "launch/plan.py",
+            [f"--config={REPO}/configs/tiny.py", f"--{flag}=s3://bucket/plan.md"],
+            f"--{flag}=s3://bucket/plan.md",
+        )
+        for flag in ("markdown", "time_markdown", "summary_markdown")
+    ),
+]
+
+
+@pytest.mark.parametrize(("script", "arguments", "refused"), REFUSED_FLAGS, ids=[r[2] for r in REFUSED_FLAGS])
+def test_a_launcher_path_flag_that_is_not_local_or_gs_is_refused_before_main(tmp_path, script, arguments, refused):
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, script), *arguments],
+        cwd=tmp_path,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    first = result.stderr.splitlines()[0]
+    assert result.returncode == 1 and first.startswith(f"error: IllegalFlagValueError: flag {refused}: "), first
+    assert "write gs://BUCKET/..." in first or "write a local path or gs://BUCKET/..." in first
+    assert os.listdir(tmp_path) == []  # no ./s3: folder
+
+
+def test_a_benchmark_path_that_is_not_local_or_gs_is_refused_before_any_restore(tmp_path):
+    benchmark = "math500=s3://bucket/math500.jsonl"
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "launch/eval.py"),
+            f"--config={REPO}/configs/tiny.py",
+            "--checkpoint=runs/tiny",
+            f"--config.eval.benchmarks={benchmark}",
+        ],
+        cwd=tmp_path,
+        env=CPU_ONLY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert result.returncode == 1 and result.stderr.startswith(
+        "error: ValueError: config.eval.benchmarks math500='s3://bucket/math500.jsonl': neither a local path nor gs://"
+    ), result.stderr
+    assert os.listdir(tmp_path) == []

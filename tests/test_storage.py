@@ -109,3 +109,50 @@ def test_a_missing_bucket_is_named_not_created(gcs_emulator):
     with pytest.raises(FileNotFoundError, match=r"gs://no-such-bucket does not exist \(needed for gs://no-such"):
         storage.make_dirs("gs://no-such-bucket/runs/x")
     assert not storage.path("gs://no-such-bucket").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("s3://bucket/run", "neither a local path nor gs:// (it would be taken as the local folder ./s3:)"),
+        ("gcs://bucket/run", "neither a local path nor gs://"),
+        ("gs:/bucket/run", "neither a local path nor gs://"),
+        ("http://host/run", "neither a local path nor gs://"),
+        ("hf://owner/name", "neither a local path nor gs://"),
+        ("gs://", "names no bucket"),
+        ("gs:///run", "names no bucket"),
+        ("gs://My-Bucket/run", "'My-Bucket' is not a bucket name: 3-63 characters of lower case letters"),
+        ("gs://ab/run", "'ab' is not a bucket name"),
+        (f"gs://{'a' * 64}/run", "is not a bucket name"),
+        ("gs://-bucket/run", "'-bucket' is not a bucket name"),
+        ("gs://a..b/run", "each dot-separated part has 1-63 characters"),
+        ("gs://192.168.0.1/run", "no IP address"),
+        ("gs://google-runs/run", "Cloud Storage reserves names"),
+    ],
+)
+def test_a_location_that_is_neither_local_nor_a_well_formed_bucket_is_refused_naming_the_field(value, why):
+    with pytest.raises(ValueError) as error:
+        storage.check_location(value, "--out")
+    message = str(error.value)
+    assert (
+        message.startswith(f"--out={value!r}: ")
+        and why in message
+        and "write " in message
+        and "gs://BUCKET/" in message
+    )
+
+
+def test_a_local_path_a_bucket_path_and_for_a_source_a_hub_id_pass():
+    for value in (
+        "",
+        "runs/x",
+        "/abs/runs/x",
+        "./gs_runs",
+        "runs/a:b",
+        "gs://my-bucket",
+        "gs://my_bucket.example.com/x",
+    ):
+        storage.check_location(value, "--out")
+    storage.check_location("Qwen/Qwen3-4B@main", "config.model.path", hub=True)
+    with pytest.raises(ValueError, match=r"or a Hugging Face id owner/name, e.g\. Qwen/Qwen3-4B$"):
+        storage.check_location("hf://Qwen/Qwen3-4B", "config.model.path", hub=True)

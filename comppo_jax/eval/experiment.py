@@ -463,6 +463,7 @@ def run_experiment(exp, root: str, jobs: int = 1, train: bool = True, log=print)
     module docstring). Call it from the main thread: it forwards the runner's stop signals."""
     if exp.kind not in KINDS:
         raise ValueError(f"experiment {exp.name}: kind={exp.kind!r}; expected one of {KINDS}")
+    storage.make_dirs(root)  # a missing bucket is named (as launch/train.py names it) before any run starts
     with Children() as children:
         all_runs, failures, unfinished, not_started = [], {}, {}, []
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from comppo_jax import hub, sharding, storage
 from comppo_jax.data.tokenizers import load_tokenizer
-from comppo_jax.eval.restore import restored_actor
+from comppo_jax.eval.restore import resolve_step, restored_actor
 from comppo_jax.models import ConfigError, lora, model_config, to_hf
 from comppo_jax.models.hf import to_peft
 from comppo_jax.models.lora import LoraConfig
@@ -106,7 +106,7 @@ def _export(run_dir: str, step: str | int, out: str, format: str, signals: _Stop
     signals.check()
     checkpoints = RunCheckpoints(run_dir, read_only=True)
     try:
-        step = checkpoints.resolve_step(step)
+        step = resolve_step(checkpoints, step, cfg)
         params = restored_actor(
             cfg, checkpoints, step, mesh, config
         )  # adapters in the master dtype on the compute-dtype base
@@ -285,9 +285,12 @@ def _write_export(cfg, config, params, tokenizer, format: str, out: str, folder:
 
 def _as_named(model_path: str) -> tuple[str, str | None]:
     """(base_model_name_or_path, revision) of model.path as an adapter config names it: a local directory
-    absolute, a hub id split from its pinned commit (PEFT takes the revision apart), a bucket path as is."""
+    absolute, a hub id split from its pinned commit (PEFT takes the revision apart), a bucket path without its
+    pinned generations (which no reader of an adapter config knows)."""
     if hub.is_hub_id(model_path):
         return hub.split_hub_id(model_path)
+    if storage.is_remote(model_path):
+        return hub.split_gcs_pins(model_path)[0], None
     return (str(storage.path(model_path)) if os.path.exists(model_path) else model_path), None
 
 

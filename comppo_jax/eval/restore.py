@@ -28,7 +28,7 @@ from comppo_jax.models.lora import LoraConfig
 from comppo_jax.runs.checkpoint import RunCheckpoints, state_digests
 from comppo_jax.train.methods import initial_keys
 from comppo_jax.train.schema import load_run_config
-from comppo_jax.train.specs import base_source
+from comppo_jax.train.specs import base_source, run_recipe, steps_of
 from comppo_jax.train.start import kept_warm_start, load_encodable_problems, restore_reference
 from comppo_jax.train.update import cast_params
 
@@ -122,13 +122,39 @@ def restore_actor(cfg, checkpoints: RunCheckpoints, step: int, mesh=None) -> tup
     return policy_config, cast_params(actor, policy_config.dtype)
 
 
+def resolve_step(checkpoints: RunCheckpoints, step: str | int, cfg) -> int:
+    """`checkpoints.resolve_step(step)`, where step=best finds checkpoints but none saved at a dev evaluation
+    saying why from the run's config `cfg` (its steps ended before the first evaluation, say) and what to pass."""
+    latest = checkpoints.latest_step()
+    if str(step) == "best" and checkpoints.best_step() is None and latest is not None:
+        raise FileNotFoundError(
+            f"step=best: the run in {checkpoints.directory} has checkpoints but none was saved at a dev evaluation "
+            f"({_why_not_evaluated(cfg, latest)}); pass --step=latest (step {latest}) or a saved step number"
+        )
+    return checkpoints.resolve_step(step)
+
+
+def _why_not_evaluated(cfg, latest: int) -> str:
+    every = cfg.train.eval_every
+    if not every:
+        return "train.eval_every=0: it never evaluates"
+    first = steps_of(cfg, run_recipe(cfg)).prepended + every  # as RecorderSpec.evaluates counts
+    if latest < first:
+        return (
+            f"its steps ended at {latest}, before its first dev evaluation at step {first} (train.eval_every={every})"
+        )
+    if not cfg.checkpoint.keep_best:
+        return "checkpoint.keep_best=0 keeps none of the evaluated ones"
+    return "a run older than the rule that saves a checkpoint at each dev evaluation"
+
+
 def restore_policy(run_dir: str, step: str | int = "best", cfg=None) -> RestoredPolicy:
     """Checkpoint `step` ("latest", "best" by dev accuracy, or a saved step number) of the run in
     `run_dir`; `cfg` defaults to the run's own config.json (comppo_jax.runs.outputs.load_run_config)."""
     cfg = load_run_config(run_dir) if cfg is None else cfg
     checkpoints = RunCheckpoints(run_dir, read_only=True)
     try:
-        step = checkpoints.resolve_step(step)
+        step = resolve_step(checkpoints, step, cfg)
         policy_config, params = restore_actor(cfg, checkpoints, step)
     finally:
         checkpoints.close()

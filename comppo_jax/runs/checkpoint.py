@@ -50,6 +50,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from comppo_jax import storage
@@ -209,6 +210,19 @@ def _expected_orbax_warning(record: std_logging.LogRecord) -> bool:
     return not record.getMessage().startswith(_EXPECTED_WARNINGS)
 
 
+# Attempts of one tensorstore request to a bucket. A stalled one fails after comppo_jax.storage.timeout_s()
+# (storage sets tensorstore's low-speed limit), and tensorstore's default 32 attempts would hold a save for
+# 32 times that; 3 still ride out a transient 429 or 503.
+GCS_ATTEMPTS = 3
+
+
+def _bound_tensorstore_retries() -> None:
+    """Puts `GCS_ATTEMPTS` into the tensorstore context Orbax builds for each save and restore (its
+    `get_ts_context` copies these dicts; Orbax has no option for the context of its own)."""
+    for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        context["gcs_request_retries"] = {"max_retries": GCS_ATTEMPTS}
+
+
 class RunCheckpoints:
     """Checkpoints under `directory`/checkpoints (and the reference under `directory`/reference)."""
 
@@ -225,6 +239,7 @@ class RunCheckpoints:
 
     def _open(self) -> ocp.CheckpointManager:
         std_logging.getLogger("absl").addFilter(_expected_orbax_warning)
+        _bound_tensorstore_retries()
         dev_accuracy = lambda metrics: metrics["dev_accuracy"]
         policy = preservation_policy.AnyPreservationPolicy(
             [
@@ -266,7 +281,9 @@ class RunCheckpoints:
     def save(self, step: int, state: Any, meta: dict, dev_accuracy: float | None = None) -> None:
         """Starts an async save of `state` (after step `step`) and `meta` as checkpoint `step`.
 
-        The previous save is confirmed first (`confirm_saves`); a non-finite state is refused."""
+        The previous save is confirmed first (`confirm_saves`); a non-finite state is refused, and so is a save
+        into a run directory whose lock this process lost (Orbax writes past comppo_jax.storage's fence)."""
+        storage.check_fence(self.directory)
         self.confirm_saves(wait=True)
         digests, non_finite = state_digests(state)
         if non_finite:
@@ -540,6 +557,7 @@ class RunCheckpoints:
         return restored["state"]
 
     def save_reference(self, params: Any) -> None:
+        storage.check_fence(self.directory)
         digests, non_finite = state_digests(params)
         if non_finite:
             raise NonFiniteStateError(f"the reference policy holds NaN or inf in {non_finite[0]}; not saved")

@@ -5,7 +5,9 @@ the run's identity across resumes.
   process start time and a heartbeat. A second command on the same directory refuses in one line
   naming the holder, before anything is loaded. A lock left by a dead process on this host (its pid
   gone, or reused by another process), or whose heartbeat stopped `STALE_S` ago on any host, is
-  taken over with a warning. In a multi-process run, process 0 holds it.
+  taken over with a warning. In a multi-process run, process 0 holds it, and fences every write
+  into the directory with it: once another launcher has taken the lock over, each write raises
+  `RunLockLost` naming the new holder, so the old one writes nothing more and its run ends.
 - `resume_changes`: what a resume changes against the run's `config.json`. Fields that change
   what is computed (model, data, seed, method, gate, critic, shapes, warm start, rollout sizes,
   loss settings: everything not in `HARMLESS`) refuse the resume in one line listing each
@@ -20,6 +22,7 @@ the run's identity across resumes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -27,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import jax
 from absl import logging
@@ -72,6 +76,10 @@ class RunDirectoryLocked(RuntimeError):
     """Another live process writes to this run directory."""
 
 
+class RunLockLost(RuntimeError):
+    """Another launcher took this run directory's lock over: this process writes nothing more to it."""
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux /proc), which tells a reused pid apart."""
     try:
@@ -91,16 +99,43 @@ def _alive(pid: int, started: str | None) -> bool:
     return started is None or _start_time(pid) in (None, started)
 
 
+@contextlib.contextmanager
+def _local_guard(lock_path) -> Iterator[None]:
+    """Holds an exclusive flock on the lock's local folder: a heartbeat's read-compare-write and a takeover's
+    remove-and-create do not interleave. A bucket needs none (generation preconditions)."""
+    if storage.is_remote(lock_path):
+        yield
+        return
+    folder = os.open(os.fspath(lock_path.parent), os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the flock
+
+
+def _describe(record: dict, beat: str = "") -> str:
+    """Who holds a lock: pid, host, since when, (`beat`), and its command."""
+    command = str(record.get("command", ""))[:300]
+    return f"pid {record['pid']} on {record.get('host')} since {record.get('since')}{beat} ({command!r})"
+
+
 class RunLock:
     """`with RunLock(output_dir, holder=True):` owns output_dir (a no-op with holder=False: the other
     processes of a multi-process run, whose process 0 holds it).
 
     The lock file is made only where none exists (comppo_jax.storage.create_new: O_EXCL on a disk,
     GCS's ifGenerationMatch=0 on a bucket). Its holder rewrites the record's `heartbeat` every
-    `HEARTBEAT_S` seconds from a daemon thread. A lock is stale, and taken over with a warning, when
-    its process is gone from this host (its pid dead or reused), or, from any host (a preempted pod
-    comes back on other machines, where a pid means nothing), when its heartbeat is older than
-    `STALE_S`."""
+    `HEARTBEAT_S` seconds from a daemon thread, only while the lock is still its own (on a bucket the
+    rewrite carries the generation it last wrote as a precondition; on a disk it compares tokens under a
+    flock of the folder). A lock is stale, and taken over with a warning, when its process is gone from
+    this host (its pid dead or reused), or, from any host (a preempted pod comes back on other machines,
+    where a pid means nothing), when its heartbeat is older than `STALE_S`.
+
+    The holder fences the run directory (`check`, through comppo_jax.storage.fenced): before every write it
+    confirms the lock is still its own, renewing the heartbeat first when the last one is older than
+    2 x HEARTBEAT_S (a paused process, a partition). Once another launcher has taken the lock over, every
+    write raises RunLockLost naming the new holder, so the old one writes nothing more and its run ends."""
 
     HEARTBEAT_S = 30.0
     STALE_S = 300.0
@@ -110,6 +145,10 @@ class RunLock:
         self.holder = holder
         self.owned = False
         self.record: dict = {}
+        self.generation: str | None = None  # the lock object's generation as this holder last wrote it (a bucket)
+        self.renewed = 0.0  # when this holder's heartbeat was last confirmed written (time.time())
+        self.lost: str | None = None  # why every write is refused, once the lock is another's
+        self.renewing = threading.Lock()  # the heartbeat thread and the fence renew one at a time
         self.stop_beating = threading.Event()
         self.beat: threading.Thread | None = None
 
@@ -128,7 +167,8 @@ class RunLock:
         record = self._new_record()
         if not storage.create_new(self.path, json.dumps(record)):
             return False
-        self.record, self.owned = record, True
+        self.record, self.owned, self.lost = record, True, None
+        self.generation, self.renewed = storage.generation(self.path), record["heartbeat"]
         self.stop_beating.clear()
         self.beat = threading.Thread(target=self._keep_beating, name="run-lock-heartbeat", daemon=True)
         self.beat.start()
@@ -137,20 +177,70 @@ class RunLock:
     def _keep_beating(self) -> None:
         while not self.stop_beating.wait(self.HEARTBEAT_S):
             try:
-                if self._holder().get("token") != self.record["token"]:
-                    logging.warning("%s: the lock is no longer this process's; its heartbeat stops", self.path)
-                    return
-                self.record["heartbeat"] = time.time()
-                storage.write_text(self.path, json.dumps(self.record))
+                self._renew()
             except Exception as error:  # a storage hiccup must not kill the run; the next beat retries
                 logging.warning("%s: heartbeat not written (%s: %s)", self.path, type(error).__name__, error)
+            if self.lost is not None:
+                logging.warning("%s: %s", self.path, self.lost)
+                return
 
-    def _holder(self) -> dict:
+    def _renew(self) -> None:
+        """Rewrites the heartbeat only while the lock is still this holder's; otherwise marks it lost."""
+        with self.renewing:
+            if self.lost is not None:
+                return
+            record = {**self.record, "heartbeat": time.time()}
+            if storage.is_remote(self.path):
+                assert self.generation is not None
+                written = storage.replace_if_generation(self.path, json.dumps(record).encode(), self.generation)
+                if written is None:
+                    self._mark_lost()
+                    return
+                self.generation = written
+            else:
+                with _local_guard(self.path):
+                    if self._holder(strict=True).get("token") != self.record["token"]:
+                        self._mark_lost()
+                        return
+                    storage.write_text(self.path, json.dumps(record))
+            self.record, self.renewed = record, record["heartbeat"]
+
+    def _mark_lost(self) -> None:
+        holder = self._holder()
+        now = f"is now held by {_describe(holder)}" if holder else "was deleted or is unreadable"
+        self.lost = (
+            f"{self.path.parent}: this run's lock was taken over ({self.path} {now}); this process "
+            f"(pid {os.getpid()} on {socket.gethostname()}) writes nothing more there and stops"
+        )
+
+    def check(self, target=None) -> None:
+        """The run directory's fence: raises RunLockLost when the lock is no longer this holder's (its own
+        writes of the lock file pass)."""
+        if not self.owned or target == self.path:
+            return
+        if self.lost is None:
+            if time.time() - self.renewed > 2 * self.HEARTBEAT_S:  # the heartbeat is late: renew before writing
+                self._renew()
+            elif self._holder(strict=True).get("token") != self.record["token"]:
+                with self.renewing:
+                    self._mark_lost()
+        if self.lost is not None:
+            raise RunLockLost(self.lost)
+
+    def _holder(self, strict: bool = False) -> dict:
+        """The lock's record; {} when it is gone or unreadable. `strict`: an error reading it other than its
+        absence is raised (a failing storage call is not a lost lock)."""
         try:
             record = json.loads(storage.read_text(self.path))
-            return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else {}
-        except (OSError, ValueError):
-            return {}  # unreadable (torn by a crash) or gone: treated as stale
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            return {}  # torn by a crash: treated as stale
+        except OSError:
+            if strict:
+                raise
+            return {}
+        return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else {}
 
     def _stale(self, record: dict) -> bool:
         if not record:
@@ -163,37 +253,37 @@ class RunLock:
     def acquire(self) -> None:
         if not self.holder or self._write():
             return
-        record = self._holder()
-        if not self._stale(record):
-            heartbeat = record.get("heartbeat")
-            beat = (
-                f", last heartbeat {time.time() - heartbeat:.0f} s ago (stale after {self.STALE_S:.0f} s)"
-                if isinstance(heartbeat, (int, float))
-                else ""
+        with _local_guard(self.path):
+            record = self._holder()
+            if not self._stale(record):
+                heartbeat = record.get("heartbeat")
+                beat = (
+                    f", last heartbeat {time.time() - heartbeat:.0f} s ago (stale after {self.STALE_S:.0f} s)"
+                    if isinstance(heartbeat, (int, float))
+                    else ""
+                )
+                raise RunDirectoryLocked(
+                    f"{self.path.parent} is in use by {_describe(record, beat)}: one process writes a "
+                    "run directory; wait for it or stop it, choose another --config.output_dir, or delete "
+                    f"{self.path} if that process is gone"
+                )
+            logging.warning(
+                "%s: taking over a stale lock (%s) left by a process that is gone",
+                self.path,
+                f"pid {record['pid']} on {record.get('host')}" if record else "unreadable",
             )
-            raise RunDirectoryLocked(
-                f"{self.path.parent} is in use by pid {record['pid']} on {record.get('host')} since "
-                f"{record.get('since')}{beat} ({str(record.get('command', ''))[:300]!r}): one process writes a run "
-                "directory; wait for it or stop it, choose another --config.output_dir, or delete "
-                f"{self.path} if that process is gone"
-            )
-        logging.warning(
-            "%s: taking over a stale lock (%s) left by a process that is gone",
-            self.path,
-            f"pid {record['pid']} on {record.get('host')}" if record else "unreadable",
-        )
-        storage.remove(self.path)
-        if not self._write():  # another command took it over first
-            raise RunDirectoryLocked(
-                f"{self.path.parent}: another command took over its stale lock ({self.path}) at the same moment"
-            )
+            storage.remove(self.path)
+            if not self._write():  # another command took it over first
+                raise RunDirectoryLocked(
+                    f"{self.path.parent}: another command took over its stale lock ({self.path}) at the same moment"
+                )
 
     def release(self) -> None:
         self.stop_beating.set()
         if self.beat is not None:
             self.beat.join()
             self.beat = None
-        if self.owned and self._holder().get("token") == self.record.get("token"):
+        if self.owned and self.lost is None and self._holder().get("token") == self.record.get("token"):
             storage.remove(self.path)
         self.owned = False
 
@@ -207,8 +297,9 @@ class RunLock:
 
 @contextlib.contextmanager
 def locked(output_dir: str):
-    """The run directory's lock for the whole run: process 0 holds it, and every process of a
-    multi-process run refuses together when it is taken (a collective)."""
+    """The run directory's lock for the whole run: process 0 holds it and fences every write into the
+    directory with it, and every process of a multi-process run refuses together when it is taken (a
+    collective)."""
     from comppo_jax.sharding import any_process
 
     main = jax.process_index() == 0
@@ -222,7 +313,8 @@ def locked(output_dir: str):
             f"{output_dir}: process 0 found it in use by another command (its error names the holder)"
         )
     try:
-        yield lock
+        with storage.fenced(output_dir, lock.check):
+            yield lock
     finally:
         lock.release()
 

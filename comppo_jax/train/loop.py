@@ -36,6 +36,7 @@ latest checkpoint and continues exactly where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -87,14 +88,35 @@ def train(cfg) -> dict:
     mesh, rollout_devices = training_mesh(cfg)
     check_batch(cfg, mesh)
     decode_layout.check_config(cfg, mesh, rollout_devices)
-    storage.make_dirs(cfg.output_dir)  # a missing bucket is named here, before anything is fetched
-    cfg = pinned_config(cfg)
+    with removed_if_left_empty(cfg.output_dir):  # a failed hub fetch leaves no empty run directory behind
+        storage.make_dirs(cfg.output_dir)  # a missing bucket is named here, before anything is fetched
+        cfg = pinned_config(cfg)
     # One writer per run directory; from here on a SIGTERM / SIGINT stops the run cleanly.
     with run_dir.locked(cfg.output_dir), StopSignals() as stop:
         try:
             return run_training(cfg, mesh, rollout_devices, stop)
         except RunStopped as error:
             return stopped_early(cfg, error.stage)
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(output_dir: str):
+    """Removes the local folders of `output_dir` the block creates if it fails while they are still empty (a
+    folder that existed before, or that holds anything now, is kept; a bucket has no folders)."""
+    created, folder = [], storage.path(output_dir)
+    while not storage.is_remote(folder) and not folder.exists():
+        created.append(folder)
+        folder = folder.parent
+    try:
+        yield
+    except BaseException:
+        for folder in created:  # deepest first (not there: make_dirs failed above it)
+            if not folder.exists():
+                continue
+            if any(folder.iterdir()):  # it holds something now, and so do its parents
+                break
+            folder.rmdir()
+        raise
 
 
 def pinned_config(cfg):

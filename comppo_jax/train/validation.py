@@ -125,9 +125,30 @@ class _Problems:
             )
 
 
-def _check_paths(problems: _Problems, cfg) -> None:
+# Every field holding a path; those of comppo_jax.hub.SOURCE_FIELDS also take a hub id.
+PATH_FIELDS = ("output_dir", "position_schedule", "warm_start.cache_dir", "model.path", "model.tokenizer", "data.path")
+
+
+def _check_locations(problems: _Problems) -> set[str]:
+    """The path fields that are neither a local path nor a well-formed gs:// one (a hub id where the field takes
+    one), each a problem: s3://, gcs:// or a mistyped gs:/ would be a relative local folder, lost with the worker's
+    disk. Returns them, so their other checks are skipped."""
+    hub_fields = {field for field, _ in hub.SOURCE_FIELDS}
+    refused = set()
+    for dotted in PATH_FIELDS:
+        value = problems.value(dotted)
+        try:
+            storage.check_location(value, f"config.{dotted}", hub=dotted in hub_fields)
+        except ValueError as error:
+            problems.lines.append(str(error))
+            refused.add(dotted)
+    return refused
+
+
+def _check_paths(problems: _Problems, cfg, refused: set[str]) -> None:
     """A local path must exist; a hub id or a gs:// path is taken as written (checking it means a network
-    call: `comppo_jax.hub.pin_sources` does that, right after this pass)."""
+    call: `comppo_jax.hub.pin_sources` does that, right after this pass). Fields in `refused` are not
+    paths at all (`_check_locations`)."""
     model = cfg.model
     hub_id = "or a Hugging Face {} id (owner/name, optionally @<branch, tag or commit>)"
     if model.get("path_required") and not model.path:
@@ -136,25 +157,29 @@ def _check_paths(problems: _Problems, cfg) -> None:
             "--config.model.path=/path/to/hf_checkpoint (a directory with config.json, *.safetensors and the "
             f"tokenizer), a gs:// one, {hub_id.format('model')} such as Qwen/Qwen3-4B"
         )
-    if model.path and not _source_exists(model.path, os.path.isdir):
+    if model.path and "model.path" not in refused and not _source_exists(model.path, os.path.isdir):
         problems.add(
             "model.path",
             "does not exist; expected a local HF checkpoint directory (config.json + *.safetensors), a gs:// one, "
             + hub_id.format("model"),
         )
-    if model.tokenizer and not _source_exists(model.tokenizer, os.path.isdir):
+    if model.tokenizer and "model.tokenizer" not in refused and not _source_exists(model.tokenizer, os.path.isdir):
         problems.add(
             "model.tokenizer",
             "does not exist; expected a local directory with tokenizer.json / tokenizer_config.json, a gs:// one, "
             f"{hub_id.format('model')}, or '' for the tokenizer saved with model.path",
         )
-    if cfg.data.kind == "dapo_math" and not _source_exists(cfg.data.path, os.path.isfile):
+    if (
+        cfg.data.kind == "dapo_math"
+        and "data.path" not in refused
+        and not _source_exists(cfg.data.path, os.path.isfile)
+    ):
         problems.add(
             "data.path",
             "does not exist; pass --config.data.path=/path/to/dapo-math-17k.parquet (or .jsonl), a gs:// file, "
             f"{hub_id.format('dataset')} such as BytedTsinghua-SIA/DAPO-Math-17k",
         )
-    if cfg.method == "comppo" and cfg.gate == "position":
+    if cfg.method == "comppo" and cfg.gate == "position" and "position_schedule" not in refused:
         if not cfg.position_schedule:
             problems.add(
                 "position_schedule",
@@ -333,6 +358,11 @@ ENUM_FIELDS = {
 COUNT = dict(low=1, integer=True)  # a positive whole number
 ZERO_OR_MORE = dict(low=0, integer=True)
 POSITIVE = dict(low=0, low_open=True)
+# The lowest temperature a run samples and scores at. Training reads log-probs of softmax(logits / T), and
+# they and their gradients grow as 1 / T: at 1e-30 they overflow float32 and the non-finite stop blames the
+# learning rate. At 1e-4 a logit gap of 0.01 (bf16's resolution near 1) already weighs exp(-100) < 1e-43, so a
+# lower temperature samples no differently, only less finitely. (T = 0, greedy, has no log-probs to train on.)
+MIN_TEMPERATURE = 1e-4
 # Each numeric field's range (`_Problems.number`'s keywords).
 NUMBER_FIELDS = {
     "sink_tokens": ZERO_OR_MORE,
@@ -361,6 +391,8 @@ NUMBER_FIELDS = {
     "credit.attention_anchor_horizon_hi": COUNT,
     "train.token_selection_fraction": dict(low=0, high=1, low_open=True),
     "mesh.rollout_devices": ZERO_OR_MORE,
+    # passed as it is to --xla_cpu_collective_timeout_seconds (sharding.with_collective_timeout): no "0: none" there
+    "mesh.collective_timeout_s": COUNT,
     "model.lora.rank": ZERO_OR_MORE,
     "model.lora.alpha": POSITIVE,
     "outputs.sample_every": dict(low=-1, integer=True),
@@ -384,7 +416,7 @@ NUMBER_FIELDS = {
     "rollout.prompts_per_step": COUNT,
     "rollout.samples_per_prompt": COUNT,
     "rollout.max_new_tokens": COUNT,
-    "rollout.temperature": POSITIVE,
+    "rollout.temperature": dict(low=MIN_TEMPERATURE),
     "rollout.top_p": dict(low=0, high=1, low_open=True),
     "rollout.page_size": COUNT,
     "rollout.decode_slots": ZERO_OR_MORE,
@@ -479,7 +511,7 @@ def validate_config(cfg) -> None:
     _check_parsed_fields(problems, cfg)
     _check_relations(problems, cfg)
     _check_mesh(problems, cfg)
-    _check_paths(problems, cfg)
+    _check_paths(problems, cfg, _check_locations(problems))
     if not problems.lines:  # the combinations read several fields: only once each is valid
         _check_combinations(problems, cfg)
     if problems.lines:

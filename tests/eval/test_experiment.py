@@ -347,3 +347,11 @@ def test_a_running_command_reports_its_progress_every_interval(tmp_path, monkeyp
         code = ex.Children().run_reporting(sleeper, out, lambda: "step 4", logged.append)
     assert code == 0 and (tmp_path / "train.log").read_text() == f"$ {shlex.join(sleeper)}\ndone\n"
     assert len(logged) >= 3 and all(line.startswith("  step 4 (") for line in logged), logged
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_missing_bucket_is_named_before_any_run_starts(bucket, train, monkeypatch):
+    monkeypatch.setattr(ex, "execute", lambda *a, **k: pytest.fail("a run was planned under a missing bucket"))
+    root = f"{bucket}-missing/experiments"
+    with pytest.raises(FileNotFoundError, match=rf"^{bucket}-missing does not exist \(needed for {root}\): create it"):
+        ex.run_experiment(experiments_tiny.get_config("controls"), root, train=train)

@@ -1,6 +1,7 @@
 """Multi-process runs as on a pod: 2 `jax.distributed` processes x 4 fake CPU devices on 127.0.0.1
-(launch/local_cluster.py) against 1 process x 8 devices, a 2-process run stopped by SIGTERM, then
-killed with SIGKILL, resumed bitwise, and a stalled process that ends the run instead of hanging it."""
+(launch/local_cluster.py) against 1 process x 8 devices, and 2 x 1 (one process per GPU) against 1 x 2,
+a 2-process run stopped by SIGTERM, then killed with SIGKILL, resumed bitwise, and a stalled process
+that ends the run instead of hanging it."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ POD_RUN = dict(
     rollout__dynamic_sampling_filter="reward",
 )
 LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
+# Devices per process -> POD_RUN's mesh as changed for them. One device each (a GPU cluster's one process per
+# GPU, a slice of one chip per host): data parallel over the 2 devices, weights replicated.
+LAYOUTS = {4: {}, 1: dict(mesh__fsdp=1, mesh__tensor=1)}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,22 @@ def one_process(run_dir, cache, devices=8, **overrides):
     return launch_script("launch/train.py", *flags(run_dir, cache, **overrides), env=fake_devices_env(devices))
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, warm_cache):
+    """devices per process -> (run dir, output, launches) of POD_RUN on 2 processes in that LAYOUTS mesh, run once."""
+    runs = {}
+
+    def run(devices):
+        if devices not in runs:
+            run_dir = tmp_path_factory.mktemp(f"two_process_{devices}")
+            result = on_local_cluster(flags(run_dir, warm_cache, **LAYOUTS[devices]), devices_per_process=devices)
+            assert result.returncode == 0, cluster_tail(result)
+            runs[devices] = run_dir, result.stdout, 1 + len(result.earlier)
+        return runs[devices]
+
+    return run
+
+
 def rows(run_dir):
     return [
         {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
@@ -79,18 +99,16 @@ def rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, warm_cache):
-    run_dir = tmp_path_factory.mktemp("two_process")
-    result = on_local_cluster(flags(run_dir, warm_cache))
-    assert result.returncode == 0, cluster_tail(result)
-    return run_dir, result.stdout, 1 + len(result.earlier)
+def two_process_run(two_process_runs):
+    return two_process_runs(4)
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache, two_process_run):
-    two, output, launches = two_process_run
+@pytest.mark.parametrize("devices", [4, 1], ids=["2x4_vs_1x8", "2x1_vs_1x2"])
+def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, warm_cache, two_process_runs, devices):
+    two, output, launches = two_process_runs(devices)
     one = tmp_path / "one"
-    result = one_process(one, warm_cache)
+    result = one_process(one, warm_cache, devices=2 * devices, **LAYOUTS[devices])
     assert result.returncode == 0, result.stderr[-4000:]
     assert len(rows(two)) == len(rows(one)) == LAST_CHECKPOINT
     assert min(row["dynamic_sampling/refills"] for row in rows(two)) >= 1  # every step refilled (2-3 rounds)
@@ -130,7 +148,9 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path, warm_cache
 
     # launch/eval.py the same way: every process evaluates, process 0 writes.
     evaluated = on_local_cluster(
-        [*flags(two, warm_cache), f"--checkpoint={two}", "--config.eval.samples=2"], script="launch/eval.py"
+        [*flags(two, warm_cache, **LAYOUTS[devices]), f"--checkpoint={two}", "--config.eval.samples=2"],
+        devices_per_process=devices,
+        script="launch/eval.py",
     )
     assert evaluated.returncode == 0, cluster_tail(evaluated)
     results = json.loads((two / "eval" / f"step_{LAST_CHECKPOINT}" / "results.json").read_text())
@@ -167,6 +187,18 @@ def test_two_process_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path
     assert rows(split) == rows(straight)
     assert_same_checkpoint_state(straight, split, LAST_CHECKPOINT)
     assert json.loads((split / "summary.json").read_text()) == json.loads((straight / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_reference_made_on_each_process_own_device_saves_and_restores_on_one_device_per_process(tmp_path):
+    """2 processes x 1 device: the warm-started policy, on each process's one device, placed on the
+    mesh and saved as the reference (jax.device_put made arrays whose shards Orbax could not list)."""
+    result = on_local_cluster(
+        [f"--output_dir={tmp_path}"], devices_per_process=1, script="tests/launch/reference_round_trip.py"
+    )
+    assert result.returncode == 0, cluster_tail(result)
+    assert "[p0] restored the policy made: True" in result.stdout, cluster_tail(result)
+    assert "[p1] restored the policy made: True" in result.stdout, cluster_tail(result)
 
 
 @pytest.mark.slow

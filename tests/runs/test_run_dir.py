@@ -231,8 +231,116 @@ def test_the_holder_keeps_its_heartbeat_fresh_and_stops_when_the_lock_is_no_long
         first = json.loads(lock_file.read_text())["heartbeat"]
         wait_for(lambda: json.loads(lock_file.read_text())["heartbeat"] > first, timeout=30)
         lock_file.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "another"}))  # taken over
-        wait_for(lambda: "no longer this process's" in caplog.text, timeout=30)
+        wait_for(lambda: "this run's lock was taken over" in caplog.text, timeout=30)
     assert json.loads(lock_file.read_text())["token"] == "another"  # release leaves another holder's lock
+
+
+@pytest.fixture(params=["disk", "bucket"])
+def run_location(request, tmp_path):
+    return f"{request.getfixturevalue('bucket')}/run" if request.param == "bucket" else str(tmp_path / "run")
+
+
+def test_a_holder_whose_lock_was_taken_over_writes_nothing_more_and_names_the_new_holder(run_location, monkeypatch):
+    """A partition or a paused VM: the holder's heartbeat goes silent past STALE_S, another launcher takes the
+    lock over, and the old holder comes back. Every write it then tries into the run directory (metrics rows,
+    summary, samples, a checkpoint, the reference) is refused naming the new holder; the lock stays the new one's."""
+    monkeypatch.setattr(run_dir.RunLock, "HEARTBEAT_S", 3600.0)  # the old holder's heartbeat stays silent
+    monkeypatch.setattr(run_dir.RunLock, "STALE_S", 0.5)
+    storage.make_dirs(run_location)
+    summary, metrics = f"{run_location}/summary.json", f"{run_location}/metrics.jsonl"
+    with run_dir.locked(run_location):
+        storage.write_text(summary, "before")  # the holder writes while the lock is its own
+        log = storage.AppendLog(metrics)
+        log.append('{"step": 1}')
+        log.flush()
+        checkpoints = RunCheckpoints(run_location, keep_last=2, keep_best=0)
+        time.sleep(1.0)
+        new_holder = run_dir.RunLock(run_location)
+        new_holder.acquire()  # the old heartbeat is stale: taken over
+        taken_over = rf"lock was taken over \(.*run.lock is now held by pid {os.getpid()} on .* since"
+        writes = {
+            "summary": lambda: storage.write_text(summary, "after"),
+            "metrics": lambda: (log.append('{"step": 2}'), log.flush()),
+            "samples": lambda: storage.write_text(f"{run_location}/samples/step_000002.json", "{}"),
+            "checkpoint": lambda: checkpoints.save(2, {"w": jnp.zeros((4, 3))}, {"step": 2}),
+            "reference": lambda: checkpoints.save_reference({"w": jnp.zeros((4, 3))}),
+        }
+        for name, write in writes.items():
+            with pytest.raises(run_dir.RunLockLost, match=taken_over):
+                write()
+            print(name, "refused")
+    assert storage.read_text(summary) == "before"
+    assert storage.read_lines(metrics) == ['{"step": 1}']
+    assert set(storage.names(run_location)) - {"checkpoints"} == {"metrics.jsonl", "run.lock", "summary.json"}
+    assert storage.names(f"{run_location}/checkpoints") == []  # a disk's folder made while the lock was its own
+    assert json.loads(storage.read_text(f"{run_location}/run.lock"))["token"] == new_holder.record["token"]
+    new_holder.release()
+
+
+def test_a_late_heartbeat_never_overwrites_the_lock_of_the_holder_that_took_over(run_location, monkeypatch):
+    """The old holder's heartbeat thread was between its check and its write when the new holder took over: the
+    rewrite carries a precondition (the generation it last wrote on a bucket; the token under a flock on a disk),
+    so it marks the lock lost instead of putting the old record back."""
+    monkeypatch.setattr(run_dir.RunLock, "HEARTBEAT_S", 3600.0)
+    monkeypatch.setattr(run_dir.RunLock, "STALE_S", 0.5)
+    storage.make_dirs(run_location)
+    old_holder = run_dir.RunLock(run_location)
+    old_holder.acquire()
+    time.sleep(1.0)
+    new_holder = run_dir.RunLock(run_location)
+    new_holder.acquire()
+    old_holder._renew()  # the beat the heartbeat thread would write
+    assert json.loads(storage.read_text(f"{run_location}/run.lock"))["token"] == new_holder.record["token"]
+    assert old_holder.lost is not None and "taken over" in old_holder.lost
+    old_holder.release()
+    assert json.loads(storage.read_text(f"{run_location}/run.lock"))["token"] == new_holder.record["token"]
+    new_holder.release()
+
+
+def test_a_holder_back_from_a_pause_renews_before_writing_when_no_one_took_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_dir.RunLock, "HEARTBEAT_S", 3600.0)
+    with run_dir.locked(str(tmp_path)) as lock:
+        # As after a pause longer than the heartbeat's period: its last beat is old, on the record and here.
+        lock.renewed -= 3 * run_dir.RunLock.HEARTBEAT_S
+        (tmp_path / "run.lock").write_text(json.dumps({**lock.record, "heartbeat": lock.renewed}))
+        storage.write_text(tmp_path / "summary.json", "{}")
+        assert time.time() - json.loads((tmp_path / "run.lock").read_text())["heartbeat"] < 60
+
+
+def files_under(folder) -> dict:
+    """{relative path: bytes} of every file under `folder`."""
+    return {
+        os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+        for root, _, names in os.walk(folder)
+        for name in names
+    }
+
+
+@pytest.mark.slow
+def test_a_launcher_whose_lock_was_taken_over_writes_nothing_more_and_exits_naming_the_new_holder(tmp_path):
+    """launch/train.py paused (SIGSTOP: a paused VM) past its lock's staleness while another launcher takes the run
+    over; once it runs again it writes nothing more into the run directory and exits 1 with one line naming the
+    holder. A write in flight when it was paused completes as it resumes: no checkpoint or evaluation falls due
+    here, and TensorBoard is off, since a pause lands at random inside its writes of a row (one whose metrics
+    row was written before the takeover)."""
+    run = start(tmp_path, steps=1000, checkpoint__every=1000, train__eval_every=0, loggers="jsonl")
+    try:
+        wait_for(lambda: len(storage.read_lines(tmp_path / "metrics.jsonl")) >= 1)
+        os.kill(run.pid, signal.SIGSTOP)
+        lock_file = tmp_path / run_dir.LOCK_FILE
+        silent = {**json.loads(lock_file.read_text()), "heartbeat": time.time() - run_dir.RunLock.STALE_S - 1}
+        lock_file.write_text(json.dumps(silent))  # as after five minutes without a heartbeat
+        new_holder = run_dir.RunLock(str(tmp_path))
+        new_holder.acquire()
+        before = files_under(tmp_path)
+    finally:
+        os.kill(run.pid, signal.SIGCONT)
+    stdout, stderr = run.communicate(timeout=HANG_S)
+    assert run.returncode == 1, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: RunLockLost: ") and f"now held by pid {os.getpid()} on " in line, line
+    assert files_under(tmp_path) == before
+    new_holder.release()
 
 
 # --- Stops before the first checkpoint ------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 from conftest import small_train_config
 
+from comppo_jax import hub
 from comppo_jax.models import ConfigError
 from comppo_jax.train import loop
+from comppo_jax.train.validation import PATH_FIELDS, validate_config
 
 
 @pytest.fixture
@@ -230,6 +235,18 @@ CASES = {
         assign(mesh__rollout_devices=1),
         r"config\.mesh\.rollout_devices=1 must leave every process devices for both stages",
     ),
+    "temperature whose log-probs overflow float32": (
+        assign(rollout__temperature=1e-30),
+        r"config\.rollout\.temperature=1e-30: must be >= 0\.0001; pass --config\.rollout\.temperature=",
+    ),
+    "negative collective timeout": (
+        assign(mesh__collective_timeout_s=-5),
+        r"config\.mesh\.collective_timeout_s=-5: must be >= 1; pass --config\.mesh\.collective_timeout_s=",
+    ),
+    "zero collective timeout": (
+        assign(mesh__collective_timeout_s=0),
+        r"config\.mesh\.collective_timeout_s=0: must be >= 1",
+    ),
 }
 
 
@@ -291,3 +308,57 @@ def test_a_tensorboard_folder_that_is_a_file_is_named_before_anything_loads(tmp_
     output_file.write_text("")
     with pytest.raises(ConfigError, match=rf"^config\.output_dir='{output_file}': is a file, not a directory"):
         loop.train(small_train_config(output_file))
+
+
+# Neither a local path nor a well-formed gs:// one: each would be a relative local folder (./s3:/bucket/run) or a
+# bucket name Cloud Storage refuses only after its retries.
+NOT_A_LOCATION = (
+    "s3://bucket/run",
+    "gcs://bucket/run",
+    "gs:/bucket/run",
+    "http://host/run",
+    "hf://owner/name",
+    "gs://",
+    "gs://Bucket/run",
+    "gs://ab/run",
+    f"gs://{'a' * 64}/run",
+)
+
+
+@pytest.mark.parametrize("value", NOT_A_LOCATION)
+@pytest.mark.parametrize("field", PATH_FIELDS)
+def test_a_path_field_that_is_not_local_or_gs_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, nothing_loads, field, value
+):
+    monkeypatch.chdir(tmp_path)
+    config = small_train_config("run")
+    assign(**{field.replace(".", "__"): value})(config)
+    with pytest.raises(ConfigError) as error:
+        loop.train(config)
+    (line,) = [line for line in str(error.value).splitlines() if line.startswith(f"config.{field}={value!r}: ")]
+    assert re.search(r"write (a local path or gs://BUCKET/\.\.\.|gs://BUCKET/\.\.\. with a valid bucket)", line)
+    assert os.listdir(tmp_path) == []  # no ./s3: folder, no run directory
+
+
+@pytest.mark.parametrize("field", PATH_FIELDS)
+def test_a_bucket_path_and_where_the_field_takes_one_a_hub_id_pass(tmp_path, field):
+    hub_fields = {name for name, _ in hub.SOURCE_FIELDS}
+    for value in ("gs://my-bucket.example_1/run", *(["owner/name@main"] if field in hub_fields else [])):
+        config = small_train_config(tmp_path)
+        assign(**{field.replace(".", "__"): value})(config)
+        validate_config(config)
+
+
+def test_a_launch_whose_hub_id_fails_leaves_no_run_directory_it_made(tmp_path, monkeypatch, nothing_loads):
+    from hub_server import use_hub
+
+    use_hub(monkeypatch, "http://127.0.0.1:9", tmp_path / "hf", offline=True)  # an empty cache: the fetch fails
+    kept, empty = tmp_path / "kept", tmp_path / "empty_before"
+    kept.mkdir()
+    empty.mkdir()
+    (kept / "notes.txt").write_text("a file that was there before")
+    for output_dir in (tmp_path / "runs" / "new", kept, empty):
+        with pytest.raises(ConfigError, match=r"^config\.model\.path='owner/name': owner/name is not"):
+            loop.train(small_train_config(output_dir, model__path="owner/name"))
+    assert sorted(os.listdir(tmp_path)) == ["empty_before", "kept"]  # runs/new is gone, runs/ with it
+    assert os.listdir(kept) == ["notes.txt"] and os.listdir(empty) == []
