@@ -351,6 +351,18 @@ def full_disk(free_bytes: int = 0):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def wait_until(condition, timeout_s: float) -> bool:
+    """Whether `condition()` came true within `timeout_s` seconds (polled every 50 ms)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def start_script(script: str, *args: str):
     """`launch_script`'s `python <script> <args>` started in the background (its output piped, as text)."""
     import subprocess

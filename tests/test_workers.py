@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from conftest import wait_until
+
 from comppo_jax import workers
 from comppo_jax.workers import DIED, OK, Result
 
@@ -31,15 +33,6 @@ def gone(pid: int) -> bool:
         except FileNotFoundError:
             continue  # that thread has just been released
     return all(state in "ZX" for state in states)
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def child(code: str) -> subprocess.Popen:

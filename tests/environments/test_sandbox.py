@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 
 from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Turn, confine
 from comppo_jax.environments.sandbox import (
@@ -47,15 +48,6 @@ def sandbox():
 def left_running() -> list[str]:
     out = subprocess.run(["pgrep", "-af", MARK], capture_output=True, text=True, check=False).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def leftovers(worker: int) -> list[str]:

@@ -1,12 +1,12 @@
 """Multi-process runs as on a pod: 2 `jax.distributed` processes x 4 fake CPU devices on 127.0.0.1
-(launch/local_cluster.py) against 1 process x 8 devices, and 2 x 1 (one process per GPU) against 1 x 2,
-a 2-process run stopped by SIGTERM, then killed with SIGKILL, resumed bitwise, and a stalled process
-that ends the run instead of hanging it."""
+(launch/local_cluster.py) against 1 process x 8 devices, and 2 x 1 (one process per GPU) against 1 x 2, each
+writing its run to a bucket of the local Cloud Storage server as the pod command does; a 2-process run stopped
+by SIGTERM, then killed with SIGKILL, resumed bitwise, and a stalled process that ends the run instead of
+hanging it."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -29,6 +29,8 @@ from conftest import (
     restored_on_one_device,
     small_train_flags,
 )
+
+from comppo_jax import storage
 
 # One-operation sums: 120 warm-start steps give a policy that is right about a quarter of the
 # time, so rewards, advantages and gradients carry signal (not rounding noise) to compare. Dynamic
@@ -71,19 +73,30 @@ def flags(run_dir, cache, **overrides):
     return small_train_flags(run_dir, **{**POD_RUN, "warm_start__cache_dir": str(cache), **overrides})
 
 
-def one_process(run_dir, cache, devices=8, **overrides):
-    return launch_script("launch/train.py", *flags(run_dir, cache, **overrides), env=fake_devices_env(devices))
+def one_process(run_dir, cache, devices=8, env=None, **overrides):
+    return launch_script(
+        "launch/train.py", *flags(run_dir, cache, **overrides), env={**fake_devices_env(devices), **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, warm_cache):
-    """devices per process -> (run dir, output, launches) of POD_RUN on 2 processes in that LAYOUTS mesh, run once."""
+def pod_bucket(gcs_emulator):
+    """A bucket for the module's runs, as the pod command's --config.output_dir=gs://BUCKET/..."""
+    return storage.path(f"gs://{gcs_emulator.bucket()}")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(gcs_emulator, pod_bucket, warm_cache):
+    """devices per process -> (run dir, output, launches) of POD_RUN on 2 processes in that LAYOUTS mesh, its run
+    directory on the bucket, run once."""
     runs = {}
 
     def run(devices):
         if devices not in runs:
-            run_dir = tmp_path_factory.mktemp(f"two_process_{devices}")
-            result = on_local_cluster(flags(run_dir, warm_cache, **LAYOUTS[devices]), devices_per_process=devices)
+            run_dir = pod_bucket / f"two_process_{devices}"
+            result = on_local_cluster(
+                flags(run_dir, warm_cache, **LAYOUTS[devices]), devices_per_process=devices, env=gcs_emulator.env
+            )
             assert result.returncode == 0, cluster_tail(result)
             runs[devices] = run_dir, result.stdout, 1 + len(result.earlier)
         return runs[devices]
@@ -94,7 +107,7 @@ def two_process_runs(tmp_path_factory, warm_cache):
 def rows(run_dir):
     return [
         {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        for line in storage.read_lines(storage.path(run_dir) / "metrics.jsonl")
     ]
 
 
@@ -105,10 +118,12 @@ def two_process_run(two_process_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [4, 1], ids=["2x4_vs_1x8", "2x1_vs_1x2"])
-def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, warm_cache, two_process_runs, devices):
+def test_two_processes_equal_one_process_with_as_many_devices(
+    gcs_emulator, pod_bucket, warm_cache, two_process_runs, devices
+):
     two, output, launches = two_process_runs(devices)
-    one = tmp_path / "one"
-    result = one_process(one, warm_cache, devices=2 * devices, **LAYOUTS[devices])
+    one = pod_bucket / f"one_process_{2 * devices}"
+    result = one_process(one, warm_cache, devices=2 * devices, env=gcs_emulator.env, **LAYOUTS[devices])
     assert result.returncode == 0, result.stderr[-4000:]
     assert len(rows(two)) == len(rows(one)) == LAST_CHECKPOINT
     assert min(row["dynamic_sampling/refills"] for row in rows(two)) >= 1  # every step refilled (2-3 rounds)
@@ -133,11 +148,11 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, warm_cac
     # Only process 0 writes: one TensorBoard event file per launch (a rerun after a gloo timeout
     # opens its own; its resume, on a new coordinator port, changes nothing of the run, so no
     # config_changes.jsonl), the summary printed once, the same files as one process.
-    assert 1 <= len(os.listdir(two / "tensorboard")) <= launches
-    assert sorted(os.listdir(two)) == sorted(os.listdir(one))
+    assert 1 <= len(storage.names(two / "tensorboard")) <= launches
+    assert storage.names(two) == storage.names(one)
     # The kept responses, gathered from both processes' shards, are the one process's.
-    kept = sorted(os.listdir(two / "samples"))
-    assert kept == sorted(os.listdir(one / "samples")) and kept
+    kept = storage.names(two / "samples")
+    assert kept == storage.names(one / "samples") and kept
     for name in kept:
         a, b = (json.loads((run / "samples" / name).read_text()) for run in (two, one))
         for x, y in zip(a["responses"], b["responses"], strict=True):
@@ -151,6 +166,7 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, warm_cac
         [*flags(two, warm_cache, **LAYOUTS[devices]), f"--checkpoint={two}", "--config.eval.samples=2"],
         devices_per_process=devices,
         script="launch/eval.py",
+        env=gcs_emulator.env,
     )
     assert evaluated.returncode == 0, cluster_tail(evaluated)
     results = json.loads((two / "eval" / f"step_{LAST_CHECKPOINT}" / "results.json").read_text())
