@@ -179,3 +179,44 @@ def test_sigterm_while_a_bucket_call_is_stalled_ends_the_launcher_within_the_tim
     finally:
         process.kill()
     assert process.returncode == -signal.SIGTERM and time.monotonic() - sent < TIMEOUT_S + 5
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_run_whose_bucket_went_silent_ends_it_within_the_bounded_calls(gcs_emulator, bucket, tmp_path):
+    """A run past its first steps, its bucket then silent, then SIGTERM (a preemption during an outage): the
+    stop finishes the step and tries its checkpoint; every call it makes fails within the bound, so the run
+    ends in one error line long before the outage would (without the bound, it waits for good)."""
+    import signal
+
+    from conftest import small_train_flags
+
+    from comppo_jax import storage
+
+    proxy = StallingProxy(target=gcs_emulator.url)
+    run = f"{bucket}/run"
+    with open(tmp_path / "out", "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "launch/train.py", *small_train_flags(run, steps=1000, loggers="jsonl")],
+            cwd=REPO,
+            env={**CPU_ONLY_ENV, **stalled_bucket_env(gcs_emulator, proxy), "COMPPO_STORAGE_TIMEOUT_S": str(TIMEOUT_S)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while not storage.read_lines(f"{run}/metrics.jsonl"):
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text()[-3000:]
+            time.sleep(0.5)
+        proxy.stall()
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+        proxy.stop()
+    output = (tmp_path / "out").read_text()
+    assert process.returncode == 1 and time.monotonic() - sent < 120, output[-3000:]
+    assert "Traceback" not in output
+    (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert "StorageTimeout" in line or "CheckpointError" in line, line
