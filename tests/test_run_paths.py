@@ -20,6 +20,7 @@ MODULES = sorted(
         *ROOT.glob("comppo_jax/train/*.py"),
         *ROOT.glob("comppo_jax/runs/*.py"),
         *ROOT.glob("comppo_jax/planning/*.py"),
+        *ROOT.glob("comppo_jax/costs/*.py"),
         *ROOT.glob("comppo_jax/eval/*.py"),
         ROOT / "comppo_jax/credit/schedule.py",
         *(ROOT / f"launch/{name}.py" for name in ("train", "eval", "export", "report", "experiment", "plan", "score")),

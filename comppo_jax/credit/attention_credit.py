@@ -21,7 +21,6 @@ the concentration kernel returns, as `comppo_jax.critic.window_topk` does: no [L
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +30,6 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from comppo_jax.credit import _validation
 from comppo_jax.credit.advantages import grpo_advantages
 from pallas_kernels.common import query_window_start, round_up, row_segments
-
-if TYPE_CHECKING:
-    from comppo_jax.credit.registry import EstimatorSpec
 
 INFLUENCE_BLOCK = 128  # keys per step of the blockwise pass
 
@@ -132,24 +128,20 @@ def anchor_tokens(
     return defined & (rank < count[:, None])
 
 
-def attention_anchor_credit(
-    spec: EstimatorSpec,
+def attention_anchor_advantages(
     rewards: ArrayLike,
-    reward_tokens: ArrayLike,
-    response_tokens: Array,
-    values: Array,
-    kappa: Array,
-    mask: Array,
-    influence: Array | None = None,
-) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    mask: Bool[Array, "B T"],
+    influence: Float[Array, "B T"],
+    group: int,
+    *,
+    normalize_std: bool = True,
+    fraction: float = 0.4,
+    horizon_lo: int = 10,
+    amplification: float = 1.5,
+) -> Float[Array, "B T"]:
     """Global-anchor credit (Li et al. 2025, section 5.2 (2), eqs. 13 and 17): GRPO's group-relative advantage
-    (`grpo_advantages`, their eq. 6) times gamma_t = 1 + (gamma_amp - 1) 1{t in T_glob}, T_glob = `anchor_tokens`
-    of the scoring pass's FAI (`influence` [B, T], Rollout.influence); no returns (no critic)."""
-    if influence is None:
-        raise ValueError(
-            "credit.estimator=attention_anchor reads the scoring pass's future attention influence "
-            "(Rollout.influence): score with influence_horizon"
-        )
-    advantages = grpo_advantages(jnp.asarray(rewards), spec.group, mask, normalize_std=spec.normalize_std)
-    anchors = anchor_tokens(influence, mask, spec.anchor_fraction, spec.anchor_horizon[0])
-    return advantages * (1.0 + (spec.anchor_amplification - 1.0) * anchors), jnp.zeros(mask.shape)
+    (`grpo_advantages`, their eq. 6) times gamma_t = 1 + (gamma_amp - 1) 1{t in T_glob}, T_glob =
+    `anchor_tokens(influence, mask, fraction, horizon_lo)` of the scoring pass's FAI (Rollout.influence)."""
+    advantages = grpo_advantages(jnp.asarray(rewards), group, mask, normalize_std=normalize_std)
+    anchors = anchor_tokens(influence, mask, fraction, horizon_lo)
+    return advantages * (1.0 + (amplification - 1.0) * anchors)

@@ -18,7 +18,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from comppo_jax.credit import turns
 from comppo_jax.credit.advantages import comp_gae, gae, grpo_advantages, vapo_lambda, whiten_advantages
-from comppo_jax.credit.attention_credit import attention_anchor_credit
+from comppo_jax.credit.attention_credit import attention_anchor_advantages
 from comppo_jax.credit.key_tokens import ktae_advantages
 from comppo_jax.credit.losses import gspo_loss, ppo_clip_loss
 
@@ -110,6 +110,37 @@ def vapo_credit(
     advantages, _ = gae(reward_tokens, values, mask, gamma=1.0, lam=policy_lam)
     _, returns = gae(reward_tokens, values, mask, gamma=1.0, lam=spec.vapo_critic_lam)
     return whiten_advantages(advantages, mask), returns
+
+
+def attention_anchor_credit(
+    spec: EstimatorSpec,
+    rewards: ArrayLike,
+    reward_tokens: ArrayLike,
+    response_tokens: Array,
+    values: Array,
+    kappa: Array,
+    mask: Array,
+    influence: Array | None = None,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """Global-anchor credit (Li et al. 2025, section 5.2 (2)): `attention_anchor_advantages` on the scoring
+    pass's future attention influence (`influence` [B, T], Rollout.influence), not whitened, as GRPO's; no
+    returns (no critic)."""
+    if influence is None:
+        raise ValueError(
+            "credit.estimator=attention_anchor reads the scoring pass's future attention influence "
+            "(Rollout.influence): score with influence_horizon"
+        )
+    advantages = attention_anchor_advantages(
+        rewards,
+        mask,
+        influence,
+        spec.group,
+        normalize_std=spec.normalize_std,
+        fraction=spec.anchor_fraction,
+        horizon_lo=spec.anchor_horizon[0],
+        amplification=spec.anchor_amplification,
+    )
+    return advantages, jnp.zeros(mask.shape)
 
 
 def ktae_credit(

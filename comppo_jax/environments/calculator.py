@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from comppo_jax import workers
 from comppo_jax.data.datasets import Problem
-from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Environment, Reply, Turn
+from comppo_jax.environments.protocol import ERROR, MALFORMED, OK, TIMEOUT, Environment, Reply, Turn
 
 OPEN, CALL = "[", "]"
 MAX_EXPRESSION = 64

@@ -48,7 +48,8 @@ from collections.abc import Sequence
 
 from comppo_jax import workers
 from comppo_jax.data.datasets import Problem
-from comppo_jax.environments import ERROR, MALFORMED, OK, TIMEOUT, Environment, Reply, Turn, confine
+from comppo_jax.environments import confine
+from comppo_jax.environments.protocol import ERROR, MALFORMED, OK, TIMEOUT, Environment, Reply, Turn
 
 LAUNCHER = os.path.abspath(confine.__file__)
 MIN_LANDLOCK_ABI = 6  # files, TCP and signals

@@ -29,10 +29,10 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from comppo_jax.costs import chips, hlo_cost
+from comppo_jax.costs.decode_floor import decode_group_sizes, kv_bytes_per_position, weight_bytes_per_chip
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.packing import worth_packing
-from comppo_jax.planning import chips, hlo_cost
-from comppo_jax.planning.decode_floor import decode_group_sizes, kv_bytes_per_position, weight_bytes_per_chip
 from pallas_kernels.common import round_up, segment_starts
 from pallas_kernels.packed_attention import block_bounds, visited_block_pairs
 
@@ -87,6 +87,16 @@ def rollout_seconds(
     return best
 
 
+def matmul_params(config: ModelConfig) -> int:
+    """N: weights one token multiplies through (every projection and the vocabulary head; the
+    embedding lookup is free)."""
+    attention = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    return (
+        config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+        + config.hidden_size * config.vocab_size
+    )
+
+
 def attention_flops(config: ModelConfig, tokens: float, keys: float) -> float:
     """Causal attention of `tokens` queries over `keys` keys each on average: 4 x layers x heads x
     head_dim per key (QK^T and PV)."""
@@ -96,8 +106,6 @@ def attention_flops(config: ModelConfig, tokens: float, keys: float) -> float:
 def token_flops(config: ModelConfig, tokens: float, keys: float) -> float:
     """A forward pass over `tokens` tokens attending to `keys` keys each on average: 2N per token
     plus their attention (`attention_flops`)."""
-    from comppo_jax.planning.planner import matmul_params
-
     return tokens * 2 * matmul_params(config) + attention_flops(config, tokens, keys)
 
 

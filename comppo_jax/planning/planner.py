@@ -26,7 +26,7 @@ meanwhile (e.g. the reference params and the critic during the actor step) is ad
 "resident", so each step's total is what the chip must hold; with `train.offload_idle` the state
 `OFFLOADED` names waits in host memory instead, and the plan counts its bytes and transfers.
 
-The same compiled programs give the step time: `comppo_jax.planning.hlo_cost` reads each one's FLOPs,
+The same compiled programs give the step time: `comppo_jax.costs.hlo_cost` reads each one's FLOPs,
 HBM and collective bytes per chip from its optimized HLO, `step_times` takes their roofline time
 on the chip's peaks times the runs per step (the sampler split into prefill and decode), and
 `step_summary` the total and MFU (`model_flops`). `with_decode_layout` compiles the sampler again
@@ -48,13 +48,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
+from comppo_jax.costs import chips, hlo_cost
 from comppo_jax.critic import routing
 from comppo_jax.models import init_params, lora, model_config, paged_cache
 from comppo_jax.models.attention import resolve_implementation
 from comppo_jax.models.lora import LoraConfig
 from comppo_jax.models.packing import Packing
 from comppo_jax.models.paged_cache import resolve_paged_attention
-from comppo_jax.planning import chips, hlo_cost, overlap
+from comppo_jax.planning import overlap
+from comppo_jax.planning.overlap import matmul_params
 from comppo_jax.rollout import engine, engine_options, generate, score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train import controller, decode_layout
@@ -116,7 +118,7 @@ class StepPlan(NamedTuple):
     resident: int  # state held in HBM that the step does not take
     compile_seconds: float
     error: str | None = None  # "does not fit (needs ...)" or the compiler's message
-    cost: hlo_cost.ProgramCost | None = None  # per chip, one run (comppo_jax.planning.hlo_cost)
+    cost: hlo_cost.ProgramCost | None = None  # per chip, one run (comppo_jax.costs.hlo_cost)
     parts: dict | None = None  # the sampler's cost split: {"prefill": outside the decode loop, "decode": the loop}
     decode_collectives: tuple = ()  # the sampler's: `hlo_cost.loop_collectives` of its decode loop
 
@@ -753,16 +755,6 @@ def cost_options_for(layout: engine.Layout, *, window_start: int, devices: int, 
     )
 
 
-def matmul_params(config) -> int:
-    """N: weights one token multiplies through (every projection and the vocabulary head; the
-    embedding lookup is free)."""
-    attention = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    return (
-        config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
-        + config.hidden_size * config.vocab_size
-    )
-
-
 def model_flops(
     config,
     *,
@@ -1011,7 +1003,7 @@ def format_plan(result: Plan) -> str:
     ]
     lines += format_decode(result)
     lines += aligned(TABLE_COLUMNS, table_rows(result))
-    lines += ["step time per chip (roofline: comppo_jax.planning.hlo_cost):"]
+    lines += ["step time per chip (roofline: comppo_jax.costs.hlo_cost):"]
     lines += aligned(TIME_COLUMNS, time_rows(result))
     return "\n".join(lines + [format_summary(result)])
 

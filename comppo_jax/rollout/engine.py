@@ -50,7 +50,7 @@ from comppo_jax.models.transformer import (
 
 TRASH_PAGE = 0  # idle slots write here; nothing reads it
 TPU_ROWS = 8  # sublanes of a TPU tile: a decode step feeds at least this many rows per shard
-# The planner's cost model (comppo_jax.planning.hlo_cost) finds the decode loop and the admission by these names.
+# The planner's cost model (comppo_jax.costs.hlo_cost) finds the decode loop and the admission by these names.
 DECODE_SCOPE, ADMIT_SCOPE = "decode", "admit"
 
 

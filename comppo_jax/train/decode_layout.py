@@ -12,7 +12,7 @@ generation moves back to the training mesh (`DecodeLayout.to_training`). Nothing
 
 `rollout.mesh.tensor` picks G: a number, "train" (decode on the training mesh, no resharding) or
 "auto", the G whose decode floor is smallest on the chip among those whose decode weights and
-page pool fit beside the state already in HBM (comppo_jax.planning.decode_floor, the one piece of
+page pool fit beside the state already in HBM (comppo_jax.costs.decode_floor, the one piece of
 the planner a run reads). On a platform without published peaks (CPU) "auto" keeps the training
 mesh's tensor axis, replicated over data x fsdp.
 """
@@ -30,10 +30,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
+from comppo_jax.costs.decode_floor import decode_candidates
 from comppo_jax.models import ConfigError, lora, model_config
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.quantize import sampler_weights
-from comppo_jax.planning.decode_floor import decode_candidates
 from comppo_jax.train.specs import RolloutStageSpec
 
 MODES = ("auto", "train")
@@ -100,7 +100,7 @@ class DecodeLayout(NamedTuple):
     tensor: int  # G, the tensor-parallel group
     resharded: bool  # False: the sampler reads the training layout (rollout.mesh.tensor=train, or the same layout)
     reshard: Callable  # actor -> the sampler's params in rollout.weight_dtype, in the decode layout
-    floor: Any  # G's comppo_jax.planning DecodeFloor on the run's chip (None: no published peaks)
+    floor: Any  # G's comppo_jax.costs DecodeFloor on the run's chip (None: no published peaks)
     candidates: tuple = ()  # every G's floor, as auto compared them
     separate: bool = False  # the decode mesh is the rollout stage's own devices (mesh.rollout_devices)
     # actor -> its compute-dtype copy in the decode layout, where the sampler's weights are in

@@ -14,8 +14,8 @@ import pytest
 from attention_anchor_oracles import anchors, grpo, materialized_influence
 from conftest import small_train_config
 
-from comppo_jax.credit.attention_credit import anchor_tokens, attention_anchor_credit
-from comppo_jax.credit.registry import EstimatorSpec, Statistics, estimate
+from comppo_jax.credit.attention_credit import anchor_tokens
+from comppo_jax.credit.registry import EstimatorSpec, Statistics, attention_anchor_credit, estimate
 from comppo_jax.data.rewards import terminal_reward_tokens
 from comppo_jax.models import ModelConfig, init_params
 from comppo_jax.rollout import score_rollout

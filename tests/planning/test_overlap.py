@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from comppo_jax.costs import chips, decode_floor
 from comppo_jax.models import load_config_file, model_config
-from comppo_jax.planning import chips, decode_floor, overlap
+from comppo_jax.planning import overlap
 
 
 def qwen3_4b():

@@ -9,7 +9,7 @@ from conftest import require_libtpu
 
 from comppo_jax.models import model_config, param_shapes
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.planning import planner
+from comppo_jax.planning import overlap, planner
 
 PROMPT = 24
 
@@ -145,7 +145,7 @@ def test_a_full_copy_critic_is_planned_as_a_second_model():
         * (PROMPT + cfg.rollout.max_new_tokens)
         / full.chips
     )
-    trunk_matmuls = planner.matmul_params(config) - config.hidden_size * config.vocab_size
+    trunk_matmuls = overlap.matmul_params(config) - config.hidden_size * config.vocab_size
     assert values["full"].cost.flops >= 2 * trunk_matmuls * tokens  # a whole forward pass per value pass
     assert values["standard"].cost.flops < values["full"].cost.flops / 100
     assert all(planner.verdict(step, result.hbm) == "fits" for result in results.values() for step in result.steps)

@@ -22,9 +22,10 @@ from conftest import (
 )
 
 from comppo_jax import sharding
+from comppo_jax.costs import chips, decode_floor
 from comppo_jax.models import ConfigError, preset_model_config
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.planning import chips, decode_floor, planner
+from comppo_jax.planning import planner
 from comppo_jax.train import decode_layout
 from comppo_jax.train.validation import validate_config
 

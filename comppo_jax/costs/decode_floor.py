@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from comppo_jax import sharding
+from comppo_jax.costs import hlo_cost
+from comppo_jax.costs.chips import Chip, peak_flops, published_chip
 from comppo_jax.models import paged_cache, quantize
 from comppo_jax.models.config import ModelConfig
 from comppo_jax.models.transformer import param_shapes
-from comppo_jax.planning import hlo_cost
-from comppo_jax.planning.chips import Chip, peak_flops, published_chip
 from comppo_jax.rollout import engine
 
 

@@ -1,5 +1,5 @@
 """What a compiled program costs per chip, read from its optimized HLO (the chips' peaks:
-comppo_jax.planning.chips).
+comppo_jax.costs.chips).
 
 `compiled.cost_analysis()` counts a `while` body once, and every program here loops: the decoder
 layers run under `lax.scan`, the vocabulary projection in chunks, decoding in a `while_loop`. So
@@ -33,7 +33,7 @@ import math
 import re
 from typing import NamedTuple
 
-from comppo_jax.planning.chips import Chip
+from comppo_jax.costs.chips import Chip
 
 
 class ProgramCost(NamedTuple):

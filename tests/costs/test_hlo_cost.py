@@ -1,4 +1,4 @@
-"""The per-chip cost model read from optimized HLO (comppo_jax.planning.hlo_cost) and the plan's step time."""
+"""The per-chip cost model read from optimized HLO (comppo_jax.costs.hlo_cost) and the plan's step time."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import pytest
 from conftest import require_libtpu
 
+from comppo_jax.costs import chips, hlo_cost
 from comppo_jax.models import model_config
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.planning import chips, hlo_cost, planner
+from comppo_jax.planning import overlap, planner
 
 
 def compiled_text(fn, *shapes):
@@ -181,7 +182,7 @@ def test_every_topology_the_plan_accepts_has_published_peaks():
 def test_model_flops_are_6n_per_trained_token_plus_the_rollout():
     cfg = load_config_file(PRESET_DIR / "qwen3_4b.py")
     config = model_config(cfg.model)
-    n = planner.matmul_params(config)
+    n = overlap.matmul_params(config)
     assert 3.5e9 < n < 4.5e9  # Qwen3-4B: 4.0B parameters, tied embeddings
     one_epoch = planner.model_flops(
         config, prompts=4, rows=16, prompt_length=512, response=4096, epochs=1, reference=False
