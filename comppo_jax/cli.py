@@ -181,25 +181,6 @@ def _with_shown_overrides(config, flag_name: str, argv: list[str]):
     return config
 
 
-def select_cpu_without_accelerator() -> None:
-    """JAX_PLATFORMS=cpu when it is unset and no TPU or GPU is attached. Otherwise JAX would start the
-    TPU plugin (libtpu, which the `tpu` extra installs for ahead-of-time TPU compiles) and libtpu
-    logs E-level errors about TPU worker hostnames before falling back to the CPU. TPU chips are
-    found as JAX finds them (PCI vendor and device ids), GPUs by their device files."""
-    if os.environ.get("JAX_PLATFORMS"):
-        return
-    from jax._src import hardware_utils  # JAX's own TPU detection; imports no backend
-
-    if (
-        hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0
-        and not hardware_utils.has_visible_nvidia_gpu()
-        and (hardware_utils.num_available_amd_gpus(stop_at=1) == 0)
-    ):
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
-
-
 def check_location_flags(*names: str) -> None:
     """Refuses, where absl parses the flags (before `main`), a flag of `names` that is neither a local path nor
     gs://BUCKET/... (`storage.check_location`): s3:// or a mistyped gs:/ would be a relative local folder."""
@@ -405,9 +386,8 @@ def define_config_file(name: str, default: str | None, help_string: str):
 
 def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
     """Runs the absl `main(argv)` with the defaults above; `--help` prints `print_help` and exits 0.
-    On a machine without an accelerator JAX runs on the CPU without trying the TPU plugin
-    (`select_cpu_without_accelerator`)."""
-    select_cpu_without_accelerator()
+    On a machine without an accelerator JAX runs on the CPU without trying the TPU plugin (importing
+    comppo_jax chose it: `comppo_jax.accelerators`)."""
     if any(arg in HELP_FLAGS for arg in sys.argv[1:]):
         try:
             print_help(sys.argv, field_help or {})
