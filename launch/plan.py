@@ -13,7 +13,7 @@ against the chip's HBM and the compile time (comppo_jax.planning.planner). A pro
 is reported as "does not fit (needs ...)". Then the predicted step time: each program's FLOPs, HBM
 and interconnect bytes per chip read from its optimized HLO (loops counted by their trip counts),
 its roofline time on the chip's published peaks, how often a train step runs it, and the step's
-total and MFU (comppo_jax.planning.hlo_cost). `--markdown=FILE` / `--time_markdown=FILE` append the
+total and MFU (comppo_jax.costs.hlo_cost). `--markdown=FILE` / `--time_markdown=FILE` append the
 tables as markdown, `--summary_markdown=FILE` one row per topology (decode beside its floor, the
 step, MFU); `--decode_layouts=train,4` also compiles the sampler in those layouts, side by side.
 
@@ -123,9 +123,9 @@ def print_overlap(cfg, name: str, topology: str) -> None:
 
     import numpy as np
 
+    from comppo_jax.costs.chips import CHIPS
     from comppo_jax.models import model_config
     from comppo_jax.planning import overlap, planner
-    from comppo_jax.planning.chips import CHIPS
     from comppo_jax.train import controller
 
     family, shape = topology.split(":")

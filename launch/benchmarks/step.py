@@ -1,9 +1,9 @@
-"""One train step's programs, predicted (comppo_jax.planning.hlo_cost) and measured side by side.
+"""One train step's programs, predicted (comppo_jax.costs.hlo_cost) and measured side by side.
 
 The programs are those `launch/plan.py` compiles for a TPU slice (`planner.train_step_programs`),
 here compiled for this machine's devices and run on real arrays: the sampler on random prompts,
 the scoring pass on its rollout, the actor and critic updates on a minibatch of it. Each is
-predicted from its own optimized HLO with the roofline of `comppo_jax.planning.hlo_cost` on this
+predicted from its own optimized HLO with the roofline of `comppo_jax.costs.hlo_cost` on this
 machine's peaks: a GPU or TPU's published ones, or, on a CPU, the ones measured here (the rate
 of a square matmul in each dtype and the bandwidth of a large array copy), so the method is
 checked end to end without an accelerator. Weights are random and every row decodes to
@@ -27,11 +27,12 @@ import numpy as np
 from benchmarks.sampler import TunixWorker
 from benchmarks.timing import interleaved_medians, print_table
 from comppo_jax import sharding
+from comppo_jax.costs import chips, hlo_cost
 from comppo_jax.credit import registry
 from comppo_jax.data.rewards import terminal_reward_tokens
 from comppo_jax.models import lora, to_hf
 from comppo_jax.models.loading import PRESET_DIR, load_config_file
-from comppo_jax.planning import chips, hlo_cost, planner
+from comppo_jax.planning import planner
 from comppo_jax.train import decode_layout
 from comppo_jax.train.learner import controlled_gate
 from comppo_jax.train.specs import credit_spec
@@ -117,7 +118,7 @@ def this_chip() -> chips.Chip:
     chip = chips.published_chip(device.device_kind)
     if chip is None:
         raise ValueError(
-            f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.planning.chips.CHIPS"
+            f"no published peaks for device kind {device.device_kind!r}; add it to comppo_jax.costs.chips.CHIPS"
         )
     return chip
 
