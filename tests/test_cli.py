@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 
 import pytest
-from conftest import CPU_ONLY_ENV, REPO, launch_script, require_libtpu
+from conftest import REPO, launch_script
 
 from comppo_jax.cli import _config_rows, _override_problem, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP

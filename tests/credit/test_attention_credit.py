@@ -13,30 +13,19 @@ import packed_batches
 import pytest
 from attention_anchor_oracles import anchors, grpo, materialized_influence
 from conftest import small_train_config
+from tiny_model import tiny_config
 
 from comppo_jax.credit.attention_credit import anchor_tokens
 from comppo_jax.credit.registry import EstimatorSpec, Statistics, attention_anchor_credit, estimate
 from comppo_jax.data.rewards import terminal_reward_tokens
-from comppo_jax.models import ModelConfig, init_params
+from comppo_jax.models import init_params
 from comppo_jax.rollout import score_rollout
 from comppo_jax.rollout.experience import Sampled
 from comppo_jax.train.learner import Learner, Offload, Signals, rollout_batch
 from comppo_jax.train.specs import resolve
 from comppo_jax.train.update import Minibatch
 
-CONFIG = ModelConfig(
-    architecture="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    tie_word_embeddings=False,
-    eos_token_ids=(1,),
-    pad_token_id=0,
-)
+CONFIG = tiny_config()
 
 # FAI of 3 responses of 8 slots; lengths 8, 5 and 2 (right padding after them).
 INFLUENCE = np.array(

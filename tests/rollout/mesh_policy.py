@@ -3,12 +3,18 @@ their `--config.mesh` flags, and the policy sharded on that mesh, in one process
 or in each process of a launch/local_cluster.py run (2 x 4). A payload imports it as a sibling module
 (`python tests/rollout/<payload>.py` puts this folder first on sys.path)."""
 
+import os
+import sys
+
 import jax
 import ml_collections
 from ml_collections import config_flags
 
-from comppo_jax import sharding
-from comppo_jax.models import ModelConfig, init_params
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the tiny policy
+from tiny_model import tiny_config  # noqa: E402
+
+from comppo_jax import sharding  # noqa: E402
+from comppo_jax.models import ModelConfig, init_params  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_dict(
     "config",
@@ -33,20 +39,7 @@ def sharded_policy() -> tuple[ModelConfig, jax.sharding.Mesh, dict]:
     """Joins the processes (`--config.mesh`), then the policy's config, the mesh and its sharded params."""
     sharding.initialize_distributed(_CONFIG.value.mesh)
     assert jax.device_count() == 8, jax.device_count()
-    config = ModelConfig(
-        architecture="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-        eos_token_ids=(6, 7),
-        pad_token_id=0,
-        dtype="float32",
-    )
+    config = tiny_config(eos_token_ids=(6, 7), dtype="float32")
     mesh = sharding.make_mesh(_CONFIG.value.mesh)
     params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
     return config, mesh, sharding.put(params, sharding.tree_shardings(mesh, params))

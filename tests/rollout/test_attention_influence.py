@@ -10,25 +10,14 @@ import numpy as np
 import packed_batches
 import pytest
 from attention_anchor_oracles import fai, head_mean_attention, materialized_influence
+from tiny_model import tiny_config
 
 from comppo_jax.credit.attention_credit import future_attention_influence
-from comppo_jax.models import ModelConfig, init_params
+from comppo_jax.models import init_params
 from comppo_jax.rollout import score_rollout
 from pallas_kernels import attention_with_concentration
 
-CONFIG = ModelConfig(
-    architecture="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    tie_word_embeddings=False,
-    eos_token_ids=(1,),
-    pad_token_id=0,
-)
+CONFIG = tiny_config(num_layers=3)
 
 
 def random_inputs(seed=0, batch=3, length=37, heads=4, kv_heads=2, dim=8):

@@ -7,23 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import packed_batches
 import pytest
+from tiny_model import tiny_config
 
-from comppo_jax.models import ModelConfig, init_params
+from comppo_jax.models import init_params
 from comppo_jax.rollout import policy_gate, policy_token_stats, score_rollout
 
-CONFIG = ModelConfig(
-    architecture="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    tie_word_embeddings=False,
-    eos_token_ids=(1,),
-    pad_token_id=0,
-)
+CONFIG = tiny_config(num_layers=3)
 
 
 def long_tailed_generation(seed=0):

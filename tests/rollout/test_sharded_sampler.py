@@ -8,6 +8,7 @@ must match exactly.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,13 +22,13 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from comppo_jax import sharding
-    from comppo_jax.models import ModelConfig, init_params
+    from tiny_model import tiny_config
+
+    from comppo_jax.models import init_params
     from comppo_jax.rollout import engine, generate
 
     assert len(jax.devices()) == 8
-    config = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
-                         eos_token_ids=(6, 7, 8, 9), pad_token_id=0)
+    config = tiny_config(eos_token_ids=(6, 7, 8, 9))
     params = init_params(config, jax.random.PRNGKey(0), init_std=0.3)
     rng = np.random.default_rng(0)
     prompts = jnp.asarray(rng.integers(10, 64, (6, 7)), jnp.int32)  # 6 prompts: the last of 4 shards is padded
@@ -95,6 +96,9 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_generate_on_a_mesh_matches_unsharded():
     env = fake_devices_env(8)
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_S)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the script imports tests/tiny_model.py
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=tests, env=env, capture_output=True, text=True, timeout=HANG_S
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "repeated kv heads ok" in result.stdout and "sharded ok" in result.stdout

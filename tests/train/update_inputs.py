@@ -4,27 +4,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from tiny_model import tiny_config
 
 from comppo_jax.critic import TransportAlignedCritic, fused_hidden_layers, init_tac
-from comppo_jax.models import ModelConfig, init_params
+from comppo_jax.models import init_params
 from comppo_jax.rollout import score_rollout
 from comppo_jax.rollout.sampler import Generation
 from comppo_jax.train.methods import spread_over_sequence
 from comppo_jax.train.update import Minibatch, adamw
 
-CONFIG = ModelConfig(
-    architecture="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    tie_word_embeddings=False,
-    eos_token_ids=(1,),
-    pad_token_id=0,
-)
+CONFIG = tiny_config()
 TOP_K = 4
 HYPER = {
     "actor": dict(learning_rate=1e-3, clip=0.2, kl_coef=2e-3, grad_clip=1.0),
