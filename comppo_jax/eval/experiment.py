@@ -12,7 +12,8 @@ An override value may refer to another arm's finished runs:
 - `{mean_gate:ARM}`: the mean of ARM's runs' mean rollout gate over all seeds (the factorial's
   mean-matched fixed gate, section 6.3);
 - `{gate_profile:ARM}`: the same seed's ARM run's gate_profile.json (the position-only control's
-  schedule, section 6.4).
+  schedule, section 6.4), kept as `{root}/runs/<hash>/gate_profile.json` so that the run's identity
+  does not depend on where the root is (the command line gets the path under this root).
 Arms with references run after the arms they name.
 
 A run is identified by its base config and overrides (seed included), so identical runs in
@@ -53,6 +54,7 @@ from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
 KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines")
 SUMMARY_FILE = "summary.json"
 HELD_OUT_FILE = "held_out.json"  # written by launch/eval.py --held_out_problems
+ROOT = "{root}"  # the experiment's root in a reference to another run's file (`Run.under`)
 _REFERENCE = re.compile(r"\{(mean_gate|gate_profile):([A-Za-z0-9_]+)\}")
 # One line per experiment config field (launch/experiment.py --help).
 FIELD_HELP = {
@@ -89,12 +91,16 @@ class Run:
     def directory(self, root: str) -> str:
         return storage.join(root, "runs", self.key)
 
+    def under(self, root: str) -> tuple[str, ...]:
+        """The overrides with ROOT (a reference to another run's file) made `root`."""
+        return tuple(o.replace(ROOT, root) for o in self.overrides)
+
     def command(self, root: str, python: str = "python") -> list[str]:
         """The launch/train.py command line of this run."""
         return [
             python,
             "launch/train.py",
-            *self.config_flags(),
+            *self.config_flags(root),
             f"--config.output_dir={self.directory(root)}",
             f"--config.warm_start.cache_dir={storage.join(root, 'warm_start')}",
             "--config.progress=False",
@@ -105,7 +111,7 @@ class Run:
         return [
             python,
             "launch/eval.py",
-            *self.config_flags(),
+            *self.config_flags(root),
             f"--checkpoint={self.directory(root)}",
             "--step=latest",
             "--accuracy=False",
@@ -113,8 +119,8 @@ class Run:
             f"--output={self.directory(root)}",
         ]
 
-    def config_flags(self) -> list[str]:
-        return [f"--config={self.base_config}", *(f"--config.{o}" for o in self.overrides)]
+    def config_flags(self, root: str) -> list[str]:
+        return [f"--config={self.base_config}", *(f"--config.{o}" for o in self.under(root))]
 
 
 def parse_override(item: str) -> tuple[str, str]:
@@ -186,7 +192,7 @@ def resolve(overrides, seed: int, done: dict[str, dict[int, RunResult]]) -> tupl
             return repr(float(np.mean([r.summary["mean_gate"] for r in done[arm].values()])))
         if seed not in done[arm]:
             raise ValueError(f"override {match.group(0)}: arm {arm!r} has no finished run for seed {seed}")
-        return storage.join(done[arm][seed].directory, "gate_profile.json")
+        return storage.join(ROOT, "runs", done[arm][seed].run.key, "gate_profile.json")
 
     return tuple(_REFERENCE.sub(fill, item) for item in overrides)
 

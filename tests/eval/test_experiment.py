@@ -158,7 +158,11 @@ def test_references_resolve_to_the_mean_gate_and_the_same_seeds_profile(tmp_path
     }
     resolved = ex.resolve(("fixed_gate={mean_gate:full}", "position_schedule={gate_profile:full}"), 1, done)
     assert float(resolved[0].split("=")[1]) == pytest.approx(0.6)
-    assert resolved[1] == "position_schedule=" + os.path.join(done["full"][1].directory, "gate_profile.json")
+    # Kept free of the root, so that a run's identity is the same wherever its root is; its command gets the path.
+    key = done["full"][1].run.key
+    assert resolved[1] == f"position_schedule={{root}}/runs/{key}/gate_profile.json"
+    run = ex.Run("position", 1, "configs/tiny.py", resolved)
+    assert f"--config.position_schedule={tmp_path}/runs/{key}/gate_profile.json" in run.command(str(tmp_path))
     with pytest.raises(ValueError, match="no finished run for seed 2"):
         ex.resolve(("position_schedule={gate_profile:full}",), 2, done)
     with pytest.raises(ValueError, match="arm 'other'"):
@@ -301,7 +305,7 @@ def test_controls_experiment_end_to_end(tmp_path):
     position = [r for r in runs if "gate=position" in (r / "run.json").read_text()][0]
     schedule = json.loads((position / "run.json").read_text())["overrides"]
     profile = [o.split("=", 1)[1] for o in schedule if o.startswith("position_schedule=")][0]
-    assert os.path.exists(profile) and profile.endswith("gate_profile.json")
+    assert profile.startswith("{root}/runs/") and os.path.exists(profile.replace("{root}", str(tmp_path)))
     for run in runs:
         held_out = json.loads((run / "held_out.json").read_text())
         assert {"gate/mean", "gate/median", "critic/value_mae"} <= set(held_out) and held_out["problems"] == 2
