@@ -36,7 +36,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-from comppo_jax import storage
+from comppo_jax import storage, workers
 
 
 class ConfigFileError(Exception):
@@ -387,7 +387,10 @@ def define_config_file(name: str, default: str | None, help_string: str):
 def run(main, field_help: dict[str, dict[str, str]] | None = None) -> None:
     """Runs the absl `main(argv)` with the defaults above; `--help` prints `print_help` and exits 0.
     On a machine without an accelerator JAX runs on the CPU without trying the TPU plugin (importing
-    comppo_jax chose it: `comppo_jax.accelerators`)."""
+    comppo_jax chose it: `comppo_jax.accelerators`). A launcher started by the experiment runner
+    (`workers.PARENT_ENV` set) gets SIGTERM when the runner dies, and exits if it already has."""
+    if os.environ.get(workers.PARENT_ENV):
+        workers.die_with_parent()
     if any(arg in HELP_FLAGS for arg in sys.argv[1:]):
         try:
             print_help(sys.argv, field_help or {})

@@ -39,7 +39,7 @@ from typing import IO, Any, NamedTuple
 
 STARTUP_TIMEOUT_S = 120.0
 OK, ERROR, TIMEOUT, DIED = "ok", "error", "timeout", "died"
-PARENT_ENV = "COMPPO_WORKER_PARENT"  # the pool's pid, which a worker checks it still has
+PARENT_ENV = "COMPPO_PARENT"  # the pid of the starting process (a pool, the experiment runner), checked at start
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -199,7 +199,7 @@ def die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     parent = os.environ.get(PARENT_ENV)
     if parent is not None and os.getppid() != int(parent):
-        sys.exit(f"the worker's parent {parent} exited before it started")
+        sys.exit(f"the parent {parent} exited before this process started")
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -116,4 +116,4 @@ def test_a_worker_whose_parent_is_already_gone_exits_before_it_is_ready():
         text=True,
         timeout=120,
     )
-    assert run.returncode == 1 and run.stdout == "" and "parent 1 exited before it started" in run.stderr
+    assert run.returncode == 1 and run.stdout == "" and "parent 1 exited before this process started" in run.stderr

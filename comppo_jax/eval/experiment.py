@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import itertools
@@ -47,7 +46,7 @@ import time
 
 import numpy as np
 
-from comppo_jax import storage
+from comppo_jax import storage, workers
 from comppo_jax.runs.checkpoint import committed_steps
 from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
 
@@ -285,27 +284,6 @@ def run_progress(directory: str, command: list[str]) -> str:
     return f"step {rows[-1]['step']}" + (f", dev accuracy {accuracy[-1]:.3f}" if accuracy else "")
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _dies_with_runner():
-    """A preexec_fn giving the child SIGTERM when the runner dies, kill -9 included (Linux's
-    parent-death signal; launch/train.py then saves a checkpoint and stops); None elsewhere. The
-    signal comes when the thread that started the child ends: each child's own thread waits for it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
-    runner = os.getpid()
-
-    def set_death_signal() -> None:
-        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != runner:  # the runner died before the signal was set
-            os._exit(1)
-
-    return set_death_signal
-
-
 class Children:
     """The runner's subprocesses. Within `with Children() as children:` (in the main thread), the
     first SIGINT or SIGTERM is forwarded to every running child and sets `stopped_by`, after which
@@ -351,7 +329,10 @@ class Children:
                 return None
             out.write("$ " + shlex.join(command) + "\n")
             out.flush()
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_dies_with_runner())
+            # The child sets its parent-death signal itself (comppo_jax.cli.run): a preexec_fn would fork this
+            # multithreaded process (JAX's threads) into Python code.
+            env = {**os.environ, workers.PARENT_ENV: str(os.getpid())}
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
             self._running.add(process)
         started = time.time()
         try:
