@@ -82,9 +82,10 @@ def qwen3_4b_final_layer(length):
     )
 
 
-@pytest.mark.parametrize("length", [4096, 16384])
 @pytest.mark.parametrize("chip", sorted(TPU_TOPOLOGIES))
-def test_tpu_kernel_compiles_at_qwen3_4b_final_layer_shapes(chip, length):
+def test_tpu_kernel_compiles_at_qwen3_4b_final_layer_shapes(chip, length=16384):
+    """At the paper's 16K context: the kernel's blocks do not depend on the length, only its grid does
+    (4096 compiles in test_tpu_kernel_compiles_bf16_under_a_global_highest_matmul_precision)."""
     mesh = tpu_mesh(chip)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     f = functools.partial(attention_with_concentration, backend="tpu")

@@ -79,17 +79,15 @@ def assert_matches_reference(inputs, **kwargs):
 LENGTHS = {16: [1, 16, 37, 80], 64: [1, 64, 150, 320]}
 
 
+# Each value of each setting in some case, each pool dtype with each query dtype: the settings meet
+# in different code (dequantizing the pool, the GQA group's rows, pages per block, the head layout).
 @pytest.mark.parametrize(
     "kv_dtype, q_dtype, group, page_size, head_dim",
     [
         (jnp.int8, jnp.float32, 1, 16, 128),
-        (jnp.int8, jnp.bfloat16, 2, 64, 128),
-        (jnp.int8, jnp.float32, 4, 64, 128),
-        (jnp.int8, jnp.bfloat16, 4, 16, 64),
-        (jnp.float8_e4m3fn, jnp.float32, 2, 16, 128),
-        (jnp.float8_e4m3fn, jnp.bfloat16, 1, 64, 128),
-        (jnp.float8_e4m3fn, jnp.bfloat16, 4, 16, 128),
-        (jnp.float8_e4m3fn, jnp.float32, 4, 64, 64),
+        (jnp.int8, jnp.bfloat16, 4, 64, 64),
+        (jnp.float8_e4m3fn, jnp.float32, 4, 64, 128),
+        (jnp.float8_e4m3fn, jnp.bfloat16, 2, 16, 128),
     ],
 )
 def test_matches_the_dequantizing_reference(kv_dtype, q_dtype, group, page_size, head_dim):

@@ -45,7 +45,8 @@ def dense_stats(params, config, tokens, mask, prompt_lengths, response, temperat
     return jnp.take_along_axis(log_probs, response[..., None], -1)[..., 0], entropy_from_logits(logits)
 
 
-@pytest.mark.parametrize("chunk", [0, 5, 8, 23, 64])
+# 0: no chunking; 5: chunks that do not divide the 23 response positions; 64: longer than them (one chunk).
+@pytest.mark.parametrize("chunk", [0, 5, 64])
 def test_chunked_log_probs_and_entropy_equal_the_dense_ones_with_gradients(chunk):
     params = init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.2)
     tokens, mask, prompt_lengths, response = batch()
