@@ -14,8 +14,6 @@ import tempfile
 import numpy as np
 import pytest
 
-from comppo_jax import storage
-
 VOCAB = 101
 
 # The tests run in pytest-xdist workers, and the TPU ahead-of-time tests in each load libtpu;
@@ -35,6 +33,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # The level changes how fast the compiled code runs, not what it computes; subprocesses inherit it.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+# Imported after the settings above: JAX reads JAX_COMPILATION_CACHE_DIR and the cache's minimum compile
+# time when it is first imported, so the tests' own process would otherwise run without the cache.
+from comppo_jax import storage  # noqa: E402
 
 # How long a test waits on a subprocess (or a notebook cell) before calling it hung. A guard
 # against hangs, not a speed check: a busy machine (several workers on two cores under CI) makes
