@@ -71,10 +71,12 @@ def test_the_pod_command_on_a_bucket_with_hub_ids_survives_kill_9_and_evaluates_
     # on one machine, as a user checks a pod's run (on the pod itself: every worker, --config.mesh.distributed=True)
     evaluated = launch_script("launch/eval.py", f"--checkpoint={run}", "--step=latest", env=offline)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    assert storage.path(f"{run}/eval/step_{last}/results.json").exists()
+    results = json.loads(storage.read_text(f"{run}/eval/step_{last}/results.json"))
+    assert results["checkpoint"] == run and results["rows"]
     exported = launch_script("launch/export.py", f"--run={run}", "--step=latest", f"--out={bucket}/export", env=offline)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(storage.names(f"{bucket}/export"))
     reported = launch_script("launch/report.py", f"--run={run}", env=offline)
     assert reported.returncode == 0, reported.stderr[-3000:]
-    assert storage.path(f"{run}/report.html").exists()
+    page = storage.read_text(f"{run}/report.html")
+    assert run in page and "Where the credit went" in page
