@@ -381,7 +381,7 @@ def test_a_signal_during_the_warm_start_stops_in_seconds_with_one_line(tmp_path,
 
 @pytest.mark.slow
 def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_path):
-    run = start(tmp_path, warm_start__steps=200)
+    run = start(tmp_path, warm_start__steps=20)
     wait_for(lambda: list(tmp_path.glob("warm_start_*.npz")))
     cache = next(tmp_path.glob("warm_start_*.npz"))
     run.send_signal(signal.SIGTERM)
@@ -396,7 +396,7 @@ def test_a_stop_after_the_warm_start_keeps_it_and_the_next_start_reuses_it(tmp_p
         for line in stdout.splitlines()
     ), stdout
     written = cache.stat().st_mtime
-    again = launch_script("launch/train.py", *small_train_flags(tmp_path, warm_start__steps=200))
+    again = launch_script("launch/train.py", *small_train_flags(tmp_path, warm_start__steps=20))
     assert again.returncode == 0, again.stderr[-2000:]
     assert cache.stat().st_mtime == written and json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
 
