@@ -10,7 +10,9 @@ import jax
 import ml_collections
 from ml_collections import config_flags
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the tiny policy
+# tests/ for the tiny policy, after the repository root: tests/pallas_kernels must not stand for pallas_kernels.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[1:1] = [os.path.dirname(_TESTS), _TESTS]
 from tiny_model import tiny_config  # noqa: E402
 
 from comppo_jax import sharding  # noqa: E402

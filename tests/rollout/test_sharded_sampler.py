@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import HANG_S, fake_devices_env
+from conftest import HANG_S, REPO, fake_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -95,10 +95,8 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_generate_on_a_mesh_matches_unsharded():
-    env = fake_devices_env(8)
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the script imports tests/tiny_model.py
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=tests, env=env, capture_output=True, text=True, timeout=HANG_S
-    )
+    # The script imports tests/tiny_model.py; the repository root first, so tests/pallas_kernels stands for nothing.
+    env = fake_devices_env(8, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "repeated kv heads ok" in result.stdout and "sharded ok" in result.stdout
