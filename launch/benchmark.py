@@ -36,6 +36,9 @@ _TABLES = flags.DEFINE_string(
 _MODEL = flags.DEFINE_string(
     "model", None, "step and lora suites: tiny (configs/tiny.py) or qwen3_0.6b (its shapes, bf16; for a GPU)."
 )
+_SHAPES = flags.DEFINE_string(
+    "shapes", None, "lora suite: the shapes to run, comma-separated (tiny, wide, qwen3_0.6b; default: --model's)."
+)
 _PEER = flags.DEFINE_string(
     "peer", None, "step suite: tunix = one step of ours and of tunix side by side (needs --tunix_python)."
 )
@@ -58,6 +61,7 @@ def main(argv):
         "tunix_python": _TUNIX.value,
         "tables": _TABLES.value,
         "model": _MODEL.value,
+        "shapes": _SHAPES.value,
         "peer": _PEER.value,
         "method": _METHOD.value,
     }

@@ -32,7 +32,7 @@ budget=${BUDGET_S:-540}
 if [ -n "${SMOKE:-}" ]; then  # a check of this script, not of speed: a slow CPU gets 10 minutes a step
   for step in "${!CAPS[@]}"; do CAPS[$step]=600; done
   budget=${BUDGET_S:-3600}
-  kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_model=tiny lora_args=(--repeats=1)
+  kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_model=tiny lora_args=(--repeats=1 --shapes=tiny)
   sampler_args=(--batch=2 --length=64 --tables=plain,long_tailed --repeats=1) profile_length=256
   staleness_args=()
 else

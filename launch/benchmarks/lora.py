@@ -4,7 +4,8 @@ Each shape runs twice, full fine-tuning and LoRA (rank 8, alpha 16, every projec
 the programs train() runs (`planner.train_step_programs`, compiled for this machine; random
 weights): `--model=tiny` (default) runs `tiny`, configs/tiny.py, and `wide`, the same with 4x its
 width and 2x its depth; `--model=qwen3_0.6b` runs the step suite's Qwen3-0.6B shapes (bf16, full
-remat, 512-token prompts + `length` - 512 new tokens; meant for a GPU). Per
+remat, 512-token prompts + `length` - 512 new tokens; meant for a GPU); `--shapes=tiny,...` runs
+those shapes alone (launch/gpu_validation.sh's SMOKE check runs `tiny`). Per
 shape and mode: the bytes a device holds for the actor (its params, AdamW moments and, under
 full fine-tuning, the separate frozen reference; LoRA's reference is its base), the actor update
 program's temporaries (`memory_analysis`), and the times of one actor update (forward + backward
@@ -35,13 +36,17 @@ def shape_config(shape: str, rank: int, length: int):
     return cfg, prompt_length
 
 
-def run(model: str = "tiny", length: int = 4096, repeats: int = 3) -> None:
+def run(model: str = "tiny", length: int = 4096, repeats: int = 3, shapes: str | None = None) -> None:
     if model not in SHAPES:
         raise ValueError(f"--model={model!r}: expected one of {sorted(SHAPES)}")
-    described = shape_config(SHAPES[model][0], 0, length)
+    names = tuple(shapes.split(",")) if shapes else SHAPES[model]
+    known = {shape for each in SHAPES.values() for shape in each}
+    if not set(names) <= known:
+        raise ValueError(f"--shapes={shapes!r}: expected some of {sorted(known)}")
+    described = shape_config(names[0], 0, length)
     mesh = sharding.make_mesh(described[0].mesh, jax.devices())
     calls, rows = {}, {}
-    for shape in SHAPES[model]:
+    for shape in names:
         for rank in (0, RANK):
             cfg, prompt_length = shape_config(shape, rank, length)
             programs = on_device(cfg, prompt_length, mesh, np.random.default_rng(0))
