@@ -269,6 +269,9 @@ SMALL_TRAIN_RUN = {
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# PYTHONPATH for a payload script that imports tests/ helpers (tiny_model, ...): the repository root first, so
+# tests/pallas_kernels does not stand for pallas_kernels.
+HELPERS_PATH = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
 WALL_CLOCK = (
     "seconds",
     "reshard_seconds",

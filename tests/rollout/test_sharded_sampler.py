@@ -8,13 +8,12 @@ must match exactly.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from conftest import HANG_S, REPO, fake_devices_env
+from conftest import HANG_S, HELPERS_PATH, fake_devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -95,8 +94,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_generate_on_a_mesh_matches_unsharded():
-    # The script imports tests/tiny_model.py; the repository root first, so tests/pallas_kernels stands for nothing.
-    env = fake_devices_env(8, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    env = fake_devices_env(8, PYTHONPATH=HELPERS_PATH)
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "repeated kv heads ok" in result.stdout and "sharded ok" in result.stdout

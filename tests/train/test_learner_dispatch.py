@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import HANG_S, REPO, fake_devices_env
+from conftest import HANG_S, HELPERS_PATH, REPO, fake_devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -103,9 +103,7 @@ UPDATE_STEPS = {"jit(step_on_rows)", "jit(actor_step)", "jit(critic_step)"}
 
 def recorded_on_8_devices(script: str) -> dict:
     """What `script` records (its last stdout line, JSON), run in a subprocess with 8 fake CPU devices."""
-    env = fake_devices_env(
-        8, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
-    )
+    env = fake_devices_env(8, PYTHONPATH=os.pathsep.join([HERE, HELPERS_PATH]))
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
     )

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HANG_S, fake_devices_env, tpu_devices
+from conftest import HANG_S, HELPERS_PATH, fake_devices_env, tpu_devices
 from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
@@ -73,7 +73,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("critic", ["tac", "full"])
 def test_update_step_on_a_2x2x2_mesh_equals_one_device(critic):
-    env = fake_devices_env(8, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = fake_devices_env(8, PYTHONPATH=os.pathsep.join([HERE, HELPERS_PATH]))
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, critic], env=env, capture_output=True, text=True, timeout=HANG_S
     )

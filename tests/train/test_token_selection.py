@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import packed_batches
 import pytest
-from conftest import HANG_S, fake_devices_env, small_train_config
+from conftest import HANG_S, HELPERS_PATH, fake_devices_env, small_train_config
 from update_inputs import CONFIG, update_inputs
 
 from comppo_jax.models import init_params
@@ -218,7 +218,7 @@ SHARDED = textwrap.dedent(
 def test_a_minibatch_split_over_four_devices_selects_from_the_whole_minibatch():
     """A jitted actor step on a (data=4) mesh: the threshold over all 8 rows, not each device's 2 (the selections
     differ on this minibatch), so metrics and params equal one device's."""
-    env = fake_devices_env(4, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = fake_devices_env(4, PYTHONPATH=os.pathsep.join([HERE, HELPERS_PATH]))
     result = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "sharded == single device" in result.stdout
