@@ -34,11 +34,11 @@ if [ -n "${SMOKE:-}" ]; then  # a check of this script, not of speed: a slow CPU
   budget=${BUDGET_S:-3600}
   kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_model=tiny lora_args=(--repeats=1 --shapes=tiny)
   sampler_args=(--batch=2 --length=64 --tables=plain,long_tailed --repeats=1) profile_length=256
-  staleness_args=()
+  staleness_args=() pytest_workers=0  # on a CPU the gpu-marked tests skip: collect them once, not in 4 workers
 else
   kernel_args=() credit_sizes=("--batch=16 --length=16384" "--batch=256 --length=4096") step_model=qwen3_0.6b
   sampler_args=(--batch=16 --length=8192 --tables=long_tailed,uniform,plain) profile_length=16384
-  lora_args=(--model=qwen3_0.6b) staleness_args=(--batch=16 --length=256 --repeats=6)
+  lora_args=(--model=qwen3_0.6b) staleness_args=(--batch=16 --length=256 --repeats=6) pytest_workers=4
 fi
 
 env_step() {
@@ -48,7 +48,7 @@ env_step() {
 
 pytest_step() {  # pytest_step NAME MARK: the kernel, attention and sampler tests, fp32 matmuls at full precision
   # (XLA on a GPU takes fp32 dots as TF32 by default), so the fp32 tolerances are the CPU ones
-  JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -p no:cacheprovider -n 4 -m "$2" --junitxml="$out/$1.xml" \
+  JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -p no:cacheprovider -n "$pytest_workers" -m "$2" --junitxml="$out/$1.xml" \
     tests/pallas_kernels tests/models/test_attention.py tests/rollout/test_engine.py tests/rollout/test_sampler.py \
     tests/rollout/test_quantized_rollout.py
 }

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -163,6 +164,21 @@ def _scalar(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported on first use and without torch: tensorboardX imports torch, when
+    installed, only to accept its tensors (we log floats), and that import is 3 s of every launch's start."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Writes step metrics to `output_dir`/metrics.jsonl and the other `loggers` (parse_loggers'
     names), and kept responses to the loggers that take them (wandb's table); keeps the rows of
@@ -208,9 +224,7 @@ class MetricsWriter:
     def _tensorboard(self):
         """The open TensorBoard writer, opened on first use (after each bucket upload, a new event file)."""
         if self.tensorboard is None and "tensorboard" in self.loggers:
-            from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
-
-            self.tensorboard = SummaryWriter(
+            self.tensorboard = _summary_writer_class()(
                 self.tensorboard_local or str(self.tensorboard_dir),
                 purge_step=self.purge_step if self.segments == 0 else None,
                 filename_suffix=f".{self.segments}",

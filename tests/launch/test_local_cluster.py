@@ -1,8 +1,8 @@
 """Multi-process runs as on a pod: 2 `jax.distributed` processes x 4 fake CPU devices on 127.0.0.1
 (launch/local_cluster.py) against 1 process x 8 devices, and 2 x 1 (one process per GPU) against 1 x 2, each
-writing its run to a bucket of the local Cloud Storage server as the pod command does; a 2-process run stopped
-by SIGTERM, then killed with SIGKILL, resumed bitwise, and a stalled process that ends the run instead of
-hanging it."""
+writing its run to a bucket of the local Cloud Storage server as the pod command does; a 2-process run killed
+with SIGKILL resumed bitwise (SIGTERM's stop and resume on two processes: tests/train/test_staleness.py), and a
+stalled process that ends the run instead of hanging it."""
 
 from __future__ import annotations
 
@@ -111,11 +111,6 @@ def rows(run_dir):
     ]
 
 
-@pytest.fixture(scope="module")
-def two_process_run(two_process_runs):
-    return two_process_runs(4)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [4, 1], ids=["2x4_vs_1x8", "2x1_vs_1x2"])
 def test_two_processes_equal_one_process_with_as_many_devices(
@@ -161,8 +156,10 @@ def test_two_processes_equal_one_process_with_as_many_devices(
             for array in x["tokens"]:
                 np.testing.assert_allclose(x["tokens"][array], y["tokens"][array], atol=1e-4, err_msg=(name, array))
     assert "[p0] {" in output and "[p1] {" not in output
+    if devices != 1:
+        return
 
-    # launch/eval.py the same way: every process evaluates, process 0 writes.
+    # launch/eval.py the same way (on the cheaper layout): every process evaluates, process 0 writes.
     evaluated = on_local_cluster(
         [*flags(two, warm_cache, **LAYOUTS[devices]), f"--checkpoint={two}", "--config.eval.samples=2"],
         devices_per_process=devices,
@@ -179,27 +176,21 @@ def test_two_processes_equal_one_process_with_as_many_devices(
 
 
 @pytest.mark.slow
-def test_two_process_run_stopped_by_sigterm_then_killed_resumes_bitwise(tmp_path, warm_cache, two_process_run):
-    straight, _, _ = two_process_run
+def test_a_two_process_run_killed_mid_run_resumes_bitwise(tmp_path, warm_cache, two_process_runs):
+    """SIGKILL (no chance to save) once 3 of the 4 steps are logged (checkpoint 2 committed before step 3 saves;
+    3 may be half written), on one device per process: the resumed run continues from the newest whole
+    checkpoint, refills from the prompt stream where it was, and ends as the straight run."""
+    straight, _, _ = two_process_runs(1)
     split = tmp_path / "split"
-    metrics = split / "metrics.jsonl"
-    stopped_at = int(np.random.default_rng().integers(1, 3))  # SIGTERM (a preempted slice) once 1 or 2 steps are logged
-    stopped = on_local_cluster(
-        flags(split, warm_cache), signal_after_rows=stopped_at, signum=signal.SIGTERM, metrics=metrics
-    )
-    assert stopped.returncode == 0, cluster_tail(stopped)
-    saved = [line for line in stopped.stdout.splitlines() if "stopped: checkpoint" in line]
-    assert len(saved) == 1 and saved[0].startswith("[p0] ") and saved[0].endswith("--config.resume=True"), cluster_tail(
-        stopped
-    )
-    assert not (split / "summary.json").exists()
-
-    # Resumed, then SIGKILL (no chance to save) one step later, then resumed again to the end.
     killed = on_local_cluster(
-        flags(split, warm_cache, resume=True), signal_after_rows=stopped_at + 2, signum=signal.SIGKILL, metrics=metrics
+        flags(split, warm_cache, **LAYOUTS[1]),
+        devices_per_process=1,
+        signal_after_rows=3,
+        signum=signal.SIGKILL,
+        metrics=split / "metrics.jsonl",
     )
-    assert killed.returncode != 0
-    finished = on_local_cluster(flags(split, warm_cache, resume=True))
+    assert killed.returncode != 0 and not (split / "summary.json").exists()
+    finished = on_local_cluster(flags(split, warm_cache, resume=True, **LAYOUTS[1]), devices_per_process=1)
     assert finished.returncode == 0, cluster_tail(finished)
     assert rows(split) == rows(straight)
     assert_same_checkpoint_state(straight, split, LAST_CHECKPOINT)
