@@ -48,6 +48,7 @@ def random_attention_inputs(seed, lengths=(37, 25), num_heads=4, num_kv_heads=2,
     return q, k, mask
 
 
+@jax.jit  # one compile (eagerly, every op would compile on its own)
 def dense_window_attention(q, k, mask, window_start):
     """a [B, L, L]: head-mean causal attention restricted to the window and renormalized."""
     length = q.shape[1]
@@ -63,6 +64,7 @@ def dense_window_attention(q, k, mask, window_start):
     return jnp.where(total > 0, head_mean / jnp.where(total > 0, total, 1.0), 0.0), in_window
 
 
+@jax.jit
 def lse_of(q, k, mask, window_start):
     return attention_with_concentration(q, k, k, mask, window_start, backend="reference", return_lse=True)[3]
 
@@ -119,12 +121,35 @@ def model():
 
 
 def critic_inputs(params, tokens, mask, window_start, top_k=64):
-    out = forward(params, CONFIG, tokens, mask, window_start, hidden_layers=FUSED, return_final_attention=True)
+    # The reference backend's final-layer LSE: the kernel's equals it (tests/models/test_forward.py),
+    # and it compiles in half the time of the interpreted kernel.
+    out = forward(
+        params,
+        CONFIG,
+        tokens,
+        mask,
+        window_start,
+        hidden_layers=FUSED,
+        return_final_attention=True,
+        concentration_backend="reference",
+    )
     attention = out.final_attention
     routing = window_topk(
         attention.q, attention.k, attention.lse, mask, window_start, top_k=top_k, block_q=8, block_k=8
     )
     return out, routing
+
+
+@pytest.fixture(scope="module")
+def routed(model):
+    """`critic_inputs` of the model (top_k=64, at least every n_t) and a fresh critic's params."""
+    out, routing = critic_inputs(*model)
+    critic = TransportAlignedCritic(bottleneck=16, query_block=8)
+    kappa = jnp.zeros(model[1].shape)
+    params = jax.jit(lambda h, r, k: critic.init(jax.random.PRNGKey(0), h, r, k)["params"])(
+        out.hidden_states, routing, kappa
+    )
+    return out, routing, params
 
 
 def trained_like(params, seed=3, scale=0.3):
@@ -137,23 +162,22 @@ def trained_like(params, seed=3, scale=0.3):
     return params
 
 
-def test_zero_initialization_gives_zero_value(model):
-    out, routing = critic_inputs(*model)
+def test_zero_initialization_gives_zero_value(model, routed):
+    out, routing, params = routed
     kappa = jnp.full(model[1].shape, 0.7)
     critic = TransportAlignedCritic(bottleneck=16, query_block=8)
-    params = critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, kappa)["params"]
     assert isinstance(params, dict)
-    values = critic.apply({"params": params}, out.hidden_states, routing, kappa)
+    values = jax.jit(critic.apply)({"params": params}, out.hidden_states, routing, kappa)
     assert all(float(jnp.abs(v).max()) == 0.0 for v in values)
 
 
-def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(model):
+def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(model, routed):
     params, tokens, mask, window_start = model
-    out, routing = critic_inputs(params, tokens, mask, window_start, top_k=64)  # 64 >= every n_t
+    out, routing, fresh = routed  # top_k=64 >= every n_t
     critic = TransportAlignedCritic(bottleneck=16, query_block=8, eps=1e-6)
     kappa = jnp.full(tokens.shape, 0.5)
-    tac = trained_like(critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, kappa)["params"])
-    got = critic.apply({"params": tac}, out.hidden_states, routing, kappa).value_routed
+    tac = trained_like(fresh)
+    routed_value = lambda p: critic.apply({"params": p}, out.hidden_states, routing, kappa).value_routed
 
     attention = out.final_attention
     a, in_window = dense_window_attention(
@@ -172,16 +196,16 @@ def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(mo
         history = scores @ project("routed_hidden") / (scores.sum(-1, keepdims=True) + 1e-6) + tac["routed_hidden_bias"]
         return (jax.nn.gelu(history) @ tac["routed_output"]["kernel"])[..., 0] + tac["routed_output"]["bias"][0]
 
-    expected = dense_routed_value(tac)
+    # The values and the gradients of a weighted sum of them, blockwise and dense: one compile.
+    weights = jnp.linspace(-1.0, 1.0, tokens.size).reshape(tokens.shape)
+    gradient = lambda value: jax.grad(lambda p: jnp.sum(weights * value(p)))
+    got, expected, got_grads, expected_grads = jax.jit(
+        lambda p: (routed_value(p), dense_routed_value(p), gradient(routed_value)(p), gradient(dense_routed_value)(p))
+    )(tac)
     np.testing.assert_allclose(got, expected, atol=1e-5)
     assert float(jnp.abs(expected).max()) > 1e-3
 
     # The blockwise pooling's custom VJP gives the dense gradient.
-    weights = jnp.linspace(-1.0, 1.0, expected.size).reshape(expected.shape)
-    got_grads = jax.grad(
-        lambda p: jnp.sum(weights * critic.apply({"params": p}, out.hidden_states, routing, kappa).value_routed)
-    )(tac)
-    expected_grads = jax.grad(lambda p: jnp.sum(weights * dense_routed_value(p)))(tac)
     for name in (
         "beta_query",
         "beta_key",
@@ -196,15 +220,14 @@ def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(mo
             np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5, rtol=1e-4, err_msg=name)
 
 
-def test_kappa_one_gives_routed_value_and_kappa_zero_gives_local_value(model):
-    out, routing = critic_inputs(*model)
+def test_kappa_one_gives_routed_value_and_kappa_zero_gives_local_value(model, routed):
+    out, routing, fresh = routed
     critic = TransportAlignedCritic(bottleneck=16, query_block=8)
     shape = model[1].shape
-    tac = trained_like(
-        critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, jnp.zeros(shape))["params"], scale=0.05
-    )
+    tac = trained_like(fresh, scale=0.05)
+    apply = jax.jit(lambda kappa: critic.apply({"params": tac}, out.hidden_states, routing, kappa))
     for kappa, field in ((1.0, "value_routed"), (0.0, "value_local")):
-        values = critic.apply({"params": tac}, out.hidden_states, routing, jnp.full(shape, kappa))
+        values = apply(jnp.full(shape, kappa))
         assert float(jnp.abs(getattr(values, field)).max()) < 1.0  # inside the clamp
         np.testing.assert_array_equal(values.value, getattr(values, field))
     np.testing.assert_allclose(
@@ -213,33 +236,32 @@ def test_kappa_one_gives_routed_value_and_kappa_zero_gives_local_value(model):
     np.testing.assert_allclose(mix_values(jnp.asarray([1.0]), jnp.asarray([3.0]), jnp.asarray([0.0])), [1.0])
 
 
-def test_value_at_t_does_not_depend_on_later_tokens(model):
+def test_value_at_t_does_not_depend_on_later_tokens(model, routed):
     params, tokens, mask, window_start = model
     cut = 15
     changed = tokens.at[:, cut + 1 :].set((tokens[:, cut + 1 :] + 7) % CONFIG.vocab_size)
     critic = TransportAlignedCritic(bottleneck=16, query_block=8)
     kappa = jnp.full(tokens.shape, 0.6)
-    out, routing = critic_inputs(params, tokens, mask, window_start, top_k=4)
-    tac = trained_like(critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, kappa)["params"])
-    before = critic.apply({"params": tac}, out.hidden_states, routing, kappa).value
-    out, routing = critic_inputs(params, changed, mask, window_start, top_k=4)
-    after = critic.apply({"params": tac}, out.hidden_states, routing, kappa).value
+    tac = trained_like(routed[2])  # the params do not depend on top_k
+    value = jax.jit(lambda out, routing: critic.apply({"params": tac}, out.hidden_states, routing, kappa).value)
+    before = value(*critic_inputs(params, tokens, mask, window_start, top_k=4))
+    after = value(*critic_inputs(params, changed, mask, window_start, top_k=4))
     np.testing.assert_allclose(before[:, : cut + 1], after[:, : cut + 1], atol=1e-6)
     assert float(jnp.abs(before[:, cut + 2 :] - after[:, cut + 2 :]).max()) > 0
 
 
-def test_jit_and_grad_train_only_the_critic(model):
-    out, routing = critic_inputs(*model)
+def test_jit_and_grad_train_only_the_critic(model, routed):
+    out, routing, fresh = routed
     critic = TransportAlignedCritic(bottleneck=16, query_block=8)
     kappa = jnp.full(model[1].shape, 0.4)
-    tac = trained_like(critic.init(jax.random.PRNGKey(0), out.hidden_states, routing, kappa)["params"])
+    tac = trained_like(fresh)
     targets = jnp.linspace(-0.5, 0.5, kappa.size).reshape(kappa.shape)
 
     @jax.jit
     def loss(tac, hidden_states):
         return jnp.mean((critic.apply({"params": tac}, hidden_states, routing, kappa).value - targets) ** 2)
 
-    grads, hidden_grads = jax.grad(loss, argnums=(0, 1))(tac, out.hidden_states)
+    grads, hidden_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(tac, out.hidden_states)  # one compile
     assert all(bool(jnp.isfinite(g).all()) and float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     assert float(jnp.abs(hidden_grads).max()) == 0.0  # actor features are detached
 

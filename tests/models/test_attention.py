@@ -51,15 +51,26 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_attention_path_matches_reference_forward_and_gradient(path):
+def output_value_and_grads(attention, q, k, v, weights):
+    """`attention`'s output and `value_and_grads`, jitted: one compile (eagerly, every op compiles alone)."""
+    return jax.jit(lambda q, k, v: (attention(q, k, v), value_and_grads(attention, q, k, v, weights)))(q, k, v)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The inputs, and the materialized reference's output, loss and gradients on them: shared by the paths."""
     q, k, v, mask, weights = inputs()
-    reference = causal_attention(q, k, v, mask)
-    out = PATHS[path](q, k, v, mask)
+    return (q, k, v, mask, weights), output_value_and_grads(
+        lambda q, k, v: causal_attention(q, k, v, mask), q, k, v, weights
+    )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_path_matches_reference_forward_and_gradient(path, reference):
+    (q, k, v, mask, weights), (expected_out, (expected_value, expected_grads)) = reference
+    out, (value, grads) = output_value_and_grads(lambda q, k, v: PATHS[path](q, k, v, mask), q, k, v, weights)
     real = np.asarray(mask)
-    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(reference)[real], atol=2e-5)
-    expected_value, expected_grads = value_and_grads(lambda q, k, v: causal_attention(q, k, v, mask), q, k, v, weights)
-    value, grads = value_and_grads(lambda q, k, v: PATHS[path](q, k, v, mask), q, k, v, weights)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(expected_out)[real], atol=2e-5)
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     for name, grad, expected in zip("qkv", grads, expected_grads):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=5e-5, err_msg=f"d{name}")
@@ -136,14 +147,22 @@ def test_packed_rows_give_each_sequence_what_it_gets_alone(path):
     attend = PACKED_PATHS[path]
     alone_mask = unpack(mask)
     real = np.asarray(alone_mask)
-    packed_out = attend(q, k, v, mask, segments)
-    alone_out = attend(unpack(q), unpack(k), unpack(v), alone_mask, None)
-    np.testing.assert_allclose(np.asarray(unpack(packed_out))[real], np.asarray(alone_out)[real], atol=1e-5)
-
     packed_loss = lambda q, k, v: jnp.sum(attend(q, k, v, mask, segments) * weights)
     alone_loss = lambda q, k, v: jnp.sum(attend(unpack(q), unpack(k), unpack(v), alone_mask, None) * unpack(weights))
-    value, grads = jax.value_and_grad(packed_loss, argnums=(0, 1, 2))(q, k, v)
-    expected_value, expected_grads = jax.value_and_grad(alone_loss, argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit  # one compile (eagerly, every op would compile on its own)
+    def outputs_values_and_grads(q, k, v):
+        packed_out = attend(q, k, v, mask, segments)
+        alone_out = attend(unpack(q), unpack(k), unpack(v), alone_mask, None)
+        return (
+            (unpack(packed_out), alone_out),
+            jax.value_and_grad(packed_loss, argnums=(0, 1, 2))(q, k, v),
+            jax.value_and_grad(alone_loss, argnums=(0, 1, 2))(q, k, v),
+        )
+
+    (packed_out, alone_out), (value, grads), (expected_value, expected_grads) = outputs_values_and_grads(q, k, v)
+    np.testing.assert_allclose(np.asarray(packed_out)[real], np.asarray(alone_out)[real], atol=1e-5)
+
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     for name, grad, expected in zip("qkv", grads, expected_grads):
         assert np.abs(np.asarray(expected)).max() > 0.1  # the loss reaches every input
@@ -154,8 +173,12 @@ def test_packed_rows_give_each_sequence_what_it_gets_alone(path):
 def test_one_segment_per_row_is_the_same_as_no_segment_ids(path):
     q, k, v, mask, weights = inputs(batch=2, length=100)
     attend = lambda segments: lambda q, k, v: PACKED_PATHS[path](q, k, v, mask, segments)
-    value, grads = value_and_grads(attend(None), q, k, v, weights)
-    expected_value, expected_grads = value_and_grads(attend(jnp.full(mask.shape, 3, jnp.int32)), q, k, v, weights)
+    (value, grads), (expected_value, expected_grads) = jax.jit(  # one compile
+        lambda q, k, v: (
+            value_and_grads(attend(None), q, k, v, weights),
+            value_and_grads(attend(jnp.full(mask.shape, 3, jnp.int32)), q, k, v, weights),
+        )
+    )(q, k, v)
     np.testing.assert_allclose(value, expected_value, rtol=1e-6)
     for grad, expected in zip(grads, expected_grads):
         # Rounding level: CPUs of other vector widths sum in other orders.
@@ -201,15 +224,18 @@ def test_chunked_packed_rows_skip_the_key_blocks_before_each_segment():
 @pytest.mark.parametrize("length", [1, 3])
 def test_one_block_attention_handles_fewer_queries_than_slices(length):
     q, k, v, mask, _ = inputs(batch=2, length=length)
-    np.testing.assert_allclose(
-        chunked_attention(q, k, v, jnp.ones_like(mask)), causal_attention(q, k, v, jnp.ones_like(mask)), atol=1e-6
-    )
+    both = jax.jit(lambda q, k, v, m: (chunked_attention(q, k, v, m), causal_attention(q, k, v, m)))
+    np.testing.assert_allclose(*both(q, k, v, jnp.ones_like(mask)), atol=1e-6)
 
 
 def test_bfloat16_chunked_attention_is_close_to_the_float32_reference():
     q, k, v, mask, _ = inputs(dtype=jnp.bfloat16)
-    reference = causal_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
-    out = chunked_attention(q, k, v, mask, block_q=64, block_k=64)
+    reference, out = jax.jit(
+        lambda q, k, v: (
+            causal_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask),
+            chunked_attention(q, k, v, mask, block_q=64, block_k=64),
+        )
+    )(q, k, v)
     assert out.dtype == jnp.bfloat16
     real = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(reference)[real], atol=3e-2)
@@ -290,7 +316,7 @@ CONFIG = ModelConfig(
     vocab_size=40,
     hidden_size=32,
     intermediate_size=48,
-    num_layers=3,
+    num_layers=2,  # remat's barrier between layers needs two; a third runs the same code again
     num_heads=4,
     num_kv_heads=2,
     head_dim=8,
@@ -298,21 +324,31 @@ CONFIG = ModelConfig(
 )
 
 
-@pytest.mark.parametrize(
-    "attention,remat", [("chunked", "full"), ("splash_interpret", "none"), ("xla", "dots"), ("xla", "dots_no_batch")]
-)
-def test_forward_logits_and_gradient_do_not_depend_on_attention_or_remat(attention, remat):
+def forward_loss_and_grads(config):
+    """(loss, gradient) of the masked squared logits of `config`'s forward, jitted (one compile)."""
     params = init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.3)
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 50)), jnp.int32)
     mask = jnp.asarray(np.arange(50)[None] < np.array([[50], [33]]))
 
-    def loss(params, config):
+    def loss(params):
         logits = forward(params, config, tokens, mask).logits
         return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2) / 1000
 
-    expected_value, expected = jax.value_and_grad(loss)(params, CONFIG)
-    value, grads = jax.value_and_grad(loss)(params, CONFIG.replace(attention=attention, remat=remat))
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.fixture(scope="module")
+def xla_forward_without_remat():
+    return forward_loss_and_grads(CONFIG)
+
+
+# The remat policies run the same code here (one jax.checkpoint, a policy of JAX's): "full" and
+# "dots" stand for "dots_no_batch" too.
+@pytest.mark.parametrize("attention,remat", [("chunked", "full"), ("splash_interpret", "none"), ("xla", "dots")])
+def test_forward_logits_and_gradient_do_not_depend_on_attention_or_remat(attention, remat, xla_forward_without_remat):
+    expected_value, expected = xla_forward_without_remat
+    value, grads = forward_loss_and_grads(CONFIG.replace(attention=attention, remat=remat))
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     for path, grad in jax.tree_util.tree_leaves_with_path(grads):
         wanted = dict(jax.tree_util.tree_leaves_with_path(expected))[path]
@@ -336,10 +372,11 @@ with jax.set_mesh(mesh):
     out = attend(q, k, v, mask)
     assert "shard_map" in str(jax.make_jaxpr(attend)(q, k, v, mask))  # the kernel sees per-device blocks
     grad = jax.jit(jax.grad(lambda q: jnp.where(mask[:, :, None, None], attend(q, k, v, mask), 0).sum()))(q)
-reference_grad = jax.grad(lambda q: jnp.where(mask[:, :, None, None], causal_attention(q, k, v, mask), 0).sum())(q)
+reference = jax.jit(lambda q: jnp.where(mask[:, :, None, None], causal_attention(q, k, v, mask), 0))
+reference_out, reference_grad = reference(q), jax.jit(jax.grad(lambda q: reference(q).sum()))(q)
 grad_error = np.abs(np.asarray(grad - reference_grad)).max()
 assert grad_error < 5e-5, grad_error
-error = np.abs(np.asarray(out - causal_attention(q, k, v, mask)))[np.asarray(mask)].max()
+error = np.abs(np.asarray(out - reference_out))[np.asarray(mask)].max()
 assert error < 2e-5, error
 print("ok", error)
 """

@@ -14,7 +14,9 @@ from conftest import rewrite_config, right_padded_batch
 
 from comppo_jax.models import ModelConfig, forward, from_hf, to_hf
 
-CASES = [("qwen3", True), ("qwen3", False), ("llama", False), ("llama", True)]
+# Each architecture and each of tied / untied embeddings once: the loader and the forward handle
+# the head the same way for either architecture (as the export round trip below assumes too).
+CASES = [("qwen3", True), ("llama", False)]
 
 
 def torch_outputs(model, tokens, mask):
@@ -110,8 +112,8 @@ def test_both_config_layouts_give_the_same_model(hf_checkpoint, tmp_path, archit
         assert config_4x.rope_scaling.original_max_position_embeddings == 16
 
 
-@pytest.mark.parametrize("architecture,tie", [("qwen3", True), ("llama", False)])
-@pytest.mark.parametrize("max_shard_bytes", [None, 40_000])
+# Each architecture and each layout (one file, shards) once: the sharding is by bytes, whatever the tensors.
+@pytest.mark.parametrize("architecture,tie,max_shard_bytes", [("qwen3", True, None), ("llama", False, 40_000)])
 def test_to_hf_round_trip_reloads_in_transformers(hf_checkpoint, tmp_path, architecture, tie, max_shard_bytes):
     path, model = hf_checkpoint(architecture, tie)
     config, params = from_hf(path)

@@ -82,35 +82,42 @@ def qwen3_4b_final_layer(length):
     )
 
 
-@pytest.mark.parametrize("chip", sorted(TPU_TOPOLOGIES))
-def test_tpu_kernel_compiles_at_qwen3_4b_final_layer_shapes(chip, length=16384):
-    """At the paper's 16K context: the kernel's blocks do not depend on the length, only its grid does
-    (4096 compiles in test_tpu_kernel_compiles_bf16_under_a_global_highest_matmul_precision)."""
+@functools.cache
+def compiled_final_layer(chip, statistics):
+    """The kernel AOT-compiled for `chip` at Qwen3-4B final-layer shapes and 16K tokens; cached, as
+    two tests below compile the same program for v4 and v5e (a compile takes seconds)."""
     mesh = tpu_mesh(chip)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    f = functools.partial(attention_with_concentration, backend="tpu")
+    f = functools.partial(attention_with_concentration, backend="tpu", statistics=statistics)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         lowered = (
-            jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(length)).lower()
+            jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*qwen3_4b_final_layer(16384)).lower()
         )
-        compiled = lowered.compile()
+        return lowered.compile()
+
+
+@pytest.mark.parametrize("chip", sorted(TPU_TOPOLOGIES))
+def test_tpu_kernel_compiles_at_qwen3_4b_final_layer_shapes(chip):
+    """At the paper's 16K context: the kernel's blocks do not depend on the length, only its grid does
+    (4096 compiles in test_tpu_kernel_compiles_for_fp32_inputs)."""
+    compiled = compiled_final_layer(chip, ())
     assert "tpu_custom_call" in compiled.as_text()
     assert compiled.memory_analysis() is not None
 
 
 def test_tpu_kernel_compiles_bf16_under_a_global_highest_matmul_precision():
     """jax_default_matmul_precision=highest (set for exact fp32 elsewhere) must not reach the
-    kernel's bf16 dots, which Mosaic cannot compile at that precision."""
+    kernel's bf16 dots, which Mosaic cannot compile at that precision. Qwen3-4B's GQA group of 4 and
+    head dim, with fewer heads and tokens: the dots and their precision are the same code at any head
+    count and length (this compile takes half as long)."""
     mesh = tpu_mesh("v5e")
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     f = functools.partial(attention_with_concentration, backend="tpu")
+    config = preset_model_config("qwen3_4b")
+    group = config.num_heads // config.num_kv_heads
+    inputs = kernel_inputs(1024, num_heads=group, num_kv_heads=1, head_dim=config.head_dim, dtype=jnp.bfloat16)
     with jax.default_matmul_precision("highest"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = (
-            jax.jit(f, in_shardings=replicated, out_shardings=replicated)
-            .trace(*qwen3_4b_final_layer(4096))
-            .lower()
-            .compile()
-        )
+        compiled = jax.jit(f, in_shardings=replicated, out_shardings=replicated).trace(*inputs).lower().compile()
     assert "tpu_custom_call" in compiled.as_text()
 
 
@@ -119,19 +126,9 @@ def test_tpu_kernel_with_every_statistic_compiles_within_the_memory_of_herfindah
     """Qwen3-4B final layer at 16K: the extra statistics add only per-token outputs and VMEM sums."""
     from pallas_kernels import STATISTICS
 
-    mesh = tpu_mesh(chip)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     memory = {}
     for statistics in ((), STATISTICS):
-        f = functools.partial(attention_with_concentration, backend="tpu", statistics=statistics)
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = (
-                jax.jit(f, in_shardings=replicated, out_shardings=replicated)
-                .trace(*qwen3_4b_final_layer(16384))
-                .lower()
-                .compile()
-            )
-        analysis = compiled.memory_analysis()
+        analysis = compiled_final_layer(chip, statistics).memory_analysis()
         memory[statistics] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
     assert memory[STATISTICS] <= 1.1 * memory[()], memory
 

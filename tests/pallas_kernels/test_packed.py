@@ -20,6 +20,11 @@ BACKENDS = {
     "interpret": functools.partial(attention_with_concentration_tpu, interpret=True, block_q=16, block_k=32),
     "gpu-interpret": functools.partial(attention_with_concentration_gpu, interpret=True, block_q=16, block_k=32),
 }
+# Jitted once for the module, with every output: both window cases share a backend's compile (seconds,
+# where an interpreted run takes milliseconds), and every test's reference on the unpacked rows one.
+WITH_EVERY_OUTPUT = {
+    name: jax.jit(functools.partial(run, return_lse=True, statistics=STATISTICS)) for name, run in BACKENDS.items()
+}
 # (length, prompt length) of each sequence, and the packed row each goes to: rows of 72 tokens hold
 # 3 + 2 sequences, the first row with padding between nothing and its end, the second with a
 # sequence that spans several key blocks after one that ends inside a block.
@@ -86,13 +91,9 @@ def test_packed_rows_match_each_sequence_alone(backend, window):
     q, k, v, mask, window_start, segment_ids, where = packed(parts, window)
     pq, pk, pv, pmask, prompt = padded(parts)
     alone_start = prompt if window == "response" else jnp.zeros_like(prompt)
-    run = jax.jit(
-        functools.partial(BACKENDS[backend], return_lse=True, statistics=STATISTICS),
-    )
+    run = WITH_EVERY_OUTPUT[backend]
     out, herfindahl, size, lse, statistics = run(q, k, v, mask, window_start, segment_ids=segment_ids)
-    e_out, e_h, e_n, e_lse, e_statistics = attention_with_concentration(
-        pq, pk, pv, pmask, alone_start, backend="reference", return_lse=True, statistics=STATISTICS
-    )
+    e_out, e_h, e_n, e_lse, e_statistics = WITH_EVERY_OUTPUT["reference"](pq, pk, pv, pmask, alone_start)
     length = pq.shape[1]
     real = np.asarray(pmask)
     back = lambda x: unpacked(x, where, length)
@@ -116,7 +117,7 @@ def test_packed_output_gradient_stays_in_its_segment():
         out = attention_with_concentration(q, k, v, mask, window_start, backend="interpret", segment_ids=segment_ids)[0]
         return jnp.sum(jnp.where((segment_ids == 1)[..., None, None], out, 0.0) ** 2)
 
-    grads = jax.grad(first_sequence_output, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(first_sequence_output, argnums=(0, 1, 2)))(q, k, v)
     others = np.asarray(segment_ids) != 1
     for grad in grads:
         assert np.all(np.asarray(grad)[others] == 0.0)

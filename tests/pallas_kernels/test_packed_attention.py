@@ -4,6 +4,8 @@ count; and an ahead-of-time TPU compile (libtpu) of the forward and backward at 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,25 +58,34 @@ def random_qkv(seed, length, dtype=jnp.float32):
     return make(NUM_HEADS) * 1.5, make(NUM_KV_HEADS), make(NUM_KV_HEADS)
 
 
-def kernel(mask, segment_ids, block_q, block_k):
-    return jax.jit(
-        lambda q, k, v: packed_flash_attention(
-            q, k, v, mask, segment_ids, block_q=block_q, block_k=block_k, interpret=True
-        )
-    )
-
-
 def oracle(mask, segment_ids):
     return lambda q, k, v: causal_attention(q, k, v, mask, segment_ids=segment_ids)
+
+
+@functools.cache
+def interpreted(case, blocks):
+    """(mask, segment_ids, (q, k, v), cotangent, out, (dq, dk, dv)): the kernel's output and its VJP of
+    a random cotangent over the real queries, from one compiled program (the forward kernel's, which
+    the gradient runs too), shared by the forward and gradient tests."""
+    mask, segment_ids = CASES[case]()
+    q, k, v = random_qkv(1, mask.shape[1])
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
+    attention = lambda q, k, v: packed_flash_attention(
+        q, k, v, mask, segment_ids, block_q=blocks[0], block_k=blocks[1], interpret=True
+    )
+
+    def out_and_grads(q, k, v):
+        out, pullback = jax.vjp(attention, q, k, v)
+        return out, pullback(cotangent)
+
+    return (mask, segment_ids, (q, k, v), cotangent, *jax.jit(out_and_grads)(q, k, v))
 
 
 @pytest.mark.parametrize("blocks", [BLOCKS[0], pytest.param(BLOCKS[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_forward_matches_the_oracle_at_every_real_query(case, blocks):
-    mask, segment_ids = CASES[case]()
-    q, k, v = random_qkv(0, mask.shape[1])
-    out = kernel(mask, segment_ids, *blocks)(q, k, v)
-    expected = oracle(mask, segment_ids)(q, k, v)
+    mask, segment_ids, (q, k, v), _, out, _ = interpreted(case, blocks)
+    expected = jax.jit(oracle(mask, segment_ids))(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     real = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(expected)[real], atol=1e-5)
@@ -84,16 +95,9 @@ def test_forward_matches_the_oracle_at_every_real_query(case, blocks):
 @pytest.mark.parametrize("blocks", [BLOCKS[0], pytest.param(BLOCKS[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gradients_match_the_oracle(case, blocks):
-    mask, segment_ids = CASES[case]()
-    q, k, v = random_qkv(1, mask.shape[1])
-    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
-
-    def grads(attention):
-        loss = lambda q, k, v: jnp.sum(attention(q, k, v) * cotangent)  # over the real queries only
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    got = jax.jit(lambda q, k, v: grads(kernel(mask, segment_ids, *blocks)))(q, k, v)
-    expected = grads(oracle(mask, segment_ids))
+    mask, segment_ids, (q, k, v), cotangent, _, got = interpreted(case, blocks)
+    loss = lambda q, k, v: jnp.sum(oracle(mask, segment_ids)(q, k, v) * cotangent)  # over the real queries only
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", got, expected):
         a, b = np.asarray(a), np.asarray(b)
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), f"d{name}"
@@ -142,10 +146,15 @@ def brute_force_pairs(segment_ids, mask, length, block_q, block_k, *, with_key_m
 
 
 def kernel_pairs(mask, segment_ids, block_q, block_k):
+    return [np.asarray(x) for x in _kernel_pairs(mask, segment_ids, block_q, block_k)]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one compile per layout, not one per op of it
+def _kernel_pairs(mask, segment_ids, block_q, block_k):
     padded = round_up(mask.shape[1], np.lcm(block_q, block_k))
     query_starts, _ = packed_inputs(mask, segment_ids, padded)
     first_kv_block, last_q_block = block_bounds(query_starts, block_q, block_k)
-    return [np.asarray(x) for x in visited_block_pairs(first_kv_block, last_q_block, block_q, block_k)]
+    return visited_block_pairs(first_kv_block, last_q_block, block_q, block_k)
 
 
 def random_layouts(seed, rows=4, length=200):
@@ -206,7 +215,8 @@ def test_bad_block_sizes_are_named():
 
 def test_tpu_forward_and_backward_compile_at_qwen3_4b_training_shapes():
     """L = 4096, B = 1 per device, bf16, default (512) blocks, on v5e: the gradient program holds the
-    three Mosaic kernels (forward, dq, dk/dv) and no XLA attention."""
+    three Mosaic kernels (forward, dq, dk/dv) and no XLA attention, and the forward program the
+    forward kernel alone."""
     devices = tpu_devices("v5e")  # skips without libtpu (fails with COMPPO_REQUIRE_LIBTPU=1)
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -221,10 +231,14 @@ def test_tpu_forward_and_backward_compile_at_qwen3_4b_training_shapes():
     )
     loss = lambda *args: jnp.sum(packed_flash_attention(*args).astype(jnp.float32) ** 2)
     kernels = ["packed_flash_attention_forward", "packed_flash_attention_dq", "packed_flash_attention_dkdv"]
-    for f, expected in ((packed_flash_attention, kernels[:1]), (jax.grad(loss, argnums=(0, 1, 2)), kernels)):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = jax.jit(f, in_shardings=replicated).trace(*inputs).lower().compile()
-        text = compiled.as_text()
-        assert text.count("tpu_custom_call") == len(expected)
-        assert all(name in text for name in expected), [name for name in expected if name not in text]
-        assert compiled.memory_analysis() is not None
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        # Lowered only: its kernel is the same call at the same shapes as the gradient program's forward
+        # kernel, which the compile below compiles (each compile takes seconds).
+        forward = jax.jit(packed_flash_attention, in_shardings=replicated).trace(*inputs).lower().as_text()
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=replicated)
+        compiled = grad.trace(*inputs).lower().compile()
+    assert forward.count("tpu_custom_call") == 1 and kernels[0] in forward
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") == len(kernels)
+    assert all(name in text for name in kernels), [name for name in kernels if name not in text]
+    assert compiled.memory_analysis() is not None

@@ -23,6 +23,12 @@ from pallas_kernels.quantized_paged_attention import (
 )
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # bf16: the probabilities enter the PV matmul in bf16
+# Jitted once for the module: an interpreted call compiles for seconds and runs for milliseconds, and
+# unjitted each call compiles again; tests whose inputs share shapes and settings share the compile.
+interpreted = functools.partial(
+    jax.jit(quantized_paged_attention, static_argnames=("sm_scale", "pages_per_block", "interpret")), interpret=True
+)
+reference = jax.jit(quantized_paged_attention_reference, static_argnames="sm_scale")  # op by op: ~1 s a shape
 
 
 def make_cache(
@@ -62,11 +68,11 @@ def make_cache(
     )
 
 
-def assert_matches_reference(inputs, **kwargs):
+def assert_matches_reference(inputs, attend=interpreted, **kwargs):
     q = inputs[0]
     sm_scale = q.shape[-1] ** -0.5
-    out = quantized_paged_attention(*inputs, sm_scale=sm_scale, interpret=kwargs.pop("interpret", True), **kwargs)
-    expected = quantized_paged_attention_reference(*inputs, sm_scale=sm_scale)
+    out = attend(*inputs, sm_scale=sm_scale, interpret=kwargs.pop("interpret", True), **kwargs)
+    expected = reference(*inputs, sm_scale=sm_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     tolerance = TOLERANCE[q.dtype.type]
     np.testing.assert_allclose(
@@ -109,7 +115,8 @@ def test_blocks_of_several_compute_chunks(monkeypatch):
     monkeypatch.setattr(module, "CHUNK_TOKENS", 32)
     assert module.chunk_pages(4, 16) == 2
     inputs = make_cache(lengths=[1, 40, 71, 112], width=7)
-    assert_matches_reference(inputs, pages_per_block=4)
+    # Not `interpreted`: its cache would keep this trace, and CHUNK_TOKENS is read when tracing.
+    assert_matches_reference(inputs, attend=quantized_paged_attention, pages_per_block=4)
 
 
 @pytest.mark.parametrize("rows", [3, 4])
@@ -147,13 +154,17 @@ def poisoned(inputs, unread_page):
     return (q, poison(k_pages), poison(v_pages), jnp.where(row_filled, scale_rows, jnp.nan), lengths, tables)
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
-def test_never_reads_past_a_rows_length(kv_dtype):
+# Each pool dtype with the query dtype and heads of a test_matches_the_dequantizing_reference case
+# (page size 16, head dim 128), whose compile serves.
+POISONED_CASES = [(jnp.int8, jnp.float32, 2), (jnp.float8_e4m3fn, jnp.bfloat16, 4)]
+
+
+@pytest.mark.parametrize("kv_dtype, q_dtype, num_heads", POISONED_CASES)
+def test_never_reads_past_a_rows_length(kv_dtype, q_dtype, num_heads):
     """NaN past every length and in every unused page, table entries past the length pointing out
     of the pool (the interpreter raises on an out-of-bounds DMA): the output is finite and equal."""
-    inputs = make_cache(lengths=[1, 16, 37, 70], kv_dtype=kv_dtype, q_dtype=jnp.bfloat16)
-    sm_scale = 128**-0.5
-    attend = functools.partial(quantized_paged_attention, sm_scale=sm_scale, pages_per_block=2, interpret=True)
+    inputs = make_cache(lengths=[1, 16, 37, 70], num_heads=num_heads, kv_dtype=kv_dtype, q_dtype=q_dtype)
+    attend = functools.partial(interpreted, sm_scale=128**-0.5, pages_per_block=2)
     clean = attend(*inputs)
     out = attend(*poisoned(inputs, unread_page=inputs[1].shape[1] + 1000))
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -162,24 +173,28 @@ def test_never_reads_past_a_rows_length(kv_dtype):
 
 def test_the_poisoned_table_does_fail_when_read():
     """The check above can fail: a length that covers an out-of-pool table entry makes the
-    interpreter raise."""
-    inputs = make_cache(lengths=[1, 16, 37, 70])
+    interpreter raise (in its int8 case)."""
+    kv_dtype, q_dtype, num_heads = POISONED_CASES[0]
+    inputs = make_cache(lengths=[1, 16, 37, 70], num_heads=num_heads, kv_dtype=kv_dtype, q_dtype=q_dtype)
     q, k_pages, v_pages, scale_rows, lengths, tables = poisoned(inputs, unread_page=inputs[1].shape[1] + 1000)
     try:
         with pytest.raises(Exception, match="(?i)out.of.bounds"):
-            quantized_paged_attention(
-                q, k_pages, v_pages, scale_rows, lengths.at[0].set(17), tables, sm_scale=1.0, interpret=True
+            interpreted(
+                q, k_pages, v_pages, scale_rows, lengths.at[0].set(17), tables, sm_scale=128**-0.5, pages_per_block=2
             ).block_until_ready()
     finally:
         pltpu.reset_tpu_interpret_mode_state()
 
 
 def test_a_row_of_length_zero_gives_zeros():
-    inputs = make_cache(lengths=[0, 37])
-    out = quantized_paged_attention(*inputs, sm_scale=0.1, pages_per_block=2, interpret=True)
-    assert (np.asarray(out[0]) == 0).all()
-    expected = quantized_paged_attention_reference(*inputs, sm_scale=0.1)
-    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(expected[1]), atol=1e-5, rtol=1e-5)
+    """Rows of length 0 first and last on a core's chain of rows, beside rows of real lengths (the
+    shapes and settings of the first test_matches_the_dequantizing_reference case, whose compile serves)."""
+    inputs = make_cache(lengths=[0, 37, 16, 0], num_heads=2)
+    out = interpreted(*inputs, sm_scale=128**-0.5, pages_per_block=2)
+    empty = np.asarray(inputs[4]) == 0
+    assert (np.asarray(out)[empty] == 0).all()
+    expected = reference(*inputs, sm_scale=128**-0.5)
+    np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(expected)[~empty], atol=1e-5, rtol=1e-5)
 
 
 def test_default_block_fits_the_vmem_budget():

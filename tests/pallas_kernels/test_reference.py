@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import attention_with_concentration
+
+# Jitted: one compile per shape and statistics, where op by op each new shape compiles every op.
+reference = jax.jit(
+    functools.partial(attention_with_concentration, backend="reference"), static_argnames=("statistics", "sink_tokens")
+)
 
 
 def numpy_attention(q, k, v, mask, window_start, scale, sink_tokens=4):
@@ -56,13 +64,8 @@ def random_inputs(seed, batch=2, length=11, num_heads=4, num_kv_heads=2, head_di
 def test_reference_matches_numpy_loop(num_heads, num_kv_heads, window_start):
     q, k, v, mask = random_inputs(0, num_heads=num_heads, num_kv_heads=num_kv_heads)
     window_start = np.asarray(window_start, np.int32)
-    out, herfindahl, window_size = attention_with_concentration(
-        jnp.asarray(q),
-        jnp.asarray(k),
-        jnp.asarray(v),
-        jnp.asarray(mask),
-        jnp.asarray(window_start),
-        backend="reference",
+    out, herfindahl, window_size = reference(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), jnp.asarray(window_start)
     )
     expected_out, expected_h, expected_n, _ = numpy_attention(q, k, v, mask, window_start, 8**-0.5)
     np.testing.assert_allclose(np.asarray(out)[mask], expected_out[mask], atol=1e-5)
@@ -75,13 +78,12 @@ def test_reference_matches_numpy_loop(num_heads, num_kv_heads, window_start):
 def test_reference_statistics_match_numpy_loop(window_start, sink_tokens):
     q, k, v, mask = random_inputs(1, num_heads=8, num_kv_heads=2)
     window_start = np.asarray(window_start, np.int32)
-    *_, statistics = attention_with_concentration(
+    *_, statistics = reference(
         jnp.asarray(q),
         jnp.asarray(k),
         jnp.asarray(v),
         jnp.asarray(mask),
         jnp.asarray(window_start),
-        backend="reference",
         statistics=("entropy", "sink_herfindahl", "max_weight"),
         sink_tokens=sink_tokens,
     )

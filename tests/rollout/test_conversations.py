@@ -66,9 +66,27 @@ def talk(params, environment, **kwargs):  # noqa: F811
     )
 
 
-def test_replies_are_appended_as_the_environments_tokens_and_never_sampled(params, call):  # noqa: F811
+@pytest.fixture(scope="module")
+def conversation(params, call):  # noqa: F811
+    """talk() with Scripted(call), its programs traced afresh: (its Conversations, the environment, the
+    shapes of the prompts the traced engine prefilled). Shared by the tests that read this conversation."""
+    prefilled = []
+    original = engine.prefill_prompts
+
+    def recording(params, config, tokens, *args):  # noqa: F811
+        prefilled.append(tokens.shape)
+        return original(params, config, tokens, *args)
+
     environment = Scripted(call)
-    out = talk(params, environment)
+    jax.clear_caches()  # another test file in this process may have traced these programs already
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "prefill_prompts", recording)
+        out = talk(params, environment)
+    return out, environment, prefilled
+
+
+def test_replies_are_appended_as_the_environments_tokens_and_never_sampled(conversation, call):
+    out, environment, _ = conversation
     response = np.asarray(out.generation.response_tokens)
     mask, env = np.asarray(out.generation.response_mask), np.asarray(out.env_mask)
     assert out.outcomes["ok"] == len(environment.turns) > 4 and (out.calls >= 1).sum() > 4
@@ -105,8 +123,8 @@ def test_sampled_log_probs_equal_the_scoring_pass_of_the_whole_conversation(para
     )
 
 
-def test_rows_depend_on_the_rng_and_replies_only_not_on_slots_or_pages(params, call):  # noqa: F811
-    reference = talk(params, Scripted(call))
+def test_rows_depend_on_the_rng_and_replies_only_not_on_slots_or_pages(params, call, conversation):  # noqa: F811
+    reference = conversation[0]
     for page_size, decode_slots in [(4, 1)]:  # pages and slots differ from talk()'s (2, 3)
         other = talk(params, Scripted(call), page_size=page_size, decode_slots=decode_slots)
         np.testing.assert_array_equal(other.generation.tokens, reference.generation.tokens)
@@ -114,7 +132,8 @@ def test_rows_depend_on_the_rng_and_replies_only_not_on_slots_or_pages(params, c
 
 
 def test_without_calls_a_conversation_is_generate(params):  # noqa: F811
-    out = talk(params, Scripted((CONFIG.vocab_size + 1,)), max_turns=1)
+    # max_turns as in the next test (one compiled decode loop): without a call, no turn ever ends.
+    out = talk(params, Scripted((CONFIG.vocab_size + 1,)), max_turns=2)
     plain = generate(
         params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(6), max_new_tokens=24, num_samples=2, temperature=1.0
     )
@@ -133,18 +152,9 @@ def test_a_row_ends_at_its_last_turns_call_or_when_the_environment_is_done(param
         assert response[r, mask[r].sum() - 1] in call and not np.asarray(out.env_mask)[r, mask[r].sum() - 1]
 
 
-def test_the_prompts_are_prefilled_once_for_all_turns(params, call, monkeypatch):  # noqa: F811
-    prefilled = []
-    original = engine.prefill_prompts
-
-    def recording(params, config, tokens, *args):
-        prefilled.append(tokens.shape)
-        return original(params, config, tokens, *args)
-
-    monkeypatch.setattr(engine, "prefill_prompts", recording)
-    jax.clear_caches()
-    environment = Scripted(call)
-    talk(params, environment, max_new_tokens=23)
+def test_the_prompts_are_prefilled_once_for_all_turns(conversation):
+    # The fixture traced the engine's three steps (start, decode, resume): a prefill in any of them would show.
+    _, environment, prefilled = conversation
     assert len(environment.turns) > 4 and prefilled == [PROMPTS.shape]
 
 

@@ -45,6 +45,22 @@ def eos(params):
     return int(np.asarray(greedy.response_tokens)[1, 3])
 
 
+@pytest.fixture(scope="module")
+def dense(params, eos):
+    """The dense sampler's greedy rows, EOS `eos`, one row per prompt: a group's greedy rows are all alike, so
+    each layout's rows are these repeated (one dense program for every num_samples)."""
+    return generate_dense(
+        params,
+        CONFIG,
+        PROMPTS,
+        PROMPT_MASK,
+        jax.random.PRNGKey(1),
+        max_new_tokens=10,
+        temperature=0.0,
+        eos_token_ids=(eos,),
+    )
+
+
 def assert_same_generation(a, b, atol=1e-5):
     for field in a._fields:
         np.testing.assert_allclose(
@@ -56,14 +72,14 @@ def assert_same_generation(a, b, atol=1e-5):
     "page_size,decode_slots,num_samples",
     [
         (64, None, 1),  # one page per row, every row decoded at once
-        (2, None, 2),  # pages filled mid-prompt (copy-on-write) and shared by a group
-        (3, 3, 2),  # more rows than slots: rows wait, slots and pages are reused
+        # more rows than slots: rows wait, slots and pages are reused; pages filled mid-prompt
+        # (copy-on-write) and shared by a group
+        (3, 3, 2),
         (1, 1, 3),  # one slot: rows run one after another
     ],
 )
-def test_greedy_tokens_and_log_probs_equal_the_dense_sampler(params, eos, page_size, decode_slots, num_samples):
+def test_greedy_tokens_and_log_probs_equal_the_dense_sampler(params, eos, dense, page_size, decode_slots, num_samples):
     kwargs = dict(max_new_tokens=10, temperature=0.0, num_samples=num_samples, eos_token_ids=(eos,))
-    dense = generate_dense(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), **kwargs)
     paged = generate(
         params,
         CONFIG,
@@ -76,49 +92,16 @@ def test_greedy_tokens_and_log_probs_equal_the_dense_sampler(params, eos, page_s
     )
     lengths = np.asarray(paged.response_mask).sum(axis=1)
     assert lengths.min() < 10 and lengths.max() == 10  # EOS ended some rows mid-batch, not all
-    assert_same_generation(paged, dense)
+    assert_same_generation(paged, type(dense)(*(jnp.repeat(x, num_samples, axis=0) for x in dense)))
 
 
-def test_sampled_rows_depend_on_the_rng_only_not_on_slots_or_pages(params):
-    kwargs = dict(max_new_tokens=9, temperature=1.0, top_p=0.9, num_samples=3, eos_token_ids=(3, 4))
-    reference = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), **kwargs)
-    for page_size, decode_slots in [(2, 5), (4, 1), (1, 12)]:
-        other = generate(
-            params,
-            CONFIG,
-            PROMPTS,
-            PROMPT_MASK,
-            jax.random.PRNGKey(7),
-            page_size=page_size,
-            decode_slots=decode_slots,
-            **kwargs,
-        )
-        assert_same_generation(other, reference)
-    assert not np.array_equal(
-        generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(8), **kwargs).tokens, reference.tokens
-    )
+SAMPLED = dict(max_new_tokens=9, temperature=0.7, top_p=0.9, num_samples=3, eos_token_ids=(3, 4))
+WAITING = dict(page_size=2, decode_slots=5)  # 12 rows: they wait for slots, which are reused
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampled_log_probs_equal_the_scoring_pass_with_rows_waiting_for_slots(params, temperature, top_p):
-    out = generate(
-        params,
-        CONFIG,
-        PROMPTS,
-        PROMPT_MASK,
-        jax.random.PRNGKey(2),
-        max_new_tokens=7,
-        temperature=temperature,
-        top_p=top_p,
-        num_samples=2,
-        page_size=2,
-        decode_slots=3,
-    )
-    scored = score_rollout(params, None, CONFIG, out, temperature=temperature, top_k=None, backend="reference")
-    np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)
-
-
-def test_each_prompt_is_prefilled_once_for_its_whole_group(params, monkeypatch):
+def test_sampled_rows_depend_on_the_rng_only_not_on_slots_or_pages(params, monkeypatch):
+    """Row r's tokens depend on the rng and r only, whatever the pages and slots; and each prompt is
+    prefilled once for its whole group (recorded while the reference call traces)."""
     prefilled = []
     original = engine.prefill_prompts
 
@@ -126,9 +109,25 @@ def test_each_prompt_is_prefilled_once_for_its_whole_group(params, monkeypatch):
         prefilled.append(tokens.shape)
         return original(params, config, tokens, *args)
 
-    monkeypatch.setattr(engine, "prefill_prompts", recording)
-    generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), max_new_tokens=3, num_samples=4, page_size=5)
-    assert prefilled == [PROMPTS.shape]  # 4 prompts through the model once, not 16 rows
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "prefill_prompts", recording)
+        reference = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), **SAMPLED)
+    assert prefilled == [PROMPTS.shape]  # 4 prompts through the model once, not 12 rows
+    # Rows wait for slots and start at other steps (one slot alone: the greedy test's (1, 1, 3)).
+    other = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), **WAITING, **SAMPLED)
+    assert_same_generation(other, reference)
+    assert not np.array_equal(
+        generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(8), **SAMPLED).tokens, reference.tokens
+    )
+
+
+def test_sampled_log_probs_equal_the_scoring_pass_with_rows_waiting_for_slots(params):
+    """At temperature 0.7 with top_p 0.9, rows ending at EOS (temperature 1: tests/rollout/test_sampler.py and
+    tests/rollout/test_conversations.py). The sampler is the test above's, compiled once."""
+    temperature = SAMPLED["temperature"]
+    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(2), **WAITING, **SAMPLED)
+    scored = score_rollout(params, None, CONFIG, out, temperature=temperature, top_k=None, backend="reference")
+    np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)
 
 
 def test_the_pool_holds_the_slots_not_the_rows():
@@ -221,15 +220,19 @@ def test_the_tpu_kernels_reference_reads_our_pool_as_our_xla_path_does():
 
     q, kv, tables = attention_inputs()
     rows = len(LENGTHS)
-    out = ref_ragged_paged_attention(
-        jnp.asarray(q),
-        jnp.asarray(kv),
-        jnp.asarray(LENGTHS),
-        jnp.asarray(tables + PAGES_PER_LAYER),
-        jnp.arange(rows + 1, dtype=jnp.int32),
-        jnp.asarray([rows], jnp.int32),
-        sm_scale=HEAD_DIM**-0.5,
+    # Jitted, its lengths static (it slices by them): one program, not each row's ops compiled eagerly.
+    reference = jax.jit(
+        lambda q, kv, tables: ref_ragged_paged_attention(
+            q,
+            kv,
+            LENGTHS,
+            tables,
+            np.arange(rows + 1, dtype=np.int32),
+            np.asarray([rows], np.int32),
+            sm_scale=HEAD_DIM**-0.5,
+        )
     )
+    out = reference(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(tables + PAGES_PER_LAYER))
     np.testing.assert_allclose(np.asarray(out), oracle(q, kv, tables, 1), atol=1e-5)
 
 

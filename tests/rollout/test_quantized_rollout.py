@@ -39,10 +39,11 @@ def written_pool(dtype, backend, seed=0):
     spread = np.exp(0.5 * rng.normal(size=(len(LENGTHS), LENGTHS.max(), NUM_KV, 1)))  # per-token, per-head magnitudes
     k, v = (rng.normal(size=(len(LENGTHS), LENGTHS.max(), NUM_KV, HEAD_DIM)) * spread for _ in range(2))
     pool = paged_cache.empty_pool(2, PAGES_PER_LAYER, PAGE, NUM_KV, HEAD_DIM, dtype, backend)
+    write = jax.jit(paged_cache.write_tokens, static_argnums=1)  # jitted, as in the engine: compiled once
     for t in range(LENGTHS.max()):
         pages = jnp.asarray(np.where(t < LENGTHS, tables[:, t // PAGE], 0))  # rows past their length: trash page 0
         offsets = jnp.full((len(LENGTHS),), t % PAGE, jnp.int32)
-        pool = paged_cache.write_tokens(pool, 1, pages, offsets, jnp.asarray(k[:, t]), jnp.asarray(v[:, t]))
+        pool = write(pool, 1, pages, offsets, jnp.asarray(k[:, t]), jnp.asarray(v[:, t]))
     q = rng.normal(size=(len(LENGTHS), NUM_HEADS, HEAD_DIM)).astype(np.float32)
     return pool, k, v, tables, q
 
@@ -130,6 +131,8 @@ def test_8bit_pages_take_half_the_bytes_and_the_engine_counts_them():
 # --- the engine -------------------------------------------------------------------------------
 
 GREEDY = dict(max_new_tokens=6, temperature=0.0, num_samples=2)
+SAMPLED = dict(max_new_tokens=6, temperature=1.0, num_samples=2)
+WAITING = dict(page_size=3, decode_slots=3)  # prompt pages copied on write, rows waiting for slots
 
 
 @pytest.mark.parametrize("dtype", ["int8", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)])
@@ -138,9 +141,9 @@ def test_8bit_rows_depend_on_the_rng_only_not_on_pages_slots_or_backend(params, 
     (no page is ever shared part-filled) and page size 3 (prompt pages copied on write, with
     their scales), all slots or fewer, the XLA path or the GPU kernel: the same rows."""
     run = lambda **kw: generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), kv_dtype=dtype, **kw)
-    reference = run(max_new_tokens=6, temperature=1.0, num_samples=2, page_size=1, paged_attention="xla")
-    for kwargs in (dict(page_size=3, decode_slots=3), dict(page_size=3, paged_attention="gpu_interpret")):
-        assert_same_generation(run(max_new_tokens=6, temperature=1.0, num_samples=2, **kwargs), reference)
+    reference = run(**SAMPLED, page_size=1, paged_attention="xla")
+    for kwargs in (WAITING, dict(page_size=3, paged_attention="gpu_interpret")):
+        assert_same_generation(run(**SAMPLED, **kwargs), reference)
 
 
 @pytest.mark.gpu
@@ -161,13 +164,14 @@ def test_8bit_rows_on_the_gpu_kernel_equal_the_xla_path(params, dtype):
 
 
 def test_8bit_rollouts_move_the_log_probs_by_a_little(params):
-    """The options are in effect (the log-probs move) and 8 bits stay close to the float sampler."""
-    full = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), page_size=4, **GREEDY)
+    """The options are in effect (the log-probs move) and 8 bits stay close to the float sampler. (Sampled
+    with one key: the int8 pages' sampler is the one the test above compiled.)"""
+    run = lambda weights, kv_dtype: generate(
+        weights, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), kv_dtype=kv_dtype, **SAMPLED, **WAITING
+    )
+    full = run(params, "auto")
     for kv_dtype, weight_dtype, bound in (("int8", "auto", 0.1), ("auto", "int8", 0.2), ("int8", "int8", 0.2)):
-        weights = sampler_weights(params, weight_dtype, CONFIG.dtype)
-        out = generate(
-            weights, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), page_size=4, kv_dtype=kv_dtype, **GREEDY
-        )
+        out = run(sampler_weights(params, weight_dtype, CONFIG.dtype), kv_dtype)
         same = np.asarray(out.response_tokens == full.response_tokens).all(axis=1)  # the rows both decoded alike
         delta = np.abs(np.asarray(out.log_probs - full.log_probs))[same]
         assert same.any() and 1e-4 < delta.max() < bound, (kv_dtype, weight_dtype, delta.max())

@@ -38,38 +38,72 @@ def params():
     return init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.3)
 
 
+# Rows the tests share, each sampler configuration compiled once (a compile costs seconds, a run milliseconds).
+@pytest.fixture(scope="module")
+def greedy(params):
+    """Greedy rows, 6 tokens: no EOS in CONFIG, so every row runs to the end."""
+    return generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), max_new_tokens=6, temperature=0.0)
+
+
+SAMPLING = dict(max_new_tokens=7, temperature=1.0, top_p=0.7, num_samples=2)
+
+
+def sample(params, seed):
+    return generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(seed), **SAMPLING)
+
+
+def rescore(params, out):
+    """Both policies' scoring pass at the sampler's temperature (one compiled program for two tests)."""
+    return score_rollout(params, params, CONFIG, out, temperature=SAMPLING["temperature"], top_k=4, backend="reference")
+
+
 def real_prompt(row):
     return [int(t) for t, m in zip(PROMPTS[row], PROMPT_MASK[row]) if m]
 
 
-def test_greedy_decode_equals_step_by_step_argmax_of_forward(params):
-    steps = 6
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), max_new_tokens=steps, temperature=0.0)
+def teacher_forced_logits(params, tokens, mask, prompt_lengths):
+    """forward's logits [B, L, V] on right-padded rows (the scoring tests' forward, compiled once)."""
+    return forward(params, CONFIG, tokens, mask, prompt_lengths).logits
+
+
+def test_greedy_decode_equals_step_by_step_argmax_of_forward(params, greedy):
+    """Each greedy token is the argmax of the teacher-forced logits at the position before it (causal:
+    the logits of the prefix it was decoded from)."""
+    out, steps = greedy, 6
+    logits = teacher_forced_logits(params, out.tokens, out.attention_mask, out.prompt_lengths)
     for row in range(PROMPTS.shape[0]):
-        sequence = real_prompt(row)
-        for _ in range(steps):
-            logits = forward(params, CONFIG, jnp.asarray([sequence]), jnp.ones((1, len(sequence)), bool)).logits
-            sequence.append(int(jnp.argmax(logits[0, -1])))
+        prompt = real_prompt(row)
+        sequence = prompt + [int(t) for t in out.response_tokens[row]]
         length = len(sequence)
         np.testing.assert_array_equal(out.tokens[row, :length], sequence)
+        argmax = [int(jnp.argmax(logits[row, len(prompt) - 1 + t])) for t in range(steps)]
+        assert sequence[len(prompt) :] == argmax
         assert bool(out.attention_mask[row, :length].all()) and not bool(out.attention_mask[row, length:].any())
-        assert int(out.prompt_lengths[row]) == len(real_prompt(row))
+        assert int(out.prompt_lengths[row]) == len(prompt)
 
 
 def test_kv_cache_logits_equal_full_forward_logits(params):
     continuation = jnp.asarray([[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]], jnp.int32)
     tokens, mask = left_align(PROMPTS, PROMPT_MASK, 0)
-    logits, cache = prefill(params, CONFIG, tokens, mask, tokens.shape[1] + continuation.shape[1])
-    for step in range(continuation.shape[1]):
+    # Jitted, as the dense sampler runs them: two programs instead of each op compiled eagerly.
+    step = jax.jit(decode_step, static_argnums=1)
+    logits, cache = jax.jit(prefill, static_argnums=(1, 4))(
+        params, CONFIG, tokens, mask, tokens.shape[1] + continuation.shape[1]
+    )
+    # Each row's prompt + continuation, right-padded to the greedy rows' width (one forward for every prefix).
+    width = PROMPTS.shape[1] + 6
+    rows = [real_prompt(row) + [int(t) for t in continuation[row]] for row in range(PROMPTS.shape[0])]
+    full_tokens = jnp.asarray([r + [0] * (width - len(r)) for r in rows], jnp.int32)
+    full_mask = jnp.arange(width)[None] < jnp.asarray([len(r) for r in rows])[:, None]
+    prompt_lengths = jnp.asarray([len(real_prompt(row)) for row in range(PROMPTS.shape[0])], jnp.int32)
+    full = teacher_forced_logits(params, full_tokens, full_mask, prompt_lengths)
+    for t in range(continuation.shape[1]):
         for row in range(PROMPTS.shape[0]):
-            sequence = real_prompt(row) + [int(t) for t in continuation[row, :step]]
-            full = forward(params, CONFIG, jnp.asarray([sequence]), jnp.ones((1, len(sequence)), bool)).logits[0, -1]
-            np.testing.assert_allclose(logits[row], full, atol=1e-4)
-        logits, cache = decode_step(params, CONFIG, continuation[:, step], cache, tokens.shape[1] + step)
+            np.testing.assert_allclose(logits[row], full[row, len(real_prompt(row)) - 1 + t], atol=1e-4)
+        logits, cache = step(params, CONFIG, continuation[:, t], cache, tokens.shape[1] + t)
 
 
-def test_eos_stops_rows_and_pads_after_it(params):
-    greedy = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(1), max_new_tokens=6, temperature=0.0)
+def test_eos_stops_rows_and_pads_after_it(params, greedy):
     eos = int(greedy.response_tokens[0, 2])  # row 0 emits it at step 3 (maybe earlier too)
     out = generate(
         params,
@@ -92,27 +126,18 @@ def test_eos_stops_rows_and_pads_after_it(params):
     assert int(out.response_mask[0].sum()) <= 3
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.7)])
-def test_sampling_log_probs_equal_the_scoring_pass(params, temperature, top_p):
-    out = generate(
-        params,
-        CONFIG,
-        PROMPTS,
-        PROMPT_MASK,
-        jax.random.PRNGKey(2),
-        max_new_tokens=7,
-        temperature=temperature,
-        top_p=top_p,
-        num_samples=2,
-    )
-    scored = score_rollout(params, params, CONFIG, out, temperature=temperature, top_k=4, backend="reference")
+def test_sampling_log_probs_equal_the_scoring_pass(params):
+    """Nucleus sampling (the log-probs are before its truncation); another temperature, with rows waiting
+    for slots: tests/rollout/test_engine.py; top_p 1: tests/rollout/test_conversations.py."""
+    out = sample(params, 2)
+    scored = rescore(params, out)
     np.testing.assert_allclose(scored.log_probs, out.log_probs, atol=1e-5)
     np.testing.assert_allclose(scored.ref_log_probs, out.log_probs, atol=1e-5)
 
 
 def test_sampler_log_probs_skip_the_behaviour_pass_only_where_nothing_else_needs_it(params):
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(7), max_new_tokens=6, num_samples=2)
-    rescored = score_rollout(params, params, CONFIG, out, top_k=None, backend="reference")
+    out = sample(params, 7)
+    rescored = rescore(params, out)  # at temperature 1, as the passes below
     # The sampler's log-probs stand in for the rescored ones; the gate still comes from the pass.
     kept = score_rollout(params, params, CONFIG, out, top_k=None, backend="reference", old_log_probs="sampler")
     np.testing.assert_array_equal(kept.log_probs, out.log_probs)
@@ -144,23 +169,20 @@ def test_sampler_log_probs_skip_the_behaviour_pass_only_where_nothing_else_needs
         score_rollout(params, None, CONFIG, out, top_k=None, backend="reference", old_log_probs="stored")
 
 
-def test_tiny_top_p_keeps_the_argmax_and_sampling_is_deterministic(params):
-    greedy = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), max_new_tokens=5, temperature=0.0)
+def test_tiny_top_p_keeps_the_argmax_and_sampling_is_deterministic(params, greedy):
     nucleus = generate(
-        params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), max_new_tokens=5, temperature=1.0, top_p=1e-6
+        params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(3), max_new_tokens=6, temperature=1.0, top_p=1e-6
     )
     np.testing.assert_array_equal(nucleus.tokens, greedy.tokens)
-    first = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), max_new_tokens=8, num_samples=3)
-    again = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(4), max_new_tokens=8, num_samples=3)
-    other = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(5), max_new_tokens=8, num_samples=3)
+    first, again, other = sample(params, 4), sample(params, 4), sample(params, 5)
     np.testing.assert_array_equal(first.tokens, again.tokens)
     assert not np.array_equal(first.tokens, other.tokens)
-    assert first.tokens.shape[0] == 9
-    np.testing.assert_array_equal(first.prompt_lengths, np.repeat([5, 3, 3], 3))  # groups are consecutive rows
+    assert first.tokens.shape[0] == 6
+    np.testing.assert_array_equal(first.prompt_lengths, np.repeat([5, 3, 3], 2))  # groups are consecutive rows
 
 
-def test_scoring_pass_reads_the_state_before_each_token(params):
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(6), max_new_tokens=6)
+def test_scoring_pass_reads_the_state_before_each_token(params, greedy):
+    out = greedy  # the pass reads the rows, whichever way they were sampled
     scored = score_rollout(params, None, CONFIG, out, top_k=None, backend="interpret", hidden_layers=(1, 2))
     assert scored.ref_log_probs is None and scored.routing is None and scored.hidden_states.shape[0] == 2
     valid = np.asarray(out.response_mask)
@@ -179,25 +201,39 @@ def test_scoring_pass_reads_the_state_before_each_token(params):
     )
 
 
-@pytest.mark.parametrize("statistic", ["entropy", "sink_herfindahl", "max_weight"])
-def test_the_gate_reads_the_configured_statistic_and_the_gate_alone_matches_the_scoring_pass(params, statistic):
-    """kappa from each statistic's c (full window, 2 sink tokens), from the materialized final-layer
-    attention; `policy_gate` (gate_refresh's pass) gives the same kappa without logits or features."""
-    out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(6), max_new_tokens=6)
-    options = dict(window="full", gate_statistic=statistic, sink_tokens=2)
-    scored = score_rollout(params, None, CONFIG, out, top_k=None, backend="interpret", **options)
-    valid = np.asarray(out.response_mask)
-    start = jnp.zeros_like(out.prompt_lengths)
-    full = forward(
+STATISTICS = ("entropy", "sink_herfindahl", "max_weight")
+
+
+@pytest.fixture(scope="module")
+def full_window_statistics(params, greedy):
+    """forward's materialized final-layer statistics of the greedy rows over the full window (2 sink
+    tokens), every statistic from one pass."""
+    start = jnp.zeros_like(greedy.prompt_lengths)
+    return forward(
         params,
         CONFIG,
-        out.tokens,
-        out.attention_mask,
+        greedy.tokens,
+        greedy.attention_mask,
         start,
         concentration_backend="reference",
-        concentration_statistics=(statistic,),
+        concentration_statistics=STATISTICS,
         sink_tokens=2,
     )
+
+
+def full_window_gate(params, out, statistic):
+    options = dict(window="full", gate_statistic=statistic, sink_tokens=2)
+    return score_rollout(params, None, CONFIG, out, top_k=None, backend="interpret", **options), options
+
+
+@pytest.mark.parametrize("statistic", STATISTICS)
+def test_the_gate_reads_the_configured_statistic(params, greedy, full_window_statistics, statistic):
+    """kappa from each statistic's c (full window, 2 sink tokens), from the materialized final-layer
+    attention."""
+    out, full = greedy, full_window_statistics
+    scored, _ = full_window_gate(params, out, statistic)
+    valid = np.asarray(out.response_mask)
+    start = jnp.zeros_like(out.prompt_lengths)
     value = gather_response(full.statistics[statistic], out.prompt_lengths, 6)
     n = gather_response(
         window_sizes(out.attention_mask, start + 2) if statistic == "sink_herfindahl" else full.window_size,
@@ -211,6 +247,14 @@ def test_the_gate_reads_the_configured_statistic_and_the_gate_alone_matches_the_
         np.asarray(gather_response(full.herfindahl, out.prompt_lengths, 6))[valid],
         atol=1e-6,
     )
+
+
+def test_the_gate_alone_matches_the_scoring_pass(params, greedy):
+    """`policy_gate` (gate_refresh's pass) gives the scoring pass's kappa without logits or features. With
+    sink_herfindahl, whose window and sink tokens it must pass on as well; the statistic itself reaches
+    both through the same `response_gate`, checked for each statistic above."""
+    out = greedy
+    scored, options = full_window_gate(params, out, "sink_herfindahl")
     alone = policy_gate(
         params,
         CONFIG,
@@ -225,9 +269,8 @@ def test_the_gate_reads_the_configured_statistic_and_the_gate_alone_matches_the_
     np.testing.assert_allclose(np.asarray(alone), np.asarray(scored.kappa), atol=1e-6)
 
 
-def test_bad_prompt_shapes_are_named(params):
+def test_bad_prompt_shapes_are_named(params, greedy):
     with pytest.raises(ValueError, match=r"prompt_tokens and prompt_mask must both be \[B, P\]"):
         generate(params, CONFIG, PROMPTS, PROMPT_MASK[:, :3], jax.random.PRNGKey(0), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"window must be one of"):
-        out = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(0), max_new_tokens=2)
-        score_rollout(params, None, CONFIG, out, window="prompt")
+        score_rollout(params, None, CONFIG, greedy, window="prompt")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,25 +47,36 @@ def dense_stats(params, config, tokens, mask, prompt_lengths, response, temperat
     return jnp.take_along_axis(log_probs, response[..., None], -1)[..., 0], entropy_from_logits(logits)
 
 
+def loss(stats):
+    return lambda params: sum(jnp.sum(s * w) for s, w in zip(stats(params), (1.0, 0.3)))
+
+
+@functools.cache
+def dense_expected():
+    """(params, batch, the dense log-probs and entropies, their loss's gradient): the same for every chunk size."""
+    params = init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.2)
+    tokens, mask, prompt_lengths, response = batch()
+    expected = dense_stats(params, CONFIG, tokens, mask, prompt_lengths, response, 0.7)
+    dense_grad = jax.jit(jax.grad(loss(lambda p: dense_stats(p, CONFIG, tokens, mask, prompt_lengths, response, 0.7))))(
+        params
+    )
+    return params, (tokens, mask, prompt_lengths, response), expected, dense_grad
+
+
 # 0: no chunking; 5: chunks that do not divide the 23 response positions; 64: longer than them (one chunk).
 @pytest.mark.parametrize("chunk", [0, 5, 64])
 def test_chunked_log_probs_and_entropy_equal_the_dense_ones_with_gradients(chunk):
-    params = init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.2)
-    tokens, mask, prompt_lengths, response = batch()
+    params, (tokens, mask, prompt_lengths, response), expected, dense_grad = dense_expected()
     config = CONFIG.replace(logits_chunk=chunk)
-    expected = dense_stats(params, CONFIG, tokens, mask, prompt_lengths, response, 0.7)
     got = policy_token_stats(params, config, tokens, mask, prompt_lengths, response, 0.7)
     for name, value, wanted in zip(("log_probs", "entropy"), got, expected):
         assert value.shape == response.shape and value.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(value), np.asarray(wanted), atol=2e-5, err_msg=name)
 
-    def loss(stats):
-        return lambda params: sum(jnp.sum(s * w) for s, w in zip(stats(params), (1.0, 0.3)))
-
-    chunked_grad = jax.grad(loss(lambda p: policy_token_stats(p, config, tokens, mask, prompt_lengths, response, 0.7)))(
-        params
-    )
-    dense_grad = jax.grad(loss(lambda p: dense_stats(p, CONFIG, tokens, mask, prompt_lengths, response, 0.7)))(params)
+    # Gradients jitted: one program each, not every op of the backward pass compiled on its own.
+    chunked_grad = jax.jit(
+        jax.grad(loss(lambda p: policy_token_stats(p, config, tokens, mask, prompt_lengths, response, 0.7)))
+    )(params)
     for (path, grad), wanted in zip(jax.tree_util.tree_leaves_with_path(chunked_grad), jax.tree.leaves(dense_grad)):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(wanted), atol=3e-5, err_msg=jax.tree_util.keystr(path))
 

@@ -114,10 +114,9 @@ def test_critic_values_and_their_gradients_on_packed_rows_equal_the_sequence_lay
         values = critic_values(params, b, critic_module=module, kind=kind, model_config=CONFIG)
         return jnp.sum(jnp.where(b.response_mask, (values - b.returns) ** 2, 0.0)), values
 
-    (value, values), grads = jax.value_and_grad(loss, has_aux=True)(critic, batch)
-    (packed_value, packed_values), packed_grads = jax.value_and_grad(loss, has_aux=True)(
-        critic, batch._replace(packing=packing)
-    )
+    run = jax.jit(jax.value_and_grad(loss, has_aux=True))  # one program, not TAC's ops one by one (~2x faster)
+    (value, values), grads = run(critic, batch)
+    (packed_value, packed_values), packed_grads = run(critic, batch._replace(packing=packing))
     mask = np.asarray(batch.response_mask)
     np.testing.assert_allclose(np.asarray(packed_values)[mask], np.asarray(values)[mask], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(packed_value, value, rtol=RTOL)

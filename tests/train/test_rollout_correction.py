@@ -30,10 +30,12 @@ CAP = 2.0
 CLIP = 5.0  # the advantages' clip
 
 
-def learner_of(tmp_path, **overrides):
+@functools.cache
+def learner_of(**overrides):
     """(the Learner of small_train_config(**overrides) on update_inputs' tiny model, its critic: None for GRPO).
-    Its credit program runs the critic's values as an update step's would (`critic_values`)."""
-    cfg = small_train_config(tmp_path, critic__fused_layers=2, critic__top_k=4, **overrides)
+    Its credit program runs the critic's values as an update step's would (`critic_values`). One per config
+    for the module: its jitted programs compile once (nothing here writes to its output directory)."""
+    cfg = small_train_config("unused", critic__fused_layers=2, critic__top_k=4, **overrides)
     spec = resolve(cfg, CONFIG).learner
     credit = spec.credit
     critic = init_critic(credit, CONFIG, jax.random.PRNGKey(3))
@@ -74,14 +76,14 @@ def credit_of(learner, critic):
 
 
 @pytest.mark.parametrize("rule", ["tis", "mis"])
-def test_the_learner_weighs_the_clipped_advantages_by_the_sampler_to_scorer_weights_and_logs_them(tmp_path, rule):
+def test_the_learner_weighs_the_clipped_advantages_by_the_sampler_to_scorer_weights_and_logs_them(rule):
     """train.rollout_correction=tis / mis -> the resolved LearnerSpec -> the Learner's credit program: the
     advantages are those of rollout_correction=none times c, and the actor loss on them is the padded hand
     computation (a masked token still counted in the token-mean), its gradient the one of the uncorrected
     update on advantages pre-multiplied by c, on packed rows too."""
     actor, batch, ratios, mask, _ = designed_batch()
-    learner, _ = learner_of(tmp_path / rule, method="grpo", train__rollout_correction=rule)
-    plain, _ = learner_of(tmp_path / "none", method="grpo")
+    learner, _ = learner_of(method="grpo", train__rollout_correction=rule)
+    plain, _ = learner_of(method="grpo")
     _, _, advantages, weights, metrics, finite = credit_of(learner, None)
     _, _, plain_advantages, no_weights, plain_metrics, _ = credit_of(plain, None)
     c = hand_weights(rule)
@@ -110,22 +112,22 @@ def test_the_learner_weighs_the_clipped_advantages_by_the_sampler_to_scorer_weig
     loss = lambda params, b: actor_loss(params, CONFIG, b, 0.2, 0.0, learner.spec.actor_loss)[0]
     corrected = batch._replace(advantages=advantages)
     assert float(loss(current, corrected)) == pytest.approx(per_token[mask].sum() / mask.sum(), rel=1e-4, abs=1e-6)
-    gradient = jax.grad(loss)(current, corrected)
-    premultiplied = jax.grad(loss)(current, batch._replace(advantages=plain_advantages * c))
-    packed = jax.grad(loss)(current, corrected._replace(packing=packed_batches.packing_of(batch.attention_mask)))
+    grad = jax.jit(jax.grad(loss))  # one program for the three (eagerly, each op compiles on its own)
+    gradient = grad(current, corrected)
+    premultiplied = grad(current, batch._replace(advantages=plain_advantages * c))
+    packed = grad(current, corrected._replace(packing=packed_batches.packing_of(batch.attention_mask)))
     for got in (premultiplied, packed):
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(gradient)):
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
-def test_a_sequence_level_correction_weighs_each_response_by_its_geometric_mean_ratio(tmp_path):
+def test_a_sequence_level_correction_weighs_each_response_by_its_geometric_mean_ratio():
     learner, _ = learner_of(
-        tmp_path / "sequence",
         method="grpo",
         train__rollout_correction="tis",
         train__rollout_correction_level="sequence",
     )
-    plain, _ = learner_of(tmp_path / "none", method="grpo")
+    plain, _ = learner_of(method="grpo")
     _, _, advantages, weights, _, _ = credit_of(learner, None)
     ratios, mask = designed_batch()[2:4]
     rho = np.exp(np.where(mask, np.log(ratios), 0.0).sum(1) / mask.sum(1))
@@ -134,11 +136,11 @@ def test_a_sequence_level_correction_weighs_each_response_by_its_geometric_mean_
     np.testing.assert_allclose(advantages, np.asarray(credit_of(plain, None)[2]) * c, rtol=1e-5, atol=1e-7)
 
 
-def test_a_non_finite_sampler_log_prob_is_named_by_the_guard_only_with_a_correction(tmp_path):
+def test_a_non_finite_sampler_log_prob_is_named_by_the_guard_only_with_a_correction():
     actor, batch, _, mask, signals = designed_batch()
     poisoned = signals._replace(sampler_log_probs=signals.sampler_log_probs.at[0, 0].set(jnp.nan))
     for correction, flagged in (("tis", True), ("none", False)):
-        learner, _ = learner_of(tmp_path / correction, method="grpo", train__rollout_correction=correction)
+        learner, _ = learner_of(method="grpo", train__rollout_correction=correction)
         *_, metrics, finite = learner.credit(None, batch, poisoned, jax.random.PRNGKey(2), CLIP)
         assert np.isnan(float(metrics["mismatch/kl"]))
         assert ("rollout correction weights" in finite and not bool(finite["rollout correction weights"])) == flagged
@@ -146,10 +148,10 @@ def test_a_non_finite_sampler_log_prob_is_named_by_the_guard_only_with_a_correct
 
 
 @pytest.mark.parametrize("method", ["comppo", "ppo"])
-def test_the_weights_multiply_every_estimators_advantages(tmp_path, method):
+def test_the_weights_multiply_every_estimators_advantages(method):
     """CompPO's Comp-GAE (TAC critic) and PPO's GAE (the standard head), as GRPO's above."""
-    learner, critic = learner_of(tmp_path / "mis", method=method, train__rollout_correction="mis")
-    plain, _ = learner_of(tmp_path / "none", method=method)
+    learner, critic = learner_of(method=method, train__rollout_correction="mis")
+    plain, _ = learner_of(method=method)
     advantages = credit_of(learner, critic)[2]
     plain_advantages = credit_of(plain, critic)[2]
     assert np.abs(np.asarray(plain_advantages)).sum() > 0
@@ -157,13 +159,13 @@ def test_the_weights_multiply_every_estimators_advantages(tmp_path, method):
 
 
 @pytest.mark.parametrize("policy_loss", ["gspo", "gspo_token"])
-def test_the_weights_compose_with_the_sequence_ratio_losses(tmp_path, policy_loss):
+def test_the_weights_compose_with_the_sequence_ratio_losses(policy_loss):
     """GSPO's losses read the weighted advantages as PPO's does: the gradient is the uncorrected loss's on
     advantages pre-multiplied by c."""
     actor, batch, *_ = designed_batch()
     overrides = dict(method="grpo", train__policy_loss=policy_loss)
-    learner, _ = learner_of(tmp_path / "tis", train__rollout_correction="tis", **overrides)
-    plain, _ = learner_of(tmp_path / "none", **overrides)
+    learner, _ = learner_of(train__rollout_correction="tis", **overrides)
+    plain, _ = learner_of(**overrides)
     advantages, plain_advantages = credit_of(learner, None)[2], credit_of(plain, None)[2]
     loss = lambda b: actor_loss(actor, CONFIG, b, 0.2, 0.0, learner.spec.actor_loss)[0]
     got = loss(batch._replace(advantages=advantages))
@@ -172,20 +174,18 @@ def test_the_weights_compose_with_the_sequence_ratio_losses(tmp_path, policy_los
     assert float(got) != pytest.approx(float(loss(batch._replace(advantages=plain_advantages))), rel=1e-3)
 
 
-def test_the_weights_compose_with_the_decoupled_objective_and_the_refreshed_credit(tmp_path):
+def test_the_weights_compose_with_the_decoupled_objective_and_the_refreshed_credit():
     """train.proximal=recompute: the advantages carry both weights, behaviour -> proximal times sampler ->
     scorer; gate_refresh=epoch's credit multiplies its fresh advantages by each of them."""
     actor, batch, _, mask, signals = designed_batch()
-    learner, _ = learner_of(
-        tmp_path / "both", method="grpo", train__proximal="recompute", train__rollout_correction="tis"
-    )
-    plain, _ = learner_of(tmp_path / "none", method="grpo")
+    learner, _ = learner_of(method="grpo", train__proximal="recompute", train__rollout_correction="tis")
+    plain, _ = learner_of(method="grpo")
     fields, kappa, advantages, weights, _, _ = credit_of(learner, None)
     proximal, capped, metrics, _ = learner.proximal_inputs(actor, batch._replace(advantages=advantages))
     assert float(metrics["importance_weight/max"]) != pytest.approx(1.0)  # the behaviour log-probs are not the actor's
     both = np.asarray(capped) * hand_weights("tis")
     np.testing.assert_allclose(proximal["advantages"], np.asarray(credit_of(plain, None)[2]) * both, rtol=1e-5)
-    comppo, _ = learner_of(tmp_path / "comppo", method="comppo")
+    comppo, _ = learner_of(method="comppo")
     credit = comppo.spec.credit
     refreshed = functools.partial(refreshed_credit, credit, batch, signals, kappa, jax.random.PRNGKey(2), CLIP)
     alone = refreshed()[0]["advantages"]

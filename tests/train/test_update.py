@@ -19,14 +19,21 @@ from comppo_jax.train.specs import actor_loss_of
 from comppo_jax.train.update import actor_step, cast_params
 
 
+@functools.cache
+def inputs():
+    """update_inputs(), built once for the module: no step here donates them (jit(actor_step) donates nothing,
+    the LoRA step only the adapters it adds)."""
+    return update_inputs()
+
+
 def test_fp32_master_weights_train_through_a_bf16_forward():
-    actor, actor_opt, actor_tx, *_, batch = update_inputs()
+    actor, actor_opt, actor_tx, *_, batch = inputs()
     bf16 = dataclasses.replace(CONFIG, dtype="bfloat16")
     step = functools.partial(actor_step, config=bf16, tx=actor_tx)
-    jaxpr = jax.make_jaxpr(step)(actor, actor_opt, batch, HYPER["actor"]).jaxpr
-    dots = [e for j in nested_jaxprs(jaxpr) for e in j.eqns if e.primitive.name == "dot_general"]
+    traced = jax.jit(step).trace(actor, actor_opt, batch, HYPER["actor"])  # one trace: inspected, then run
+    dots = [e for j in nested_jaxprs(traced.jaxpr.jaxpr) for e in j.eqns if e.primitive.name == "dot_general"]
     assert any(all(v.aval.dtype == jnp.bfloat16 for v in e.invars) for e in dots)  # the forward computes in bf16 ...
-    new_actor, new_opt, metrics = jax.jit(step)(actor, actor_opt, batch, HYPER["actor"])
+    new_actor, new_opt, metrics = traced.lower().compile()(actor, actor_opt, batch, HYPER["actor"])
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_actor))  # ... while the master weights stay fp32
     assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(new_opt.inner_state[0].mu))
     changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), actor, new_actor)
@@ -34,7 +41,7 @@ def test_fp32_master_weights_train_through_a_bf16_forward():
 
 
 def test_cast_params_is_identity_in_the_same_dtype():
-    actor, *_ = update_inputs(batch=2)
+    actor, *_ = inputs()
     same = cast_params(actor, jnp.float32)
     assert all(
         a.dtype == b.dtype and bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(same))
@@ -156,7 +163,7 @@ def test_a_lora_step_trains_only_the_adapters_and_leaves_the_base_arrays_in_plac
     from comppo_jax.models import lora
     from comppo_jax.train.update import apply_actor_step, jit_update_steps
 
-    base, _, actor_tx, *_, batch = update_inputs()
+    base, _, actor_tx, *_, batch = inputs()
     actor = lora.join(
         base, lora.init_adapters(CONFIG, lora.LoraConfig(rank=4, targets=("q", "v", "down")), jax.random.PRNGKey(1))
     )
