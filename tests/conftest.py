@@ -524,10 +524,13 @@ def cluster_tail(result, chars: int = 4000) -> str:
 
 # The longest files (minutes each, measured with --durations), started first on alternate workers.
 LONGEST_FILES = (
-    # the slow tier's
+    # the slow tier's (CI, 2026-11-29)
     "launch/test_local_cluster.py",
-    "eval/test_experiment.py",
-    "runs/test_checkpoint.py",
+    "train/test_staleness.py",
+    "launch/test_gpu_validation.py",
+    "train/test_decode_layout.py",
+    "planning/test_planner.py",
+    "train/test_train_loop.py",
     # the fast tier's
     "pallas_kernels/test_kernels.py",
     "rollout/test_sampler.py",

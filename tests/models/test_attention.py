@@ -343,8 +343,8 @@ def xla_forward_without_remat():
     return forward_loss_and_grads(CONFIG)
 
 
-# The remat policies run the same code here (one jax.checkpoint, a policy of JAX's): "full" and
-# "dots" stand for "dots_no_batch" too.
+# Every remat policy runs the same code of ours (one jax.checkpoint, with a policy of JAX's):
+# "full" and "dots" stand for "dots_no_batch" too.
 @pytest.mark.parametrize("attention,remat", [("chunked", "full"), ("splash_interpret", "none"), ("xla", "dots")])
 def test_forward_logits_and_gradient_do_not_depend_on_attention_or_remat(attention, remat, xla_forward_without_remat):
     expected_value, expected = xla_forward_without_remat
@@ -368,12 +368,14 @@ k, v = (jnp.asarray(rng.normal(size=(2, 130, 2, 16)), jnp.float32) for _ in rang
 mask = jnp.asarray(np.arange(130)[None] < np.array([[130], [90]]))
 rows = NamedSharding(mesh, P(BATCH))
 attend = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, block=128, interpret=True), in_shardings=(rows,) * 4)
+# The output and the gradient of its masked sum, in one compile.
+output_and_grad = lambda attention: jax.jit(
+    lambda q: (attention(q), jax.grad(lambda q: jnp.where(mask[:, :, None, None], attention(q), 0).sum())(q))
+)
 with jax.set_mesh(mesh):
-    out = attend(q, k, v, mask)
     assert "shard_map" in str(jax.make_jaxpr(attend)(q, k, v, mask))  # the kernel sees per-device blocks
-    grad = jax.jit(jax.grad(lambda q: jnp.where(mask[:, :, None, None], attend(q, k, v, mask), 0).sum()))(q)
-reference = jax.jit(lambda q: jnp.where(mask[:, :, None, None], causal_attention(q, k, v, mask), 0))
-reference_out, reference_grad = reference(q), jax.jit(jax.grad(lambda q: reference(q).sum()))(q)
+    out, grad = output_and_grad(lambda q: attend(q, k, v, mask))(q)
+reference_out, reference_grad = output_and_grad(lambda q: causal_attention(q, k, v, mask))(q)
 grad_error = np.abs(np.asarray(grad - reference_grad)).max()
 assert grad_error < 5e-5, grad_error
 error = np.abs(np.asarray(out - reference_out))[np.asarray(mask)].max()

@@ -43,7 +43,7 @@ LENGTH = 16
 def test_init_params_matches_param_shapes_and_dtype():
     for config in (CONFIG, CONFIG.replace(tie_word_embeddings=True, dtype="bfloat16", architecture="llama")):
         # Traced for the shapes and dtypes, nothing computed (the `params` fixture runs it).
-        params = jax.eval_shape(lambda key: init_params(config, key), jax.random.PRNGKey(1))  # noqa: B023
+        params = jax.eval_shape(lambda key: init_params(config, key), jax.random.PRNGKey(1))
         assert jax.tree.map(lambda a: tuple(a.shape), params) == param_shapes(config)
         assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(config.dtype)}
         assert ("lm_head" in params) != config.tie_word_embeddings
@@ -168,8 +168,8 @@ def test_only_the_final_layer_runs_the_kernel_and_it_matches_the_reference(param
     )
     assert count_pallas_calls(jax.make_jaxpr(lambda *a: forward(*a), static_argnums=1)(*args).jaxpr) == 0
 
-    assert pallas_kernels.default_backend() == "interpret"
-    kernel = forward(*args, window_start)  # the default backend: the [2, 16] forward the other tests compiled
+    # The default backend (the kernel interpreted, on CPU): the [2, 16] forward the other tests compiled.
+    kernel = forward(*args, window_start)
     reference = forward(*args, window_start, concentration_backend="reference")
     real = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(kernel.logits)[real], np.asarray(reference.logits)[real], atol=1e-5)

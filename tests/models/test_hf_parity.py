@@ -112,8 +112,9 @@ def test_both_config_layouts_give_the_same_model(hf_checkpoint, tmp_path, archit
         assert config_4x.rope_scaling.original_max_position_embeddings == 16
 
 
-# Each architecture and each layout (one file, shards) once: the sharding is by bytes, whatever the tensors.
-@pytest.mark.parametrize("architecture,tie,max_shard_bytes", [("qwen3", True, None), ("llama", False, 40_000)])
+# Each architecture and each layout (one file; shards, here without the tied head) once: the
+# sharding is by bytes, whatever the tensors.
+@pytest.mark.parametrize("architecture,tie,max_shard_bytes", [("qwen3", True, 40_000), ("llama", False, None)])
 def test_to_hf_round_trip_reloads_in_transformers(hf_checkpoint, tmp_path, architecture, tie, max_shard_bytes):
     path, model = hf_checkpoint(architecture, tie)
     config, params = from_hf(path)
