@@ -12,7 +12,7 @@ from conftest import cluster_tail, fake_devices_env, launch_script, on_local_clu
 
 from comppo_jax.data.datasets import Problem
 from comppo_jax.environments import Environment, Reply
-from comppo_jax.rollout import engine, generate
+from comppo_jax.rollout import engine, generate, turns
 from comppo_jax.rollout.scoring import score_rollout
 from comppo_jax.rollout.turns import converse
 from tests.rollout.test_engine import CONFIG, PROMPT_MASK, PROMPTS, params  # noqa: F401  (fixture)
@@ -53,7 +53,10 @@ class Scripted(Environment):
 @pytest.fixture(scope="module")
 def call(params):  # noqa: F811
     """Call tokens sampled often enough that most rows call at least once in 24 tokens."""
-    sampled = generate(params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(5), max_new_tokens=24, num_samples=2)
+    # The keywords of test_without_calls_a_conversation_is_generate's sampler: one program for both.
+    sampled = generate(
+        params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(5), max_new_tokens=24, num_samples=2, temperature=1.0
+    )
     ids, counts = np.unique(np.asarray(sampled.response_tokens), return_counts=True)
     return tuple(int(i) for i in ids[np.argsort(counts)[-6:]])
 
@@ -78,7 +81,10 @@ def conversation(params, call):  # noqa: F811
         return original(params, config, tokens, *args)
 
     environment = Scripted(call)
-    jax.clear_caches()  # another test file in this process may have traced these programs already
+    # Another test file in this process may have traced the engine's steps already: trace them afresh (not
+    # jax.clear_caches(), which would drop every program compiled so far, the call fixture's sampler too).
+    for program in (turns._start, turns._decode, turns._resume):
+        program.clear_cache()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine, "prefill_prompts", recording)
         out = talk(params, environment)
@@ -131,9 +137,11 @@ def test_rows_depend_on_the_rng_and_replies_only_not_on_slots_or_pages(params, c
         np.testing.assert_array_equal(other.env_mask, reference.env_mask)
 
 
-def test_without_calls_a_conversation_is_generate(params):  # noqa: F811
-    # max_turns as in the next test (one compiled decode loop): without a call, no turn ever ends.
-    out = talk(params, Scripted((CONFIG.vocab_size + 1,)), max_turns=2)
+def test_without_calls_a_conversation_is_generate(params, call):  # noqa: F811
+    # Call tokens past the vocabulary, never sampled; as many as `call`'s, with max_turns as in the next test's
+    # first case: its compiled decode loop (without a call no turn ever ends, whatever max_turns).
+    never = tuple(CONFIG.vocab_size + 1 + i for i in range(len(call)))
+    out = talk(params, Scripted(never), max_turns=2)
     plain = generate(
         params, CONFIG, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(6), max_new_tokens=24, num_samples=2, temperature=1.0
     )

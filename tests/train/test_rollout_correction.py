@@ -69,6 +69,13 @@ def hand_weights(rule: str) -> np.ndarray:
     return np.where(mask, capped, 0.0)
 
 
+@functools.cache
+def loss_gradient(spec):
+    """The gradient of the actor loss `spec` (clip 0.2, no KL), jitted: one program for every call here (eagerly,
+    each op would compile on its own)."""
+    return jax.jit(jax.grad(lambda params, b: actor_loss(params, CONFIG, b, 0.2, 0.0, spec)[0]))
+
+
 def credit_of(learner, critic):
     """The learner's credit program on the designed batch: (fields, kappa, advantages, weights, metrics, finite)."""
     _, batch, _, _, signals = designed_batch()
@@ -112,7 +119,7 @@ def test_the_learner_weighs_the_clipped_advantages_by_the_sampler_to_scorer_weig
     loss = lambda params, b: actor_loss(params, CONFIG, b, 0.2, 0.0, learner.spec.actor_loss)[0]
     corrected = batch._replace(advantages=advantages)
     assert float(loss(current, corrected)) == pytest.approx(per_token[mask].sum() / mask.sum(), rel=1e-4, abs=1e-6)
-    grad = jax.jit(jax.grad(loss))  # one program for the three (eagerly, each op compiles on its own)
+    grad = loss_gradient(learner.spec.actor_loss)
     gradient = grad(current, corrected)
     premultiplied = grad(current, batch._replace(advantages=plain_advantages * c))
     packed = grad(current, corrected._replace(packing=packed_batches.packing_of(batch.attention_mask)))
