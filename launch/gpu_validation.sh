@@ -34,7 +34,7 @@ if [ -n "${SMOKE:-}" ]; then  # a check of this script, not of speed: a slow CPU
   budget=${BUDGET_S:-3600}
   kernel_args=(--length=256) credit_sizes=("--batch=4 --length=256") step_model=tiny lora_args=(--repeats=1 --shapes=tiny)
   sampler_args=(--batch=2 --length=64 --tables=plain,long_tailed --repeats=1) profile_length=256
-  staleness_args=() pytest_workers=0  # on a CPU the gpu-marked tests skip: collect them once, not in 4 workers
+  staleness_args=() pytest_workers=0  # a check of the script: one pytest process (its gpu tests skip on a CPU)
 else
   kernel_args=() credit_sizes=("--batch=16 --length=16384" "--batch=256 --length=4096") step_model=qwen3_0.6b
   sampler_args=(--batch=16 --length=8192 --tables=long_tailed,uniform,plain) profile_length=16384
