@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import glob
 import json
 import os
@@ -120,6 +121,21 @@ def _kill_cgroup(cgroup: str) -> None:
         time.sleep(0.01)
 
 
+def _remove_cgroup(cgroup: str, timeout_s: float = 10.0) -> None:
+    """Kills every process in `cgroup` and removes it. A killed process leaves cgroup.procs when it
+    starts exiting but holds the cgroup until it has exited: rmdir fails with EBUSY until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _kill_cgroup(cgroup)
+        try:
+            os.rmdir(cgroup)
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise OSError(error.errno, f"remove the program's cgroup {cgroup}: {error.strerror}") from error
+        time.sleep(0.01)
+
+
 def _kill_all(pid: int, cgroup: str | None) -> None:
     """Kills the program's session and, with a cgroup, every process in it."""
     with contextlib.suppress(ProcessLookupError):  # the session has already ended
@@ -142,8 +158,7 @@ def reap(worker: int) -> None:
     pattern = _prefix(worker) + "*"
     for parent in CGROUP_PARENTS:
         for cgroup in glob.glob(os.path.join(parent, pattern)):
-            _kill_cgroup(cgroup)
-            os.rmdir(cgroup)
+            _remove_cgroup(cgroup)
     for directory in glob.glob(os.path.join(tempfile.gettempdir(), pattern)):
         _remove_directory(directory)
 
@@ -182,7 +197,7 @@ def run_program(item: list) -> dict:
             process.wait()
         _remove_directory(directory)
         if cgroup:
-            os.rmdir(cgroup)
+            _remove_cgroup(cgroup)
     output.seek(0)
     text = output.read().decode(errors="replace")
     output.close()

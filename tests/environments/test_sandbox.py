@@ -258,6 +258,24 @@ def test_a_worker_killed_mid_program_leaves_no_program_cgroup_or_mount():
         assert box.step([call("print(6 * 7)")])[0].outcome == OK
 
 
+def test_reap_waits_while_a_dead_programs_cgroup_is_still_busy():
+    """A killed process leaves cgroup.procs before it has exited, and rmdir fails with EBUSY until it
+    has: here the cgroup is kept busy for a moment by a child cgroup instead."""
+    worker = 2**22 + 1  # above pid_max's default: no live worker has this name
+    parent = next(p for p in CGROUP_PARENTS if os.path.exists(os.path.join(p, "cgroup.procs")))
+    cgroup = tempfile.mkdtemp(prefix=f"comppo-sandbox-{worker}-", dir=parent)
+    busy = os.path.join(cgroup, "busy")
+    os.mkdir(busy)
+    release = threading.Timer(0.3, os.rmdir, [busy])
+    release.start()
+    try:
+        reap(worker)
+        assert leftovers(worker) == []
+    finally:
+        release.join()
+        reap(worker)
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_program_never_outlives_its_worker_even_unsupervised(stop):
     """SIGTERM (the trainer died: the worker's parent-death signal): the worker kills its program and
