@@ -228,7 +228,8 @@ def init_tac(module: TransportAlignedCritic, rng, num_fused_layers: int, hidden_
     slots = (1, 1, top_k)
     routing = Routing(jnp.zeros(slots, jnp.int32), jnp.zeros(slots, jnp.float32), jnp.zeros(slots, bool))
     hidden_states = jnp.zeros((num_fused_layers, 1, 1, hidden_size), jnp.float32)
-    return module.init(rng, hidden_states, routing, jnp.zeros((1, 1), jnp.float32))["params"]
+    init = jax.jit(module.init)  # one program, not an eager op per layer of the module
+    return init(rng, hidden_states, routing, jnp.zeros((1, 1), jnp.float32))["params"]
 
 
 def init_standard_value_head(hidden_size: int) -> dict:

@@ -88,6 +88,7 @@ def param_shapes(config: ModelConfig) -> dict:
     return shapes
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))  # one program, not an eager op per leaf
 def init_params(config: ModelConfig, rng: PRNGKeyArray, init_std: float = 0.02) -> dict:
     """Random params: N(0, init_std) matrices, unit norm weights, in `config.dtype`."""
     shapes = param_shapes(config)
@@ -99,7 +100,8 @@ def init_params(config: ModelConfig, rng: PRNGKeyArray, init_std: float = 0.02) 
         key = next(keys)
         if "norm" in jax.tree_util.keystr(path):
             return jnp.ones(shape, dtype)
-        return (init_std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        # the barrier keeps the draw's rounding what it is outside this jit
+        return (init_std * jax.lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))).astype(dtype)
 
     return jax.tree_util.tree_map_with_path(make, shapes, is_leaf=is_shape)
 

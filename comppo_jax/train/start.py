@@ -334,9 +334,9 @@ def starting_point(
     actor_tx, critic_tx = adamw(cfg.train.actor_lr), adamw(cfg.train.critic_lr)
     state = {
         "actor": actor,
-        "actor_opt": actor_tx.init(lora.trainable(actor)),
+        "actor_opt": jax.jit(actor_tx.init)(lora.trainable(actor)),  # one program, not an op per leaf
         "critic": critic,
-        "critic_opt": None if critic is None else critic_tx.init(critic),
+        "critic_opt": None if critic is None else jax.jit(critic_tx.init)(critic),
         "rng": rng,
     }
     state = sharding.put(state, sharding.tree_shardings(mesh, state))

@@ -81,7 +81,7 @@ def warm_start(
     of the device).
     `check_stop(stage)` runs every 20 steps (the train loop's stop check, which may raise)."""
     tx = optax.adamw(learning_rate, b1=0.9, b2=0.999, weight_decay=0.0)
-    opt_state = tx.init(params)
+    opt_state = jax.jit(tx.init)(params)  # one program, not an eager op per leaf
     rng = np.random.default_rng(seed)
     loss = float("nan")
     first_call_notices(progress)("the warm start")

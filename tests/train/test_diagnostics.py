@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
+from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics, spearman
 
 
 def test_gate_statistics_by_position_third_and_correctness():
@@ -40,3 +40,13 @@ def test_critic_diagnostics():
     assert stats["critic/td_spearman"] == pytest.approx(1.0)
     constant = critic_diagnostics(np.zeros((1, 4)), returns, rewards, kappa, mask)
     assert "critic/td_spearman" not in constant and "critic/explained_variance" in constant
+
+
+def test_spearman_with_ties_is_scipys():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 5, 200).astype(float), rng.normal(size=200)  # x: many ties
+    y[::3] = 0.5
+    assert spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+    assert spearman(x, -x) == pytest.approx(-1.0)
