@@ -16,21 +16,11 @@ from comppo_jax.accelerators import select_cpu_without_accelerator
 
 select_cpu_without_accelerator()
 
-from comppo_jax.credit import (  # noqa: E402  (the platform is chosen before anything can start JAX)
-    comp_gae,
-    fixed_gate,
-    gae,
-    grpo_advantages,
-    normalized_concentration,
-    retention_gate,
-    shuffle_gate,
-    transport_kernel,
-    whiten_advantages,
-)
-
 __version__ = "0.1.0"
 
-__all__ = [
+# The public estimators, imported on first use: a process that imports only a part of the package (a
+# reward or sandbox worker) does not pay for JAX and the credit modules.
+_CREDIT = (
     "comp_gae",
     "fixed_gate",
     "gae",
@@ -40,4 +30,13 @@ __all__ = [
     "shuffle_gate",
     "transport_kernel",
     "whiten_advantages",
-]
+)
+__all__ = list(_CREDIT)
+
+
+def __getattr__(name: str):
+    if name in _CREDIT:
+        from comppo_jax import credit
+
+        return getattr(credit, name)
+    raise AttributeError(f"module 'comppo_jax' has no attribute {name!r}")

@@ -28,14 +28,23 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-# Compiling is most of what these small tests do, and two XLA:CPU settings make it cheap: LLVM's
-# optimization passes at level 0 (tests/rollout/test_sampler.py: 150 s of CPU at the default level, 94 s
-# at 0) and the elemental emitters in place of the MLIR fusion emitters (68 s -> 34 s at level 0). Both
-# change how fast the compiled code runs, not what the tests check; subprocesses inherit them.
-FAST_COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
-for _flag, _value in FAST_COMPILE_FLAGS.items():
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+
+def _add_xla_flags(flags: dict[str, str]) -> None:
+    """Adds each flag to XLA_FLAGS unless it is already set there (the user's setting wins)."""
+    for flag, value in flags.items():
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
+
+
+# Compiling is most of what these small tests do, and LLVM's optimization passes are most of XLA:CPU's
+# compile time (tests/rollout/test_sampler.py: 150 s of CPU at the default level, 94 s at 0). The level
+# changes how fast the compiled code runs, not what it computes; subprocesses inherit it.
+_add_xla_flags({"xla_backend_optimization_level": "0"})
+# The README's tier (-m "not slow") also compiles with the elemental emitters in place of the MLIR fusion
+# emitters (tests/rollout/test_sampler.py: 68 s -> 34 s of CPU). They fuse and round differently, and a few
+# slow tests compare runs whose rounding the optimizer amplifies (packed against padded rows, offloaded
+# state against resident state, 8 devices against 1): the slow tier compiles as XLA:CPU does by default.
+FAST_TIER_FLAGS = {"xla_cpu_use_fusion_emitters": "false"}
 
 # Imported after the settings above: JAX reads JAX_COMPILATION_CACHE_DIR and the cache's minimum compile
 # time when it is first imported, so the tests' own process would otherwise run without the cache.
@@ -542,6 +551,14 @@ LONGEST_FILES = (
     "models/test_forward.py",
     "pallas_kernels/test_compile.py",
 )
+
+
+def pytest_configure(config):
+    """FAST_TIER_FLAGS for the README's tier, before any backend starts (xdist's workers, started after
+    this, inherit them; CPU_ONLY_ENV is updated for this process's subprocesses)."""
+    if config.getoption("markexpr") == "not slow":
+        _add_xla_flags(FAST_TIER_FLAGS)
+        CPU_ONLY_ENV["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
 
 
 def pytest_collection_modifyitems(config, items):

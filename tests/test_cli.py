@@ -32,6 +32,10 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     )
     line = next(line for line in result.stdout.splitlines() if "--config.rollout.max_new_tokens=" in line)
     assert re.fullmatch(r"\s+--config\.rollout\.max_new_tokens=16384\s+longest response", line), line
+    # method, steps, seed and output_dir come before the sections (not after eval, alphabetically)
+    fields = result.stdout.split("--config fields", 1)[1].splitlines()
+    assert fields[2] == "[top level]", fields[:3]
+    assert any(line.startswith("  --config.method=") for line in fields[:20]), fields[:20]
 
     # A field whose "auto" stands for another value says which, with the command line's overrides applied.
     line = next(line for line in result.stdout.splitlines() if "--config.train.loss_aggregation=" in line)
@@ -44,15 +48,6 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     assert experiment.returncode == 0, experiment.stderr
     for name, description in EXPERIMENT_HELP.items():
         assert f"--experiment.{name}=" in experiment.stdout and description in experiment.stdout
-
-
-def test_help_lists_the_top_level_fields_first():
-    """method, steps, seed and output_dir come before the sections (not after eval, alphabetically)."""
-    result = launch_script("launch/train.py", "--help")
-    assert result.returncode == 0, result.stderr
-    fields = result.stdout.split("--config fields", 1)[1].splitlines()
-    assert fields[2] == "[top level]", fields[:3]
-    assert any(line.startswith("  --config.method=") for line in fields[:20]), fields[:20]
 
 
 def test_a_run_named_without_a_config_brings_its_own_config_first():

@@ -68,6 +68,17 @@ def test_a_worker_killed_mid_item_costs_that_item_alone():
         assert "status -9" in results[0].value
 
 
+def test_ready_workers_have_not_loaded_jax():
+    """A reward or tool worker imports only what it runs: no JAX (seconds and ~150 MB a worker)."""
+    from comppo_jax.data.rewards import VerifierPool
+    from comppo_jax.environments.calculator import Calculator
+
+    with VerifierPool(num_workers=1) as verifier, Calculator(num_workers=1) as calculator:
+        for pool in (verifier._pool, calculator._pool):
+            with open(f"/proc/{pool._workers[0].pid}/maps") as maps:
+                assert "jaxlib" not in maps.read(), pool.command
+
+
 def test_workers_run_in_a_session_and_process_group_of_their_own():
     with workers.function_pool("operator:neg", num_workers=1) as pool:
         pid = pool._workers[0].pid

@@ -13,10 +13,13 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from comppo_jax import workers
-from comppo_jax.data.datasets import Problem
 from comppo_jax.environments.protocol import ERROR, MALFORMED, OK, TIMEOUT, Environment, Reply, Turn
+
+if TYPE_CHECKING:  # a worker imports this module: not the data sets' (hub, storage) modules
+    from comppo_jax.data.datasets import Problem
 
 OPEN, CALL = "[", "]"
 MAX_EXPRESSION = 64

@@ -7,8 +7,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from comppo_jax.data.datasets import Problem
+if TYPE_CHECKING:  # a worker imports this module: not the data sets' (hub, storage) modules
+    from comppo_jax.data.datasets import Problem
+
 
 # How a tool call ended; each is counted in a rollout's metrics (env/<outcome>).
 OK, MALFORMED, ERROR, TIMEOUT = "ok", "malformed", "error", "timeout"

@@ -46,11 +46,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from comppo_jax import workers
-from comppo_jax.data.datasets import Problem
 from comppo_jax.environments import confine
 from comppo_jax.environments.protocol import ERROR, MALFORMED, OK, TIMEOUT, Environment, Reply, Turn
+
+if TYPE_CHECKING:  # a worker imports this module: not the data sets' (hub, storage) modules
+    from comppo_jax.data.datasets import Problem
 
 LAUNCHER = os.path.abspath(confine.__file__)
 MIN_LANDLOCK_ABI = 6  # files, TCP and signals
