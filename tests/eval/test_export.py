@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from conftest import full_disk, launch_script, right_padded_batch, small_train_flags
 
 from comppo_jax import storage
@@ -25,11 +24,17 @@ from comppo_jax.eval import export as export_module
 from comppo_jax.models import forward, from_hf, lora, to_hf
 from comppo_jax.models.hf import to_peft
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+
+def hf_libraries():
+    """(torch, transformers, peft), imported by the tests that use them: not at collection, where every
+    worker would pay for them."""
+    import torch
+
+    return torch, pytest.importorskip("transformers"), pytest.importorskip("peft")
 
 
 def hf_logits(model, tokens, mask):
+    torch, _, _ = hf_libraries()
     with torch.no_grad():
         return model(
             torch.from_numpy(tokens.astype(np.int64)), attention_mask=torch.from_numpy(mask.astype(np.int64))
@@ -64,6 +69,7 @@ def test_peft_loads_our_adapters_and_the_merged_export_loads_in_transformers(
     ours = our_logits(adapted, config, tokens, mask)
     assert np.abs(ours - our_logits(base, config, tokens, mask))[mask].max() > 0.1  # the adapters matter
 
+    _, transformers, peft = hf_libraries()
     to_peft(config, lora.trainable(adapted), str(tmp_path / "adapters"), base_model=path)
     saved = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert saved["r"] == 4 and saved["lora_alpha"] == 8.0 and saved["base_model_name_or_path"] == path
@@ -117,6 +123,7 @@ def test_a_lora_run_exports_to_peft_with_its_own_base_and_to_merged_hf_weights(l
     result = export(f"--run={lora_run}", "--step=latest", f"--out={peft_out}", "--format=peft")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the base the adapters were trained on" in result.stdout
+    torch, transformers, peft = hf_libraries()
     base = transformers.AutoModelForCausalLM.from_pretrained(
         str(peft_out / "base"), attn_implementation="eager", dtype=torch.float32
     )

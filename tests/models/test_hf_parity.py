@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from conftest import rewrite_config, right_padded_batch
 
 from comppo_jax.models import ModelConfig, forward, from_hf, to_hf
@@ -20,6 +18,8 @@ CASES = [("qwen3", True), ("llama", False)]
 
 
 def torch_outputs(model, tokens, mask):
+    import torch  # here, not at collection, where every worker would import it
+
     with torch.no_grad():
         return model(
             torch.from_numpy(tokens.astype(np.int64)),
@@ -121,6 +121,8 @@ def test_to_hf_round_trip_reloads_in_transformers(hf_checkpoint, tmp_path, archi
     to_hf(config, params, str(tmp_path), max_shard_bytes=max_shard_bytes)
     files = os.listdir(tmp_path)
     assert ("model.safetensors.index.json" in files) == (max_shard_bytes is not None)
+    import transformers
+
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     tokens, mask = right_padded_batch(seed=1)
     expected = torch_outputs(model, tokens, mask).logits.numpy()

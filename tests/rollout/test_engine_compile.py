@@ -79,9 +79,9 @@ def compiled_tpu_step(chip):
     return compiled, inputs[2]
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v5p"])
-def test_tpu_decode_step_compiles_at_qwen3_4b_dims_with_a_16k_context(chip):
-    compiled, pool = compiled_tpu_step(chip)
+def test_tpu_decode_step_compiles_at_qwen3_4b_dims_with_a_16k_context():
+    """On v5e; the slow tier compiles the engine for v5p (8-bit pages, and the decode layouts)."""
+    compiled, pool = compiled_tpu_step("v5e")
     assert "ragged_paged_attention" in compiled.as_text()
     pool_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in pool.arrays)
     # The pool is updated in place: the step needs no second copy of it.
