@@ -418,6 +418,78 @@ def launch_script(script: str, *args: str, env: dict | None = None):
     )
 
 
+# A process that has imported what the launchers import, and forks one child per launch (`launch_quick`):
+# a launch that fails on its flags or config then costs a fork, not an interpreter and JAX's imports. It
+# never starts a JAX backend (JAX warns on a fork after one), and takes JSON lines {script, args, stdout,
+# stderr} on stdin, answering {"pid"} once the child runs and {"returncode"} when it has exited.
+_ZYGOTE = r"""
+import atexit, json, os, runpy, sys, traceback
+import comppo_jax.cli, comppo_jax.train.validation, comppo_jax.eval.restore  # the launchers' imports
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"]), (0, os.devnull)):
+            os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC if fd else os.O_RDONLY), fd)
+        os.chdir(request["cwd"])
+        sys.argv = [request["script"], *request["args"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
+        code = 0
+        try:
+            runpy.run_path(request["script"], run_name="__main__")
+        except SystemExit as exit:  # as the interpreter reports it
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+            if not isinstance(exit.code, int | None):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    status = os.waitpid(pid, 0)[1]
+    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+_zygote = None
+
+
+def launch_quick(script: str, *args: str, cwd: str = REPO):
+    """`launch_script(script, *args)` forked from a process that has already imported the launchers'
+    modules: for launches that end on their flags or config (one error line, --help), seconds each
+    otherwise. The script runs as `python <script>` runs it in `cwd` (`__main__`, its argv and sys.path[0])."""
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        _zygote = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE],
+            cwd=REPO,
+            env=dict(CPU_ONLY_ENV, OPENBLAS_NUM_THREADS="1"),  # no BLAS threads beside the forking one
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        atexit.register(lambda zygote=_zygote: (zygote.kill(), zygote.wait()))
+        assert json.loads(_zygote.stdout.readline()) == {"ready": True}
+    with tempfile.TemporaryDirectory() as scratch:
+        outputs = {name: os.path.join(scratch, name) for name in ("stdout", "stderr")}
+        request = dict(script=script, args=list(args), cwd=str(cwd), **outputs)
+        _zygote.stdin.write(json.dumps(request) + "\n")
+        _zygote.stdin.flush()
+        pid = json.loads(_zygote.stdout.readline())["pid"]
+        if not select.select([_zygote.stdout], [], [], HANG_S)[0]:
+            os.kill(pid, signal.SIGKILL)  # the zygote reaps it and answers
+        returncode = json.loads(_zygote.stdout.readline())["returncode"]
+        stdout, stderr = (open(outputs[name]).read() for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
+
+
 def fake_devices_env(devices: int, **extra: str) -> dict:
     """CPU_ONLY_ENV for a subprocess with `devices` fake CPU devices, keeping this session's XLA_FLAGS."""
     flags = f"{CPU_ONLY_ENV.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()

@@ -6,7 +6,7 @@ import os
 import re
 
 import pytest
-from conftest import REPO, launch_script
+from conftest import REPO, launch_quick
 
 from comppo_jax.cli import _config_rows, _override_problem, with_run_config
 from comppo_jax.eval.experiment import FIELD_HELP as EXPERIMENT_HELP
@@ -23,7 +23,7 @@ def test_every_field_of_each_preset_has_a_description(preset):
 
 
 def test_help_exits_0_and_lists_the_loaded_configs_fields():
-    result = launch_script("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
+    result = launch_quick("launch/train.py", "--config=configs/qwen3_4b.py", "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Train with CompPO, GRPO or PPO")
     assert (
@@ -40,11 +40,11 @@ def test_help_exits_0_and_lists_the_loaded_configs_fields():
     # A field whose "auto" stands for another value says which, with the command line's overrides applied.
     line = next(line for line in result.stdout.splitlines() if "--config.train.loss_aggregation=" in line)
     assert "'auto'" in line and "[here: token-mean]" in line, line
-    gspo = launch_script("launch/train.py", "--config.method=grpo", "--config.train.policy_loss=gspo", "--help")
+    gspo = launch_quick("launch/train.py", "--config.method=grpo", "--config.train.policy_loss=gspo", "--help")
     assert gspo.returncode == 0, gspo.stderr
     assert "--config.train.policy_loss='gspo'" in gspo.stdout and "[here: seq-mean-token-mean]" in gspo.stdout
 
-    experiment = launch_script("launch/experiment.py", "--experiment=configs/experiments.py:main", "--help")
+    experiment = launch_quick("launch/experiment.py", "--experiment=configs/experiments.py:main", "--help")
     assert experiment.returncode == 0, experiment.stderr
     for name, description in EXPERIMENT_HELP.items():
         assert f"--experiment.{name}=" in experiment.stdout and description in experiment.stdout
@@ -130,7 +130,7 @@ def test_a_config_that_does_not_load_is_one_line_naming_the_file_and_field(tmp_p
     for name, text in CONFIG_FILES.items():
         (tmp_path / name).write_text(text)
     arguments, line = CONFIG_CASES[case]
-    result = launch_script("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments))
+    result = launch_quick("launch/train.py", *(argument.format(tmp=tmp_path) for argument in arguments))
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         f"error: {line.format(tmp=tmp_path)}",
@@ -149,13 +149,13 @@ def test_a_misspelt_field_suggests_the_close_fields_of_every_section(monkeypatch
 
 
 def test_a_config_error_with_verbosity_shows_the_traceback():
-    result = launch_script("launch/train.py", "--config.stepz=5", "--verbosity=1")
+    result = launch_quick("launch/train.py", "--config.stepz=5", "--verbosity=1")
     assert result.returncode == 1 and "Traceback" in result.stderr and 'Did you mean "steps"' in result.stderr
 
 
 def test_an_override_of_a_parameterised_config_file_is_checked_against_its_fields():
     """`file.py:arg` passes arg to get_config: the fields named are that config's."""
-    result = launch_script("launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1")
+    result = launch_quick("launch/experiment.py", "--experiment=configs/experiments.py:main", "--experiment.seed=1")
     assert result.returncode == 1 and result.stderr.splitlines()[0] == (
         "error: ConfigFileError: --experiment.seed=1: configs/experiments.py:main has no field seed; "
         "did you mean seeds?"
@@ -163,7 +163,7 @@ def test_an_override_of_a_parameterised_config_file_is_checked_against_its_field
 
 
 def test_help_with_a_config_that_does_not_load_fails_in_one_line():
-    result = launch_script("launch/train.py", "--config=configs/tiy.py", "--help")
+    result = launch_quick("launch/train.py", "--config=configs/tiy.py", "--help")
     assert result.returncode == 1 and result.stderr.splitlines() == [
         "error: ConfigFileError: configs/tiy.py does not exist (--config=configs/tiy.py)",
         "(--verbosity=1 shows the traceback)",

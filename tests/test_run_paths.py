@@ -8,11 +8,9 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO
+from conftest import REPO, launch_quick
 
 ROOT = pathlib.Path(REPO)
 MODULES = sorted(
@@ -101,14 +99,7 @@ REFUSED_FLAGS = [
 
 @pytest.mark.parametrize(("script", "arguments", "refused"), REFUSED_FLAGS, ids=[r[2] for r in REFUSED_FLAGS])
 def test_a_launcher_path_flag_that_is_not_local_or_gs_is_refused_before_main(tmp_path, script, arguments, refused):
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO, script), *arguments],
-        cwd=tmp_path,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    result = launch_quick(os.path.join(REPO, script), *arguments, cwd=tmp_path)
     first = result.stderr.splitlines()[0]
     assert result.returncode == 1 and first.startswith(f"error: IllegalFlagValueError: flag {refused}: "), first
     assert "write gs://BUCKET/..." in first or "write a local path or gs://BUCKET/..." in first
@@ -117,19 +108,12 @@ def test_a_launcher_path_flag_that_is_not_local_or_gs_is_refused_before_main(tmp
 
 def test_a_benchmark_path_that_is_not_local_or_gs_is_refused_before_any_restore(tmp_path):
     benchmark = "math500=s3://bucket/math500.jsonl"
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "launch/eval.py"),
-            f"--config={REPO}/configs/tiny.py",
-            "--checkpoint=runs/tiny",
-            f"--config.eval.benchmarks={benchmark}",
-        ],
+    result = launch_quick(
+        os.path.join(REPO, "launch/eval.py"),
+        f"--config={REPO}/configs/tiny.py",
+        "--checkpoint=runs/tiny",
+        f"--config.eval.benchmarks={benchmark}",
         cwd=tmp_path,
-        env=CPU_ONLY_ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
     )
     assert result.returncode == 1 and result.stderr.startswith(
         "error: ValueError: config.eval.benchmarks math500='s3://bucket/math500.jsonl': neither a local path nor gs://"

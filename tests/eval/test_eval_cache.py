@@ -8,7 +8,7 @@ import shutil
 
 import jax
 import pytest
-from conftest import launch_script, restored_on_one_device, small_train_config
+from conftest import launch_quick, launch_script, restored_on_one_device, small_train_config
 
 from comppo_jax.runs.checkpoint import RunCheckpoints
 from comppo_jax.train.loop import train
@@ -125,7 +125,7 @@ def test_a_lora_run_that_lost_its_reference_is_evaluated_after_rebuilding_it(cop
 
 def test_a_run_with_its_own_rollout_devices_on_one_device_names_the_flag_before_any_restore(tmp_path):
     save_run_config(small_train_config(tmp_path, mesh__rollout_devices=4), tmp_path)  # no checkpoint: not reached
-    result = launch_script("launch/eval.py", f"--checkpoint={tmp_path}")
+    result = launch_quick("launch/eval.py", f"--checkpoint={tmp_path}")
     assert result.returncode == 1
     assert "config.mesh.rollout_devices=4" in result.stderr and "pass --config.mesh.rollout_devices=0" in result.stderr
     assert "checkpoints" not in result.stderr

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_disk, launch_script, right_padded_batch, small_train_flags
+from conftest import full_disk, launch_quick, launch_script, right_padded_batch, small_train_flags
 
 from comppo_jax import storage
 from comppo_jax.eval import export as export_module
@@ -287,7 +287,7 @@ def test_a_step_that_names_no_checkpoint_lists_the_accepted_words(lora_run, tmp_
 def test_an_out_that_is_a_file_is_refused_before_anything_is_read(tmp_path):
     out = tmp_path / "exported"
     out.write_text("not a folder")
-    result = export(f"--run={tmp_path / 'not_read'}", f"--out={out}")
+    result = launch_quick("launch/export.py", f"--run={tmp_path / 'not_read'}", f"--out={out}")
     assert result.returncode != 0 and result.stderr.splitlines()[0] == (
         f"error: FileExistsError: {out} is a file: --out names the folder to export into (new or empty)"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, launch_script, small_train_config
+from conftest import launch_quick, small_train_config
 
 from comppo_jax.eval.export import export_run
 from comppo_jax.runs.checkpoint import RunCheckpoints
@@ -49,5 +49,5 @@ def test_an_export_of_step_best_names_the_cause_and_step_latest(tmp_path, case):
 def test_launch_eval_of_step_best_names_the_cause_and_step_latest(tmp_path):
     overrides, why = NEVER_EVALUATED["shorter than its first evaluation"]
     run = unevaluated_run(tmp_path / "run", overrides)
-    result = launch_script("launch/eval.py", f"--checkpoint={run}", "--step=best", env=CPU_ONLY_ENV)
+    result = launch_quick("launch/eval.py", f"--checkpoint={run}", "--step=best")
     assert result.returncode == 1 and result.stderr.splitlines()[0] == f"error: FileNotFoundError: {expected(run, why)}"

@@ -6,11 +6,11 @@ import json
 import shutil
 
 import pytest
-from conftest import CPU_ONLY_ENV, launch_script, save_word_tokenizer
+from conftest import CPU_ONLY_ENV, launch_quick, launch_script, save_word_tokenizer
 
 
 def train(*flags):
-    return launch_script("launch/train.py", "--config=configs/qwen3_4b.py", *flags)
+    return launch_quick("launch/train.py", "--config=configs/qwen3_4b.py", *flags)
 
 
 def test_missing_weights_or_data_fail_fast_with_the_field_named(tmp_path):

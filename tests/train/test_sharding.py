@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HANG_S, HELPERS_PATH, fake_devices_env, tpu_devices
+from conftest import HANG_S, HELPERS_PATH, fake_devices_env
 from jax.sharding import PartitionSpec as P
 
 from comppo_jax import sharding
-from comppo_jax.train.update import jit_update_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -106,30 +105,6 @@ def test_rules_shard_weights_and_their_adam_moments_alike_and_replicate_the_rest
     assert specs["mu"]["layers"]["attn_norm"] == P() and specs["count"] == P()
     assert specs["mu"]["embed"] == P("tensor", "fsdp")
     assert specs["layers"]["down_proj"] == P(None, "tensor", None)  # 31 is not divisible by fsdp=2: replicated
-
-
-def test_tiny_train_step_compiles_for_a_tpu_topology():
-    from update_inputs import CONFIG, HYPER, update_inputs
-
-    mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2), tpu_devices("v5e"))
-    actor, actor_opt, actor_tx, module, critic, critic_opt, critic_tx, batch = update_inputs()
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-    steps = jit_update_steps(
-        mesh,
-        dict(actor=actor, actor_opt=actor_opt, critic=critic, critic_opt=critic_opt),
-        model_config=CONFIG,
-        actor_tx=actor_tx,
-        critic_tx=critic_tx,
-        critic_module=module,
-        critic_kind="tac",
-    )
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        actor_step = steps.actor.trace(*abstract((actor, actor_opt, batch, HYPER["actor"], None))).lower().compile()
-        critic_step = steps.critic.trace(*abstract((critic, critic_opt, batch, HYPER["critic"]))).lower().compile()
-    for compiled in (actor_step, critic_step):
-        assert compiled.memory_analysis() is not None
-    # The weights really are split over the 4 chips: fsdp x tensor.
-    assert actor_step.input_shardings[0][0]["layers"]["q_proj"].spec == P(None, "fsdp", "tensor")
 
 
 def test_to_memory_moves_arrays_between_host_and_device_memory_keeping_their_values():
