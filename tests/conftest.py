@@ -467,16 +467,20 @@ def launch_quick(script: str, *args: str, cwd: str = REPO):
 
     global _zygote
     if _zygote is None or _zygote.poll() is not None:
+        log = tempfile.TemporaryFile(mode="w+")  # what it prints itself: shown only if it fails to start
         _zygote = subprocess.Popen(
             [sys.executable, "-c", _ZYGOTE],
             cwd=REPO,
             env=dict(CPU_ONLY_ENV, OPENBLAS_NUM_THREADS="1"),  # no BLAS threads beside the forking one
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=log,
             text=True,
         )
         atexit.register(lambda zygote=_zygote: (zygote.kill(), zygote.wait()))
-        assert json.loads(_zygote.stdout.readline()) == {"ready": True}
+        if _zygote.stdout.readline() != '{"ready": true}\n':
+            log.seek(0)
+            raise RuntimeError(f"the launch zygote did not start:\n{log.read()[-3000:]}")
     with tempfile.TemporaryDirectory() as scratch:
         outputs = {name: os.path.join(scratch, name) for name in ("stdout", "stderr")}
         request = dict(script=script, args=list(args), cwd=str(cwd), **outputs)
