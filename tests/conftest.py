@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shutil
 import sys
@@ -420,10 +421,10 @@ def launch_script(script: str, *args: str, env: dict | None = None):
 
 # A process that has imported what the launchers import, and forks one child per launch (`launch_quick`):
 # a launch that fails on its flags or config then costs a fork, not an interpreter and JAX's imports. It
-# never starts a JAX backend (JAX warns on a fork after one), and takes JSON lines {script, args, stdout,
-# stderr} on stdin, answering {"pid"} once the child runs and {"returncode"} when it has exited.
+# never starts a JAX backend (JAX warns on a fork after one), and takes JSON lines {script, args, cwd, stdout,
+# stderr, timeout_s} on stdin, answering {"returncode"} once the child has exited (SIGKILLed past timeout_s).
 _ZYGOTE = r"""
-import atexit, json, os, runpy, sys, traceback
+import atexit, json, os, runpy, signal, sys, time, traceback
 import comppo_jax.cli, comppo_jax.train.validation, comppo_jax.eval.restore  # the launchers' imports
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
@@ -449,9 +450,14 @@ for line in sys.stdin:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    status = os.waitpid(pid, 0)[1]
-    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+    deadline = time.monotonic() + request["timeout_s"]
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status[1])}), flush=True)
 """
 _zygote = None
 
@@ -460,10 +466,7 @@ def launch_quick(script: str, *args: str, cwd: str = REPO):
     """`launch_script(script, *args)` forked from a process that has already imported the launchers'
     modules: for launches that end on their flags or config (one error line, --help), seconds each
     otherwise. The script runs as `python <script>` runs it in `cwd` (`__main__`, its argv and sys.path[0])."""
-    import select
-    import signal
     import subprocess
-    import sys
 
     global _zygote
     if _zygote is None or _zygote.poll() is not None:
@@ -483,14 +486,11 @@ def launch_quick(script: str, *args: str, cwd: str = REPO):
             raise RuntimeError(f"the launch zygote did not start:\n{log.read()[-3000:]}")
     with tempfile.TemporaryDirectory() as scratch:
         outputs = {name: os.path.join(scratch, name) for name in ("stdout", "stderr")}
-        request = dict(script=script, args=list(args), cwd=str(cwd), **outputs)
+        request = dict(script=script, args=list(args), cwd=str(cwd), timeout_s=HANG_S, **outputs)
         _zygote.stdin.write(json.dumps(request) + "\n")
         _zygote.stdin.flush()
-        pid = json.loads(_zygote.stdout.readline())["pid"]
-        if not select.select([_zygote.stdout], [], [], HANG_S)[0]:
-            os.kill(pid, signal.SIGKILL)  # the zygote reaps it and answers
         returncode = json.loads(_zygote.stdout.readline())["returncode"]
-        stdout, stderr = (open(outputs[name]).read() for name in ("stdout", "stderr"))
+        stdout, stderr = (pathlib.Path(outputs[name]).read_text() for name in ("stdout", "stderr"))
     return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
 
 
