@@ -190,14 +190,13 @@ def test_a_run_decoding_in_its_own_layout_logs_what_the_training_mesh_run_logs(t
 
 def plan_sampler(topology: str, tensor: str):
     """launch/plan.py's reshard and sample programs of configs/qwen3_4b.py at 16K in the decode
-    layout `tensor`, beside the training mesh's: 4 of its 36 layers (each layer compiles alike, and what is
-    checked is per layer or against a floor of as many layers; 85 s a topology here, not 150)."""
+    layout `tensor`: 4 of its 36 layers (each layer compiles alike, and what is checked is per layer or
+    against a floor of as many layers)."""
     require_libtpu()
     cfg = load_config_file(PRESET_DIR / "qwen3_4b.py")
     cfg.model.arch.num_layers = 4
     cfg.rollout.mesh.tensor = tensor
-    result = planner.plan(cfg, topology, prompt_length=512, steps=planner.SAMPLER_STEPS, log=lambda message: None)
-    return result, planner.with_decode_layout(cfg, result, "train", prompt_length=512, log=lambda message: None)
+    return cfg, planner.plan(cfg, topology, prompt_length=512, steps=planner.SAMPLER_STEPS, log=lambda message: None)
 
 
 def gathered_per_token_step(result) -> float:
@@ -207,10 +206,12 @@ def gathered_per_token_step(result) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology, group", [("v5p:2x2x2", "4"), ("v5e:2x2", "auto")])
-def test_tpu_decode_loop_gathers_no_weights_and_reads_near_its_floor(topology, group):
-    decoded, trained = plan_sampler(topology, group)
-    assert decoded.decode.resharded and not trained.decode.resharded
+@pytest.mark.parametrize(
+    "topology, group, against_training_mesh", [("v5p:2x2x2", "4", True), ("v5e:2x2", "auto", False)]
+)
+def test_tpu_decode_loop_gathers_no_weights_and_reads_near_its_floor(topology, group, against_training_mesh):
+    cfg, decoded = plan_sampler(topology, group)
+    assert decoded.decode.resharded
     weights = decoded.decode.floor.weight_bytes
     c, tensor = QWEN3_4B, decoded.decode.tensor
     layer = (
@@ -221,8 +222,12 @@ def test_tpu_decode_loop_gathers_no_weights_and_reads_near_its_floor(topology, g
         )
         / tensor
     )
-    # The training mesh gathers every layer's fsdp-split weights at every token: the guard this layout removes.
-    assert gathered_per_token_step(trained) > 0.5 * weights
+    if against_training_mesh:
+        # The training mesh gathers every layer's fsdp-split weights at every token: the guard this layout
+        # removes (once: a TPU compile of the sampler is ~70 s of CPU here).
+        trained = planner.with_decode_layout(cfg, decoded, "train", prompt_length=512, log=lambda message: None)
+        assert not trained.decode.resharded
+        assert gathered_per_token_step(trained) > 0.5 * weights
     # What the decode loop gathers is at most the sampled logits (rows x vocabulary, float32), far below one
     # layer's weights.
     logits = 16 // decoded.decode.floor.replicas * c.vocab_size * 4

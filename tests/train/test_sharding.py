@@ -62,8 +62,11 @@ SCRIPT = textwrap.dedent(
     assert batch.tokens.sharding.spec == P(("data", "fsdp"))
     assert batch.hidden_states.sharding.spec == P(None, ("data", "fsdp"), None, "tensor")
     paths = jax.tree_util.tree_flatten_with_path(jax.device_get(single))[0]
+    # atol: 1% of the learning rate (1e-3). A full critic's trunk takes its first real step on the second
+    # update, where AdamW moves a weight whose gradient is near its eps (1e-8) by a fraction of the learning
+    # rate that rounding changes (8 devices sum in another order).
     for (path, a), b in zip(paths, jax.tree.leaves(jax.device_get(sharded))):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
     print("sharded == single device:", len(paths), "leaves")
     """
 )

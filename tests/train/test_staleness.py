@@ -122,6 +122,17 @@ def test_a_checkpoint_at_the_queues_own_staleness_restores_silently():
     assert resumed.restore(meta["in_flight"], state["behaviour"], 3) is None and sorted(resumed.pending) == [4, 5]
 
 
+def as_stopped_after_step_2(straight, into):
+    """`into`: a copy of the finished run `straight` as if it had stopped after step 2 (its later checkpoints
+    and the summary gone)."""
+    shutil.copytree(straight, into)
+    for checkpoint in (into / "checkpoints").iterdir():
+        if checkpoint.name.isdigit() and int(checkpoint.name) > 2:
+            shutil.rmtree(checkpoint)
+    (into / "summary.json").unlink()
+    return into
+
+
 def metric_rows(run):
     return [
         {k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
@@ -150,12 +161,7 @@ def test_a_stale_run_resumed_from_a_mid_run_checkpoint_equals_the_straight_run_b
         # Batch 1 is on-policy: the proximal log-probs recompute the behaviour's (another program: rounding apart).
         assert rows[0]["importance_weight/max"] == pytest.approx(1.0, abs=1e-5)
         assert all(row["importance_weight/mean"] > 0 for row in rows)
-    # The run as if it had stopped after step 2: checkpoints 3.. and the summary gone, then resumed.
-    shutil.copytree(straight, resumed)
-    for step in (3, 4, 5):
-        shutil.rmtree(resumed / "checkpoints" / str(step))
-    (resumed / "summary.json").unlink()
-    loop.train(config(resumed, resume=True))
+    loop.train(config(as_stopped_after_step_2(straight, resumed), resume=True))
     assert metric_rows(resumed) == rows
     assert_same_checkpoint_state(straight, resumed, 5)
 
@@ -166,8 +172,8 @@ SEPARATE = dict(
     train__minibatch_size=4,
     train__eval_every=2,
     mesh__data=2,
-    mesh__fsdp=2,
-    mesh__tensor=1,
+    mesh__fsdp=1,
+    mesh__tensor=2,
     rollout__staleness=1,
     checkpoint__keep_last=10,
 )
@@ -199,32 +205,12 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
     return result.stdout + result.stderr
 
 
-@pytest.mark.slow
-def test_a_run_with_its_own_rollout_devices_resumed_mid_run_equals_the_straight_run_bitwise(tmp_path):
-    # 8 devices: the rollout stage decodes on 4, the learner trains on the other 4 (data 2 x fsdp 2, which 8
-    # devices would refuse).
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch(straight, mesh__rollout_devices=4)
-    shutil.copytree(straight, resumed)
-    for step in (3, 4):
-        shutil.rmtree(resumed / "checkpoints" / str(step))
-    (resumed / "summary.json").unlink()
-    launch(resumed, mesh__rollout_devices=4, resume=True)
-    assert metric_rows(resumed) == metric_rows(straight) and [row["staleness"] for row in metric_rows(straight)] == [
-        0,
-        1,
-        1,
-        1,
-    ]
-    assert_same_checkpoint_state(straight, resumed, 4)
-
-
 def one_and_two_processes(tmp_path, one_process: dict, two_processes: dict):
     """(one, two, layout): the run launched on one process and on two (`launch`'s extra arguments
     each), both on data 2 (across the processes) x tensor 2 from one warm start, whose logged rows
     are asserted equal, staleness 1 from the second step."""
     one, two = tmp_path / "one", tmp_path / "two"
-    layout = dict(mesh__fsdp=1, mesh__tensor=2, warm_start__cache_dir=str(tmp_path / "warm_start"))
+    layout = dict(warm_start__cache_dir=str(tmp_path / "warm_start"))
     launch(one, **one_process, **layout)
     launch(two, processes=2, **two_processes, **layout)
     assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
@@ -232,15 +218,25 @@ def one_and_two_processes(tmp_path, one_process: dict, two_processes: dict):
 
 
 @pytest.mark.slow
-def test_two_processes_with_their_own_rollout_devices_equal_one_process_and_resume_after_sigterm_bitwise(tmp_path):
-    # 2 processes x 4 devices (2 rollout + 2 training each) against 1 process x 8 (4 + 4), from one
-    # warm start (its own numerics depend on the process layout). Training on data 2 (across the
-    # processes) x tensor 2 (within each), as on a pod: every all-reduce has two participants, so
-    # gloo's order and the in-process order sum alike (a 4-way data x fsdp sum rounds differently).
-    one, two, layout = one_and_two_processes(tmp_path, dict(mesh__rollout_devices=4), dict(mesh__rollout_devices=2))
-    assert_same_checkpoint_state(one, two, 4)
+def test_runs_with_their_own_rollout_devices_resume_bitwise_and_two_processes_stopped_by_sigterm_equal_one(tmp_path):
+    # 1 process x 8 devices (the rollout stage decodes on 4, the learner trains on the other 4), then 2
+    # processes x 4 (2 rollout + 2 training each), from one warm start (its own numerics depend on the
+    # process layout). Training on data 2 (across the processes) x tensor 2 (within each), as on a pod:
+    # every all-reduce has two participants, so gloo's order and the in-process order sum alike (a 4-way
+    # data x fsdp sum rounds differently).
+    one = tmp_path / "one"
+    layout = dict(warm_start__cache_dir=str(tmp_path / "warm_start"))
+    launch(one, mesh__rollout_devices=4, **layout)
+    assert [row["staleness"] for row in metric_rows(one)] == [0, 1, 1, 1]
 
-    # The 2-process run stopped by SIGTERM once a step is logged (its batch in flight checkpointed), then resumed.
+    # The one-process run resumed from its checkpoint after step 2 (the batch in flight in it).
+    resumed = as_stopped_after_step_2(one, tmp_path / "resumed")
+    launch(resumed, mesh__rollout_devices=4, resume=True, **layout)
+    assert metric_rows(resumed) == metric_rows(one)
+    assert_same_checkpoint_state(one, resumed, 4)
+
+    # The 2-process run stopped by SIGTERM once a step is logged (its batch in flight checkpointed), then
+    # resumed: what the one process logged and saved.
     stopped = tmp_path / "stopped"
     output = launch(stopped, processes=2, mesh__rollout_devices=2, sigterm_after_rows=1, **layout)
     # One process says where it saved and how to resume, as one process would.
@@ -250,8 +246,8 @@ def test_two_processes_with_their_own_rollout_devices_equal_one_process_and_resu
     ]
     assert not (stopped / "summary.json").exists()
     launch(stopped, processes=2, mesh__rollout_devices=2, resume=True, **layout)
-    assert metric_rows(stopped) == metric_rows(two)
-    assert_same_checkpoint_state(two, stopped, 4)
+    assert metric_rows(stopped) == metric_rows(one)
+    assert_same_checkpoint_state(one, stopped, 4)
 
 
 @pytest.mark.slow
