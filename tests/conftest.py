@@ -617,13 +617,14 @@ def cluster_tail(result, chars: int = 4000) -> str:
 
 # The longest files (minutes each, measured with --durations), started first on alternate workers.
 LONGEST_FILES = (
-    # the slow tier's (CI, 2026-11-29)
+    # the slow tier's (.ci/run on a clean clone, this machine, 2026-11-29)
     "launch/test_local_cluster.py",
     "train/test_staleness.py",
-    "launch/test_gpu_validation.py",
     "train/test_decode_layout.py",
     "planning/test_planner.py",
     "train/test_train_loop.py",
+    "launch/test_pod_command.py",
+    "launch/test_gpu_validation.py",
     # the fast tier's (this machine, 2026-11-29)
     "pallas_kernels/test_compile.py",
     "rollout/test_sampler.py",

@@ -221,9 +221,11 @@ class RunLock:
         if self.lost is None:
             if time.time() - self.renewed > 2 * self.HEARTBEAT_S:  # the heartbeat is late: renew before writing
                 self._renew()
-            elif self._holder(strict=True).get("token") != self.record["token"]:
+            else:
+                # Not while this holder's heartbeat rewrites the lock: a read racing that can see a part of it.
                 with self.renewing:
-                    self._mark_lost()
+                    if self.lost is None and self._holder(strict=True).get("token") != self.record["token"]:
+                        self._mark_lost()
         if self.lost is not None:
             raise RunLockLost(self.lost)
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -17,7 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CPU_ONLY_ENV, HANG_S, REPO, launch_script, small_train_config, small_train_flags, start_script
+from conftest import (
+    CPU_ONLY_ENV,
+    HANG_S,
+    REPO,
+    launch_quick,
+    launch_script,
+    small_train_config,
+    small_train_flags,
+    start_script,
+)
 
 from comppo_jax import storage
 from comppo_jax.models import CheckpointError, ConfigError
@@ -277,6 +287,43 @@ def test_a_holder_whose_lock_was_taken_over_writes_nothing_more_and_names_the_ne
     new_holder.release()
 
 
+def test_the_fence_never_reads_the_holders_own_heartbeat_half_written(run_location, monkeypatch):
+    """A read of the lock racing the holder's own heartbeat rewrite can see a part of it (on a bucket, a ranged
+    read of an object replaced after its size was read). The fence compares tokens only between this holder's
+    own rewrites, so the run never stops on its own heartbeat. Here each rewrite takes 0.3 s, during which a
+    read of the lock gets half of it."""
+    monkeypatch.setattr(run_dir.RunLock, "HEARTBEAT_S", 0.5)
+    writing = threading.Event()
+    read_text, write_text, replace = storage.read_text, storage.write_text, storage.replace_if_generation
+
+    def slowly(write):
+        def rewrite(*args, **kwargs):
+            writing.set()
+            time.sleep(0.3)
+            try:
+                return write(*args, **kwargs)
+            finally:
+                writing.clear()
+
+        return rewrite
+
+    def torn_while_rewritten(location):
+        text = read_text(location)
+        return text[: len(text) // 2] if writing.is_set() and str(location).endswith(run_dir.LOCK_FILE) else text
+
+    monkeypatch.setattr(storage, "read_text", torn_while_rewritten)
+    monkeypatch.setattr(storage, "write_text", slowly(write_text))
+    monkeypatch.setattr(storage, "replace_if_generation", slowly(replace))
+    storage.make_dirs(run_location)
+    with run_dir.RunLock(run_location) as lock:
+        deadline, checks = time.time() + 3.0, 0
+        while time.time() < deadline:
+            lock.check()
+            checks += 1
+            time.sleep(0.01)
+        assert lock.lost is None and checks > 100
+
+
 def test_a_late_heartbeat_never_overwrites_the_lock_of_the_holder_that_took_over(run_location, monkeypatch):
     """The old holder's heartbeat thread was between its check and its write when the new holder took over: the
     rewrite carries a precondition (the generation it last wrote on a bucket; the token under a flock on a disk),
@@ -374,7 +421,7 @@ def test_a_ctrl_c_during_the_warm_start_stops_in_seconds_with_one_line(tmp_path)
         line.startswith("stopped during the warm start (step ")
         and "nothing to resume; start it again with: python launch/train.py" in line
     )
-    resumed = launch_script("launch/train.py", *small_train_flags(tmp_path, resume=True))
+    resumed = launch_quick("launch/train.py", *small_train_flags(tmp_path, resume=True))
     assert resumed.returncode == 1 and "no checkpoint under" in resumed.stderr and "yet" in resumed.stderr
     assert "run the same command without --config.resume" in resumed.stderr and "Traceback" not in resumed.stderr
 
