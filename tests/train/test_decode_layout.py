@@ -164,15 +164,15 @@ def test_every_layout_samples_as_the_training_mesh_on_two_processes():
 
 @pytest.mark.slow
 def test_a_run_decoding_in_its_own_layout_logs_what_the_training_mesh_run_logs(tmp_path):
-    """rollout.mesh.tensor through train(): auto (on a CPU the mesh's tensor axis, 4 of the 8 devices,
-    replicated twice) against decoding on the training mesh (fsdp 2 x tensor 4)."""
-    env = fake_devices_env(8)
+    """rollout.mesh.tensor through train(): auto (on a CPU the mesh's tensor axis, 2 of the 4 devices,
+    replicated twice) against decoding on the training mesh (fsdp 2 x tensor 2)."""
+    env = fake_devices_env(4)
     rows = {}
     for layout in ("auto", "train"):
         run_dir = tmp_path / layout
         run_payload(
             "launch/train.py",
-            *small_train_flags(run_dir, mesh__data=1, mesh__fsdp=2, mesh__tensor=4, rollout__mesh__tensor=layout),
+            *small_train_flags(run_dir, mesh__data=1, mesh__fsdp=2, mesh__tensor=2, rollout__mesh__tensor=layout),
             env=env,
         )
         rows[layout] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
