@@ -205,18 +205,6 @@ def launch(run, *, processes=1, devices=8, sigterm_after_rows=None, **overrides)
     return result.stdout + result.stderr
 
 
-def one_and_two_processes(tmp_path, one_process: dict, two_processes: dict):
-    """(one, two, layout): the run launched on one process and on two (`launch`'s extra arguments
-    each), both on data 2 (across the processes) x tensor 2 from one warm start, whose logged rows
-    are asserted equal, staleness 1 from the second step."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    layout = dict(warm_start__cache_dir=str(tmp_path / "warm_start"))
-    launch(one, **one_process, **layout)
-    launch(two, processes=2, **two_processes, **layout)
-    assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
-    return one, two, layout
-
-
 @pytest.mark.slow
 def test_runs_with_their_own_rollout_devices_resume_bitwise_and_two_processes_stopped_by_sigterm_equal_one(tmp_path):
     # 1 process x 8 devices (the rollout stage decodes on 4, the learner trains on the other 4), then 2
@@ -225,27 +213,27 @@ def test_runs_with_their_own_rollout_devices_resume_bitwise_and_two_processes_st
     # every all-reduce has two participants, so gloo's order and the in-process order sum alike (a 4-way
     # data x fsdp sum rounds differently).
     one = tmp_path / "one"
-    layout = dict(warm_start__cache_dir=str(tmp_path / "warm_start"))
-    launch(one, mesh__rollout_devices=4, **layout)
+    warm_start = dict(warm_start__cache_dir=str(tmp_path / "warm_start"))
+    launch(one, mesh__rollout_devices=4, **warm_start)
     assert [row["staleness"] for row in metric_rows(one)] == [0, 1, 1, 1]
 
     # The one-process run resumed from its checkpoint after step 2 (the batch in flight in it).
     resumed = as_stopped_after_step_2(one, tmp_path / "resumed")
-    launch(resumed, mesh__rollout_devices=4, resume=True, **layout)
+    launch(resumed, mesh__rollout_devices=4, resume=True, **warm_start)
     assert metric_rows(resumed) == metric_rows(one)
     assert_same_checkpoint_state(one, resumed, 4)
 
     # The 2-process run stopped by SIGTERM once a step is logged (its batch in flight checkpointed), then
     # resumed: what the one process logged and saved.
     stopped = tmp_path / "stopped"
-    output = launch(stopped, processes=2, mesh__rollout_devices=2, sigterm_after_rows=1, **layout)
+    output = launch(stopped, processes=2, mesh__rollout_devices=2, sigterm_after_rows=1, **warm_start)
     # One process says where it saved and how to resume, as one process would.
     saved = [line for line in output.splitlines() if "stopped: checkpoint" in line]
     assert len(saved) == 1 and saved[0].startswith("[p0] ") and saved[0].endswith("--config.resume=True"), output[
         -3000:
     ]
     assert not (stopped / "summary.json").exists()
-    launch(stopped, processes=2, mesh__rollout_devices=2, resume=True, **layout)
+    launch(stopped, processes=2, mesh__rollout_devices=2, resume=True, **warm_start)
     assert metric_rows(stopped) == metric_rows(one)
     assert_same_checkpoint_state(one, stopped, 4)
 
@@ -294,8 +282,12 @@ def test_two_processes_sharing_their_devices_at_staleness_1_take_turns_and_equal
     # On shared devices the generation runs before the update is dispatched: XLA:CPU may run two
     # independent programs in either order, and two processes ordering their collectives
     # differently deadlock (a gloo timeout without the wait).
-    # 4 devices: data 2 (across the processes) x tensor 2 (within each).
-    one_and_two_processes(tmp_path, dict(devices=4), dict(devices=4))
+    # 4 devices: data 2 (across the processes) x tensor 2 (within each), from one warm start.
+    one, two = tmp_path / "one", tmp_path / "two"
+    warm_start = dict(warm_start__cache_dir=str(tmp_path / "warm_start"))
+    launch(one, devices=4, **warm_start)
+    launch(two, processes=2, devices=4, **warm_start)
+    assert metric_rows(one) == metric_rows(two) and [row["staleness"] for row in metric_rows(two)] == [0, 1, 1, 1]
 
 
 @pytest.mark.parametrize("separate", [False, True])

@@ -304,19 +304,19 @@ def largest_relative_errors(a, b) -> dict[str, float]:
     }
 
 
-def _close_rows(packed: list[dict], padded: list[dict], rtol: float = 1e-5) -> list[str]:
-    """Where a packed run's metrics rows leave the padded run's (numbers within `rtol` relative, 1e-7
-    absolute; everything else equal); the packing metrics and wall-clock fields aside."""
+def _close_rows(rows: list[dict], against: list[dict], rtol: float = 1e-5) -> list[str]:
+    """Where one run's metrics rows leave another's (numbers within `rtol` relative, 1e-7 absolute; everything
+    else equal); the packing metrics and wall-clock fields aside."""
     differences = []
-    for step, (a, b) in enumerate(zip(packed, padded, strict=True)):
+    for step, (a, b) in enumerate(zip(rows, against, strict=True)):
         names = (set(a) | set(b)) - set(WALL_CLOCK) - {name for name in a if name.startswith("packing/")}
         for name in sorted(names):
             x, y = a.get(name), b.get(name)
             if isinstance(x, float) and isinstance(y, float):
                 if not np.isclose(x, y, rtol=rtol, atol=1e-7):
-                    differences.append(f"step row {step} {name}: packed {x} padded {y}")
+                    differences.append(f"step row {step} {name}: {x} against {y}")
             elif x != y:
-                differences.append(f"step row {step} {name}: packed {x!r} padded {y!r}")
+                differences.append(f"step row {step} {name}: {x!r} against {y!r}")
     return differences
 
 
