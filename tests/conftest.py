@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -49,8 +50,11 @@ def _add_xla_flags(flags: dict[str, str]) -> None:
 # emitters compile in about half the time of the MLIR fusion emitters (the same file: 68 s -> 34 s; a tiny
 # packed and padded run pair, cold cache: 86 s -> 52 s). Both change how fast the compiled code runs and
 # how XLA fuses, not what it computes: the tests that compare two programs' results allow float32 rounding
-# (and AdamW's amplification of it) wherever the programs differ. Subprocesses inherit them.
-_add_xla_flags({"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"})
+# (and AdamW's amplification of it) wherever the programs differ. Subprocesses inherit them. XLA from
+# jaxlib 0.11 has only the fusion emitters and aborts at an unknown flag (seen on a GPU machine's jax 0.11.2).
+_add_xla_flags({"xla_backend_optimization_level": "0"})
+if tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+    _add_xla_flags({"xla_cpu_use_fusion_emitters": "false"})
 
 # Imported after the settings above: JAX reads JAX_COMPILATION_CACHE_DIR and the cache's minimum compile
 # time when it is first imported, so the tests' own process would otherwise run without the cache.

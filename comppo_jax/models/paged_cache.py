@@ -373,7 +373,8 @@ def decode_attention(
         )
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
-    # The kernel splits each table into k_splits partitions of whole compute blocks.
+    # The kernel splits each table into k_splits partitions of whole compute blocks; Triton loads a
+    # compute block's page numbers as one array, whose size must be a power of two.
     k_splits = _largest_divisor(physical.shape[1], 16)
     k_pool, v_pool = pool.arrays
     scales: tuple[Array | None, ...] = pool.scales or (None, None)
@@ -386,7 +387,7 @@ def decode_attention(
         k_scales_pages=scales[0],
         v_scales_pages=scales[1],
         k_splits=k_splits,
-        pages_per_compute_block=_largest_divisor(physical.shape[1] // k_splits, 8),
+        pages_per_compute_block=_largest_power_of_two_divisor(physical.shape[1] // k_splits, 8),
         interpret=backend == "gpu_interpret",
     )
 
@@ -455,6 +456,10 @@ def _interpret(attend: Callable[..., Array]) -> Callable[..., Array]:
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
+def _largest_power_of_two_divisor(n: int, at_most: int) -> int:
+    return max(d for d in (1, 2, 4, 8, 16, 32) if d <= at_most and n % d == 0)
 
 
 def _xla_decode_attention(

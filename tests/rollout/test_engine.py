@@ -196,6 +196,20 @@ def test_paged_decode_attention_equals_dense_attention(backend):
     np.testing.assert_allclose(np.asarray(out), oracle(q, kv, tables, 1), atol=1e-5)
 
 
+@pytest.mark.parametrize("pages_per_row", [4, 80, 96])
+def test_the_gpu_kernel_lowers_to_triton_at_any_table_width(pages_per_row):
+    """Lowered for CUDA on this CPU: Triton takes only power-of-two arrays, and a table of 96 pages
+    (16 partitions of 6) once asked it for 6 page numbers at a time (seen on an H200)."""
+    q, kv, _ = attention_inputs()
+    tables = jax.ShapeDtypeStruct((len(LENGTHS), pages_per_row), jnp.int32)
+    attend = jax.jit(
+        lambda q, tables, lengths: paged_cache.decode_attention(
+            q, pool_for("gpu", kv), 1, tables, lengths, backend="gpu"
+        )
+    )
+    attend.trace(jnp.asarray(q), tables, jnp.asarray(LENGTHS)).lower(lowering_platforms=("cuda",))
+
+
 # One page a chunk; three, the last chunk padded (a chunk of several pages: 24's first).
 @pytest.mark.parametrize("chunk_tokens", [8, 24])
 def test_the_xla_path_softmax_spans_its_chunks_and_reads_a_traced_page_count(monkeypatch, chunk_tokens):
