@@ -62,6 +62,12 @@ def main(argv):
             f"outputs in {outputs}; no checkpoint with a dev accuracy: the final one is step {summary['steps']}",
             flush=True,
         )
+    if "credit_reading" in summary:
+        print(
+            f"credit against the outcome: {summary['credit_reading']} (the run's page: python launch/report.py "
+            f"--run={outputs})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
 from comppo_jax.credit import turns
@@ -218,6 +219,23 @@ def estimate(
         on_turns, env_mask, mask, jnp.asarray(reward_tokens), response_tokens, values, kappa, **named
     )
     return advantages, returns
+
+
+def realized_transport(spec: EstimatorSpec, kappa: ArrayLike, mask: ArrayLike) -> np.ndarray:
+    """c_t of A_t = delta_t + c_t A_{t+1} as the estimator `spec.name` applies it, [B, T] on the host (what a
+    trace keeps of the next token's advantage): lam kappa_t for Comp-GAE (kappa the controlled gate), lam for GAE
+    and each response's own lambda for VAPO (gamma 1), and 1 for the estimators that give every token of a
+    response its outcome (GRPO, KTAE, attention anchors)."""
+    mask = np.asarray(mask, bool)
+    if spec.name == "comp_gae":
+        return spec.lam * np.asarray(kappa, np.float64)
+    if spec.name == "gae":
+        return np.full(mask.shape, spec.lam)
+    if spec.name == "vapo":
+        return np.broadcast_to(
+            np.asarray(vapo_lambda(mask.sum(axis=1), spec.vapo_alpha), np.float64)[:, None], mask.shape
+        )
+    return np.ones(mask.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@
 
 The page needs no network and no server (open it from disk). It shows the run's config and
 summary, its curves (curves.png, or drawn from metrics.jsonl for a run still going), the phase
-controller's timeline (each step's phase from metrics.jsonl), the gate profile by position
+controller's timeline (each step's phase from metrics.jsonl), whether the critic knows the outcome
+(the credit/* metrics' curves and a sentence reading them), the gate profile by position
 (gate_profile.json), and a browser of the responses the run kept (comppo_jax.runs.samples): pick
 a step and a response, and each token is coloured by its gate kappa_t or by its advantage A_t
 (a toggle), with t, H_t, c_t, kappa_t, A_t and V_t on hover. Beside it the same tokens are coloured
@@ -38,8 +39,9 @@ from absl import logging
 
 from comppo_jax import storage
 from comppo_jax.credit import load_position_schedule
-from comppo_jax.runs.outputs import METRICS_FILE, plot_run
+from comppo_jax.runs.outputs import METRICS_FILE, measured, plot_run
 from comppo_jax.runs.samples import load_samples, sample_path
+from comppo_jax.train.diagnostics import OUTCOME_FIELDS, outcome_reading
 from comppo_jax.train.recorder import GATE_PROFILE_FILE
 from comppo_jax.train.schema import CONFIG_FILE
 
@@ -262,6 +264,65 @@ def gate_profile_svg(run_dir: str) -> str:
     )
 
 
+OUTCOME_CURVES = {  # the panel's curves: metric -> (label, colour)
+    "credit/outcome_explained_variance": ("outcome explained variance", "#4C72B0"),
+    "credit/outcome_spearman": ("Spearman(V, R)", "#55A868"),
+    "credit/early_sign_agreement": ("early sign agreement (0.5: chance)", "#C44E52"),
+}
+
+
+def outcome_panel(rows: list[dict]) -> str:
+    """ "Does the critic know the outcome?": the credit/* curves against the outcome by step as an inline SVG
+    (values below -1 drawn at -1, their own value on hover), the trace horizon's, and a sentence reading the
+    last steps (`outcome_reading`)."""
+    reading = outcome_reading(rows)
+    if reading is None:
+        return "<p>No step has logged its credit against the outcome (a run older than those metrics).</p>"
+    width, height, pad, low = 520, 200, 34, -1.0
+    steps = [row["step"] for row in rows if any(name in row for name in OUTCOME_FIELDS)]
+    first, last = min(steps), max(steps)
+    x = lambda step: pad + (width - 2 * pad) * (step - first) / max(last - first, 1)
+    y = lambda value: height - pad - (height - 2 * pad) * (max(value, low) - low) / (1.0 - low)
+    marks = [
+        f'<line x1="{pad}" x2="{width - pad}" y1="{y(level):.1f}" y2="{y(level):.1f}" stroke="#bbb" '
+        f'stroke-dasharray="{dash}"/><text x="4" y="{y(level) + 4:.1f}" font-size="10">{level:g}</text>'
+        for level, dash in ((1.0, "2"), (0.5, "4"), (0.0, "2"), (low, "2"))
+    ]
+    curves, legend = [], []
+    for name, (label, color) in OUTCOME_CURVES.items():
+        points = [(row["step"], row[name]) for row in rows if isinstance(row.get(name), (int, float))]
+        if not points:
+            continue
+        path = " ".join(f"{x(step):.1f},{y(value):.1f}" for step, value in points)
+        dots = "".join(
+            f'<circle cx="{x(step):.1f}" cy="{y(value):.1f}" r="2.5" fill="{color}">'
+            f"<title>step {step}: {label} {value:.3f}</title></circle>"
+            for step, value in points
+        )
+        curves.append(
+            f'<polyline class="outcome-curve" data-metric="{name}" points="{path}" fill="none" '
+            f'stroke="{color}" stroke-width="1.5"/>{dots}'
+        )
+        legend.append(f'<span class="swatch" style="background:{color}"></span>{html.escape(label)}')
+    horizons = [(row["step"], row[OUTCOME_FIELDS[3]]) for row in rows if OUTCOME_FIELDS[3] in row]
+    horizon = (
+        f"<p>Trace horizon (tokens that keep at least 1/e of a final reward), by step: "
+        f"{', '.join(f'{step}: {value:.1f}' for step, value in horizons[-12:])}</p>"
+        if horizons
+        else ""
+    )
+    return (
+        f'<p id="outcome-reading">{html.escape(reading)}</p>'
+        f'<svg id="outcome-panel" width="{width}" height="{height}" role="img">{"".join(marks)}{"".join(curves)}'
+        f'<text x="{pad}" y="{height - 8}" font-size="11">step {first}</text>'
+        f'<text x="{width - pad - 50}" y="{height - 8}" font-size="11">step {last}</text></svg>'
+        f'<div class="legend">{" &nbsp; ".join(legend)}</div>{horizon}'
+        "<p>Measured against each response's Monte-Carlo return, not the critic's own targets (docs/conventions.md, "
+        "Credit against the outcome): an outcome explained variance near 0 with early sign agreement near 0.5 "
+        "means the advantages reaching a response's first half are noise.</p>"
+    )
+
+
 def _cell(value) -> str:
     """A table value as text: a float to 4 significant digits (a mean over a run's tokens has 16), a
     string as it is, the rest (ints, booleans, null) as JSON."""
@@ -310,11 +371,12 @@ def _field(config: dict, dotted: str):
 
 
 def metrics_rows(path: str) -> tuple[list[dict], int]:
-    """(metrics.jsonl's rows, how many lines do not parse: a line torn by a crash); ([], 0) without the file."""
+    """(metrics.jsonl's rows (`measured`), how many lines do not parse: a line torn by a crash); ([], 0) without
+    the file."""
     rows, torn = [], 0
     for line in storage.read_lines(path):
         try:
-            rows.append(json.loads(line))
+            rows.append(measured(json.loads(line)))
         except json.JSONDecodeError:
             torn += 1
     return rows, torn
@@ -379,6 +441,8 @@ def run_report_html(run_dir: str) -> str:
 {f'<img id="curves" src="{curves}" alt="curves">' if curves else "<p>No metrics yet.</p>"}
 <h2>Phase controller</h2>
 {phase_timeline(rows)}
+<h2>Does the critic know the outcome?</h2>
+{outcome_panel(rows)}
 <h2>Gate profile by position</h2>
 {_left_out(profile_problems) or gate_profile}
 <h2>Where the credit went</h2>

@@ -30,8 +30,20 @@ from comppo_jax import storage
 METRICS_FILE = "metrics.jsonl"
 
 
+# Runs before comppo_jax.train.diagnostics left out the explained variance of a batch whose returns were equal up
+# to rounding logged it (about -1e13 there): no measurement, so readers drop it.
+EXPLAINED_VARIANCES = ("critic/explained_variance", "credit/outcome_explained_variance")
+NO_MEASUREMENT_BELOW = -1e3
+
+
+def measured(row: dict) -> dict:
+    """`row` without an explained variance below NO_MEASUREMENT_BELOW."""
+    return {k: v for k, v in row.items() if not (k in EXPLAINED_VARIANCES and v < NO_MEASUREMENT_BELOW)}
+
+
 def read_metrics(path: str) -> list[dict]:
-    return [json.loads(line) for line in storage.read_lines(path)]
+    """metrics.jsonl's rows (`measured`)."""
+    return [measured(json.loads(line)) for line in storage.read_lines(path)]
 
 
 def resumed_rows(path: str, resumed_step: int) -> list[dict]:
@@ -285,6 +297,11 @@ PANELS = (  # (title, y-axis label, metrics)
     ("gate kappa by position", "mean kappa", ("gate/first_third", "gate/middle_third", "gate/last_third")),
     ("gate kappa: correct vs incorrect", "mean kappa", ("gate/correct", "gate/incorrect")),
     ("critic", "EV / Spearman / MAE", ("critic/explained_variance", "critic/td_spearman", "critic/value_mae")),
+    (
+        "does the critic know the outcome?",
+        "EV / Spearman / sign agreement",
+        ("credit/outcome_explained_variance", "credit/outcome_spearman", "credit/early_sign_agreement"),
+    ),
     ("grad norm", "global L2 norm", ("grad_norm", "critic_grad_norm")),
 )
 
@@ -323,6 +340,8 @@ def plot_run(metrics_path: str, png_path: str, title: str = "", warm_start_accur
         axis.set_ylabel(unit, fontsize=8)
         if axis.lines:  # below the axes, clear of the curves
             axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    for axis in np.ravel(axes)[len(PANELS) :]:  # the last row's spare cells
+        axis.axis("off")
     figure.suptitle(title)
     image = io.BytesIO()
     figure.savefig(image, format="png", dpi=100)

@@ -1,10 +1,10 @@
 """The recorder: each step's metrics, the checkpoints, and the run's summary and plots.
 
 `Recorder.step_metrics` gathers a step's numbers from the rollout (rewards, lengths, the policy's
-own gate) and the learner (losses, norms, the critic's diagnostics); `Recorder.record` writes them
-(metrics.jsonl and the other config.loggers: TensorBoard, wandb) and keeps a few responses with
-their per-token credit every `outputs.sample_every` steps (comppo_jax.train.samples; their files:
-comppo_jax.runs.samples);
+own gate) and the learner (losses, norms, the critic's diagnostics, the credit against the outcome);
+`Recorder.record` writes them (metrics.jsonl and the other config.loggers: TensorBoard, wandb) and
+keeps a few responses with their per-token credit every `outputs.sample_every` steps
+(comppo_jax.train.samples; their files: comppo_jax.runs.samples);
 `Recorder.checkpoint` saves an async Orbax checkpoint every `checkpoint.every` steps, at every
 dev evaluation (so keep_best keeps the best evaluated policy), at the last step and when a stop
 was requested. `Recorder.meta` is what a checkpoint holds beside the state: the step, the
@@ -18,16 +18,27 @@ import json
 import time
 
 import numpy as np
+from absl import logging
 
 from comppo_jax import sharding, storage
 from comppo_jax.credit import position_bin_totals, save_position_schedule, schedule_from_totals
+from comppo_jax.credit.registry import realized_transport
 from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.data.rewards import Verdict
 from comppo_jax.runs.checkpoint import RunCheckpoints
-from comppo_jax.runs.outputs import METRICS_FILE, MetricsWriter, plot_run
+from comppo_jax.runs.outputs import METRICS_FILE, MetricsWriter, plot_run, read_metrics
 from comppo_jax.runs.samples import save_samples
 from comppo_jax.train import controller
-from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics
+from comppo_jax.train.diagnostics import (
+    KNOWS_NOTHING_BELOW,
+    NOTICE_AFTER_STEPS,
+    OUTCOME_FIELDS,
+    blind_credit,
+    critic_diagnostics,
+    gate_statistics,
+    outcome_diagnostics,
+    outcome_reading,
+)
 from comppo_jax.train.guards import SkippedUpdates
 from comppo_jax.train.samples import keeps_samples, kept_responses
 from comppo_jax.train.specs import RecorderSpec
@@ -35,6 +46,13 @@ from comppo_jax.train.specs import RecorderSpec
 # The rollouts' own gates averaged per bin of t/T over the whole run (a comppo_jax.credit position
 # schedule): the position-only control of a later run reads it (config.position_schedule).
 GATE_PROFILE_FILE = "gate_profile.json"
+BLIND_CREDIT_NOTICE = (
+    f"credit: for {NOTICE_AFTER_STEPS} steps in a row, to step %d, the critic has predicted none of the outcome "
+    f"(credit/outcome_explained_variance under {KNOWS_NOTHING_BELOW}) and the first half of each response got the "
+    "outcome's sign at chance (credit/early_sign_agreement within 0.1 of 0.5): the advantages reaching its early "
+    "tokens carry no outcome. See 'Does the critic know the outcome?' on the run's page: python launch/report.py "
+    "--run=%s"
+)
 
 
 def initial_meta() -> dict:
@@ -58,6 +76,8 @@ class Recorder:
         self.last_step, self.warmup = spec.steps.total, spec.steps.warmup
         self.has_critic = spec.credit.recipe.critic != "none"
         self.update_windows: list[tuple[float, float]] = []  # the last updates' (start, end) wall times
+        self.outcome_rows: list[dict] = []  # the last steps' credit against the outcome, for the notice
+        self.noticed_blind_credit = False
         self.writer = MetricsWriter(
             spec.output_dir,
             resumed_step=meta["step"],
@@ -88,12 +108,12 @@ class Recorder:
             profile = self.meta["gate_profile"]
             for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
                 profile[name] = (np.asarray(profile[name]) + totals).tolist()
-        if self.has_critic:
-            metrics.update(
-                critic_diagnostics(
-                    host(batch.old_values), host(batch.returns), sampled.reward_tokens, host(scored.kappa), host_mask
-                )
-            )
+        kappa = None if scored.kappa is None else host(scored.kappa)
+        values = host(batch.old_values) if self.has_critic else None
+        if values is not None:
+            metrics.update(critic_diagnostics(values, host(batch.returns), sampled.reward_tokens, kappa, host_mask))
+        transport = realized_transport(self.spec.credit.estimator, kappa, host_mask)
+        metrics.update(outcome_diagnostics(host(batch.advantages), values, sampled.reward_tokens, transport, host_mask))
         metrics.update(learned.importance)
         metrics["actor_updates"] = max(0, step - self.warmup)
         metrics["staleness"] = step - 1 - experience.version  # updates between the generating policy and the learner's
@@ -138,11 +158,21 @@ class Recorder:
             },
         )
         self.writer.write(metrics)
+        self.notice_blind_credit(step, metrics)
         if keeps_samples(self.spec.kept, step, self.evaluates(step)):
             kept = kept_responses(self.spec, self.tokenizer, step, sampled, learned.scored)
             if self.main_process:
                 save_samples(self.spec.output_dir, kept)
             self.writer.write_samples(kept)
+
+    def notice_blind_credit(self, step: int, metrics: dict) -> None:
+        """Says once, in the log, when the critic has known nothing of the outcome and early credit has been at
+        chance for NOTICE_AFTER_STEPS steps in a row (a notice: the controller is the paper's, unchanged)."""
+        self.outcome_rows = [*self.outcome_rows, {k: metrics[k] for k in OUTCOME_FIELDS if k in metrics}]
+        self.outcome_rows = self.outcome_rows[-NOTICE_AFTER_STEPS:]
+        if self.main_process and not self.noticed_blind_credit and blind_credit(self.outcome_rows):
+            self.noticed_blind_credit = True
+            logging.warning(BLIND_CREDIT_NOTICE, step, self.spec.output_dir)
 
     def checkpoint(self, step: int, state: dict, metrics: dict, stages_meta: dict, *, stopping: bool) -> None:
         """Starts step `step`'s checkpoint when it is due (module docstring); `stages_meta`: the
@@ -184,6 +214,9 @@ class Recorder:
         summary["skipped_updates"] = skipped.total
         if not self.main_process:
             return summary
+        reading = outcome_reading(read_metrics(storage.path(spec.output_dir) / METRICS_FILE))
+        if reading is not None:
+            summary["credit_reading"] = reading
         if gated:
             profile = schedule_from_totals(
                 meta["gate_profile"]["sums"],

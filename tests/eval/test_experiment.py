@@ -73,7 +73,7 @@ def _overridden(base_config: str, overrides) -> object:
 EXPERIMENT_NAMES = {
     experiments: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines"),
     experiments_tiny: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora"),
-    experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora", "transport"),
+    experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora", "transport", "outcome"),
     experiments_tools: ("tools",),
 }
 

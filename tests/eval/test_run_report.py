@@ -31,6 +31,12 @@ from comppo_jax.train.specs import resolve
 
 PHASES = ["stable", "stable", "warning", "warning", "stable", "stable"]
 HOSTILE_PROMPT = "What is 1 + 1? </script><script>document.title = 'broken'</script>"
+OUTCOME_ROW = {  # a critic that knows nothing of the outcome: early credit at chance
+    "credit/outcome_explained_variance": -0.02,
+    "credit/outcome_spearman": 0.04,
+    "credit/early_sign_agreement": 0.55,
+    "credit/trace_horizon": 1.5,
+}
 
 
 def report(run_dir, *extra):
@@ -46,7 +52,10 @@ def run_dir(tmp_path_factory):
     save_run_config(cfg, str(path))
     with open(path / "metrics.jsonl", "w") as f:
         for step, phase in enumerate(PHASES, 1):
-            f.write(json.dumps({"step": step, "phase": phase, "reward/mean": 0.1 * step, "gate/mean": 0.5}) + "\n")
+            row = {"step": step, "phase": phase, "reward/mean": 0.1 * step, "gate/mean": 0.5, **OUTCOME_ROW}
+            if step == 1:  # a zero-initialized critic's values have no ranks
+                del row["credit/outcome_spearman"]
+            f.write(json.dumps(row) + "\n")
     spec = resolve(cfg, model_config(cfg.model)).recorder
     for step in (3, 6):
         sampled, scored = stand_in_batch(cfg, spec.credit.recipe, seed=step)
@@ -89,6 +98,14 @@ def test_the_page_lists_the_kept_steps_colours_each_token_by_its_gate_and_toggle
         PHASES
     )
     assert "step 3: stable → warning" in browser.page_source.replace("&rarr;", "→")
+    curves = browser.find_elements(By.CSS_SELECTOR, "#outcome-panel .outcome-curve")
+    assert [c.get_attribute("data-metric") for c in curves] == list(OUTCOME_ROW)[:3]
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#outcome-panel circle")) == 6 + 5 + 6  # step 1: no ranks
+    assert browser.find_element(By.ID, "outcome-reading").text == (
+        "Over the last 5 steps the critic predicts none of the outcome (explained variance -0.02, Spearman 0.04); "
+        "credit reaches the first half of a response with the outcome's sign 55% of the time; a final reward keeps "
+        "1/e of itself over its response's last 1.5 tokens."
+    )
     assert browser.find_element(By.ID, "response-meta").text.endswith(HOSTILE_PROMPT)  # shown as text
     assert "broken" not in browser.title
 
@@ -139,6 +156,7 @@ def test_a_run_without_kept_responses_or_with_a_torn_metrics_line_says_so_and_a_
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 3, "rew')
     page = run_report_html(str(tmp_path))  # a run killed mid-write: its rows that parse, and a note
     assert "No summary.json yet" in page and "No gate profile" in page and "stopped after step 2" in page
+    assert "No step has logged its credit against the outcome" in page
     assert "1 line(s) of metrics.jsonl do not parse (left out)" in page and 'id="curves"' in page
     (tmp_path / "report.html").write_text(page)
     browser.get((tmp_path / "report.html").as_uri())

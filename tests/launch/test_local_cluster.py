@@ -60,6 +60,12 @@ POD_RUN = dict(
     rollout__dynamic_sampling_filter="reward",
 )
 LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
+OUTCOME_DIAGNOSTICS = {
+    "credit/outcome_explained_variance",
+    "credit/outcome_spearman",
+    "credit/early_sign_agreement",
+    "credit/trace_horizon",
+}
 # Devices per process -> POD_RUN's mesh as changed for them. One device each (a GPU cluster's one process per
 # GPU, a slice of one chip per host): data parallel over the 2 devices, weights replicated.
 LAYOUTS = {2: {}, 1: dict(mesh__data=2, mesh__fsdp=1, mesh__tensor=1)}
@@ -123,6 +129,10 @@ def test_two_processes_equal_one_process_with_as_many_devices(
     assert result.returncode == 0, result.stderr[-4000:]
     assert len(rows(two)) == len(rows(one)) == LAST_CHECKPOINT
     assert min(row["dynamic_sampling/refills"] for row in rows(two)) >= 1  # every step refilled (2-3 rounds)
+    # Every batch holds right and wrong responses (the filter): each step measures its credit against the outcome
+    # (no rank correlation at step 1, whose zero-initialized critic values every token 0).
+    measured = [OUTCOME_DIAGNOSTICS - row.keys() for row in rows(two)]
+    assert measured == [{"credit/outcome_spearman"}] + [set()] * (LAST_CHECKPOINT - 1), measured
     for a, b in zip(rows(two), rows(one)):
         assert a.keys() == b.keys()
         for name in a:

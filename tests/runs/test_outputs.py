@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from comppo_jax import storage
 from comppo_jax.models import load_config_file
-from comppo_jax.runs.outputs import METRICS_FILE, PANELS, MetricsWriter, plot_run
+from comppo_jax.runs.outputs import METRICS_FILE, PANELS, MetricsWriter, plot_run, read_metrics
 from comppo_jax.train.schema import load_run_config, save_run_config
 from comppo_jax.train.validation import validate_config
 
@@ -204,3 +204,19 @@ def test_the_recorder_flushes_every_row_before_a_checkpoint_save_starts(bucket):
         recorder.writer.write({"step": step})
         recorder.checkpoint(step, {}, {}, {}, stopping=True)
     assert seen == [[1], [1, 2]]
+
+
+def test_readers_drop_the_exploded_explained_variance_of_runs_logged_before_its_check(tmp_path):
+    """A committed VAPO run logged -1.4e14 for a batch of equal returns: the curves and the run page read no EV
+    there, and keep every other number of the row."""
+    from comppo_jax.eval.run_report import metrics_rows
+
+    path = tmp_path / METRICS_FILE
+    logged = [
+        {"step": 1, "critic/explained_variance": -141654198644111.78, "critic/value_mae": 0.1},
+        {"step": 2, "critic/explained_variance": -3.5, "credit/outcome_explained_variance": -2e13},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in logged))
+    expected = [{"step": 1, "critic/value_mae": 0.1}, {"step": 2, "critic/explained_variance": -3.5}]
+    assert read_metrics(str(path)) == expected
+    assert metrics_rows(str(path)) == (expected, 0)

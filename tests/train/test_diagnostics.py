@@ -1,11 +1,23 @@
-"""Gate and critic diagnostics against hand-computed values."""
+"""Gate, critic and outcome diagnostics against hand-computed values."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from comppo_jax.train.diagnostics import critic_diagnostics, gate_statistics, spearman
+from comppo_jax.credit.registry import EstimatorSpec, realized_transport
+from comppo_jax.train.diagnostics import (
+    NOTICE_AFTER_STEPS,
+    blind_credit,
+    critic_diagnostics,
+    gate_statistics,
+    outcome_diagnostics,
+    outcome_reading,
+    spearman,
+)
+from comppo_jax.train.recorder import Recorder
 
 
 def test_gate_statistics_by_position_third_and_correctness():
@@ -50,3 +62,101 @@ def test_spearman_with_ties_is_scipys():
     y[::3] = 0.5
     assert spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
     assert spearman(x, -x) == pytest.approx(-1.0)
+
+
+def test_equal_returns_up_to_rounding_report_no_explained_variance():
+    """A batch with no correct response under lambda 1: returns equal up to float32 rounding once logged an
+    explained variance of -1e13."""
+    mask = np.ones((2, 3), bool)
+    returns = np.float32(-0.3) + np.array([[0.0, 1e-8, 0.0], [3e-8, 0.0, 0.0]])
+    values = np.array([[0.1, 0.2, 0.3], [0.0, -0.1, 0.2]])
+    rewards = np.zeros((2, 3))
+    stats = critic_diagnostics(values, returns, rewards, np.ones((2, 3)), mask)
+    assert "critic/explained_variance" not in stats and "critic/value_mae" in stats
+    terminal = np.zeros((2, 3))
+    terminal[:, -1] = [-0.3, -0.3 + 3e-8]
+    outcome = outcome_diagnostics(np.ones((2, 3)), values, terminal, np.ones((2, 3)), mask)
+    assert "credit/outcome_explained_variance" not in outcome and "credit/outcome_spearman" not in outcome
+
+
+# Two responses of 4 and 2 tokens, terminal rewards 1 and 0.
+MASK = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], bool)
+REWARDS = np.array([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_outcome_diagnostics_by_hand():
+    values = np.array([[0.2, 0.6, 0.4, 0.9], [0.5, 0.1, 7.0, 7.0]])  # 7.0: padding, never read
+    advantages = np.array([[-0.5, 0.3, 0.2, 0.1], [0.4, -0.2, 9.0, 9.0]])
+    transport = np.array([[0.5, 0.5, 0.5, 0.5], [0.2, 0.2, 0.2, 0.2]])
+    stats = outcome_diagnostics(advantages, values, REWARDS, transport, MASK)
+    v, r = np.array([0.2, 0.6, 0.4, 0.9, 0.5, 0.1]), np.array([1.0, 1, 1, 1, 0, 0])  # R_t: each response's outcome
+    assert stats["credit/outcome_explained_variance"] == pytest.approx(1 - np.var(r - v) / np.var(r))
+    # Ranks of V: 0.1 -> 1, 0.2 -> 2, 0.4 -> 3, 0.5 -> 4, 0.6 -> 5, 0.9 -> 6; of R: 0s -> 1.5, 1s -> 4.5.
+    assert stats["credit/outcome_spearman"] == pytest.approx(
+        np.corrcoef([2, 5, 3, 6, 4, 1], [4.5] * 4 + [1.5] * 2)[0, 1]
+    )
+    # First halves: tokens 0, 1 of row 0 (R - mean R = +0.5) and token 0 of row 1 (-0.5): signs -, +, + -> 1 of 3.
+    assert stats["credit/early_sign_agreement"] == pytest.approx(1 / 3)
+    # Row 0 keeps 1, 0.5, 0.25, 0.125 of its reward back from its end (>= 1/e: 2 tokens); row 1 keeps 1, 0.2 (1).
+    assert stats["credit/trace_horizon"] == pytest.approx(1.5)
+
+
+def test_outcome_diagnostics_without_a_critic_and_with_one_outcome():
+    broadcast = np.array([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]])
+    stats = outcome_diagnostics(broadcast, None, REWARDS, np.ones((2, 4)), MASK)
+    assert stats == {"credit/trace_horizon": 3.0, "credit/early_sign_agreement": 1.0}  # the whole response
+    same = outcome_diagnostics(broadcast, None, np.zeros((2, 4)), np.ones((2, 4)), MASK)
+    assert "credit/early_sign_agreement" not in same  # no response's outcome differs from the mean
+
+
+def test_each_estimators_transport_as_its_recursion_applies_it():
+    kappa = np.array([[0.2, 0.4, 0.6, 0.8], [1.0, 0.5, 0.0, 0.0]])
+    comp_gae = realized_transport(EstimatorSpec("comp_gae", lam=0.9), kappa, MASK)
+    np.testing.assert_allclose(comp_gae, 0.9 * kappa)
+    # Row 0 keeps 1, 0.54, 0.19 of its reward back from its end (2 tokens >= 1/e); row 1 keeps 1, 0.9 (2).
+    assert outcome_diagnostics(np.ones((2, 4)), None, REWARDS, comp_gae, MASK)["credit/trace_horizon"] == 2.0
+    # GAE with gamma 1: 0.95^k >= 1/e for k <= 19, so 20 tokens of a long response.
+    long_mask = np.ones((1, 64), bool)
+    gae = realized_transport(EstimatorSpec("gae", lam=0.95), None, long_mask)
+    assert outcome_diagnostics(np.ones((1, 64)), None, np.eye(64)[-1:], gae, long_mask)["credit/trace_horizon"] == 20
+    lengths_40_and_100 = np.arange(100)[None, :] < np.array([[40], [100]])
+    vapo = realized_transport(EstimatorSpec("vapo", vapo_alpha=0.05), None, lengths_40_and_100)
+    np.testing.assert_allclose(vapo[:, 0], [1 - 1 / (0.05 * 40), 1 - 1 / (0.05 * 100)])  # VAPO's own lambda
+    assert (realized_transport(EstimatorSpec("grpo"), None, MASK) == 1).all()
+
+
+BLIND = {"credit/outcome_explained_variance": 0.01, "credit/early_sign_agreement": 0.56, "credit/trace_horizon": 1.0}
+
+
+def test_blind_credit_needs_both_signs_for_every_one_of_its_steps():
+    assert blind_credit([BLIND] * NOTICE_AFTER_STEPS) and not blind_credit([BLIND] * (NOTICE_AFTER_STEPS - 1))
+    knowing = {**BLIND, "credit/outcome_explained_variance": 0.3}
+    assert not blind_credit([BLIND] * (NOTICE_AFTER_STEPS - 1) + [knowing])
+    signed = {**BLIND, "credit/early_sign_agreement": 0.7}
+    assert not blind_credit([signed] + [BLIND] * (NOTICE_AFTER_STEPS - 1))
+    assert not blind_credit([{"credit/early_sign_agreement": 0.5}] * NOTICE_AFTER_STEPS)  # no critic: no notice
+
+
+def test_the_recorder_says_once_that_early_credit_carries_no_outcome(caplog):
+    """Over steps 1..25 of a critic that never learns the outcome: one warning, at step NOTICE_AFTER_STEPS."""
+    recorder = SimpleNamespace(
+        outcome_rows=[], noticed_blind_credit=False, main_process=True, spec=SimpleNamespace(output_dir="runs/x")
+    )
+    with caplog.at_level("WARNING"):
+        for step in range(1, 26):
+            Recorder.notice_blind_credit(recorder, step, {"step": step, "reward/mean": 0.2, **BLIND})
+    notices = [r.getMessage() for r in caplog.records if "carry no outcome" in r.getMessage()]
+    assert len(notices) == 1 and f"to step {NOTICE_AFTER_STEPS}," in notices[0]
+    assert "python launch/report.py --run=runs/x" in notices[0]
+
+
+def test_the_reading_says_what_the_critic_knows_and_where_credit_goes():
+    knowing = {**BLIND, "credit/outcome_explained_variance": 0.4, "credit/outcome_spearman": 0.6}
+    assert outcome_reading([BLIND] * 3 + [knowing] * 5) == (
+        "Over the last 5 steps the critic explains 40% of the outcome (explained variance 0.40, Spearman 0.60); "
+        "credit reaches the first half of a response with the outcome's sign 56% of the time; a final reward keeps "
+        "1/e of itself over its response's last 1.0 tokens."
+    )
+    grpo = {"credit/early_sign_agreement": 0.9, "credit/trace_horizon": 30.0}
+    assert outcome_reading([grpo]).startswith("Over the last 1 steps credit reaches")
+    assert outcome_reading([{"reward/mean": 0.5}]) is None

@@ -75,6 +75,9 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
     assert gated <= set(steps[1]) if method != "grpo" else not gated & set(steps[1])
     if method != "grpo":
         assert {"critic/value_mae", "critic/clamp_saturation"} <= set(steps[1])
+    # How far back a final reward reaches, every step and every method. The fields measured against the
+    # outcome need outcomes that differ (here every response is wrong): tests/launch/test_local_cluster.py.
+    assert all(s["credit/trace_horizon"] >= 1 for s in steps)
     assert (tmp_path / "curves.png").stat().st_size > 0
     # Responses kept with their credit at each evaluation (outputs.sample_every=0), as the method has it.
     records, unreadable = load_samples(str(tmp_path))
