@@ -41,7 +41,7 @@ IMPORTANCE_WEIGHT_RULES = ("mask", "truncate")
 # `rollout_correction`'s rules (train.rollout_correction): no weights, truncated or masked importance sampling; and
 # the levels the ratio is taken at.
 ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
-ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 
 def _valid(x: Float[Array, "B T"], mask: Shaped[Array, "B T"]) -> Float[Array, "B T"]:
@@ -62,10 +62,11 @@ def _log_ratio(
     return jnp.clip(_valid(log_numerator, mask) - _valid(log_denominator, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
-def _capped(weights: Float[Array, "B T"], cap: float, drop: bool) -> Float[Array, "B T"]:
-    """Importance weights over `cap` set to 0 (`drop`: the token leaves the loss) or to `cap` (truncated).
-    `weights > cap` rather than `<= cap`: a NaN weight stays NaN, for the learner's finiteness guard."""
-    return jnp.where(weights > cap, 0.0, weights) if drop else jnp.minimum(weights, cap)
+def _capped(weights: Float[Array, "B T"], cap: float, drop: bool, lower: float = 0.0) -> Float[Array, "B T"]:
+    """Importance weights over `cap` (or, with `drop`, under `lower`) set to 0 (`drop`: the token leaves the loss)
+    or to `cap` (truncated). `weights > cap` rather than `<= cap`: a NaN weight stays NaN, for the learner's
+    finiteness guard."""
+    return jnp.where((weights > cap) | (weights < lower), 0.0, weights) if drop else jnp.minimum(weights, cap)
 
 
 @jax.jit
@@ -302,34 +303,39 @@ def rollout_correction_weights(
     rule: str = "tis",
     cap: float = 2.0,
     level: str = "token",
+    lower_cap: float = 0.0,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Importance weights from the sampler's distribution to the scorer's, which correct the policy
     gradient for tokens drawn by pi_sample but scored (and the PPO ratio taken) under pi_score (Yao et
-    al. 2025, see `sampler_mismatch`). With r_t = pi_score(y_t) / pi_sample(y_t) and the cap C > 1:
+    al. 2025, see `sampler_mismatch`). With r_t = pi_score(y_t) / pi_sample(y_t), the cap C > 1 and the lower
+    cap C_lo (`lower_cap`; 0 takes 1 / C), as verl's rollout correction names them:
 
-        level "token":     rho_t = r_t
-        level "sequence":  rho_t = rho_i = exp( mean_{t valid in response i} log r_t )   for each token of i
-        rule "tis":        c_t = min(rho_t, C)                      (truncated importance sampling)
-        rule "mis":        c_t = rho_t if rho_t <= C else 0          (masked importance sampling)
-        loss               = token-mean( -c_t min(u_t A_t, clip(u_t, 1 - eps, 1 + eps) A_t) )
+        level "token":      rho_t = r_t
+        level "sequence":   rho_t = rho_i = exp( clip( sum_{t valid in response i} log r_t, -20, 20 ) )
+        level "geometric":  rho_t = rho_i = exp( mean_{t valid in response i} log r_t )
+        rule "tis":         c_t = min(rho_t, C)                               (truncated importance sampling)
+        rule "mis":         c_t = rho_t if C_lo <= rho_t <= C else 0           (masked importance sampling)
+        loss                = token-mean( -c_t min(u_t A_t, clip(u_t, 1 - eps, 1 + eps) A_t) )
 
     so, as c_t >= 0 factors out of the min, the weights multiply the advantages of any clipped surrogate
-    (`ppo_clip_loss`, `gspo_loss`), as `decoupled_ppo_inputs`' do. Under "mis" a token (or under
-    "sequence" a whole response) over the cap leaves the loss while a token-mean still divides by every
-    valid token, as AReaL's mask. The sequence ratio is the geometric mean of its tokens' ratios, not
-    their product (the sequence-level importance weight): over thousands of tokens a product puts nearly
-    every response past any cap, while the geometric mean stays near 1 (GSPO's length normalization).
+    (`ppo_clip_loss`, `gspo_loss`), as `decoupled_ppo_inputs`' do. "sequence" is the sequence-level
+    importance weight, the product of its tokens' ratios (over thousands of tokens it puts most responses
+    past any cap); "geometric" its length-normalized form (GSPO's), which stays near 1. Under "mis" a token
+    (or a whole response) outside [C_lo, C] leaves the loss, as verl's rejection sampling rejects it, but the
+    token-mean still divides by every valid token (AReaL's mask), where verl drops rejected tokens from the
+    response mask and so from the denominator: a batch with many rejected tokens takes a smaller step here.
     log r_t is clipped to +-20 before exp, as the PPO ratio's.
 
     Args:
       sampler_log_probs: [B, T] log pi_sample(y_t), as the sampler recorded them.
       score_log_probs: [B, T] log pi_score(y_t), the scoring pass's (the PPO ratio's old log-probs).
       mask: [B, T] valid tokens.
-      rule: "tis" | "mis"; cap: C (> 1); level: "token" | "sequence".
+      rule: "tis" | "mis"; cap: C (> 1); level: "token" | "sequence" | "geometric"; lower_cap: C_lo in
+        [0, 1) for "mis" (0: 1 / C).
 
     Returns:
       (rho, c) [B, T] float32, 0 on padding; a non-finite rho stays non-finite in c (the learner's
-      finiteness guard sees it), under "sequence" for every token of its response.
+      finiteness guard sees it), at a response level for every token of its response.
     """
     _validation.check_bt(sampler_log_probs=sampler_log_probs, score_log_probs=score_log_probs, mask=mask)
     if rule not in ROLLOUT_CORRECTIONS[1:]:
@@ -338,20 +344,26 @@ def rollout_correction_weights(
         raise ValueError(f"level={level!r}: expected one of {ROLLOUT_CORRECTION_LEVELS}")
     if not cap > 1.0:
         raise ValueError(f"cap={cap}: must be > 1 (every weight would be capped below the on-policy 1)")
+    if not 0.0 <= lower_cap < 1.0:
+        raise ValueError(f"lower_cap={lower_cap}: must be in [0, 1) (0: 1 / cap)")
     log_ratio = _log_ratio(score_log_probs, sampler_log_probs, mask)
     if level == "sequence":
+        total = jnp.clip(jnp.sum(log_ratio, axis=1, keepdims=True), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        log_ratio = jnp.broadcast_to(total, log_ratio.shape)
+    elif level == "geometric":
         log_ratio = jnp.broadcast_to(_row_mean(log_ratio, mask), log_ratio.shape)
     ratios = _valid(jnp.exp(log_ratio), mask)
-    return ratios, _capped(ratios, cap, drop=rule == "mis")
+    return ratios, _capped(ratios, cap, drop=rule == "mis", lower=lower_cap or 1.0 / cap)
 
 
 def importance_weight_stats(
-    weights: Float[Array, "B T"], mask: Shaped[Array, "B T"], cap: float
+    weights: Float[Array, "B T"], mask: Shaped[Array, "B T"], cap: float, lower: float = 0.0
 ) -> tuple[Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """Importance weights' token-mean, max and fraction over `cap`, over the valid tokens, before the cap
-    (weights >= 0, 0 on padding; 0, 0, 0 for an empty mask). Traced where the weights are computed: a
+    """Importance weights' token-mean, max and fraction outside [`lower`, `cap`], over the valid tokens, before
+    the cap (weights >= 0, 0 on padding; 0, 0, 0 for an empty mask). Traced where the weights are computed: a
     host read of a batch split across processes would see each process's own rows only."""
-    return masked_mean(weights, mask), jnp.max(weights, initial=0.0), masked_mean(jnp.float32(weights > cap), mask)
+    outside = jnp.float32((weights > cap) | (weights < lower))
+    return masked_mean(weights, mask), jnp.max(weights, initial=0.0), masked_mean(outside, mask)
 
 
 def rollout_correction(
@@ -361,17 +373,19 @@ def rollout_correction(
     rule: str = "none",
     cap: float = 2.0,
     level: str = "token",
+    lower_cap: float = 0.0,
 ) -> tuple[Float[Array, "B T"] | None, dict[str, Float[Array, ""]]]:
     """The learner's rollout correction (train.rollout_correction = `rule`): the weights c of
     `rollout_correction_weights` (None for rule "none"), and the metrics: `sampler_mismatch`'s as
     mismatch/kl, /abs_log_ratio_mean, /abs_log_ratio_max, /ratio_outside_half_to_two, whatever the rule,
     and with weights rollout_correction/weight_mean, /weight_max (rho before the cap) and
-    /truncated_fraction (tis) or /masked_fraction (mis): the fraction of tokens with rho over the cap."""
+    /truncated_fraction (tis: rho over the cap) or /masked_fraction (mis: rho outside [lower cap, cap])."""
     metrics = {f"mismatch/{name}": x for name, x in sampler_mismatch(sampler_log_probs, score_log_probs, mask).items()}
     if rule == "none":
         return None, metrics
-    ratios, weights = rollout_correction_weights(sampler_log_probs, score_log_probs, mask, rule, cap, level)
-    mean, largest, over = importance_weight_stats(ratios, mask, cap)
+    ratios, weights = rollout_correction_weights(sampler_log_probs, score_log_probs, mask, rule, cap, level, lower_cap)
+    lower = (lower_cap or 1.0 / cap) if rule == "mis" else 0.0
+    mean, largest, over = importance_weight_stats(ratios, mask, cap, lower)
     dropped = "masked" if rule == "mis" else "truncated"
     names = ("weight_mean", "weight_max", f"{dropped}_fraction")
     return weights, {**metrics, **{f"rollout_correction/{name}": x for name, x in zip(names, (mean, largest, over))}}

@@ -104,7 +104,8 @@ def token_stats(
 ) -> tuple[Float[Array, "B N"], Float[Array, "B N"]]:
     """(log pi(target | h), entropy) [B, N] float32 at final-norm hidden states [B, N, D].
 
-    log-probs are of softmax(logits / temperature); the entropy is of softmax(logits). The
+    log-probs and the entropy are of softmax(logits / temperature), the distribution the sampler drew from (the
+    80/20 token selection ranks tokens by it, as Wang et al.'s code and verl do). The
     vocabulary projection runs `config.logits_chunk` positions at a time (0: all), each chunk
     rematerialized in the backward pass, so no [B, N, V] float32 logits are ever held.
     """
@@ -120,7 +121,7 @@ def token_stats(
         logits = lm_logits(params, config, hidden)
         scaled = logits / temperature
         taken = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0]
-        return taken - jax.nn.logsumexp(scaled, axis=-1), entropy_from_logits(logits)
+        return taken - jax.nn.logsumexp(scaled, axis=-1), entropy_from_logits(scaled)
 
     log_probs, entropy = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(targets)))
     from_chunks = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length]

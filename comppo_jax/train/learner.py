@@ -162,7 +162,12 @@ def guarded_credit(spec: LearnerSpec, values_fn, critic, batch: Minibatch, signa
     docs/reliability.md). Returns (fields, kappa, advantages, the weights, the metrics, the finite flags)."""
     fields, kappa = credit_fields(spec.credit, values_fn, critic, batch, signals, gate_key(step_rng))
     advantages = clip_advantages(fields["advantages"], clip)
-    correction = (spec.rollout_correction, spec.rollout_correction_cap, spec.rollout_correction_level)
+    correction = (
+        spec.rollout_correction,
+        spec.rollout_correction_cap,
+        spec.rollout_correction_level,
+        spec.rollout_correction_lower_cap,
+    )
     # With the sampler's own log-probs as the old ones (rollout.old_log_probs=sampler) the ratio is 1.
     weights, metrics = (
         rollout_correction(signals.sampler_log_probs, batch.old_log_probs, batch.response_mask, *correction)

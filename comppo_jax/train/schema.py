@@ -374,9 +374,16 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             "rollout_correction",
             "none",
             "old_log_probs=rescore: the policy gradient times r = pi_score / pi_sample (e.g. 8-bit rollouts): none | "
-            "tis (min(r, cap)) | mis (r, or 0 over the cap: the token leaves the loss); mismatch/* is logged anyway",
+            "tis (min(r, cap)) | mis (r, or 0 outside [lower cap, cap]: the token leaves the loss); mismatch/* is "
+            "logged anyway",
         ),
         Field("rollout_correction_cap", 2.0, "rollout_correction: the cap C on r (> 1)"),
+        Field(
+            "rollout_correction_lower_cap",
+            0.0,
+            "rollout_correction=mis: r under it leaves the loss too, in [0, 1); 0 takes 1 / rollout_correction_cap "
+            "(verl's rejection bounds)",
+        ),
         Field(
             "token_selection",
             "all",
@@ -387,7 +394,8 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
         Field(
             "rollout_correction_level",
             "token",
-            "rollout_correction: token | sequence (r: its response's mean)",
+            "rollout_correction: token | sequence (r: the product of its response's ratios, verl's) | geometric "
+            "(r: their geometric mean, GSPO's length normalization)",
         ),
     ),
     # Beyond the paper: advantage estimators published since it (docs/variants.md#token-credit-baselines).

@@ -99,7 +99,8 @@ class LearnerSpec:
     rescored: bool = False  # rollout.old_log_probs=rescore: the old log-probs are the scorer's, not the sampler's
     rollout_correction: str = "none"  # none | tis | mis
     rollout_correction_cap: float = 2.0
-    rollout_correction_level: str = "token"  # token | sequence
+    rollout_correction_level: str = "token"  # token | sequence | geometric
+    rollout_correction_lower_cap: float = 0.0  # mis: rho under it leaves the loss too (0: 1 / cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +330,7 @@ def learner_spec(cfg, credit: CreditSpec, steps: Steps) -> LearnerSpec:
         rollout_correction=train.rollout_correction,
         rollout_correction_cap=float(train.rollout_correction_cap),
         rollout_correction_level=train.rollout_correction_level,
+        rollout_correction_lower_cap=float(train.rollout_correction_lower_cap),
     )
 
 

@@ -378,6 +378,7 @@ NUMBER_FIELDS = {
     "rollout.max_reply_tokens": COUNT,
     "train.importance_weight_cap": dict(low=1),
     "train.rollout_correction_cap": dict(low=1, low_open=True),
+    "train.rollout_correction_lower_cap": dict(low=0, high=1, high_open=True),
     "train.packing_min_saving": dict(low=0, high=1, high_open=True),
     "credit.vapo_alpha": POSITIVE,
     "credit.vapo_critic_lam": dict(low=0, high=1),

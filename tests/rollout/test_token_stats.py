@@ -44,7 +44,7 @@ def batch(seed=0, prompt=6, length=23):
 def dense_stats(params, config, tokens, mask, prompt_lengths, response, temperature):
     logits = gather_response(forward(params, config, tokens, mask).logits, prompt_lengths, response.shape[1])
     log_probs = jax.nn.log_softmax(logits / temperature)
-    return jnp.take_along_axis(log_probs, response[..., None], -1)[..., 0], entropy_from_logits(logits)
+    return jnp.take_along_axis(log_probs, response[..., None], -1)[..., 0], entropy_from_logits(logits / temperature)
 
 
 def loss(stats):

@@ -24,7 +24,7 @@ from comppo_jax.train.methods import init_critic
 from comppo_jax.train.specs import resolve
 from comppo_jax.train.update import actor_loss, critic_values, policy_token_stats
 
-# Sampler -> scorer ratios r, cycled over the valid tokens: two over the cap 2.
+# Sampler -> scorer ratios r, cycled over the valid tokens: two over the cap 2, one under the lower cap 1/2.
 DESIGNED_RATIOS = (0.25, 1.0, 3.0, 1.5, 2.5, 0.8, 1.2)
 CAP = 2.0
 CLIP = 5.0  # the advantages' clip
@@ -63,9 +63,9 @@ def designed_batch():
 
 
 def hand_weights(rule: str) -> np.ndarray:
-    """c = min(r, 2) (tis) or r, 0 over 2 (mis), per token."""
+    """c = min(r, 2) (tis) or r, 0 outside [1/2, 2] (mis), per token."""
     ratios, mask = designed_batch()[2:4]
-    capped = np.minimum(ratios, CAP) if rule == "tis" else np.where(ratios > CAP, 0.0, ratios)
+    capped = np.minimum(ratios, CAP) if rule == "tis" else np.where((ratios > CAP) | (ratios < 1 / CAP), 0.0, ratios)
     return np.where(mask, capped, 0.0)
 
 
@@ -104,8 +104,8 @@ def test_the_learner_weighs_the_clipped_advantages_by_the_sampler_to_scorer_weig
     assert float(metrics["mismatch/ratio_outside_half_to_two"]) == pytest.approx(np.mean((r < 0.5) | (r > 2)))
     assert float(metrics["rollout_correction/weight_mean"]) == pytest.approx(r.mean(), rel=1e-5)
     assert float(metrics["rollout_correction/weight_max"]) == pytest.approx(3.0, rel=1e-5)
-    dropped = "masked" if rule == "mis" else "truncated"
-    assert float(metrics[f"rollout_correction/{dropped}_fraction"]) == pytest.approx(np.mean(r > CAP))
+    dropped, lower = ("masked", 1 / CAP) if rule == "mis" else ("truncated", 0.0)
+    assert float(metrics[f"rollout_correction/{dropped}_fraction"]) == pytest.approx(np.mean((r > CAP) | (r < lower)))
     assert set(plain_metrics) == {name for name in metrics if name.startswith("mismatch/")}
     # The actor loss of a policy moved off the behaviour one, by hand, token by token.
     other = init_params(CONFIG, jax.random.PRNGKey(1), init_std=0.2)
@@ -128,16 +128,29 @@ def test_the_learner_weighs_the_clipped_advantages_by_the_sampler_to_scorer_weig
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
-def test_a_sequence_level_correction_weighs_each_response_by_its_geometric_mean_ratio():
+def test_the_lower_cap_from_the_config_lets_a_small_ratio_stay():
+    """train.rollout_correction_lower_cap=0.2: r = 0.25 stays (under the default 1/2 it leaves the loss)."""
+    learner, _ = learner_of(method="grpo", train__rollout_correction="mis", train__rollout_correction_lower_cap=0.2)
+    ratios, mask = designed_batch()[2:4]
+    weights = np.asarray(credit_of(learner, None)[3])
+    small = mask & np.isclose(ratios, 0.25)
+    assert small.any()
+    np.testing.assert_allclose(weights[small], 0.25, rtol=1e-5)
+    np.testing.assert_allclose(hand_weights("mis")[small], 0.0)
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_a_response_level_correction_weighs_each_response_by_its_ratios_product_or_geometric_mean(level):
     learner, _ = learner_of(
         method="grpo",
         train__rollout_correction="tis",
-        train__rollout_correction_level="sequence",
+        train__rollout_correction_level=level,
     )
     plain, _ = learner_of(method="grpo")
     _, _, advantages, weights, _, _ = credit_of(learner, None)
     ratios, mask = designed_batch()[2:4]
-    rho = np.exp(np.where(mask, np.log(ratios), 0.0).sum(1) / mask.sum(1))
+    log_rho = np.where(mask, np.log(ratios), 0.0).sum(1)
+    rho = np.exp(log_rho if level == "sequence" else log_rho / mask.sum(1))
     c = np.where(mask, np.minimum(rho, CAP)[:, None], 0.0)
     np.testing.assert_allclose(weights, c, rtol=1e-5)
     np.testing.assert_allclose(advantages, np.asarray(credit_of(plain, None)[2]) * c, rtol=1e-5, atol=1e-7)

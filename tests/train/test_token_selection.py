@@ -19,7 +19,8 @@ import pytest
 from conftest import HANG_S, HELPERS_PATH, fake_devices_env, small_train_config
 from update_inputs import CONFIG, update_inputs
 
-from comppo_jax.models import init_params
+from comppo_jax.models import forward, init_params
+from comppo_jax.rollout import gather_response
 from comppo_jax.train import update
 from comppo_jax.train.specs import resolve
 from comppo_jax.train.update import actor_loss, policy_token_stats
@@ -116,6 +117,26 @@ def test_the_actor_loss_is_the_surrogate_over_the_top_entropy_tokens(tmp_path, c
     )
     assert float(every[0]) != pytest.approx(float(loss), rel=1e-3)
     assert not any(name.startswith("token_selection/") for name in every[1])
+
+
+def test_tokens_are_ranked_by_the_entropy_of_the_distribution_they_were_sampled_from(tmp_path):
+    """rollout.temperature=0.5: the threshold is the k-th highest entropy of softmax(z / 0.5), as Wang et al.'s
+    code takes it, not of softmax(z)."""
+    spec = actor_loss_spec(tmp_path, method="grpo", rollout__temperature=0.5)
+    assert spec.temperature == 0.5
+    params, batch = moved_policy()
+    threshold = float(actor_loss(params, CONFIG, batch, CLIP, KL_COEF, spec)[1]["token_selection/entropy_threshold"])
+    full = forward(params, CONFIG, batch.tokens, batch.attention_mask).logits
+    logits = np.asarray(gather_response(full, batch.prompt_lengths, batch.response_tokens.shape[1]), np.float64)
+    mask = np.asarray(batch.response_mask)
+    k = int(np.ceil(spec.token_selection_fraction * mask.sum() - 1e-9))
+
+    def kth_entropy(z):
+        log_p = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+        return np.sort(-(np.exp(log_p) * log_p).sum(-1)[mask])[::-1][k - 1]
+
+    assert threshold == pytest.approx(kth_entropy(logits / 0.5), rel=1e-4)
+    assert threshold != pytest.approx(kth_entropy(logits), rel=1e-2)
 
 
 def test_the_policy_gradient_reaches_only_the_kept_tokens_and_the_kl_every_token(tmp_path, monkeypatch):

@@ -197,7 +197,7 @@ CASES = {
     ),
     "unknown rollout correction level": (
         assign(train__rollout_correction_level="response"),
-        r"config\.train\.rollout_correction_level='response': expected one of \('token', 'sequence'\)",
+        r"config\.train\.rollout_correction_level='response': expected one of \('token', 'sequence', 'geometric'\)",
     ),
     "inverted attention-anchor horizon": (
         assign(method="grpo", credit__estimator="attention_anchor", credit__attention_anchor_horizon_lo=200),
