@@ -267,6 +267,32 @@ def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path
     assert sorted(request.split()[0] for request in asked) == ["GET", "HEAD", "HEAD"]  # both asked; one fetched
 
 
+def test_processes_copying_one_gcs_source_at_once_copy_it_once_and_whole(bucket, gcs_emulator, tmp_path):
+    """The copy lock: two processes ask for one gs:// model at once; one copies while the other waits, and
+    both read every byte (without it both download into one temporary file: a rename fails, or the bytes
+    interleave). 48 MiB, so the two downloads would overlap."""
+    weights = np.random.default_rng(0).bytes(48 << 20)
+    storage.write_bytes(f"{bucket}/big/model.safetensors", weights)
+    storage.write_text(f"{bucket}/big/config.json", "{}")
+    go = tmp_path / "go"
+    code = (
+        "import os, time\nfrom comppo_jax import hub\nprint('imported', flush=True)\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.001)\nprint(hub.resolve_model({bucket + '/big'!r}))"
+    )
+    env = {**CPU_ONLY_ENV, **gcs_emulator.env, "HF_HOME": str(tmp_path / "hf")}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    assert [process.stdout.readline().strip() for process in processes] == ["imported", "imported"]
+    go.touch()  # both start copying now
+    outputs = [process.communicate(timeout=120)[0].strip() for process in processes]
+    assert [process.returncode for process in processes] == [0, 0] and outputs[0] == outputs[1]
+    with open(os.path.join(outputs[0], "model.safetensors"), "rb") as copied:
+        assert copied.read() == weights
+    assert sorted(os.listdir(outputs[0])) == ["config.json", "model.safetensors"]  # no temporary file left
+
+
 def test_a_gcs_file_uploaded_again_with_the_same_size_is_copied_again(hub, bucket, checkpoint_dir, dataset_dir):
     """The local copy is kept per generation: a fine-tune of the same shape uploaded over the model is read."""
     upload(bucket, checkpoint_dir, dataset_dir)
