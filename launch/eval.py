@@ -87,6 +87,7 @@ def main(argv):
     from comppo_jax.rollout.turns import ToolUse
     from comppo_jax.runs.checkpoint import RunCheckpoints
     from comppo_jax.train import decode_layout
+    from comppo_jax.train.progress import first_call_notices
     from comppo_jax.train.specs import resolve
     from comppo_jax.train.start import load_problems
 
@@ -150,6 +151,7 @@ def main(argv):
         tools = (
             None if environment is None else ToolUse(environment, cfg.rollout.max_turns, cfg.rollout.max_reply_tokens)
         )
+        compiling = first_call_notices(main_process)  # the first batch compiles each decoder: minutes at scale
         for name, problems in sets.items():
             result = cached[name]
             if result is None:
@@ -168,6 +170,7 @@ def main(argv):
                     batch_size=cfg.eval.batch_size,
                     desc=name,
                     tools=tools,
+                    compiling=compiling,
                 )
                 if main_process:
                     storage.write_text(output / f"{name}.json", json.dumps({**keys[name], "metrics": result}, indent=2))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from fractions import Fraction
 
 import jax
@@ -124,14 +125,18 @@ def evaluate_problems(
     batch_size: int = 32,
     desc: str = "",
     tools: ToolUse | None = None,
+    compiling: Callable[[str], None] = lambda what: None,
 ) -> dict:
     """`set_metrics` over `problems`: greedy pass@1, avg@samples, pass@k for k in `pass_k` (default 1
     and samples) and majority@samples, each a fraction in [0, 1] with its standard error. `tools`: each
-    response is a conversation with its environment (a tool run's, rollout.environment)."""
+    response is a conversation with its environment (a tool run's, rollout.environment). `compiling(what)` is
+    called before each decoder's first batch, which compiles it (a launcher's first-call notice)."""
     greedy_correct, sample_correct, majority_correct = [], [], []
     for start in tqdm.trange(0, len(problems), batch_size, desc=desc, leave=False):
         chunk = problems[start : start + batch_size]
+        compiling("the greedy decoder")
         greedy = generated_answers(params, config, tokenizer, chunk, max_new_tokens=max_new_tokens, tools=tools)
+        compiling(f"the sampler ({samples} samples a problem)")
         sampled = generated_answers(
             params,
             config,

@@ -241,7 +241,11 @@ def schedule(
             tqdm.tqdm.write(f"dev accuracy of the {policy} policy: {dev_accuracy:.3f}")
     # Steps count from 1 (comppo_jax.runs.outputs): checkpoint N holds the state after step N.
     first_step = meta["step"] + 1  # its stages compile: a stop there ends the run at once, as nothing of it is saved
-    progress = StepBar(range(first_step, last_step + 1), desc=recorder.spec.method, disable=not show_progress)
+    progress = StepBar(
+        range(first_step, last_step + 1),
+        desc=bar_label(recorder.spec.method, recorder.warmup, last_step),
+        disable=not show_progress,
+    )
     for step in progress:
         recorder.checkpoints.confirm_saves()  # a failed async save stops the run here, in one line naming it
         started = time.time()
@@ -276,13 +280,21 @@ def schedule(
     return recorder.finish(final_accuracy, len(rollout.dev_problems), learner.skipped)
 
 
+def bar_label(method: str, warmup: int, total: int) -> str:
+    """The step bar's label: the method and, with a critic warm-up, what the steps it counts are."""
+    return method if warmup == 0 else f"{method}: {warmup} critic warm-up + {total - warmup} actor updates"
+
+
 def step_postfix(metrics: dict, dev_accuracy: float | None) -> dict[str, str]:
-    """The step bar's fields: the step's reward, KL loss, gate and phase, and the last dev accuracy
-    measured (evaluations are every train.eval_every steps; none yet in a resumed run: no field)."""
+    """The step bar's fields: the step's reward, KL loss, gate and phase, a conversation's tool calls per
+    response (rollout.environment), and the last dev accuracy measured (evaluations are every
+    train.eval_every steps; none yet in a resumed run: no field)."""
     fields = {
         "reward": f"{metrics['reward/mean']:.2f}",
         "kl": f"{metrics.get('kl_loss', 0.0):.4f}",
         "gate": f"{metrics.get('gate/mean', 0.0):.2f}",
         "phase": str(metrics["phase"]),
     }
+    if "env/calls" in metrics:
+        fields["calls"] = f"{metrics['env/calls']:.1f}"
     return fields if dev_accuracy is None else {**fields, "dev": f"{dev_accuracy:.3f}"}

@@ -159,7 +159,7 @@ class Recorder:
         )
         self.writer.write(metrics)
         self.notice_blind_credit(step, metrics)
-        if keeps_samples(self.spec.kept, step, self.evaluates(step)):
+        if keeps_samples(self.spec.kept, step, self.evaluates(step), last=step == self.last_step):
             kept = kept_responses(self.spec, self.tokenizer, step, sampled, learned.scored)
             if self.main_process:
                 save_samples(self.spec.output_dir, kept)

@@ -18,12 +18,13 @@ from comppo_jax.data.tokenizers import token_pieces
 CONTROLLED_GATES = ("fixed", "shuffle", "position")  # the recipe gates that replace the policy's own
 
 
-def keeps_samples(outputs, step: int, evaluates: bool) -> bool:
+def keeps_samples(outputs, step: int, evaluates: bool, last: bool = False) -> bool:
     """Whether step `step` keeps responses (config section `outputs`; `evaluates`: the step ends
-    with a dev evaluation)."""
+    with a dev evaluation; `last`: the run's last step, which keeps some whatever the schedule, so a
+    run too short to reach one still shows where its credit went)."""
     if outputs.sample_every < 0 or outputs.samples_per_step == 0:
         return False
-    return evaluates if outputs.sample_every == 0 else step % outputs.sample_every == 0
+    return last or (evaluates if outputs.sample_every == 0 else step % outputs.sample_every == 0)
 
 
 def kept_rows(batch: int, count: int) -> np.ndarray:

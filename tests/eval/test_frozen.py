@@ -96,6 +96,9 @@ def test_eval_restores_a_training_checkpoint_and_writes_a_resumable_table(tmp_pa
     # Said before the long restore and compile, and where the results went.
     assert result.stdout.startswith(f"restoring step {output.name.removeprefix('step_')} of {run} ...\n")
     assert result.stdout.rstrip().endswith(f"results written to {output}/results.csv and results.json")
+    # The first batch compiles each decoder: said once each, not at every set.
+    compiles = [line for line in result.stdout.splitlines() if line.startswith("compiling ")]
+    assert compiles == ["compiling the greedy decoder...", "compiling the sampler (8 samples a problem)..."]
     with open(output / "results.csv") as f:
         rows = list(csv.DictReader(f))
     metrics = ("greedy_pass@1", "avg@8", "pass@1", "pass@8", "majority@8")

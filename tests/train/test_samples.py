@@ -34,6 +34,7 @@ def test_steps_rows_and_tokens_kept():
     outputs = lambda every, count=4: type("Outputs", (), dict(sample_every=every, samples_per_step=count))
     assert [s for s in range(1, 7) if keeps_samples(outputs(0), s, evaluates=s % 3 == 0)] == [3, 6]
     assert [s for s in range(1, 7) if keeps_samples(outputs(2), s, evaluates=False)] == [2, 4, 6]
+    assert [s for s in range(1, 6) if keeps_samples(outputs(0), s, evaluates=False, last=s == 5)] == [5]
     assert not any(keeps_samples(outputs(-1), s, True) or keeps_samples(outputs(1, 0), s, True) for s in range(5))
     assert kept_rows(16, 4).tolist() == [0, 5, 10, 15] and kept_rows(3, 4).tolist() == [0, 1, 2]
     assert kept_positions(5, 8).tolist() == [0, 1, 2, 3, 4]

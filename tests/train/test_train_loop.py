@@ -19,7 +19,8 @@ from comppo_jax.eval.held_out import held_out_diagnostics
 from comppo_jax.eval.restore import restore_policy
 from comppo_jax.runs.checkpoint import RunCheckpoints
 from comppo_jax.runs.samples import load_samples
-from comppo_jax.train.loop import step_postfix, train
+from comppo_jax.train.diagnostics import OUTCOME_FIELDS
+from comppo_jax.train.loop import bar_label, step_postfix, train
 from comppo_jax.train.schema import load_run_config
 
 
@@ -41,7 +42,8 @@ def test_train_runs_each_method(tmp_path, capsys, method, warmup_counts):
     )
     if progress:  # every long phase shows itself: warm start, evaluations, first compiles, steps
         out, err = capsys.readouterr()
-        assert "warm start: 100%" in err and "loss=" in err and "dev eval" in err and "comppo: 100%" in err
+        assert "warm start: 100%" in err and "loss=" in err and "dev eval" in err
+        assert "comppo: 1 critic warm-up + 2 actor updates: 100%" in err
         assert [line for line in out.splitlines() if line.startswith("compiling ")] == [
             "compiling the warm start...",
             "compiling the dev evaluation...",
@@ -238,6 +240,10 @@ def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
         train(small_train_config(tmp_path / name, **base, **switch))
         rows[name] = _rows(tmp_path / name)
     first_update = 1  # step 2, after the 1-step critic warm-up: the actor's first update
+    # No evaluation, yet the last step keeps responses: the run page shows where a short run's credit went.
+    assert [record["step"] for record in load_samples(str(tmp_path / "plain"))[0]] == [2]
+    # The shaping makes the outcomes differ: the update step measures its credit against them.
+    assert set(OUTCOME_FIELDS) <= rows["shaped"][first_update].keys()
     # Identical sampling at step 1, so the shaping alone lowers the reward: every response pays len / 12.
     assert rows["shaped"][0]["reward/mean"] < rows["plain"][0]["reward/mean"]
     assert rows["sequence_mean"][0]["reward/mean"] == rows["shaped"][0]["reward/mean"]
@@ -296,6 +302,11 @@ def test_the_step_bar_shows_the_last_dev_accuracy_measured_or_none():
     fields = {"reward": "0.50", "kl": "0.0010", "gate": "0.60", "phase": "0"}
     assert step_postfix(metrics, 0.31) == {**fields, "dev": "0.310"}
     assert "dev" not in step_postfix(metrics, None)  # a resumed run before its first evaluation
+    # The bar counts a critic's warm-up steps too (the tiny default's 62 are 2 of them and 60 updates).
+    assert bar_label("comppo", 2, 62) == "comppo: 2 critic warm-up + 60 actor updates"
+    assert bar_label("grpo", 0, 60) == "grpo"
+    # A run with a tool environment (configs/tiny_tools.py): its calls per response.
+    assert step_postfix({**metrics, "env/calls": 1.25}, None) == {**fields, "calls": "1.2"}
 
 
 def largest_relative_errors(a, b) -> dict[str, float]:
