@@ -113,9 +113,8 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[st
 
     advantages A_t (as the actor uses them), per-token rewards r_t, the estimator's transport c_t and
     the mask [B, T]; values V_t [B, T], or None for a method without a critic (its two fields left out).
-    Fields left out where undefined: no first-half token whose outcome differs from the batch mean,
-    outcomes equal up to rounding, constant values. Each row's valid tokens are a prefix, as the
-    rollout lays responses out.
+    Fields left out where undefined: no first-half token whose outcome differs from the batch mean, or
+    outcomes equal up to rounding. Each row's valid tokens are a prefix, as the rollout lays responses out.
     """
     advantages, rewards, transport = (np.asarray(x, np.float64) for x in (advantages, rewards, transport))
     mask = np.asarray(mask, bool)
@@ -135,8 +134,8 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[st
         ev = explained_variance(r, v)
         if ev is not None:
             out["credit/outcome_explained_variance"] = ev
-            if v.std() > 0:
-                out["credit/outcome_spearman"] = spearman(v, r)
+            # Constant values (a zero-initialized critic's) rank nothing: no correlation, as their EV of 0 says.
+            out["credit/outcome_spearman"] = spearman(v, r) if v.std() > 0 else 0.0
     return out
 
 

@@ -129,10 +129,9 @@ def test_two_processes_equal_one_process_with_as_many_devices(
     assert result.returncode == 0, result.stderr[-4000:]
     assert len(rows(two)) == len(rows(one)) == LAST_CHECKPOINT
     assert min(row["dynamic_sampling/refills"] for row in rows(two)) >= 1  # every step refilled (2-3 rounds)
-    # Every batch holds right and wrong responses (the filter): each step measures its credit against the outcome
-    # (no rank correlation at step 1, whose zero-initialized critic values every token 0).
-    measured = [OUTCOME_DIAGNOSTICS - row.keys() for row in rows(two)]
-    assert measured == [{"credit/outcome_spearman"}] + [set()] * (LAST_CHECKPOINT - 1), measured
+    # Every batch holds right and wrong responses (the filter): each step measures its credit against the outcome.
+    assert all(OUTCOME_DIAGNOSTICS <= row.keys() for row in rows(two))
+    assert rows(two)[0]["credit/outcome_spearman"] == 0.0  # step 1's zero-initialized critic ranks nothing
     for a, b in zip(rows(two), rows(one)):
         assert a.keys() == b.keys()
         for name in a:

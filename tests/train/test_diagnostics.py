@@ -101,6 +101,11 @@ def test_outcome_diagnostics_by_hand():
     assert stats["credit/trace_horizon"] == pytest.approx(1.5)
 
 
+def test_a_constant_critic_ranks_nothing():
+    stats = outcome_diagnostics(np.ones((2, 4)), np.zeros((2, 4)), REWARDS, np.ones((2, 4)), MASK)
+    assert stats["credit/outcome_spearman"] == 0.0 and stats["credit/outcome_explained_variance"] == pytest.approx(0)
+
+
 def test_outcome_diagnostics_without_a_critic_and_with_one_outcome():
     broadcast = np.array([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]])
     stats = outcome_diagnostics(broadcast, None, REWARDS, np.ones((2, 4)), MASK)
