@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from comppo_jax import storage
 from comppo_jax.eval.experiment import Outcome, RunResult, grid_cells, parse_override
 from comppo_jax.eval.statistics import (
     Interval,
@@ -19,6 +20,8 @@ from comppo_jax.eval.statistics import (
     paired_difference,
     t_interval,
 )
+from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
+from comppo_jax.train.diagnostics import OUTCOME_FIELDS
 
 FACTORIAL_CELLS = (
     ("fixed_std", "Fixed gate + standard critic"),
@@ -271,6 +274,35 @@ def mean_gate(outcome: Outcome, arm: str, seeds) -> str:
     return f"{np.mean(values):.3f}" if values else "--"
 
 
+OUTCOME_WINDOW = 10  # the credit-against-the-outcome table's steps: each run's last ones that logged a field
+
+
+def outcome_means(outcome: Outcome, arm: str, seeds, name: str) -> str:
+    """The mean over `seeds` of each run's mean of its last OUTCOME_WINDOW values of metric `name` ("--" where no
+    run logged it: records older than the metric)."""
+    means = []
+    for seed in seeds:
+        path = storage.path(outcome.arms[arm][seed].directory) / METRICS_FILE
+        rows = read_metrics(path) if path.exists() else []
+        values = [row[name] for row in rows if isinstance(row.get(name), (int, float))][-OUTCOME_WINDOW:]
+        if values:
+            means.append(np.mean(values))
+    return f"{np.mean(means):.2f}" if means else "--"
+
+
+def outcome_table(outcome: Outcome, arms, seeds) -> str | None:
+    """Each arm's credit against the outcome over its runs' last steps (docs/conventions.md), None when no run
+    logged any."""
+    rows = [[arm, *(outcome_means(outcome, arm, seeds, name) for name in OUTCOME_FIELDS)] for arm in arms]
+    if all(cell == "--" for row in rows for cell in row[1:]):
+        return None
+    header = ["Variant", "Outcome EV", "Spearman(V, R)", "Early sign agreement", "Trace horizon (tokens)"]
+    return (
+        f"Credit against the outcome, means of each run's last {OUTCOME_WINDOW} steps (docs/conventions.md, "
+        '"Credit against the outcome"; 0.5 sign agreement is chance):\n\n' + table(header, rows)
+    )
+
+
 def comparison_report(exp, outcome: Outcome, title: str):
     """Every arm's endpoints and mean gate, and its seed-matched difference from the first arm. While
     some arm has not finished a seed, the arms that finished every seed of the first arm's."""
@@ -292,6 +324,9 @@ def comparison_report(exp, outcome: Outcome, title: str):
     reference = arms[0]
     rows = [[f"{reference} - {other}", *contrast(outcome, exp, seeds, reference, other)] for other in arms[1:]]
     parts.append("Seed-matched differences (points):\n\n" + table(["Contrast", "Best", "Final"], rows))
+    credit = outcome_table(outcome, arms, seeds)
+    if credit is not None:
+        parts.append(credit)
     finals = [t_interval(arm_values(outcome, exp, arm, "final", seeds)) for arm in arms]
     return "\n\n".join(parts), {
         f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{title}, {len(seeds)} seeds")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shlex
 import sys
@@ -273,6 +274,31 @@ def test_an_experiment_under_way_reports_the_arms_that_finished_the_first_arms_s
     assert comparison_report(exp, ex.Outcome({"tool_free": arms["tool_free"]}, {}, {}, {}, []), "tools")[0] == (
         "No seed finished every arm."
     )  # nothing to compare with until the first arm has finished a seed
+
+
+def test_a_comparison_reports_each_arms_credit_against_the_outcome_from_its_records(tmp_path):
+    """Each run's last 10 logged values (of 12 steps here) averaged, then over seeds; "--" for what an arm never
+    logged (GRPO: no critic)."""
+    exp = experiments_credit.get_config("outcome")
+    arms = {arm: {s: _result(tmp_path, arm, s, [0.3, 0.4]) for s in (0, 1)} for arm, _ in exp.arms}
+    for index, (arm, runs) in enumerate(arms.items()):
+        for seed, result in runs.items():
+            rows = []
+            for step in range(1, 13):
+                row = {"step": step, "credit/early_sign_agreement": 0.5 + 0.1 * seed, "credit/trace_horizon": 2.0}
+                if arm != "grpo":  # steps 1-2 fall outside the window
+                    row.update({"credit/outcome_explained_variance": 9.0 if step <= 2 else 0.1 * index})
+                    row["credit/outcome_spearman"] = 0.2
+                rows.append(row)
+            (pathlib.Path(result.directory) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text, _ = comparison_report(exp, ex.Outcome(arms, {}, {}, {}, []), "outcome")
+    assert "| ppo_lam_1 | 0.10 | 0.20 | 0.55 | 2.00 |" in text
+    assert "| grpo | -- | -- | 0.55 | 2.00 |" in text
+    # Records older than the metrics: no table.
+    for runs in arms.values():
+        for result in runs.values():
+            (pathlib.Path(result.directory) / "metrics.jsonl").unlink()
+    assert "Credit against the outcome" not in comparison_report(exp, ex.Outcome(arms, {}, {}, {}, []), "outcome")[0]
 
 
 @pytest.mark.slow
