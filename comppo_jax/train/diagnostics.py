@@ -148,7 +148,7 @@ OUTCOME_FIELDS = (
 READ_OVER_STEPS = 5  # the reading's window: the last steps that logged the credit against the outcome
 KNOWS_NOTHING_BELOW = 0.05  # an outcome explained variance under this: the critic predicts none of the outcome
 CHANCE_BAND = 0.1  # an early sign agreement within this of 0.5: chance
-NOTICE_AFTER_STEPS = 10  # steps in a row of both before the run says so
+NOTICE_AFTER_STEPS = 10  # the notice's window: the means of this many steps in a row, each of a noisy batch
 
 
 def _recent_mean(rows: list[dict], name: str, last: int) -> float | None:
@@ -176,10 +176,13 @@ def outcome_reading(rows: list[dict], last: int = READ_OVER_STEPS) -> str | None
 
 
 def blind_credit(rows: list[dict]) -> bool:
-    """Whether each of the last NOTICE_AFTER_STEPS rows with a critic's outcome diagnostics shows a critic that
-    predicts none of the outcome and early credit at chance."""
+    """Whether, over the last NOTICE_AFTER_STEPS rows with a critic's outcome diagnostics, the critic predicted
+    none of the outcome and early credit was at chance, on average (one step's batch is too small to say:
+    a run at chance swings 0.2-0.8 from step to step)."""
     ev, _, sign, _ = OUTCOME_FIELDS
     recent = [row for row in rows if ev in row and sign in row][-NOTICE_AFTER_STEPS:]
-    return len(recent) == NOTICE_AFTER_STEPS and all(
-        row[ev] < KNOWS_NOTHING_BELOW and abs(row[sign] - 0.5) < CHANCE_BAND for row in recent
+    return (
+        len(recent) == NOTICE_AFTER_STEPS
+        and np.mean([row[ev] for row in recent]) < KNOWS_NOTHING_BELOW
+        and abs(np.mean([row[sign] for row in recent]) - 0.5) < CHANCE_BAND
     )

@@ -47,11 +47,11 @@ from comppo_jax.train.specs import RecorderSpec
 # schedule): the position-only control of a later run reads it (config.position_schedule).
 GATE_PROFILE_FILE = "gate_profile.json"
 BLIND_CREDIT_NOTICE = (
-    f"credit: for {NOTICE_AFTER_STEPS} steps in a row, to step %d, the critic has predicted none of the outcome "
-    f"(credit/outcome_explained_variance under {KNOWS_NOTHING_BELOW}) and the first half of each response got the "
-    "outcome's sign at chance (credit/early_sign_agreement within 0.1 of 0.5): the advantages reaching its early "
-    "tokens carry no outcome. See 'Does the critic know the outcome?' on the run's page: python launch/report.py "
-    "--run=%s"
+    f"credit: over the {NOTICE_AFTER_STEPS} steps to step %d the critic has predicted none of the outcome "
+    f"(credit/outcome_explained_variance under {KNOWS_NOTHING_BELOW} on average) and the first half of each "
+    "response got the outcome's sign at chance (credit/early_sign_agreement within 0.1 of 0.5 on average): the "
+    "advantages reaching its early tokens carry no outcome. See 'Does the critic know the outcome?' on the run's "
+    "page: python launch/report.py --run=%s"
 )
 
 

@@ -15,10 +15,13 @@ from conftest import REPO
 from comppo_jax.eval.experiment import run_experiment
 from comppo_jax.eval.report import REPORTS
 
-# (testbed, experiment, the doc that quotes its report between <!-- NAME report --> and <!-- end NAME report -->)
-KEPT = [("credit", name, "docs/results_credit.md") for name in ("discrimination", "baselines", "transport")]
-KEPT += [("credit", name, "docs/results_credit.md") for name in ("factorial", "controls", "lora")]
-KEPT += [("tools", "tools", "docs/tools.md")]
+# (testbed, experiment, the doc that quotes its report between <!-- NAME report --> and <!-- end NAME report -->,
+# the folder of results/ that keeps its records)
+KEPT = [("credit", name, "docs/results_credit.md", "credit") for name in ("discrimination", "baselines", "transport")]
+KEPT += [("credit", name, "docs/results_credit.md", "credit") for name in ("factorial", "controls", "lora")]
+KEPT += [("tools", "tools", "docs/tools.md", "tools")]
+# Reruns of some credit runs' configs that log the credit against the outcome: kept apart from the records above.
+KEPT += [("credit", "outcome", "docs/results_credit.md", "credit_outcome")]
 
 
 def experiment_config(testbed: str, name: str):
@@ -37,10 +40,10 @@ def quoted_rows(doc: str, name: str) -> list[str]:
     return [line for line in block.group(1).splitlines() if line.startswith("|")]
 
 
-@pytest.mark.parametrize(("testbed", "name", "doc"), KEPT, ids=[f"{t}:{n}" for t, n, _ in KEPT])
-def test_the_kept_records_rebuild_the_tables_the_docs_quote_from_any_root(tmp_path, testbed, name, doc):
+@pytest.mark.parametrize(("testbed", "name", "doc", "records"), KEPT, ids=[f"{t}:{n}" for t, n, _, _ in KEPT])
+def test_the_kept_records_rebuild_the_tables_the_docs_quote_from_any_root(tmp_path, testbed, name, doc, records):
     root = tmp_path / "elsewhere"
-    shutil.copytree(pathlib.Path(REPO) / "results" / testbed / "runs", root / "runs")
+    shutil.copytree(pathlib.Path(REPO) / "results" / records / "runs", root / "runs")
     exp = experiment_config(testbed, name)
     outcome = run_experiment(exp, str(root), 1, train=False, log=lambda message: None)
     assert not outcome.unfinished and not outcome.not_started and not outcome.failures, (
