@@ -113,8 +113,8 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[st
 
     advantages A_t (as the actor uses them), per-token rewards r_t, the estimator's transport c_t and
     the mask [B, T]; values V_t [B, T], or None for a method without a critic (its two fields left out).
-    Fields left out where undefined: no first-half token whose outcome differs from the batch mean, or
-    outcomes equal up to rounding. Each row's valid tokens are a prefix, as the rollout lays responses out.
+    Fields left out where undefined: no first-half token with an advantage whose outcome differs from the batch
+    mean, or outcomes equal up to rounding. Each row's valid tokens are a prefix, as the rollout lays responses out.
     """
     advantages, rewards, transport = (np.asarray(x, np.float64) for x in (advantages, rewards, transport))
     mask = np.asarray(mask, bool)
@@ -125,7 +125,8 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[st
     lengths = mask.sum(axis=1, keepdims=True)
     first_half = mask & (2 * np.arange(mask.shape[1])[None, :] < lengths)
     relative = np.broadcast_to((outcome - outcome[lengths[:, 0] > 0].mean())[:, None], mask.shape)
-    signed = first_half & (relative != 0)
+    # A token with no advantage (GRPO's, in a group whose rewards are all equal) gets no credit to sign.
+    signed = first_half & (relative != 0) & (advantages != 0)
     out = {"credit/trace_horizon": trace_horizon(transport, mask)}
     if signed.any():
         out["credit/early_sign_agreement"] = float(np.mean(np.sign(advantages[signed]) == np.sign(relative[signed])))

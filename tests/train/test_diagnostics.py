@@ -112,6 +112,10 @@ def test_outcome_diagnostics_without_a_critic_and_with_one_outcome():
     assert stats == {"credit/trace_horizon": 3.0, "credit/early_sign_agreement": 1.0}  # the whole response
     same = outcome_diagnostics(broadcast, None, np.zeros((2, 4)), np.ones((2, 4)), MASK)
     assert "credit/early_sign_agreement" not in same  # no response's outcome differs from the mean
+    # A group of equal rewards gets no advantage (GRPO): its tokens are no disagreement.
+    uniform_group = np.array([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    stats = outcome_diagnostics(uniform_group, None, REWARDS, np.ones((2, 4)), MASK)
+    assert stats["credit/early_sign_agreement"] == 1.0
 
 
 def test_each_estimators_transport_as_its_recursion_applies_it():
