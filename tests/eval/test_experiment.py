@@ -288,12 +288,12 @@ def test_a_comparison_reports_each_arms_credit_against_the_outcome_from_its_reco
                 row = {"step": step, "credit/early_sign_agreement": 0.5 + 0.1 * seed, "credit/trace_horizon": 2.0}
                 if arm != "grpo":  # steps 1-2 fall outside the window
                     row.update({"credit/outcome_explained_variance": 9.0 if step <= 2 else 0.1 * index})
-                    row["credit/outcome_spearman"] = 0.2
+                    row.update({"credit/outcome_spearman": 0.2, "critic/explained_variance": 0.7})
                 rows.append(row)
             (pathlib.Path(result.directory) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text, _ = comparison_report(exp, ex.Outcome(arms, {}, {}, {}, []), "outcome")
-    assert "| ppo_lam_1 | 0.10 | 0.20 | 0.55 | 2.00 |" in text
-    assert "| grpo | -- | -- | 0.55 | 2.00 |" in text
+    assert "| ppo_lam_1 | 0.10 | 0.20 | 0.55 | 2.00 | 0.70 |" in text
+    assert "| grpo | -- | -- | 0.55 | 2.00 | -- |" in text
     # Records older than the metrics: no table.
     for runs in arms.values():
         for result in runs.values():
