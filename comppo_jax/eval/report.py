@@ -296,10 +296,12 @@ def outcome_table(outcome: Outcome, arms, seeds) -> str | None:
     rows = [[arm, *(outcome_means(outcome, arm, seeds, name) for name in OUTCOME_FIELDS)] for arm in arms]
     if all(cell == "--" for row in rows for cell in row[1:]):
         return None
+    rows = [row + [outcome_means(outcome, arm, seeds, "critic/explained_variance")] for row, arm in zip(rows, arms)]
     header = ["Variant", "Outcome EV", "Spearman(V, R)", "Early sign agreement", "Trace horizon (tokens)"]
     return (
         f"Credit against the outcome, means of each run's last {OUTCOME_WINDOW} steps (docs/conventions.md, "
-        '"Credit against the outcome"; 0.5 sign agreement is chance):\n\n' + table(header, rows)
+        '"Credit against the outcome"; 0.5 sign agreement is chance), beside the critic\'s explained variance of '
+        "its own targets:\n\n" + table([*header, "Critic EV (own targets)"], rows)
     )
 
 
