@@ -267,6 +267,7 @@ def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path
     assert sorted(request.split()[0] for request in asked) == ["GET", "HEAD", "HEAD"]  # both asked; one fetched
 
 
+@pytest.mark.slow
 def test_processes_copying_one_gcs_source_at_once_copy_it_once_and_whole(bucket, gcs_emulator, tmp_path):
     """The copy lock: two processes ask for one gs:// model at once; one copies while the other waits, and
     both read every byte (without it both download into one temporary file: a rename fails, or the bytes

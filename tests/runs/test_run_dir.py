@@ -290,7 +290,7 @@ def test_a_holder_whose_lock_was_taken_over_writes_nothing_more_and_names_the_ne
 def test_the_fence_never_reads_the_holders_own_heartbeat_half_written(run_location, monkeypatch):
     """A read of the lock racing the holder's own heartbeat rewrite can see a part of it (on a bucket, a ranged
     read of an object replaced after its size was read). The fence compares tokens only between this holder's
-    own rewrites, so the run never stops on its own heartbeat. Here each rewrite takes 0.3 s, during which a
+    own rewrites, so the run never stops on its own heartbeat. Here each rewrite takes 0.1 s, during which a
     read of the lock gets half of it."""
     monkeypatch.setattr(run_dir.RunLock, "HEARTBEAT_S", 0.5)
     writing = threading.Event()
@@ -299,7 +299,7 @@ def test_the_fence_never_reads_the_holders_own_heartbeat_half_written(run_locati
     def slowly(write):
         def rewrite(*args, **kwargs):
             writing.set()
-            time.sleep(0.3)
+            time.sleep(0.1)
             try:
                 return write(*args, **kwargs)
             finally:
