@@ -353,7 +353,12 @@ def rollout_correction_weights(
     elif level == "geometric":
         log_ratio = jnp.broadcast_to(_row_mean(log_ratio, mask), log_ratio.shape)
     ratios = _valid(jnp.exp(log_ratio), mask)
-    return ratios, _capped(ratios, cap, drop=rule == "mis", lower=lower_cap or 1.0 / cap)
+    return ratios, _capped(ratios, cap, drop=rule == "mis", lower=mis_lower_cap(lower_cap, cap))
+
+
+def mis_lower_cap(lower_cap: float, cap: float) -> float:
+    """The lower cap C_lo a "mis" rollout correction rejects under: `lower_cap`, or 1 / `cap` for 0 (verl's)."""
+    return lower_cap or 1.0 / cap
 
 
 def importance_weight_stats(
@@ -384,7 +389,7 @@ def rollout_correction(
     if rule == "none":
         return None, metrics
     ratios, weights = rollout_correction_weights(sampler_log_probs, score_log_probs, mask, rule, cap, level, lower_cap)
-    lower = (lower_cap or 1.0 / cap) if rule == "mis" else 0.0
+    lower = mis_lower_cap(lower_cap, cap) if rule == "mis" else 0.0
     mean, largest, over = importance_weight_stats(ratios, mask, cap, lower)
     dropped = "masked" if rule == "mis" else "truncated"
     names = ("weight_mean", "weight_max", f"{dropped}_fraction")

@@ -21,7 +21,7 @@ from comppo_jax.eval.statistics import (
     t_interval,
 )
 from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
-from comppo_jax.train.diagnostics import OUTCOME_FIELDS
+from comppo_jax.train.diagnostics import OUTCOME_FIELDS, recent_mean
 
 FACTORIAL_CELLS = (
     ("fixed_std", "Fixed gate + standard critic"),
@@ -277,26 +277,27 @@ def mean_gate(outcome: Outcome, arm: str, seeds) -> str:
 OUTCOME_WINDOW = 10  # the credit-against-the-outcome table's steps: each run's last ones that logged a field
 
 
-def outcome_means(outcome: Outcome, arm: str, seeds, name: str) -> str:
-    """The mean over `seeds` of each run's mean of its last OUTCOME_WINDOW values of metric `name` ("--" where no
-    run logged it: records older than the metric)."""
-    means = []
-    for seed in seeds:
-        path = storage.path(outcome.arms[arm][seed].directory) / METRICS_FILE
-        rows = read_metrics(path) if path.exists() else []
-        values = [row[name] for row in rows if isinstance(row.get(name), (int, float))][-OUTCOME_WINDOW:]
-        if values:
-            means.append(np.mean(values))
-    return f"{np.mean(means):.2f}" if means else "--"
+def run_rows(result: RunResult) -> list[dict]:
+    """The run's metrics.jsonl rows ([] for a record without the file)."""
+    path = storage.path(result.directory) / METRICS_FILE
+    return read_metrics(path) if path.exists() else []
 
 
 def outcome_table(outcome: Outcome, arms, seeds) -> str | None:
-    """Each arm's credit against the outcome over its runs' last steps (docs/conventions.md), None when no run
-    logged any."""
-    rows = [[arm, *(outcome_means(outcome, arm, seeds, name) for name in OUTCOME_FIELDS)] for arm in arms]
-    if all(cell == "--" for row in rows for cell in row[1:]):
+    """Each arm's credit against the outcome over its runs' last OUTCOME_WINDOW steps that logged each field (the
+    mean over seeds of each run's mean; "--" where no run logged it: records older than the metric), beside the
+    critic's explained variance of its own targets; None when no run logged any (docs/conventions.md)."""
+    names = (*OUTCOME_FIELDS, "critic/explained_variance")
+    rows = []
+    for arm in arms:
+        runs = [run_rows(outcome.arms[arm][seed]) for seed in seeds]
+        cells = []
+        for name in names:
+            means = [m for m in (recent_mean(run, name, OUTCOME_WINDOW) for run in runs) if m is not None]
+            cells.append(f"{np.mean(means):.2f}" if means else "--")
+        rows.append([arm, *cells])
+    if all(cell == "--" for row in rows for cell in row[1 : len(OUTCOME_FIELDS) + 1]):
         return None
-    rows = [row + [outcome_means(outcome, arm, seeds, "critic/explained_variance")] for row, arm in zip(rows, arms)]
     header = ["Variant", "Outcome EV", "Spearman(V, R)", "Early sign agreement", "Trace horizon (tokens)"]
     return (
         f"Credit against the outcome, means of each run's last {OUTCOME_WINDOW} steps (docs/conventions.md, "

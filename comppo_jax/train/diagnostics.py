@@ -152,7 +152,8 @@ CHANCE_BAND = 0.1  # an early sign agreement within this of 0.5: chance
 NOTICE_AFTER_STEPS = 10  # the notice's window: the means of this many steps in a row, each of a noisy batch
 
 
-def _recent_mean(rows: list[dict], name: str, last: int) -> float | None:
+def recent_mean(rows: list[dict], name: str, last: int) -> float | None:
+    """The mean of metrics `rows`' last `last` numeric values of `name`; None where no row holds one."""
     values = [row[name] for row in rows if isinstance(row.get(name), (int, float))][-last:]
     return float(np.mean(values)) if values else None
 
@@ -160,7 +161,7 @@ def _recent_mean(rows: list[dict], name: str, last: int) -> float | None:
 def outcome_reading(rows: list[dict], last: int = READ_OVER_STEPS) -> str | None:
     """One sentence on the credit against the outcome, from the means of metrics `rows`' last `last` values of each
     credit/* field (None before any step logged one)."""
-    ev, rho, sign, horizon = (_recent_mean(rows, name, last) for name in OUTCOME_FIELDS)
+    ev, rho, sign, horizon = (recent_mean(rows, name, last) for name in OUTCOME_FIELDS)
     if sign is None and horizon is None:
         return None
     parts = []

@@ -108,11 +108,13 @@ class Recorder:
             profile = self.meta["gate_profile"]
             for name, totals in zip(("sums", "counts"), position_bin_totals(own_kappa, host_mask)):
                 profile[name] = (np.asarray(profile[name]) + totals).tolist()
-        kappa = None if scored.kappa is None else host(scored.kappa)
+        estimator = self.spec.credit.estimator
+        reads_kappa = self.has_critic or estimator.name == "comp_gae"  # the TD target, Comp-GAE's transport
+        kappa = host(scored.kappa) if reads_kappa and scored.kappa is not None else None
         values = host(batch.old_values) if self.has_critic else None
         if values is not None:
             metrics.update(critic_diagnostics(values, host(batch.returns), sampled.reward_tokens, kappa, host_mask))
-        transport = realized_transport(self.spec.credit.estimator, kappa, host_mask)
+        transport = realized_transport(estimator, kappa, host_mask)
         metrics.update(outcome_diagnostics(host(batch.advantages), values, sampled.reward_tokens, transport, host_mask))
         metrics.update(learned.importance)
         metrics["actor_updates"] = max(0, step - self.warmup)
@@ -167,7 +169,8 @@ class Recorder:
 
     def notice_blind_credit(self, step: int, metrics: dict) -> None:
         """Says once, in the log, when the critic has known nothing of the outcome and early credit has been at
-        chance for NOTICE_AFTER_STEPS steps in a row (a notice: the controller is the paper's, unchanged)."""
+        chance, on average over the last NOTICE_AFTER_STEPS steps (`blind_credit`; a notice: the controller is the
+        paper's, unchanged)."""
         self.outcome_rows = [*self.outcome_rows, {k: metrics[k] for k in OUTCOME_FIELDS if k in metrics}]
         self.outcome_rows = self.outcome_rows[-NOTICE_AFTER_STEPS:]
         if self.main_process and not self.noticed_blind_credit and blind_credit(self.outcome_rows):
