@@ -245,25 +245,33 @@ def test_gcs_sources_are_copied_once_into_the_local_cache(hub, bucket, checkpoin
     assert len(load_dapo(f"{bucket}/dapo/dapo-math-17k.parquet")[0]) == 10
 
 
-def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path):
-    """huggingface_hub's lock per file: a process that asks for a file another is downloading waits for it."""
-    hub.hold("model.safetensors", heads=2)  # the weights' download waits until both processes asked for them
+def resolved_at_once(tmp_path, env, source: str, before_go=lambda: None) -> str:
+    """hub.resolve_model(`source`) in two processes started together (both imported, `before_go()`, then both
+    let go at once); asserts both succeed with the same path, and returns it."""
     go = tmp_path / "go"
     code = (
         "import os, time\nfrom comppo_jax import hub\nprint('imported', flush=True)\n"
-        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\nprint(hub.resolve_model({MODEL!r}))"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.001)\nprint(hub.resolve_model({source!r}))"
     )
-    env = {**CPU_ONLY_ENV, **hub_env(hub.url, tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
     processes = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
     assert [process.stdout.readline().strip() for process in processes] == ["imported", "imported"]
-    start = len(hub.requests)
-    go.touch()  # both start fetching now
+    before_go()
+    go.touch()
     outputs = [process.communicate(timeout=120)[0].strip() for process in processes]
     assert [process.returncode for process in processes] == [0, 0] and outputs[0] == outputs[1]
-    asked = [request for request in hub.requests[start:] if request.endswith("/model.safetensors")]
+    return outputs[0]
+
+
+def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path):
+    """huggingface_hub's lock per file: a process that asks for a file another is downloading waits for it."""
+    hub.hold("model.safetensors", heads=2)  # the weights' download waits until both processes asked for them
+    env = {**CPU_ONLY_ENV, **hub_env(hub.url, tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    start = []
+    resolved_at_once(tmp_path, env, MODEL, before_go=lambda: start.append(len(hub.requests)))
+    asked = [request for request in hub.requests[start[0] :] if request.endswith("/model.safetensors")]
     assert sorted(request.split()[0] for request in asked) == ["GET", "HEAD", "HEAD"]  # both asked; one fetched
 
 
@@ -275,23 +283,11 @@ def test_processes_copying_one_gcs_source_at_once_copy_it_once_and_whole(bucket,
     weights = np.random.default_rng(0).bytes(48 << 20)
     storage.write_bytes(f"{bucket}/big/model.safetensors", weights)
     storage.write_text(f"{bucket}/big/config.json", "{}")
-    go = tmp_path / "go"
-    code = (
-        "import os, time\nfrom comppo_jax import hub\nprint('imported', flush=True)\n"
-        f"while not os.path.exists({str(go)!r}): time.sleep(0.001)\nprint(hub.resolve_model({bucket + '/big'!r}))"
-    )
     env = {**CPU_ONLY_ENV, **gcs_emulator.env, "HF_HOME": str(tmp_path / "hf")}
-    processes = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    assert [process.stdout.readline().strip() for process in processes] == ["imported", "imported"]
-    go.touch()  # both start copying now
-    outputs = [process.communicate(timeout=120)[0].strip() for process in processes]
-    assert [process.returncode for process in processes] == [0, 0] and outputs[0] == outputs[1]
-    with open(os.path.join(outputs[0], "model.safetensors"), "rb") as copied:
+    local = resolved_at_once(tmp_path, env, f"{bucket}/big")
+    with open(os.path.join(local, "model.safetensors"), "rb") as copied:
         assert copied.read() == weights
-    assert sorted(os.listdir(outputs[0])) == ["config.json", "model.safetensors"]  # no temporary file left
+    assert sorted(os.listdir(local)) == ["config.json", "model.safetensors"]  # no temporary file left
 
 
 def test_a_gcs_file_uploaded_again_with_the_same_size_is_copied_again(hub, bucket, checkpoint_dir, dataset_dir):
