@@ -279,15 +279,19 @@ def test_processes_fetching_one_id_at_once_download_each_file_once(hub, tmp_path
 def test_processes_copying_one_gcs_source_at_once_copy_it_once_and_whole(bucket, gcs_emulator, tmp_path):
     """The copy lock: two processes ask for one gs:// model at once; one copies while the other waits, and
     both read every byte (without it both download into one temporary file: a rename fails, or the bytes
-    interleave). 48 MiB, so the two downloads would overlap."""
-    weights = np.random.default_rng(0).bytes(48 << 20)
-    storage.write_bytes(f"{bucket}/big/model.safetensors", weights)
+    interleave). Six shards of 16 MiB, each a chance for the two downloads to overlap however the processes
+    are scheduled."""
+    rng = np.random.default_rng(0)
+    shards = {f"model-{i:05d}-of-00006.safetensors": rng.bytes(16 << 20) for i in range(1, 7)}
+    for name, weights in shards.items():
+        storage.write_bytes(f"{bucket}/big/{name}", weights)
     storage.write_text(f"{bucket}/big/config.json", "{}")
     env = {**CPU_ONLY_ENV, **gcs_emulator.env, "HF_HOME": str(tmp_path / "hf")}
     local = resolved_at_once(tmp_path, env, f"{bucket}/big")
-    with open(os.path.join(local, "model.safetensors"), "rb") as copied:
-        assert copied.read() == weights
-    assert sorted(os.listdir(local)) == ["config.json", "model.safetensors"]  # no temporary file left
+    for name, weights in shards.items():
+        with open(os.path.join(local, name), "rb") as copied:
+            assert copied.read() == weights, name
+    assert sorted(os.listdir(local)) == ["config.json", *shards]  # no temporary file left
 
 
 def test_a_gcs_file_uploaded_again_with_the_same_size_is_copied_again(hub, bucket, checkpoint_dir, dataset_dir):
