@@ -347,12 +347,14 @@ SHAPED_REWARDS = dict(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method,overrides",
-    [("comppo", {}), ("ppo", {}), ("ppo", {"critic__kind": "full"}), ("comppo", {"model__lora__rank": 4})],
-    ids=["comppo", "ppo-standard-critic", "ppo-full-critic", "comppo-lora"],
+    [("ppo", {}), ("ppo", {"critic__kind": "full"}), ("comppo", {"model__lora__rank": 4})],
+    ids=["ppo-standard-critic", "ppo-full-critic", "comppo-lora"],
 )
 def test_a_packed_run_matches_the_padded_run(tmp_path, method, overrides):
     """train.packing (the default) against train.packing=False, over one step that updates the critic and the
-    actor from the same weights (no critic warm-up): every metric within float32 rounding (1e-5 relative), the
+    actor from the same weights (no critic warm-up). A full actor with each critic kind (PPO's, whose actor
+    weights are held to 1e-5), CompPO's gate and TAC on packed rows with LoRA adapters on the actor (a full-actor
+    CompPO run adds no code path the other two miss): every metric within float32 rounding (1e-5 relative), the
     packing efficiencies logged, the actor's weights within 1e-5 of each array's largest magnitude and the
     critic's within 1e-4 (GRPO's loss and gradients are compared in tests/train/test_packed_update.py: here its
     advantages are 0, every response running to the limit, and its gradient rounding noise).
