@@ -49,8 +49,9 @@ def test_a_lora_run_starts_with_one_base_which_is_its_reference_and_adamw_over_t
     checkpoints.close()
 
 
-def launch(run, devices=1, **overrides):
-    return launch_script("launch/train.py", *small_train_flags(run, **overrides), env=fake_devices_env(devices))
+def launch(run, **overrides):
+    """launch/train.py on 8 fake CPU devices."""
+    return launch_script("launch/train.py", *small_train_flags(run, **overrides), env=fake_devices_env(8))
 
 
 def metric_rows(run):
@@ -68,7 +69,7 @@ def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_
         LORA, steps=3, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, rollout__prompts_per_step=4, train__minibatch_size=4
     )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    result = launch(straight, devices=8, **sharded)
+    result = launch(straight, **sharded)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(
         straight / "checkpoints" / "4" / "meta" / "metadata"
@@ -78,7 +79,7 @@ def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "4")
     (resumed / "summary.json").unlink()
-    result = launch(resumed, devices=8, resume=True, **sharded)
+    result = launch(resumed, resume=True, **sharded)
     assert result.returncode == 0, result.stderr[-3000:]
     assert metric_rows(resumed) == metric_rows(straight)
     assert_same_checkpoint_state(straight, resumed, 4)
@@ -90,7 +91,7 @@ def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_
     record["digests"][leaf] = "0" * 16
     (resumed / BASE_RECORD).write_text(json.dumps(record))
     shutil.rmtree(resumed / "checkpoints" / "4")
-    result = launch(resumed, devices=8, resume=True, **sharded)
+    result = launch(resumed, resume=True, **sharded)
     assert result.returncode != 0 and "is not the one this run's LoRA adapters were trained on" in result.stderr, (
         result.stderr[-2000:]
     )
@@ -100,8 +101,10 @@ def test_a_sharded_lora_run_resumed_mid_run_equals_the_straight_run_and_refuses_
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "ppo"])
 def test_every_method_trains_lora_adapters(tmp_path, method):
-    result = launch(tmp_path, method=method, **LORA)
-    assert result.returncode == 0, result.stderr[-3000:]
+    from comppo_jax.train.loop import train
+
+    # In this process: the second method reuses the first's compiled sampler and scoring (22.7 -> 10.8 s here).
+    train(small_train_config(tmp_path, method=method, **LORA))
     rows = metric_rows(tmp_path)
     assert all(row["actor_finite"] if "actor_finite" in row else True for row in rows) and rows[-1]["grad_norm"] > 0
 
