@@ -424,12 +424,17 @@ def launch_script(script: str, *args: str, env: dict | None = None):
 
 
 # A process that has imported what the launchers import, and forks one child per launch (`launch_quick`):
-# a launch that fails on its flags or config then costs a fork, not an interpreter and JAX's imports. It
-# never starts a JAX backend (JAX warns on a fork after one), and takes JSON lines {script, args, cwd, stdout,
-# stderr, timeout_s} on stdin, answering {"returncode"} once the child has exited (SIGKILLed past timeout_s).
+# a launch that fails on its flags or config, or a report, then costs a fork, not an interpreter and JAX's
+# imports. It never starts a JAX backend (JAX warns on a fork after one), and takes JSON lines {script, args,
+# cwd, stdout, stderr, timeout_s} on stdin, answering {"returncode"} once the child has exited (SIGKILLed
+# past timeout_s).
 _ZYGOTE = r"""
 import atexit, json, os, runpy, signal, sys, time, traceback
 import comppo_jax.cli, comppo_jax.train.validation, comppo_jax.eval.restore  # the launchers' imports
+import comppo_jax.eval.run_report  # launch/report.py's
+import matplotlib  # its plots, drawn as comppo_jax.runs.outputs draws them
+matplotlib.use("Agg")
+import matplotlib.pyplot
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)
@@ -468,8 +473,9 @@ _zygote = None
 
 def launch_quick(script: str, *args: str, cwd: str = REPO):
     """`launch_script(script, *args)` forked from a process that has already imported the launchers'
-    modules: for launches that end on their flags or config (one error line, --help), seconds each
-    otherwise. The script runs as `python <script>` runs it in `cwd` (`__main__`, its argv and sys.path[0])."""
+    modules: for launches that end on their flags or config (one error line, --help), and launch/report.py
+    (which never starts JAX's backend), seconds each otherwise. The script runs as `python <script>` runs it
+    in `cwd` (`__main__`, its argv and sys.path[0])."""
     import subprocess
 
     global _zygote

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CPU_ONLY_ENV, full_disk, launch_script, small_train_config, small_train_flags, stand_in_batch
+from conftest import (
+    CPU_ONLY_ENV,
+    full_disk,
+    launch_quick,
+    launch_script,
+    small_train_config,
+    small_train_flags,
+    stand_in_batch,
+)
 
 from comppo_jax.credit import fit_position_schedule, save_position_schedule
 from comppo_jax.data.tokenizers import CharTokenizer
@@ -40,7 +48,8 @@ OUTCOME_ROW = {  # a critic that knows nothing of the outcome: early credit at c
 
 
 def report(run_dir, *extra):
-    return launch_script("launch/report.py", f"--run={run_dir}", *extra)
+    """launch/report.py on `run_dir`, forked from the launch zygote (it never starts JAX's backend)."""
+    return launch_quick("launch/report.py", f"--run={run_dir}", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +308,8 @@ def test_the_summary_explains_its_warm_up_steps_and_shows_floats_to_four_digits(
 
 def test_a_report_on_a_full_disk_fails_in_one_line_naming_where_and_leaves_no_temporary_or_partial_page(tmp_path):
     run = hand_written_run(tmp_path, kept_step(3))
-    with full_disk(4096):  # the page is larger: its write fails part way
-        result = report(run)
+    with full_disk(4096):  # the page is larger: its write fails part way (a new process inherits the limit)
+        result = launch_script("launch/report.py", f"--run={run}")
     assert result.returncode != 0
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert str(run / "report.html") in error and "--out" in error
