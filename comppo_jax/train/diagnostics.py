@@ -183,8 +183,7 @@ def blind_credit(rows: list[dict]) -> bool:
     a run at chance swings 0.2-0.8 from step to step)."""
     ev, _, sign, _ = OUTCOME_FIELDS
     recent = [row for row in rows if ev in row and sign in row][-NOTICE_AFTER_STEPS:]
-    return (
-        len(recent) == NOTICE_AFTER_STEPS
-        and np.mean([row[ev] for row in recent]) < KNOWS_NOTHING_BELOW
-        and abs(np.mean([row[sign] for row in recent]) - 0.5) < CHANCE_BAND
-    )
+    if len(recent) < NOTICE_AFTER_STEPS:
+        return False
+    ev_mean, sign_mean = (recent_mean(recent, name, NOTICE_AFTER_STEPS) for name in (ev, sign))
+    return ev_mean < KNOWS_NOTHING_BELOW and abs(sign_mean - 0.5) < CHANCE_BAND
