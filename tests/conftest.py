@@ -8,7 +8,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import pathlib
 import re
 import shutil
 import sys
@@ -407,101 +406,45 @@ def start_script(script: str, *args: str):
     )
 
 
-def launch_script(script: str, *args: str, env: dict | None = None):
+# Launchers that `launch_script` runs in a warm process (tests/launches.py): each puts back what it changes
+# (signal handlers, the environment) as its run ends.
+WARM_SCRIPTS = ("launch/train.py", "launch/eval.py", "launch/export.py")
+
+
+def launch_script(script: str, *args: str, env: dict | None = None, fresh: bool = False):
     """`python <script> <args>` from the repository root on the CPU backend (`env` replaces
-    CPU_ONLY_ENV), its output captured, allowed HANG_S."""
+    CPU_ONLY_ENV), its output captured, allowed HANG_S. A launcher of WARM_SCRIPTS runs in the warm process
+    for `env` (tests/launches.py), which has started JAX and keeps the programs earlier launches compiled;
+    in a fresh interpreter with `fresh`, under a file-size limit (`full_disk`: a new process inherits it), or
+    for a multi-process run (`jax.distributed` starts before the backend)."""
+    import resource
     import subprocess
     import sys
 
+    import launches
+
+    env = CPU_ONLY_ENV if env is None else env
+    fresh = (
+        fresh
+        or script not in WARM_SCRIPTS
+        or resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+        or any(arg.startswith("--config.mesh.distributed") for arg in args)  # jax.distributed precedes the backend
+    )
+    if not fresh:
+        return launches.server("warm", env, REPO).launch(script, args, REPO, HANG_S)
     return subprocess.run(
-        [sys.executable, script, *args],
-        cwd=REPO,
-        env=CPU_ONLY_ENV if env is None else env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+        [sys.executable, script, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
     )
 
 
-# A process that has imported what the launchers import, and forks one child per launch (`launch_quick`):
-# a launch that fails on its flags or config, or a report, then costs a fork, not an interpreter and JAX's
-# imports. It never starts a JAX backend (JAX warns on a fork after one), and takes JSON lines {script, args,
-# cwd, stdout, stderr, timeout_s} on stdin, answering {"returncode"} once the child has exited (SIGKILLed
-# past timeout_s).
-_ZYGOTE = r"""
-import atexit, json, os, runpy, signal, sys, time, traceback
-import comppo_jax.cli, comppo_jax.train.validation, comppo_jax.eval.restore  # the launchers' imports
-import comppo_jax.eval.run_report  # launch/report.py's
-import matplotlib  # its plots, drawn as comppo_jax.runs.outputs draws them
-matplotlib.use("Agg")
-import matplotlib.pyplot
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"]), (0, os.devnull)):
-            os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC if fd else os.O_RDONLY), fd)
-        os.chdir(request["cwd"])
-        sys.argv = [request["script"], *request["args"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
-        code = 0
-        try:
-            runpy.run_path(request["script"], run_name="__main__")
-        except SystemExit as exit:  # as the interpreter reports it
-            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-            if not isinstance(exit.code, int | None):
-                print(exit.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    deadline = time.monotonic() + request["timeout_s"]
-    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.01)
-    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status[1])}), flush=True)
-"""
-_zygote = None
-
-
 def launch_quick(script: str, *args: str, cwd: str = REPO):
-    """`launch_script(script, *args)` forked from a process that has already imported the launchers'
-    modules: for launches that end on their flags or config (one error line, --help), and launch/report.py
-    (which never starts JAX's backend), seconds each otherwise. The script runs as `python <script>` runs it
-    in `cwd` (`__main__`, its argv and sys.path[0])."""
-    import subprocess
+    """`launch_script(script, *args)` forked from a process that has already imported the launchers' modules
+    (tests/launches.py): for launches that end on their flags or config (one error line, --help), and
+    launch/report.py (which never starts JAX's backend), seconds each otherwise."""
+    import launches
 
-    global _zygote
-    if _zygote is None or _zygote.poll() is not None:
-        log = tempfile.TemporaryFile(mode="w+")  # what it prints itself: shown only if it fails to start
-        _zygote = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE],
-            cwd=REPO,
-            env=dict(CPU_ONLY_ENV, OPENBLAS_NUM_THREADS="1"),  # no BLAS threads beside the forking one
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-        atexit.register(lambda zygote=_zygote: (zygote.kill(), zygote.wait()))
-        if _zygote.stdout.readline() != '{"ready": true}\n':
-            log.seek(0)
-            raise RuntimeError(f"the launch zygote did not start:\n{log.read()[-3000:]}")
-    with tempfile.TemporaryDirectory() as scratch:
-        outputs = {name: os.path.join(scratch, name) for name in ("stdout", "stderr")}
-        request = dict(script=script, args=list(args), cwd=str(cwd), timeout_s=HANG_S, **outputs)
-        _zygote.stdin.write(json.dumps(request) + "\n")
-        _zygote.stdin.flush()
-        returncode = json.loads(_zygote.stdout.readline())["returncode"]
-        stdout, stderr = (pathlib.Path(outputs[name]).read_text() for name in ("stdout", "stderr"))
-    return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
+    env = dict(CPU_ONLY_ENV, OPENBLAS_NUM_THREADS="1")  # no BLAS threads beside the forking one
+    return launches.server("forks", env, REPO).launch(script, args, cwd, HANG_S)
 
 
 def fake_devices_env(devices: int, **extra: str) -> dict:

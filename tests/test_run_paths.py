@@ -28,7 +28,7 @@ OS_ONLY = ("os.makedirs", "os.listdir", "os.replace", "os.rename", "os.remove", 
 
 # (module, function, call): why the call is not on a run path.
 ALLOWED = {
-    ("comppo_jax/runs/run_dir.py", "_start_time", "open"): "/proc/<pid>/stat: this host's process table",
+    ("comppo_jax/runs/run_dir.py", "_process_stat", "open"): "/proc/<pid>/stat: this host's process table",
     ("comppo_jax/eval/experiment.py", "command_log", "open"): "a local run's train.log, handed to a subprocess",
     ("comppo_jax/eval/experiment.py", "run_progress", "os.path.basename"): "the script name of a command line",
     ("comppo_jax/eval/experiment.py", "launch", "os.path.basename"): "the script name of a command line",

@@ -80,13 +80,19 @@ class RunLockLost(RuntimeError):
     """Another launcher took this run directory's lock over: this process writes nothing more to it."""
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux /proc), which tells a reused pid apart."""
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command's name (Linux): [0] the state, [19] the start time in
+    clock ticks since boot, which tells a reused pid apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:  # this host's process table, not a run path
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _process_stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -96,6 +102,9 @@ def _alive(pid: int, started: str | None) -> bool:
         return False
     except PermissionError:  # another user's live process
         return True
+    fields = _process_stat(pid)
+    if fields is not None and fields[0] in ("Z", "X"):  # a killed launcher not yet reaped by its parent (or init)
+        return False
     return started is None or _start_time(pid) in (None, started)
 
 

@@ -216,8 +216,10 @@ def test_top_k_pooling_with_k_at_least_n_equals_dense_pooling_over_the_window(mo
         "routed_hidden_bias",
     ):
         for got_leaf, want_leaf in zip(jax.tree.leaves(got_grads[name]), jax.tree.leaves(expected_grads[name])):
-            assert float(jnp.abs(want_leaf).max()) > 0, name
-            np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5, rtol=1e-4, err_msg=name)
+            largest = float(jnp.abs(want_leaf).max())
+            assert largest > 0, name
+            # float32 rounding of sums over the window, which XLA orders by CPU (2e-5 of 2.5 seen): 1e-5 of the largest.
+            np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-5 * max(largest, 1.0), rtol=1e-4, err_msg=name)
 
 
 def test_kappa_one_gives_routed_value_and_kappa_zero_gives_local_value(model, routed):

@@ -20,6 +20,7 @@ from conftest import (
     CPU_ONLY_ENV,
     HANG_S,
     REPO,
+    SMALL_TRAIN_RUN,
     WALL_CLOCK,
     cluster_tail,
     fake_devices_env,
@@ -59,6 +60,7 @@ POD_RUN = dict(
     rollout__dynamic_sampling_filter="reward",
 )
 LAST_CHECKPOINT = 4  # a critic warm-up step and 3 actor updates
+PROMPTS_PER_STEP = SMALL_TRAIN_RUN["rollout.prompts_per_step"]
 OUTCOME_DIAGNOSTICS = {
     "credit/outcome_explained_variance",
     "credit/outcome_spearman",
@@ -145,8 +147,13 @@ def test_two_processes_equal_one_process_with_as_many_devices(
     assert result.returncode == 0, result.stderr[-4000:]
     assert len(rows(two)) == len(rows(one)) == LAST_CHECKPOINT
     assert min(row["dynamic_sampling/refills"] for row in rows(two)) >= 1  # every step refilled (2-3 rounds)
-    # Every batch holds right and wrong responses (the filter): each step measures its credit against the outcome.
-    assert all(OUTCOME_DIAGNOSTICS <= row.keys() for row in rows(two))
+    # A batch holding a group of right and wrong responses (what the filter keeps) measures its credit against the
+    # outcome. Most batches do; one whose refills found none (its groups all uninformative: every response equally
+    # right) may have no outcome to measure, as the rounding of another CPU's programs once drew at step 2.
+    informative = [row for row in rows(two) if row["dynamic_sampling/uninformative_kept"] < PROMPTS_PER_STEP]
+    assert len(informative) >= LAST_CHECKPOINT - 1, [row["dynamic_sampling/uninformative_kept"] for row in rows(two)]
+    assert all(OUTCOME_DIAGNOSTICS <= row.keys() for row in informative)
+    assert all("credit/trace_horizon" in row for row in rows(two))
     assert rows(two)[0]["credit/outcome_spearman"] == 0.0  # step 1's zero-initialized critic ranks nothing
     for a, b in zip(rows(two), rows(one)):
         assert a.keys() == b.keys()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from conftest import (
     small_train_config,
     small_train_flags,
     start_script,
+    wait_until,
 )
 
 from comppo_jax import storage
@@ -199,14 +201,19 @@ def test_a_second_command_refuses_naming_the_holder_and_a_dead_holders_lock_is_t
             run_dir.RunDirectoryLocked, match=rf"{tmp_path} is in use by pid {holder.pid} on .*delete .*run.lock"
         ):
             loop.train(small_train_config(tmp_path))
+        holder.kill()
+        # Killed and not yet reaped (this process, its parent, has not waited): a zombie, as a SIGKILLed launcher
+        # stays until its parent or init reaps it, which holds nothing.
+        zombie = lambda: pathlib.Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        assert wait_until(zombie, 30)
+        assert (
+            json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid
+        )  # a killed process leaves its lock behind
+        with pytest.raises(Loaded):  # ... which the next command takes over
+            loop.train(small_train_config(tmp_path))
     finally:
         holder.kill()
         holder.wait()
-    assert (
-        json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid
-    )  # a killed process leaves its lock behind
-    with pytest.raises(Loaded):  # ... which the next command takes over
-        loop.train(small_train_config(tmp_path))
     assert f"taking over a stale lock (pid {holder.pid}" in caplog.text and not (tmp_path / "run.lock").exists()
 
 

@@ -318,16 +318,23 @@ def largest_relative_errors(a, b) -> dict[str, float]:
     }
 
 
+# The sampler's log-probs against the scorer's (same weights, two programs): float32 rounding itself, of a
+# log-prob's size, which two runs whose weights differ by rounding need not share (1e-7 or 5e-7 on one CPU's
+# programs, 7e-7 or 5e-7 on another's).
+MISMATCH_ATOL = 1e-5
+
+
 def _close_rows(rows: list[dict], against: list[dict], rtol: float = 1e-5) -> list[str]:
-    """Where one run's metrics rows leave another's (numbers within `rtol` relative, 1e-7 absolute; everything
-    else equal); the packing metrics and wall-clock fields aside."""
+    """Where one run's metrics rows leave another's (numbers within `rtol` relative, 1e-7 absolute, the sampler
+    mismatch within MISMATCH_ATOL; everything else equal); the packing metrics and wall-clock fields aside."""
     differences = []
     for step, (a, b) in enumerate(zip(rows, against, strict=True)):
         names = (set(a) | set(b)) - set(WALL_CLOCK) - {name for name in a if name.startswith("packing/")}
         for name in sorted(names):
             x, y = a.get(name), b.get(name)
             if isinstance(x, float) and isinstance(y, float):
-                if not np.isclose(x, y, rtol=rtol, atol=1e-7):
+                atol = MISMATCH_ATOL if name.startswith("mismatch/") else 1e-7
+                if not np.isclose(x, y, rtol=rtol, atol=atol):
                     differences.append(f"step row {step} {name}: {x} against {y}")
             elif x != y:
                 differences.append(f"step row {step} {name}: {x!r} against {y!r}")
@@ -359,9 +366,10 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, method, overrides):
     critic's within 1e-4 (GRPO's loss and gradients are compared in tests/train/test_packed_update.py: here its
     advantages are 0, every response running to the limit, and its gradient rounding noise).
     AdamW scales a gradient at rounding level to a whole step of its learning rate: LoRA's B, zero at the start,
-    shows its rounding at that size (the adapters within 1e-3). A second step would compound it into the
-    metrics (a critic warm-up step moves TAC's relevance and routing weights so, and the next step's critic
-    gradient norm by half, with XLA:CPU's elemental emitters), as any change of summation order would."""
+    shows its rounding at that size (the adapters within 2e-3: 1.0e-3 on one CPU's programs). A second step would
+    compound it into the metrics (a critic warm-up step moves TAC's relevance and routing weights so, and the next
+    step's critic gradient norm by half, with XLA:CPU's elemental emitters), as any change of summation order
+    would."""
     rows = {}
     for packing in (True, False):
         # Its short responses fill their rows: packing saves no row (train.packing_min_saving would keep
@@ -385,6 +393,6 @@ def test_a_packed_run_matches_the_padded_run(tmp_path, method, overrides):
     assert not any(name.startswith("packing/") for row in rows[False] for name in row)
     last = rows[True][-1]["step"]
     packed, padded = (restored_on_one_device(tmp_path / str(p), last) for p in (True, False))
-    for part, tolerance in (("actor", 1e-3 if "model__lora__rank" in overrides else 1e-5), ("critic", 1e-4)):
+    for part, tolerance in (("actor", 2e-3 if "model__lora__rank" in overrides else 1e-5), ("critic", 1e-4)):
         for leaf, error in largest_relative_errors(packed.get(part), padded.get(part)).items():
             assert error <= tolerance, f"{part}{leaf}: {error:.2e} of its largest magnitude"
