@@ -415,8 +415,9 @@ def launch_script(script: str, *args: str, env: dict | None = None, fresh: bool 
     """`python <script> <args>` from the repository root on the CPU backend (`env` replaces
     CPU_ONLY_ENV), its output captured, allowed HANG_S. A launcher of WARM_SCRIPTS runs in the warm process
     for `env` (tests/launches.py), which has started JAX and keeps the programs earlier launches compiled;
-    in a fresh interpreter with `fresh`, under a file-size limit (`full_disk`: a new process inherits it), or
-    for a multi-process run (`jax.distributed` starts before the backend)."""
+    in a fresh interpreter with `fresh`, under a file-size limit (`full_disk`: a new process inherits it), for a
+    multi-process run (`jax.distributed` starts before the backend), or while that process runs another thread's
+    launch (launches meant to meet run at once)."""
     import resource
     import subprocess
     import sys
@@ -430,8 +431,9 @@ def launch_script(script: str, *args: str, env: dict | None = None, fresh: bool 
         or resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
         or any(arg.startswith("--config.mesh.distributed") for arg in args)  # jax.distributed precedes the backend
     )
-    if not fresh:
-        return launches.server("warm", env, REPO).launch(script, args, REPO, HANG_S)
+    result = None if fresh else launches.launch("warm", script, args, env=env, cwd=REPO, timeout_s=HANG_S)
+    if result is not None:
+        return result
     return subprocess.run(
         [sys.executable, script, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
     )
@@ -441,10 +443,17 @@ def launch_quick(script: str, *args: str, cwd: str = REPO):
     """`launch_script(script, *args)` forked from a process that has already imported the launchers' modules
     (tests/launches.py): for launches that end on their flags or config (one error line, --help), and
     launch/report.py (which never starts JAX's backend), seconds each otherwise."""
+    import subprocess
+
     import launches
 
     env = dict(CPU_ONLY_ENV, OPENBLAS_NUM_THREADS="1")  # no BLAS threads beside the forking one
-    return launches.server("forks", env, REPO).launch(script, args, cwd, HANG_S)
+    result = launches.launch("forks", script, args, env=env, cwd=str(cwd), timeout_s=HANG_S)
+    if result is None:  # another thread's launch holds it
+        result = subprocess.run(
+            [sys.executable, script, *args], cwd=cwd, env=CPU_ONLY_ENV, capture_output=True, text=True, timeout=HANG_S
+        )
+    return result
 
 
 def fake_devices_env(devices: int, **extra: str) -> dict:

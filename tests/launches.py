@@ -31,6 +31,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -165,6 +166,7 @@ class Server:
     """A quick or warm process (`serve`: "forks" or "warm") started with `env` in `cwd`."""
 
     def __init__(self, serve: str, env: dict, cwd: str):
+        self.busy = threading.Lock()  # held by the thread whose launch it runs
         self.log = tempfile.TemporaryFile(mode="w+")  # what it prints itself: shown only if it fails to start
         program = f"import sys; sys.path.insert(0, {HERE!r}); import launches; launches.serve_{serve}()"
         self.process = subprocess.Popen(
@@ -217,23 +219,37 @@ class Server:
 
 
 # (kind, environment as sorted items) -> its process. At most MAX_WARM warm ones are kept (each holds its
-# compiled programs: a GB or two): the one used longest ago is stopped for a new one.
+# compiled programs: a GB or two): the idle one used longest ago is stopped for a new one.
 _servers: dict[tuple, Server] = {}
+_servers_lock = threading.Lock()
 MAX_WARM = 2
 
 
-def server(serve: str, env: dict, cwd: str) -> Server:
-    """The running `serve` process for `env`, started if there is none."""
+def launch(
+    serve: str, script: str, args, *, env: dict, cwd: str, timeout_s: float
+) -> subprocess.CompletedProcess | None:
+    """`python <script> <args>` with `env` in `cwd`, in the `serve` process ("forks" or "warm") for `env`, started
+    if there is none. None while that process runs another thread's launch (launches that must meet run at once):
+    the caller runs this one in a fresh interpreter."""
     key = (serve, tuple(sorted(env.items())))
-    running = _servers.pop(key, None)
-    if running is not None and running.alive():
-        _servers[key] = running  # the newest used last
-        return running
-    while serve == "warm" and sum(kind == "warm" for kind, _ in _servers) >= MAX_WARM:
-        oldest = next(key for key in _servers if key[0] == "warm")
-        _servers.pop(oldest).stop()
-    _servers[key] = Server(serve, env, cwd)
-    return _servers[key]
+    with _servers_lock:
+        held = _servers.pop(key, None)
+        if held is not None and not held.alive():
+            held = None
+        if held is not None:
+            _servers[key] = held  # the newest used last
+            if not held.busy.acquire(blocking=False):
+                return None
+        else:
+            idle = [k for k, server in _servers.items() if k[0] == "warm" and not server.busy.locked()]
+            while serve == "warm" and idle and sum(kind == "warm" for kind, _ in _servers) >= MAX_WARM:
+                _servers.pop(idle.pop(0)).stop()
+            held = _servers[key] = Server(serve, env, cwd)
+            held.busy.acquire()
+    try:
+        return held.launch(script, args, cwd, timeout_s)
+    finally:
+        held.busy.release()
 
 
 @atexit.register

@@ -48,7 +48,8 @@ OUTCOME_ROW = {  # a critic that knows nothing of the outcome: early credit at c
 
 
 def report(run_dir, *extra):
-    """launch/report.py on `run_dir`, forked from the launch zygote (it never starts JAX's backend)."""
+    """launch/report.py on `run_dir`, forked from the quick launch process (tests/launches.py): it never starts
+    JAX's backend."""
     return launch_quick("launch/report.py", f"--run={run_dir}", *extra)
 
 
