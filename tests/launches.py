@@ -2,20 +2,21 @@
 
 A tiny run launched in a fresh interpreter spends most of its time before its first step: the interpreter, the
 imports, JAX's backend, and tracing, lowering and loading from the compilation cache each of its programs (a
-2-device run: about 15 s here, of which 2 s run steps). Two kinds of process take launches instead, each one
-launch at a time, as JSON lines on its stdin (the script, its args, working directory, and the files for its
-stdout and stderr), answering each with a JSON line:
+2-device run of conftest's SMALL_TRAIN_RUN with the compilation cache warm: 11 s; as a warm process's next
+launch: 4 s; this 2-core machine, `launch_script(..., fresh=True)` against `launch_script(...)`, 2026-11-30).
+Two kinds of process take launches instead, one at a time, as JSON lines on their stdin (the script, its args,
+working directory, and the files for its stdout and stderr), answering each with a JSON line:
 
 - quick (`serve_forks`): has imported what the launchers import, never starts a JAX backend (JAX warns on a
   fork after one), and forks a child per launch. For launches that end on their flags or config, and
   launch/report.py: a fork instead of an interpreter and the imports.
 - warm (`serve_warm`): has also started JAX's backend with the devices its environment asks for, and runs
   each launch in itself, keeping what JAX traced and compiled: a run of the shapes of an earlier one reuses
-  its programs (the same 2-device run again: about 6 s). What a launch changes in the process is put back
-  before the next: the environment, the working directory, absl's flags and verbosity, signal handlers,
-  warning filters, `sys.stdout`, `sys.stderr` and `sys.unraisablehook`. A launch that fails (status other
-  than 0), that leaves a thread running, or that ends the process itself (os._exit, a signal: its status is
-  then the process's) is the process's last: whatever a failure left half done reaches no other launch.
+  its programs. What a launch changes in the process is put back before the next: the environment, the
+  working directory, absl's flags and verbosity, signal handlers, warning filters, `sys.stdout`, `sys.stderr`
+  and `sys.unraisablehook`. A launch that fails (status other than 0), that leaves a thread running, or that
+  ends the process itself (os._exit, a signal: its status is then the process's) is the process's last:
+  whatever a failure left half done reaches no other launch.
 
 Either runs the script as `python <script> <args>` would (`run_as_main`): `__main__`, its argv, sys.path[0],
 its working directory, file descriptors 1 and 2 its own, stdin closed, the functions it registered with
