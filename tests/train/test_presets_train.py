@@ -57,7 +57,7 @@ def test_qwen3_preset_runs_two_steps_on_a_tiny_checkpoint_and_small_data(tmp_pat
         rope_theta=10000.0,
         dtype="float32",
     )
-    result = launch_script(  # a whole run: in a fresh interpreter, as `train` forks only for errors
+    result = launch_script(  # a whole run, which starts JAX's backend: launch_quick's forks are for errors
         "launch/train.py",
         "--config=configs/qwen3_4b.py",
         f"--config.model.path={checkpoint}",
