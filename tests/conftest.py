@@ -417,7 +417,7 @@ def launch_script(script: str, *args: str, env: dict | None = None, fresh: bool 
     for `env` (tests/launches.py), which has started JAX and keeps the programs earlier launches compiled;
     in a fresh interpreter with `fresh`, under a file-size limit (`full_disk`: a new process inherits it), for a
     multi-process run (`jax.distributed` starts before the backend), or while that process runs another thread's
-    launch (launches meant to meet run at once)."""
+    launch. Launches that must race each other ask for `fresh` (a warm one starts seconds ahead of a fresh one)."""
     import resource
     import subprocess
     import sys

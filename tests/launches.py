@@ -19,7 +19,7 @@ working directory, and the files for its stdout and stderr), answering each with
   whatever a failure left half done reaches no other launch.
 
 Either runs the script as `python <script> <args>` would (`run_as_main`): `__main__`, its argv, sys.path[0],
-its working directory, file descriptors 1 and 2 its own, stdin closed, the functions it registered with
+its working directory, file descriptors 1 and 2 its own, stdin /dev/null, the functions it registered with
 `atexit` run as it ends, its exit status (SystemExit's, or 1 after a traceback for anything else raised).
 """
 
@@ -80,7 +80,12 @@ def run_as_main(request: dict) -> int:
 
 
 def _answers():
-    """Where the process answers (its stdout as started); file descriptor 1 goes to its stderr's log."""
+    """Where the process answers (its stdout as started); file descriptor 1 goes to its stderr's log. Called
+    before the first launch: weakref.finalize registers its exit function with atexit on its first use, which
+    must not be a launch's (run_as_main runs a launch's atexit functions as it ends)."""
+    import weakref
+
+    weakref.finalize(_answers, int)
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     print(json.dumps({"ready": True}), file=answers, flush=True)
@@ -107,7 +112,11 @@ def serve_forks() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            os._exit(run_as_main(request))
+            code = 1
+            try:
+                code = run_as_main(request)
+            finally:
+                os._exit(code)
         deadline = time.monotonic() + request["timeout_s"]
         while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
             if time.monotonic() > deadline:
@@ -121,6 +130,7 @@ def serve_forks() -> None:
 def serve_warm() -> None:
     """The warm process (module docstring)."""
     import gc
+    import logging as std_logging
     import signal
     import threading
     import time
@@ -139,11 +149,15 @@ def serve_warm() -> None:
     base_flags, base_env, base_threads = set(flags.FLAGS), dict(os.environ), set(threading.enumerate())
     base_streams, base_hook, base_warnings = (sys.stdout, sys.stderr), sys.unraisablehook, list(warnings.filters)
     base_handlers = {signum: signal.getsignal(signum) for signum in signals}
+    absl_logger = std_logging.getLogger("absl")
+    base_log_filters = list(absl_logger.filters)  # comppo_jax.cli adds one unless --verbosity is given
     answers = _answers()
     for line in sys.stdin:
         verbosity = logging.get_verbosity()
         code = run_as_main(json.loads(line))
         (sys.stdout, sys.stderr), sys.unraisablehook, warnings.filters[:] = base_streams, base_hook, base_warnings
+        warnings._filters_mutated()  # type: ignore[attr-defined]  (what warnings.filterwarnings calls)
+        absl_logger.filters[:] = base_log_filters
         signal.alarm(0)
         for signum, handler in base_handlers.items():
             signal.signal(signum, handler)
@@ -169,7 +183,13 @@ class Server:
     def __init__(self, serve: str, env: dict, cwd: str):
         self.busy = threading.Lock()  # held by the thread whose launch it runs
         self.log = tempfile.TemporaryFile(mode="w+")  # what it prints itself: shown only if it fails to start
-        program = f"import sys; sys.path.insert(0, {HERE!r}); import launches; launches.serve_{serve}()"
+        # sys.path[0] (-c's working directory) is this folder while this module loads (before the package: tests/
+        # holds folders named as its packages), the repository while the process starts, and each launch's
+        # script's folder during it.
+        program = (
+            f"import sys; sys.path[0] = {HERE!r}; import launches; sys.path[0] = {os.path.dirname(HERE)!r}; "
+            f"launches.serve_{serve}()"
+        )
         self.process = subprocess.Popen(
             [sys.executable, "-c", program],
             cwd=cwd,
@@ -180,9 +200,12 @@ class Server:
             text=True,
         )
         if self.process.stdout.readline() != '{"ready": true}\n':
-            self.stop()
+            self.process.kill()
+            self.process.wait()
             self.log.seek(0)
-            raise RuntimeError(f"the {serve} launch process did not start:\n{self.log.read()[-3000:]}")
+            printed = self.log.read()[-3000:]
+            self.stop()
+            raise RuntimeError(f"the {serve} launch process did not start:\n{printed}")
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -190,32 +213,41 @@ class Server:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout, self.log):
+            stream.close()
 
     def launch(self, script: str, args, cwd: str, timeout_s: float) -> subprocess.CompletedProcess:
-        """`python <script> <args>` in `cwd` (module docstring); past `timeout_s` the process is stopped and the
-        launch raises TimeoutExpired, as subprocess.run's would."""
+        """`python <script> <args>` in `cwd` (module docstring). Past `timeout_s` a quick process's child is
+        SIGKILLed (status -9); a warm process is stopped 60 s later and the launch raises TimeoutExpired, as
+        subprocess.run's would."""
         import selectors
 
         command = [script, *args]
         with tempfile.TemporaryDirectory() as scratch:
             outputs = {name: os.path.join(scratch, name) for name in ("stdout", "stderr")}
             request = dict(script=script, args=list(args), cwd=str(cwd), timeout_s=timeout_s, **outputs)
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            with selectors.DefaultSelector() as selector:
-                selector.register(self.process.stdout, selectors.EVENT_READ)
-                if not selector.select(timeout_s + 60):  # a quick process stops its child at timeout_s itself
-                    self.stop()
-                    raise subprocess.TimeoutExpired(command, timeout_s)
-            line = self.process.stdout.readline()
-            if line:
-                answer = json.loads(line)
-                if answer["last"]:
-                    self.process.wait()
-                returncode = answer["returncode"]
-            else:  # it ended the process: its status is the launch's
-                returncode = self.process.wait()
-            stdout, stderr = (pathlib.Path(outputs[name]).read_text() for name in ("stdout", "stderr"))
+            try:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+                with selectors.DefaultSelector() as selector:
+                    selector.register(self.process.stdout, selectors.EVENT_READ)
+                    if not selector.select(timeout_s + 60):  # a quick process stops its child at timeout_s itself
+                        raise subprocess.TimeoutExpired(command, timeout_s)
+                line = self.process.stdout.readline()
+                if line:
+                    answer = json.loads(line)
+                    if answer["last"]:
+                        self.process.wait(timeout=60)  # threads the launch left may hold its exit
+                    returncode = answer["returncode"]
+                else:  # it ended the process: its status is the launch's
+                    returncode = self.process.wait(timeout=60)
+            except BaseException:  # a timeout, or this thread interrupted: no later launch may read this answer
+                self.stop()
+                raise
+            stdout, stderr = (
+                pathlib.Path(outputs[name]).read_text() if os.path.exists(outputs[name]) else ""
+                for name in ("stdout", "stderr")
+            )
         return subprocess.CompletedProcess(command, returncode, stdout, stderr)
 
 
@@ -234,9 +266,9 @@ def launch(
     the caller runs this one in a fresh interpreter."""
     key = (serve, tuple(sorted(env.items())))
     with _servers_lock:
+        for dead in [k for k, server in _servers.items() if not server.alive()]:
+            _servers.pop(dead).stop()
         held = _servers.pop(key, None)
-        if held is not None and not held.alive():
-            held = None
         if held is not None:
             _servers[key] = held  # the newest used last
             if not held.busy.acquire(blocking=False):

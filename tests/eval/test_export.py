@@ -85,8 +85,8 @@ def test_peft_loads_our_adapters_and_the_merged_export_loads_in_transformers(
     np.testing.assert_allclose(hf_logits(merged, tokens, mask)[mask], ours[mask], atol=1e-4, rtol=1e-4)
 
 
-def export(*args):
-    return launch_script("launch/export.py", *args)
+def export(*args, fresh=False):
+    return launch_script("launch/export.py", *args, fresh=fresh)
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +163,10 @@ def beside(out) -> list[str]:
 @pytest.mark.slow
 def test_two_exports_to_one_folder_at_once_one_succeeds_and_the_folder_holds_it_whole(lora_run, tmp_path):
     out = tmp_path / "exported"
-    with ThreadPoolExecutor(2) as pool:  # both processes start together: both find `out` new
-        results = list(pool.map(lambda step: export(f"--run={lora_run}", f"--step={step}", f"--out={out}"), (2, 3)))
+    with ThreadPoolExecutor(2) as pool:  # both processes start together (fresh interpreters): both find `out` new
+        results = list(
+            pool.map(lambda step: export(f"--run={lora_run}", f"--step={step}", f"--out={out}", fresh=True), (2, 3))
+        )
     assert sorted(result.returncode for result in results) == [0, 1], [result.stderr[-2000:] for result in results]
     (winner, step), (loser, _) = sorted(zip(results, (2, 3)), key=lambda pair: pair[0].returncode)
     assert winner.stdout.startswith(f"step {step} of ")
