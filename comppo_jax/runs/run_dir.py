@@ -103,9 +103,11 @@ def _alive(pid: int, started: str | None) -> bool:
     except PermissionError:  # another user's live process
         return True
     fields = _process_stat(pid)
-    if fields is not None and fields[0] in ("Z", "X"):  # a killed launcher not yet reaped by its parent (or init)
+    if fields is None:  # no process table to read: the pid answered
+        return True
+    if fields[0] in ("Z", "X"):  # a killed launcher not yet reaped by its parent (or init)
         return False
-    return started is None or _start_time(pid) in (None, started)
+    return started is None or len(fields) <= 19 or fields[19] == started
 
 
 @contextlib.contextmanager
