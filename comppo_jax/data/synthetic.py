@@ -13,7 +13,11 @@ The warm start may teach mistakes (`noisy_solution`; 0 disables each):
 - `step_noise`: the probability that a step whose operand is one of `noisy_operands` writes its
   result + 1, the chain going on from the wrong value. A long chain then holds several such
   decisions, anywhere in the response, and one wrong one decides the outcome: the credit testbed
-  (configs/tiny_credit.py).
+  (configs/tiny_credit.py). `noisy_first_steps` keeps the noise to the chain's first steps.
+- `mark_mistakes`: a step written wrong writes `~` for its `=`, and so does every step after it, so
+  the mistake shows in the text and a response's states carry it to the end (the model must, to
+  write the later lines): a critic reading them can know the outcome once the decision is made.
+  With the noise kept to the first steps, that is the decision testbed (configs/tiny_decision.py).
 
 It may also teach a tool's form (`tool_calls`): the probability that a step is written as a call of
 the calculator (comppo_jax.environments.calculator), `[36*7]=252`. The written result carries the
@@ -64,13 +68,16 @@ def chained_arithmetic(
 @dataclasses.dataclass(frozen=True)
 class Noise:
     """What the warm start's solutions teach besides the task (module docstring): the mistakes
-    `answer_noise`, and `step_noise` on the steps whose operand is a digit of `noisy_operands`; and
-    calculator calls on a `tool_calls` fraction of the steps."""
+    `answer_noise`, and `step_noise` on the steps whose operand is a digit of `noisy_operands` (among the
+    first `noisy_first_steps`, 0: all), marked when `mark_mistakes`; and calculator calls on a `tool_calls`
+    fraction of the steps."""
 
     answer_noise: float = 0.0
     step_noise: float = 0.0
     noisy_operands: str = ""
     tool_calls: float = 0.0
+    noisy_first_steps: int = 0
+    mark_mistakes: bool = False
 
     @classmethod
     def of(cls, warm_start) -> Noise:
@@ -80,6 +87,8 @@ class Noise:
             warm_start.step_noise,
             warm_start.noisy_operands,
             warm_start.get("tool_calls", 0.0),
+            warm_start.get("noisy_first_steps", 0),
+            warm_start.get("mark_mistakes", False),
         )
 
 
@@ -89,16 +98,18 @@ NO_NOISE = Noise()
 def _noisy_steps(solution: str, rng: np.random.Generator, noise: Noise) -> tuple[list[str], int]:
     """The solution's step lines with step noise and calculator calls, each step reading the previous
     one's (possibly wrong) result, and the chain's final value."""
-    lines, value = [], None
-    for line in solution.split("\n")[:-1]:
+    lines, value, equals = [], None, "="
+    for index, line in enumerate(solution.split("\n")[:-1]):
         left, _ = line.split("=")
         op_at = max(left.rfind(op) for op in OPERATIONS if left.rfind(op) > 0)
         start, op, operand = (int(left[:op_at]) if value is None else value), left[op_at], int(left[op_at + 1 :])
         result = {"+": start + operand, "-": start - operand, "*": start * operand}[op] % 1000
         call = noise.tool_calls and rng.random() < noise.tool_calls
-        if str(operand) in noise.noisy_operands and rng.random() < noise.step_noise:
+        noisy = not noise.noisy_first_steps or index < noise.noisy_first_steps
+        if noisy and str(operand) in noise.noisy_operands and rng.random() < noise.step_noise:
             result = (result + 1) % 1000
-        lines.append(f"[{start}{op}{operand}]={result}" if call else f"{start}{op}{operand}={result}")
+            equals = "~" if noise.mark_mistakes else equals
+        lines.append(f"[{start}{op}{operand}]{equals}{result}" if call else f"{start}{op}{operand}{equals}{result}")
         value = result
     return lines, int(value)
 

@@ -50,7 +50,7 @@ from comppo_jax import storage, workers
 from comppo_jax.runs.checkpoint import committed_steps
 from comppo_jax.runs.outputs import METRICS_FILE, read_metrics
 
-KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines")
+KINDS = ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines", "regime")
 SUMMARY_FILE = "summary.json"
 HELD_OUT_FILE = "held_out.json"  # written by launch/eval.py --held_out_problems
 ROOT = "{root}"  # the experiment's root in a reference to another run's file (`Run.under`)

@@ -255,6 +255,9 @@ def factorial_report(exp, outcome: Outcome):
         "Seed-matched differences and the interaction I = Full - (Gate+Std) - (Fixed+Aligned) + (Fixed+Std), "
         "points:\n\n" + table(["Contrast", "Best", "Final"], rows)
     )
+    credit = outcome_table(outcome, arms, seeds, labels)
+    if credit is not None:
+        parts.append(credit)
     finals = [t_interval(values["final"][arm]) for arm in arms]
     plots = {
         f"{exp.name}_final.png": bar_plot(
@@ -283,11 +286,15 @@ def run_rows(result: RunResult) -> list[dict]:
     return read_metrics(path) if path.exists() else []
 
 
-def outcome_table(outcome: Outcome, arms, seeds) -> str | None:
+CRITIC_FIELDS = ("critic/explained_variance", "critic/td_spearman", "critic/clamp_saturation")
+
+
+def outcome_table(outcome: Outcome, arms, seeds, labels=None) -> str | None:
     """Each arm's credit against the outcome over its runs' last OUTCOME_WINDOW steps that logged each field (the
     mean over seeds of each run's mean; "--" where no run logged it: records older than the metric), beside the
-    critic's explained variance of its own targets; None when no run logged any (docs/conventions.md)."""
-    names = (*OUTCOME_FIELDS, "critic/explained_variance")
+    critic's own diagnostics (explained variance of its targets, TD Spearman, clamp saturation); None when no run
+    logged any (docs/conventions.md)."""
+    names = (*OUTCOME_FIELDS, *CRITIC_FIELDS)
     rows = []
     for arm in arms:
         runs = [run_rows(outcome.arms[arm][seed]) for seed in seeds]
@@ -295,14 +302,14 @@ def outcome_table(outcome: Outcome, arms, seeds) -> str | None:
         for name in names:
             means = [m for m in (recent_mean(run, name, OUTCOME_WINDOW) for run in runs) if m is not None]
             cells.append(f"{np.mean(means):.2f}" if means else "--")
-        rows.append([arm, *cells])
+        rows.append([(labels or {}).get(arm, arm), *cells])
     if all(cell == "--" for row in rows for cell in row[1 : len(OUTCOME_FIELDS) + 1]):
         return None
     header = ["Variant", "Outcome EV", "Spearman(V, R)", "Early sign agreement", "Trace horizon (tokens)"]
     return (
         f"Credit against the outcome, means of each run's last {OUTCOME_WINDOW} steps (docs/conventions.md, "
-        '"Credit against the outcome"; 0.5 sign agreement is chance), beside the critic\'s explained variance of '
-        "its own targets:\n\n" + table([*header, "Critic EV (own targets)"], rows)
+        '"Credit against the outcome"; 0.5 sign agreement is chance), beside the critic\'s own diagnostics over '
+        "the same steps:\n\n" + table([*header, "Critic EV (own targets)", "TD rho_s", "Clamp sat."], rows)
     )
 
 
@@ -334,6 +341,73 @@ def comparison_report(exp, outcome: Outcome, title: str):
     return "\n\n".join(parts), {
         f"{exp.name}_final.png": bar_plot(arms, finals, "final dev accuracy (%)", f"{title}, {len(seeds)} seeds")
     }
+
+
+PROBE_WINDOW = 5  # a critic's reading on the warm-started policy: the last this many of its warm-up steps
+
+
+def warm_up_reading(result: RunResult, name: str) -> float | None:
+    """The mean of `name` over the run's last PROBE_WINDOW critic warm-up steps (no actor update yet, so the
+    policy is the warm start's); None with fewer logged."""
+    rows = [row for row in run_rows(result) if row.get("actor_updates") == 0 and isinstance(row.get(name), float)]
+    return recent_mean(rows, name, PROBE_WINDOW) if len(rows) >= PROBE_WINDOW else None
+
+
+def regime_report(exp, outcome: Outcome):
+    """Whether a testbed is in the regime where a critic can carry credit: what each arm's critic knows of the
+    outcome after its warm-up on the warm-started policy (arms whose warm-up logged PROBE_WINDOW steps), and how
+    far each arm that trains the actor (more than one update) ends above its warm start, seed-matched."""
+    waiting = [name for name, _ in exp.arms if name not in outcome.arms]
+    arms = [name for name, _ in exp.arms if name in outcome.arms]
+    seeds = seeds_of(outcome, arms)
+    if not seeds:
+        return "No seed finished every arm.", {}
+    fields = (
+        ("credit/outcome_explained_variance", "Outcome EV"),
+        ("credit/outcome_spearman", "Spearman(V, R)"),
+        ("critic/explained_variance", "Critic EV (own targets)"),
+    )
+    probe_rows, learner_rows, per_seed = [], [], {}
+    for arm in arms:
+        results = [outcome.arms[arm][s] for s in seeds]
+        readings = {name: [warm_up_reading(r, name) for r in results] for name, _ in fields}
+        if all(v is not None for v in readings[fields[0][0]]):
+            known = [[v for v in readings[name] if v is not None] for name, _ in fields]
+            intervals = [t_interval(values) if values else None for values in known]
+            probe_rows.append([arm, *(f"{i.mean:.2f} [{i.low:.2f}, {i.high:.2f}]" if i else "--" for i in intervals)])
+            per_seed[arm] = readings[fields[0][0]]
+        if all(int(r.summary.get("actor_updates", 0)) > 1 for r in results):
+            base = [r.base for r in results]
+            final = arm_values(outcome, exp, arm, "final", seeds)
+            best = arm_values(outcome, exp, arm, "best", seeds)
+            learner_rows.append(
+                [
+                    arm,
+                    ci(t_interval(base)),
+                    ci(t_interval(final)),
+                    signed_ci(paired_difference(final, base)),
+                    signed_ci(paired_difference(best, base)),
+                ]
+            )
+    parts = [f"Seeds {seeds}." + (f" Not finished yet: {', '.join(waiting)}." if waiting else "")]
+    if probe_rows:
+        parts.append(
+            f"What each critic knows of the outcome on the warm-started policy: means of its last {PROBE_WINDOW} "
+            "critic-only warm-up steps (each step's values before that step's critic update), 95% t intervals over "
+            "seeds:\n\n" + table(["Arm", *(label for _, label in fields)], probe_rows)
+        )
+        parts.append(
+            table(
+                ["Seed", *(f"{arm} outcome EV" for arm in per_seed)],
+                [[s, *(f"{per_seed[arm][i]:.2f}" for arm in per_seed)] for i, s in enumerate(seeds)],
+            )
+        )
+    if learner_rows:
+        parts.append(
+            "Dev accuracy against the warm start, points; differences seed-matched:\n\n"
+            + table(["Arm", "Warm start", "Final", "Final - warm start", "Best - warm start"], learner_rows)
+        )
+    return "\n\n".join(parts), {}
 
 
 def controls_report(exp, outcome: Outcome):
@@ -435,4 +509,5 @@ REPORTS = {
     "variants": lambda exp, outcome: comparison_report(exp, outcome, "policy-loss variants"),
     "lora": lambda exp, outcome: comparison_report(exp, outcome, "LoRA and full fine-tuning"),
     "baselines": lambda exp, outcome: comparison_report(exp, outcome, "token-credit baselines"),
+    "regime": regime_report,
 }

@@ -177,6 +177,12 @@ SCHEMA: dict[str, tuple[Field, ...] | None] = {
             "goes on from it)",
         ),
         Field("noisy_operands", "", 'step_noise: the operands (digits) whose steps it hits, e.g. "789"'),
+        Field("noisy_first_steps", 0, "step_noise: hits only the chain's first this many steps (0: every step)"),
+        Field(
+            "mark_mistakes",
+            False,
+            "a step step_noise writes wrong writes ~ for its =, and so does every step after it: the mistake shows",
+        ),
         Field(
             "tool_calls",
             0.0,

@@ -374,6 +374,7 @@ NUMBER_FIELDS = {
     "rollout.max_turns": COUNT,
     "warm_start.answer_noise": dict(low=0, high=1),
     "warm_start.step_noise": dict(low=0, high=1),
+    "warm_start.noisy_first_steps": dict(low=0, integer=True),
     "warm_start.tool_calls": dict(low=0, high=1),
     "rollout.max_reply_tokens": COUNT,
     "train.importance_weight_cap": dict(low=1),

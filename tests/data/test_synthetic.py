@@ -77,3 +77,39 @@ def test_the_warm_start_key_is_unchanged_without_step_noise():
     assert "step_noise" not in key["warm_start"] and "noisy_operands" not in key["warm_start"]
     credit = preset("tiny_credit")
     assert warm_start_key(credit)["warm_start"]["step_noise"] == credit.warm_start.step_noise
+
+
+def test_the_decision_testbed_marks_its_early_mistakes_and_every_line_after_them():
+    cfg = preset("tiny_decision")
+    train, _ = load_problems(cfg.data, seed=0)
+    ws = cfg.warm_start
+    noise = Noise.of(ws)
+    assert noise.noisy_first_steps == 3 and noise.mark_mistakes
+    rng = np.random.default_rng(0)
+    decisions = wrong = 0
+    for problem in train[:600]:
+        text = noisy_solution(problem, rng, noise)
+        lines = text.split("\n")
+        marked = ["~" in line for line in lines[:-1]]
+        first = marked.index(True) if any(marked) else len(marked)
+        assert marked == [False] * first + [True] * (len(marked) - first), text  # once marked, marked to the end
+        assert first == len(marked) or first < ws.noisy_first_steps
+        operands = [token[1:] for token in problem.prompt.split()[1:-1]]
+        early = [o in ws.noisy_operands for o in operands[: ws.noisy_first_steps]]
+        decisions += sum(early)
+        # The chain reads as before with = for ~, and it holds a wrong step exactly when it holds a mark.
+        n_wrong, _ = chain_is_consistent(problem.prompt, text.replace("~", "="))
+        assert (n_wrong > 0) == (first < len(marked))
+        wrong += n_wrong
+        if not any(early):
+            assert text == problem.solution
+        assert len(text) + 1 <= cfg.rollout.max_new_tokens
+    assert wrong / decisions == pytest.approx(ws.step_noise, abs=0.05)
+
+
+def test_new_noise_fields_at_their_defaults_leave_the_warm_start_key_as_it_was():
+    credit = preset("tiny_credit")
+    assert "noisy_first_steps" not in warm_start_key(credit)["warm_start"]
+    assert "mark_mistakes" not in warm_start_key(credit)["warm_start"]
+    decision = warm_start_key(preset("tiny_decision"))["warm_start"]
+    assert decision["noisy_first_steps"] == 3 and decision["mark_mistakes"] is True

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from comppo_jax.eval import experiment as ex
-from comppo_jax.eval.report import comparison_report, factorial_report, main_report, stress_report
+from comppo_jax.eval.report import comparison_report, factorial_report, main_report, regime_report, stress_report
 from comppo_jax.eval.statistics import factorial_interaction
 from comppo_jax.train.validation import validate_config
-from configs import experiments, experiments_credit, experiments_tiny, experiments_tools
+from configs import experiments, experiments_credit, experiments_decision, experiments_tiny, experiments_tools
 
 
 def test_grid_cells_and_stress_expansion():
@@ -76,6 +76,7 @@ EXPERIMENT_NAMES = {
     experiments_tiny: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora"),
     experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora", "transport", "outcome"),
     experiments_tools: ("tools",),
+    experiments_decision: ("regime", "comparison", "factorial", "controls"),
 }
 
 
@@ -114,6 +115,61 @@ def test_the_credit_testbed_runs_each_shared_arm_once():
     assert runs("transport", "comppo") == full and not runs("transport", "kappa_1_lam_1") & full
     dapo = experiments_credit.get_config("baselines")
     assert all(("reward.overlong_buffer=16" in o) == ("dapo" in arm) for arm, o in ex.arms_of(dapo))
+
+
+def test_the_decision_testbed_shares_its_runs_and_only_its_critic_probe_skips_the_actor():
+    """PPO is one set of runs for the regime and the comparison, full CompPO one for the comparison, factorial
+    and controls; every arm makes 40 actor updates but the regime's probes, whose critics train alone for 30
+    steps."""
+    keys = lambda name, arm: {
+        ex.Run(arm, seed, exp.base_config, overrides + (f"seed={seed}",)).key
+        for exp in [experiments_decision.get_config(name)]
+        for label, overrides in ex.arms_of(exp)
+        if label == arm
+        for seed in exp.seeds
+    }
+    assert keys("regime", "ppo") == keys("comparison", "ppo") and len(keys("regime", "ppo")) == 5
+    assert keys("comparison", "comppo") == keys("factorial", "full") == keys("controls", "full")
+    for name in ("regime", "comparison", "factorial", "controls"):
+        exp = experiments_decision.get_config(name)
+        for arm, overrides in ex.arms_of(exp):
+            cfg = _overridden(exp.base_config, [o for o in overrides if "{" not in o])
+            probe = name == "regime" and arm != "ppo"
+            assert (cfg.steps, cfg.train.critic_warmup_steps) == ((1, 30) if probe else (40, 2)), arm
+
+
+def test_the_regime_report_reads_each_critic_on_the_warm_start_and_each_learner_against_it(tmp_path):
+    """The probe's reading is the mean of its last 5 warm-up steps (actor_updates 0); a learner's gain is its
+    Final less its own seed's warm start, seed-matched."""
+    exp = experiments_decision.get_config("regime")
+    arms = {
+        "standard_critic": {
+            s: _result(tmp_path, "standard_critic", s, [0.3], base=0.3, actor_updates=1) for s in (0, 1, 2)
+        },
+        "ppo": {
+            s: _result(tmp_path, "ppo", s, [0.4, 0.3 + 0.1 * s], base=0.2 + 0.1 * s, actor_updates=40)
+            for s in (0, 1, 2)
+        },
+    }
+    for seed, result in arms["standard_critic"].items():
+        rows = [
+            {
+                "step": step,
+                "actor_updates": 0,
+                "credit/outcome_explained_variance": 9.0 if step <= 15 else 0.5 + 0.1 * seed,
+            }
+            for step in range(1, 21)
+        ] + [{"step": 21, "actor_updates": 1, "credit/outcome_explained_variance": -9.0}]
+        (pathlib.Path(result.directory) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for result in arms["ppo"].values():  # two warm-up steps: too few for a reading
+        rows = [{"step": step, "actor_updates": 0, "credit/outcome_explained_variance": 0.9} for step in (1, 2)]
+        (pathlib.Path(result.directory) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text, _ = regime_report(exp, ex.Outcome(arms, {}, {}, {}, []))
+    assert "| standard_critic | 0.60 [0.35, 0.85] | -- | -- |" in text and "| ppo | 0." not in text
+    assert "| 2 | 0.70 |" in text
+    # Final - warm start is +10 points at every seed (Best: +20, +10, +10); a probe (one actor update) is no learner.
+    assert "| ppo | 30.0 [5.2, 54.8] | 40.0 [15.2, 64.8] | +10.0 [+10.0, +10.0] | +13.3 [-1.0, +27.7] |" in text
+    assert "| standard_critic | 30.0" not in text
 
 
 def test_the_tool_runs_twin_is_the_same_warm_start_without_its_environment():
@@ -289,11 +345,12 @@ def test_a_comparison_reports_each_arms_credit_against_the_outcome_from_its_reco
                 if arm != "grpo":  # steps 1-2 fall outside the window
                     row.update({"credit/outcome_explained_variance": 9.0 if step <= 2 else 0.1 * index})
                     row.update({"credit/outcome_spearman": 0.2, "critic/explained_variance": 0.7})
+                    row.update({"critic/td_spearman": 0.4, "critic/clamp_saturation": 0.0})
                 rows.append(row)
             (pathlib.Path(result.directory) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text, _ = comparison_report(exp, ex.Outcome(arms, {}, {}, {}, []), "outcome")
-    assert "| ppo_lam_1 | 0.10 | 0.20 | 0.55 | 2.00 | 0.70 |" in text
-    assert "| grpo | -- | -- | 0.55 | 2.00 | -- |" in text
+    assert "| ppo_lam_1 | 0.10 | 0.20 | 0.55 | 2.00 | 0.70 | 0.40 | 0.00 |" in text
+    assert "| grpo | -- | -- | 0.55 | 2.00 | -- | -- | -- |" in text
     # Records older than the metrics: no table.
     for runs in arms.values():
         for result in runs.values():
