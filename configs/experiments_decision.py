@@ -26,9 +26,9 @@ experiments = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(experiments)
 
 SEEDS = (0, 1, 2, 3, 4)
-TESTBED = ("train.eval_every=5", "checkpoint.every=20")
-ACTOR_UPDATES = "steps=40"  # every arm's but the critic probes', whose critics train alone
-PROBE = ("train.critic_warmup_steps=30", "steps=1")  # 30 critic-only steps on the warm-started policy, one update
+TESTBED = ("checkpoint.every=20",)
+ACTOR_UPDATES = ("steps=40", "train.eval_every=5")  # every arm's but the critic probes', whose critics train alone:
+PROBE = ("train.critic_warmup_steps=30", "steps=1", "train.eval_every=1")  # 30 steps on the warm start, one update
 UNTRANSPORTED = ("gate=fixed", "fixed_gate=1.0", "train.lam=1.0")  # Comp-GAE with kappa 1, lambda 1: A_t = R - V_t
 
 
@@ -64,7 +64,7 @@ def get_config(name: str):
     else:
         raise ValueError(f"unknown experiment {name!r}; expected regime, comparison, factorial or controls")
     exp.arms = tuple(
-        (arm, overrides if any(o.startswith("steps=") for o in overrides) else overrides + (ACTOR_UPDATES,))
+        (arm, overrides if any(o.startswith("steps=") for o in overrides) else overrides + ACTOR_UPDATES)
         for arm, overrides in exp.arms
     )
     exp.base_config = "configs/tiny_decision.py"

@@ -10,18 +10,13 @@ the outcome long before the answer, which on the credit testbed (configs/tiny_cr
 unmarked) no critic can. docs/results_decision.md reports the paper's comparisons on it.
 """
 
-import importlib.util
-import os
+import pathlib
 
-_spec = importlib.util.spec_from_file_location(
-    "comppo_tiny", os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
+from comppo_jax.models import load_config_file
 
 
 def get_config():
-    config = tiny.get_config()
+    config = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
     config.output_dir = "runs/tiny_decision"
     config.data.update(min_steps=6, max_steps=10, operations="+-")
     config.warm_start.update(

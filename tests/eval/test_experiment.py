@@ -98,16 +98,21 @@ def test_every_arm_of_every_experiment_is_a_valid_config(definitions, name):
         validate_config(cfg)
 
 
-def test_the_credit_testbed_runs_each_shared_arm_once():
-    """The baselines' GRPO and PPO are the discrimination runs, and full CompPO one set of runs for the
-    baselines, factorial, controls, lora and transport: DAPO's overlong buffer rides on the DAPO arms alone."""
-    runs = lambda name, arm: {
+def run_keys(definitions, name: str, arm: str) -> set[str]:
+    """The run keys (directories) of experiment `name`'s arm `arm`, one per seed."""
+    exp = definitions.get_config(name)
+    return {
         ex.Run(arm, seed, exp.base_config, overrides + (f"seed={seed}",)).key
-        for exp in [experiments_credit.get_config(name)]
         for label, overrides in ex.arms_of(exp)
         if label == arm
         for seed in exp.seeds
     }
+
+
+def test_the_credit_testbed_runs_each_shared_arm_once():
+    """The baselines' GRPO and PPO are the discrimination runs, and full CompPO one set of runs for the
+    baselines, factorial, controls, lora and transport: DAPO's overlong buffer rides on the DAPO arms alone."""
+    runs = lambda name, arm: run_keys(experiments_credit, name, arm)
     for arm in ("grpo", "ppo"):
         assert runs("baselines", arm) == runs("discrimination", arm) and len(runs("baselines", arm)) == 5
     full = runs("factorial", "full")
@@ -121,13 +126,7 @@ def test_the_decision_testbed_shares_its_runs_and_only_its_critic_probe_skips_th
     """PPO is one set of runs for the regime and the comparison, full CompPO one for the comparison, factorial
     and controls; every arm makes 40 actor updates but the regime's probes, whose critics train alone for 30
     steps."""
-    keys = lambda name, arm: {
-        ex.Run(arm, seed, exp.base_config, overrides + (f"seed={seed}",)).key
-        for exp in [experiments_decision.get_config(name)]
-        for label, overrides in ex.arms_of(exp)
-        if label == arm
-        for seed in exp.seeds
-    }
+    keys = lambda name, arm: run_keys(experiments_decision, name, arm)
     assert keys("regime", "ppo") == keys("comparison", "ppo") and len(keys("regime", "ppo")) == 5
     assert keys("comparison", "comppo") == keys("factorial", "full") == keys("controls", "full")
     for name in ("regime", "comparison", "factorial", "controls"):
@@ -136,6 +135,7 @@ def test_the_decision_testbed_shares_its_runs_and_only_its_critic_probe_skips_th
             cfg = _overridden(exp.base_config, [o for o in overrides if "{" not in o])
             probe = name == "regime" and arm != "ppo"
             assert (cfg.steps, cfg.train.critic_warmup_steps) == ((1, 30) if probe else (40, 2)), arm
+            assert cfg.steps % cfg.train.eval_every == 0, arm  # its last update is evaluated: a result to load
 
 
 def test_the_regime_report_reads_each_critic_on_the_warm_start_and_each_learner_against_it(tmp_path):
