@@ -374,7 +374,8 @@ def regime_report(exp, outcome: Outcome):
         if all(v is not None for v in readings[fields[0][0]]):
             known = [[v for v in readings[name] if v is not None] for name, _ in fields]
             intervals = [t_interval(values) if values else None for values in known]
-            probe_rows.append([arm, *(f"{i.mean:.2f} [{i.low:.2f}, {i.high:.2f}]" if i else "--" for i in intervals)])
+            cells = [f"{i.mean:.2f} [{i.low:.2f}, {i.high:.2f}]" if i else "--" for i in intervals]
+            probe_rows.append([arm, *cells, mean_gate(outcome, arm, seeds)])
             per_seed[arm] = readings[fields[0][0]]
         if all(int(r.summary.get("actor_updates", 0)) > 1 for r in results):
             base = [r.base for r in results]
@@ -394,7 +395,8 @@ def regime_report(exp, outcome: Outcome):
         parts.append(
             f"What each critic knows of the outcome on the warm-started policy: means of its last {PROBE_WINDOW} "
             "critic-only warm-up steps (each step's values before that step's critic update), 95% t intervals over "
-            "seeds:\n\n" + table(["Arm", *(label for _, label in fields)], probe_rows)
+            "seeds; beside them the mean attention gate of the run's rollouts (measured in every run, used by "
+            "CompPO's):\n\n" + table(["Arm", *(label for _, label in fields), "Mean gate"], probe_rows)
         )
         parts.append(
             table(

@@ -165,7 +165,7 @@ def test_the_regime_report_reads_each_critic_on_the_warm_start_and_each_learner_
         rows = [{"step": step, "actor_updates": 0, "credit/outcome_explained_variance": 0.9} for step in (1, 2)]
         (pathlib.Path(result.directory) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text, _ = regime_report(exp, ex.Outcome(arms, {}, {}, {}, []))
-    assert "| standard_critic | 0.60 [0.35, 0.85] | -- | -- |" in text and "| ppo | 0." not in text
+    assert "| standard_critic | 0.60 [0.35, 0.85] | -- | -- | -- |" in text and "| ppo | 0." not in text
     assert "| 2 | 0.70 |" in text
     # Final - warm start is +10 points at every seed (Best: +20, +10, +10); a probe (one actor update) is no learner.
     assert "| ppo | 30.0 [5.2, 54.8] | 40.0 [15.2, 64.8] | +10.0 [+10.0, +10.0] | +13.3 [-1.0, +27.7] |" in text
