@@ -8,7 +8,8 @@ Names:
   after 30 critic-only steps on the warm-started policy (PPO's standard head and full-copy critic on GAE
   targets; TAC on CompPO's targets, and on the outcome itself: kappa 1, lambda 1), and PPO (GAE, lambda
   0.95) against its warm start.
-- comparison: CompPO beside GRPO, PPO with the standard head and PPO with the full-copy critic.
+- comparison: CompPO beside GRPO, PPO with the standard head, PPO with the full-copy critic, and CompPO's
+  machinery without its transport (kappa 1, lambda 1: A_t = R - V_t on TAC, which can learn the outcome here).
 - factorial, controls: configs/experiments.py's (the 2x2 gate-by-critic factorial; the shuffle and
   position-only controls) on the testbed.
 Identical runs are shared (PPO in regime and comparison; full CompPO in comparison, factorial and
@@ -54,6 +55,7 @@ def get_config(name: str):
                 ("grpo", ("method=grpo",)),
                 ("ppo", ("method=ppo",)),
                 ("ppo_full_critic", ("method=ppo", "critic.kind=full")),
+                ("kappa_1_lam_1", experiments.FULL + UNTRANSPORTED),
             ],
         )
     elif name in ("factorial", "controls"):
