@@ -346,11 +346,11 @@ def comparison_report(exp, outcome: Outcome, title: str):
 PROBE_WINDOW = 5  # a critic's reading on the warm-started policy: the last this many of its warm-up steps
 
 
-def warm_up_reading(result: RunResult, name: str) -> float | None:
-    """The mean of `name` over the run's last PROBE_WINDOW critic warm-up steps (no actor update yet, so the
-    policy is the warm start's); None with fewer logged."""
-    rows = [row for row in run_rows(result) if row.get("actor_updates") == 0 and isinstance(row.get(name), float)]
-    return recent_mean(rows, name, PROBE_WINDOW) if len(rows) >= PROBE_WINDOW else None
+def warm_up_reading(rows: list[dict], name: str) -> float | None:
+    """The mean of `name` over a run's (metrics `rows`) last PROBE_WINDOW critic warm-up steps (no actor update
+    yet, so the policy is the warm start's); None with fewer logged."""
+    warm_up = [row for row in rows if row.get("actor_updates") == 0 and isinstance(row.get(name), (int, float))]
+    return recent_mean(warm_up, name, PROBE_WINDOW) if len(warm_up) >= PROBE_WINDOW else None
 
 
 def regime_report(exp, outcome: Outcome):
@@ -370,7 +370,8 @@ def regime_report(exp, outcome: Outcome):
     probe_rows, learner_rows, per_seed = [], [], {}
     for arm in arms:
         results = [outcome.arms[arm][s] for s in seeds]
-        readings = {name: [warm_up_reading(r, name) for r in results] for name, _ in fields}
+        rows = [run_rows(r) for r in results]  # each run's metrics read once for every field
+        readings = {name: [warm_up_reading(run, name) for run in rows] for name, _ in fields}
         if all(v is not None for v in readings[fields[0][0]]):
             known = [[v for v in readings[name] if v is not None] for name, _ in fields]
             intervals = [t_interval(values) if values else None for values in known]

@@ -71,11 +71,9 @@ def warm_start_key(cfg) -> dict:
     settings = {k: v for k, v in cfg.warm_start.to_dict().items() if k != "cache_dir"}
     if not settings["step_noise"]:  # added later: off, the key (and so every kept warm start) is as before
         del settings["step_noise"], settings["noisy_operands"]
-    for later in ("noisy_first_steps", "mark_mistakes"):  # the same, at their defaults
+    for later in ("tool_calls", "noisy_first_steps", "mark_mistakes"):  # the same, each at its default
         if not settings.get(later):
             settings.pop(later, None)
-    if not settings.get("tool_calls"):  # the same
-        settings.pop("tool_calls", None)
     settings["length_bucket"] = LENGTH_BUCKET  # the padding changes the float sums
     model = {k: v for k, v in cfg.model.to_dict().items() if k != "lora"}
     return {"model": model, "data": cfg.data.to_dict(), "warm_start": settings, "seed": cfg.seed}
