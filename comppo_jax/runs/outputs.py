@@ -36,9 +36,31 @@ EXPLAINED_VARIANCES = ("critic/explained_variance", "credit/outcome_explained_va
 NO_MEASUREMENT_BELOW = -1e3
 
 
+# The fields measured against each response's outcome (comppo_jax.train.diagnostics.outcome_diagnostics).
+AGAINST_THE_OUTCOME = ("credit/outcome_explained_variance", "credit/outcome_spearman", "credit/early_sign_agreement")
+
+
+def one_outcome(reward_counts: dict) -> bool:
+    """Whether a step's reward counts (reward/<verdict> and reward/malformed, as the rollout logs them) say every
+    response had the same verdict and the same form. Its outcomes then differ by the reward's shaping alone (a
+    length penalty under 0.01), so what a critic knows of them is no reading of what it knows of the outcome: an
+    explained variance over that shaping's variance logged -181498 on a batch the policy got all right."""
+    verdicts = [
+        v for k, v in reward_counts.items() if k.startswith("reward/") and k not in ("reward/mean", "reward/malformed")
+    ]
+    if not verdicts:
+        return False
+    responses = sum(verdicts)
+    return max(verdicts) == responses and reward_counts.get("reward/malformed", 0) in (0, responses)
+
+
 def measured(row: dict) -> dict:
-    """`row` without an explained variance below NO_MEASUREMENT_BELOW."""
-    return {k: v for k, v in row.items() if not (k in EXPLAINED_VARIANCES and v < NO_MEASUREMENT_BELOW)}
+    """`row` without an explained variance below NO_MEASUREMENT_BELOW, and without the fields measured against the
+    outcome on a step with `one_outcome` (runs logged them before comppo_jax.train.diagnostics left them out)."""
+    dropped = AGAINST_THE_OUTCOME if one_outcome(row) else ()
+    return {
+        k: v for k, v in row.items() if k not in dropped and not (k in EXPLAINED_VARIANCES and v < NO_MEASUREMENT_BELOW)
+    }
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -79,7 +79,7 @@ def critic_diagnostics(values, returns, rewards, kappa, mask, clamp: float = 1.0
     ev = explained_variance(g, v)
     if ev is not None:
         out["critic/explained_variance"] = ev
-    if v.std() > 0 and y.std() > 0:
+    if np.ptp(v) > 0 and np.ptp(y) > 0:  # ptp: equal floats can have a std that rounds above 0
         out["critic/td_spearman"] = spearman(v, y)
     return out
 
@@ -108,13 +108,15 @@ def trace_horizon(transport: np.ndarray, mask: np.ndarray) -> float:
     return float(np.mean(counts))
 
 
-def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[str, float]:
+def outcome_diagnostics(advantages, values, rewards, transport, mask, one_outcome: bool = False) -> dict[str, float]:
     """The credit's health against the outcome (docs/conventions.md, "Credit against the outcome").
 
     advantages A_t (as the actor uses them), per-token rewards r_t, the estimator's transport c_t and
     the mask [B, T]; values V_t [B, T], or None for a method without a critic (its two fields left out).
     Fields left out where undefined: no first-half token with an advantage whose outcome differs from the batch
-    mean, or outcomes equal up to rounding. Each row's valid tokens are a prefix, as the rollout lays responses out.
+    mean, or outcomes equal up to rounding. `one_outcome` (every response had the same verdict and form,
+    comppo_jax.runs.outputs.one_outcome): outcomes differ by the reward's shaping alone, so only the trace horizon
+    is kept. Each row's valid tokens are a prefix, as the rollout lays responses out.
     """
     advantages, rewards, transport = (np.asarray(x, np.float64) for x in (advantages, rewards, transport))
     mask = np.asarray(mask, bool)
@@ -128,6 +130,8 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[st
     # A token with no advantage (GRPO's, in a group whose rewards are all equal) gets no credit to sign.
     signed = first_half & (relative != 0) & (advantages != 0)
     out = {"credit/trace_horizon": trace_horizon(transport, mask)}
+    if one_outcome:
+        return out
     if signed.any():
         out["credit/early_sign_agreement"] = float(np.mean(np.sign(advantages[signed]) == np.sign(relative[signed])))
     if values is not None:
@@ -136,7 +140,7 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask) -> dict[st
         if ev is not None:
             out["credit/outcome_explained_variance"] = ev
             # Constant values (a zero-initialized critic's) rank nothing: no correlation, as their EV of 0 says.
-            out["credit/outcome_spearman"] = spearman(v, r) if v.std() > 0 else 0.0
+            out["credit/outcome_spearman"] = spearman(v, r) if np.ptp(v) > 0 else 0.0
     return out
 
 

@@ -26,7 +26,7 @@ from comppo_jax.credit.registry import realized_transport
 from comppo_jax.credit.schedule import DEFAULT_BINS
 from comppo_jax.data.rewards import Verdict
 from comppo_jax.runs.checkpoint import RunCheckpoints
-from comppo_jax.runs.outputs import METRICS_FILE, MetricsWriter, plot_run, read_metrics
+from comppo_jax.runs.outputs import METRICS_FILE, MetricsWriter, one_outcome, plot_run, read_metrics
 from comppo_jax.runs.samples import save_samples
 from comppo_jax.train import controller
 from comppo_jax.train.diagnostics import (
@@ -115,7 +115,8 @@ class Recorder:
         if values is not None:
             metrics.update(critic_diagnostics(values, host(batch.returns), sampled.reward_tokens, kappa, host_mask))
         transport = realized_transport(estimator, kappa, host_mask)
-        metrics.update(outcome_diagnostics(host(batch.advantages), values, sampled.reward_tokens, transport, host_mask))
+        advantages, single = host(batch.advantages), one_outcome(sampled.reward_metrics)
+        metrics.update(outcome_diagnostics(advantages, values, sampled.reward_tokens, transport, host_mask, single))
         metrics.update(learned.importance)
         metrics["actor_updates"] = max(0, step - self.warmup)
         metrics["staleness"] = step - 1 - experience.version  # updates between the generating policy and the learner's

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from comppo_jax.eval import experiment as ex
-from comppo_jax.eval.report import comparison_report, factorial_report, main_report, regime_report, stress_report
+from comppo_jax.eval.report import (
+    FACTORIAL_CELLS,
+    comparison_report,
+    factorial_report,
+    main_report,
+    regime_report,
+    stress_report,
+)
 from comppo_jax.eval.statistics import factorial_interaction
 from comppo_jax.train.validation import validate_config
 from configs import experiments, experiments_credit, experiments_decision, experiments_tiny, experiments_tools
@@ -287,7 +294,22 @@ def test_factorial_report_interaction_matches_the_statistics(tmp_path):
         for arm, values in finals.items()
     }
     outcome = ex.Outcome(arms, {}, {}, {}, [])
+    assert "Credit against the outcome" not in factorial_report(exp, outcome)[0]  # records older than the metric
+    for arm, runs in arms.items():  # each cell's critic reads 0.1 x its index over its last steps, at every seed
+        index = [a for a, _ in FACTORIAL_CELLS].index(arm)
+        logged = {"credit/outcome_explained_variance": 0.1 * index, "critic/td_spearman": 0.2 * index}
+        for result in runs.values():
+            rows = [
+                {"step": 1, "credit/outcome_explained_variance": 9.0},
+                *({"step": s, **logged} for s in range(2, 13)),
+            ]
+            (pathlib.Path(result.directory) / "metrics.jsonl").write_text(
+                "".join(json.dumps(row) + "\n" for row in rows)
+            )
     text, plots = factorial_report(exp, outcome)
+    # The credit table labels each cell as the factorial's tables do; step 1 is outside the last 10 steps' window.
+    assert "| Full CompPO | 0.30 | -- | -- | -- | -- | 0.60 | -- |" in text
+    assert "| Fixed gate + standard critic | 0.00 |" in text
     interaction = factorial_interaction(
         finals["full"], finals["gate_std"], finals["fixed_aligned"], finals["fixed_std"]
     )

@@ -17,7 +17,15 @@ from matplotlib.figure import Figure
 
 from comppo_jax import storage
 from comppo_jax.models import load_config_file
-from comppo_jax.runs.outputs import METRICS_FILE, PANELS, MetricsWriter, plot_run, read_metrics
+from comppo_jax.runs.outputs import (
+    AGAINST_THE_OUTCOME,
+    METRICS_FILE,
+    PANELS,
+    MetricsWriter,
+    one_outcome,
+    plot_run,
+    read_metrics,
+)
 from comppo_jax.train.schema import load_run_config, save_run_config
 from comppo_jax.train.validation import validate_config
 
@@ -220,3 +228,26 @@ def test_readers_drop_the_exploded_explained_variance_of_runs_logged_before_its_
     expected = [{"step": 1, "critic/value_mae": 0.1}, {"step": 2, "critic/explained_variance": -3.5}]
     assert read_metrics(str(path)) == expected
     assert metrics_rows(str(path)) == (expected, 0)
+
+
+def test_readers_drop_what_a_step_of_one_outcome_logged_against_it(tmp_path):
+    """Runs before the recorder left them out logged outcome EVs down to -181498 on steps whose responses were all
+    right (outcomes differing by the length penalty alone): readers drop the three fields measured against the
+    outcome there, keep them on a step with a right and a wrong response, and keep the rest of every row."""
+    against = {"credit/outcome_explained_variance": -520.0, "credit/outcome_spearman": 0.1}
+    against["credit/early_sign_agreement"] = 0.4
+    counts = {"reward/correct": 64.0, "reward/incorrect": 0.0, "reward/malformed": 0.0, "reward/mean": 0.99}
+    mixed = {**counts, "reward/correct": 63.0, "reward/incorrect": 1.0}
+    all_malformed = {**counts, "reward/correct": 0.0, "reward/incorrect": 64.0, "reward/malformed": 64.0}
+    some_malformed = {**all_malformed, "reward/malformed": 3.0}
+    rows = [counts, mixed, all_malformed, some_malformed]
+    path = tmp_path / METRICS_FILE
+    path.write_text(
+        "".join(
+            json.dumps({"step": i, **row, **against, "credit/trace_horizon": 2.0}) + "\n" for i, row in enumerate(rows)
+        )
+    )
+    kept = [set(AGAINST_THE_OUTCOME) <= set(row) for row in read_metrics(str(path))]
+    assert kept == [False, True, False, True]
+    assert all(row["credit/trace_horizon"] == 2.0 and "reward/mean" in row for row in read_metrics(str(path)))
+    assert not one_outcome({"step": 1})  # a row without reward counts says nothing of its outcomes

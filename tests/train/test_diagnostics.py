@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from comppo_jax.credit.registry import EstimatorSpec, realized_transport
+from comppo_jax.runs.outputs import AGAINST_THE_OUTCOME
 from comppo_jax.train.diagnostics import (
     NOTICE_AFTER_STEPS,
     blind_credit,
@@ -172,3 +173,39 @@ def test_the_reading_says_what_the_critic_knows_and_where_credit_goes():
     grpo = {"credit/early_sign_agreement": 0.9, "credit/trace_horizon": 30.0}
     assert outcome_reading([grpo]).startswith("Over the last 1 steps credit reaches")
     assert outcome_reading([{"reward/mean": 0.5}]) is None
+
+
+def _step_metrics(reward_counts: dict, terminal: list[float]) -> dict:
+    """The recorder's metrics of a step of two responses (MASK) with these terminal rewards and reward counts,
+    through the function the loop calls; a critic whose values are the first response's outcome."""
+    rewards = np.zeros((2, 4))
+    rewards[0, 3], rewards[1, 1] = terminal
+    kappa = np.full((2, 4), 0.5)
+    sampled = SimpleNamespace(
+        host_mask=MASK,
+        reward_metrics=reward_counts,
+        verdicts=[],
+        reward_tokens=rewards,
+    )
+    learned = SimpleNamespace(
+        scored=SimpleNamespace(rollout=SimpleNamespace(kappa=None), kappa=kappa),
+        batch=SimpleNamespace(advantages=np.ones((2, 4)), old_values=np.full((2, 4), terminal[0]), returns=rewards),
+        metrics={},
+        gate_change=None,
+        importance={},
+    )
+    recorder = SimpleNamespace(
+        spec=SimpleNamespace(max_new_tokens=4, credit=SimpleNamespace(estimator=EstimatorSpec())),
+        has_critic=True,
+        warmup=0,
+    )
+    return Recorder.step_metrics(recorder, 1, SimpleNamespace(sampled=sampled, version=0), learned)
+
+
+def test_a_step_the_policy_got_all_right_logs_nothing_against_the_outcome():
+    """Both responses right, differing by the length penalty alone: an EV over that penalty's variance is no
+    reading (-181498 on the decision testbed). A right and a wrong one: the fields are logged."""
+    all_right = _step_metrics({"reward/correct": 2.0, "reward/incorrect": 0.0, "reward/malformed": 0.0}, [0.98, 0.99])
+    assert "credit/trace_horizon" in all_right and not set(AGAINST_THE_OUTCOME) & set(all_right)
+    mixed = _step_metrics({"reward/correct": 1.0, "reward/incorrect": 1.0, "reward/malformed": 0.0}, [0.98, 0.0])
+    assert set(AGAINST_THE_OUTCOME) <= set(mixed)
