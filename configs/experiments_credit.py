@@ -11,18 +11,26 @@ Names:
   part in CompPO's outcome here from the rest of it.
 - outcome: PPO at lambda 0.95 and 1, CompPO and GRPO at seed 0 alone, for their credit against the
   outcome (the credit/* metrics, logged by every run since; the other experiments' records predate them).
-Five seeds (0-4) per arm but outcome's; 40 actor updates; a dev evaluation every 5. docs/results_credit.md
+- probes: the decision testbed's critic probes (configs/experiments_decision.py, regime) at seed 0: what each
+  critic learns of the outcome in 30 critic-only steps on the warm-started policy.
+Five seeds (0-4) per arm but outcome's and probes'; 40 actor updates; a dev evaluation every 5. docs/results_credit.md
 reports the runs.
 """
 
 import importlib.util
 import os
 
-_spec = importlib.util.spec_from_file_location(
-    "comppo_experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments.py")
-)
-experiments = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(experiments)
+
+def _sibling(name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"comppo_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+experiments, decision = _sibling("experiments"), _sibling("experiments_decision")
 
 SEEDS = (0, 1, 2, 3, 4)
 TESTBED = ("steps=40", "train.eval_every=5", "checkpoint.every=20")
@@ -56,12 +64,14 @@ def get_config(name: str):
                 ("grpo", ("method=grpo",)),
             ],
         )
+    elif name == "probes":
+        exp = experiments.experiment("probes", "regime", list(decision.PROBES))
     else:
         exp = experiments.get_config(name)
         exp.arms = tuple((arm, scaled(overrides)) for arm, overrides in exp.arms)
     exp.base_config = "configs/tiny_credit.py"
     exp.overrides = TESTBED + tuple(exp.overrides)
-    exp.seeds = (0,) if name == "outcome" else SEEDS
+    exp.seeds = (0,) if name in ("outcome", "probes") else SEEDS
     exp.last = 4
     exp.held_out_problems = min(exp.held_out_problems, 16)
     if name == "factorial":

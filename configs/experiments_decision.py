@@ -31,21 +31,17 @@ TESTBED = ("checkpoint.every=20",)
 ACTOR_UPDATES = ("steps=40", "train.eval_every=5")  # every arm's but the critic probes', whose critics train alone:
 PROBE = ("train.critic_warmup_steps=30", "steps=1", "train.eval_every=1")  # 30 steps on the warm start, one update
 UNTRANSPORTED = ("gate=fixed", "fixed_gate=1.0", "train.lam=1.0")  # Comp-GAE with kappa 1, lambda 1: A_t = R - V_t
+PROBES = (  # the critics whose knowledge of the outcome the regime reads (configs/experiments_credit.py's too)
+    ("standard_critic", ("method=ppo",) + PROBE),
+    ("full_critic", ("method=ppo", "critic.kind=full") + PROBE),
+    ("tac", experiments.FULL + PROBE),
+    ("tac_outcome_targets", experiments.FULL + UNTRANSPORTED + PROBE),
+)
 
 
 def get_config(name: str):
     if name == "regime":
-        exp = experiments.experiment(
-            "regime",
-            "regime",
-            [
-                ("standard_critic", ("method=ppo",) + PROBE),
-                ("full_critic", ("method=ppo", "critic.kind=full") + PROBE),
-                ("tac", experiments.FULL + PROBE),
-                ("tac_outcome_targets", experiments.FULL + UNTRANSPORTED + PROBE),
-                ("ppo", ("method=ppo",)),
-            ],
-        )
+        exp = experiments.experiment("regime", "regime", [*PROBES, ("ppo", ("method=ppo",))])
     elif name == "comparison":
         exp = experiments.experiment(
             "comparison",

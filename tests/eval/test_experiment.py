@@ -81,7 +81,16 @@ def _overridden(base_config: str, overrides) -> object:
 EXPERIMENT_NAMES = {
     experiments: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora", "baselines"),
     experiments_tiny: ("main", "factorial", "controls", "stress", "group", "statistics", "variants", "lora"),
-    experiments_credit: ("discrimination", "baselines", "factorial", "controls", "lora", "transport", "outcome"),
+    experiments_credit: (
+        "discrimination",
+        "baselines",
+        "factorial",
+        "controls",
+        "lora",
+        "transport",
+        "outcome",
+        "probes",
+    ),
     experiments_tools: ("tools",),
     experiments_decision: ("regime", "comparison", "factorial", "controls"),
 }
