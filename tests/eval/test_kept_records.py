@@ -22,7 +22,11 @@ KEPT += [("credit", name, "docs/results_credit.md", "credit") for name in ("fact
 KEPT += [("tools", "tools", "docs/tools.md", "tools")]
 # Reruns of some credit runs' configs that log the credit against the outcome: kept apart from the records above.
 KEPT += [("credit", "outcome", "docs/results_credit.md", "credit_outcome")]
-KEPT += [("decision", name, "docs/results_decision.md", "decision") for name in ("regime", "comparison", "factorial", "controls")]
+KEPT += [
+    ("decision", name, "docs/results_decision.md", "decision")
+    for name in ("regime", "comparison", "factorial", "controls")
+]
+KEPT += [("credit", "probes", "docs/results_decision.md", "credit")]
 
 
 def experiment_config(testbed: str, name: str):
