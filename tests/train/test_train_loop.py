@@ -18,8 +18,8 @@ from comppo_jax.credit import load_position_schedule
 from comppo_jax.eval.held_out import held_out_diagnostics
 from comppo_jax.eval.restore import restore_policy
 from comppo_jax.runs.checkpoint import RunCheckpoints
+from comppo_jax.runs.outputs import AGAINST_THE_OUTCOME
 from comppo_jax.runs.samples import load_samples
-from comppo_jax.train.diagnostics import OUTCOME_FIELDS
 from comppo_jax.train.loop import bar_label, step_postfix, train
 from comppo_jax.train.schema import load_run_config
 
@@ -242,8 +242,11 @@ def test_each_variant_switch_changes_the_metrics_it_must_change(tmp_path):
     first_update = 1  # step 2, after the 1-step critic warm-up: the actor's first update
     # No evaluation, yet the last step keeps responses: the run page shows where a short run's credit went.
     assert [record["step"] for record in load_samples(str(tmp_path / "plain"))[0]] == [2]
-    # The shaping makes the outcomes differ: the update step measures its credit against them.
-    assert set(OUTCOME_FIELDS) <= rows["shaped"][first_update].keys()
+    # Every response wrong: the outcomes differ by the shaping alone, so the update step logs how far its transport
+    # carries a reward and nothing it would measure against the outcome (an EV over the shaping's variance).
+    logged = rows["shaped"][first_update]
+    assert logged["reward/correct"] == 0
+    assert "credit/trace_horizon" in logged and not set(AGAINST_THE_OUTCOME) & logged.keys()
     # Identical sampling at step 1, so the shaping alone lowers the reward: every response pays len / 12.
     assert rows["shaped"][0]["reward/mean"] < rows["plain"][0]["reward/mean"]
     assert rows["sequence_mean"][0]["reward/mean"] == rows["shaped"][0]["reward/mean"]
