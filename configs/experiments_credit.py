@@ -20,17 +20,13 @@ reports the runs.
 import importlib.util
 import os
 
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"comppo_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-experiments, decision = _sibling("experiments"), _sibling("experiments_decision")
+_spec = importlib.util.spec_from_file_location(
+    "comppo_experiments_decision",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments_decision.py"),
+)
+decision = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decision)
+experiments = decision.experiments  # configs/experiments.py, as the decision testbed loaded it
 
 SEEDS = (0, 1, 2, 3, 4)
 TESTBED = ("steps=40", "train.eval_every=5", "checkpoint.every=20")

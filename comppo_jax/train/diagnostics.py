@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from comppo_jax.runs.outputs import AGAINST_THE_OUTCOME
+
 CLAMP_SATURATION = 0.99  # |V| at or above this fraction of the clamp counts as saturated
 # Targets whose standard deviation is at most this fraction of their largest magnitude are equal up to float32
 # rounding: an explained variance over their variance is no measurement (it once logged -1e13 for a batch
@@ -144,12 +146,7 @@ def outcome_diagnostics(advantages, values, rewards, transport, mask, one_outcom
     return out
 
 
-OUTCOME_FIELDS = (
-    "credit/outcome_explained_variance",
-    "credit/outcome_spearman",
-    "credit/early_sign_agreement",
-    "credit/trace_horizon",
-)
+OUTCOME_FIELDS = (*AGAINST_THE_OUTCOME, "credit/trace_horizon")
 READ_OVER_STEPS = 5  # the reading's window: the last steps that logged the credit against the outcome
 KNOWS_NOTHING_BELOW = 0.05  # an outcome explained variance under this: the critic predicts none of the outcome
 CHANCE_BAND = 0.1  # an early sign agreement within this of 0.5: chance
